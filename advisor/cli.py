@@ -1,0 +1,85 @@
+"""The `fusion-advisor` command line: one sub-command per user-facing stage."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from advisor.errors import AdvisorError, NotBuiltYet
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Profiler-driven kernel-fusion advisor for PyTorch.",
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def profile(
+    ctx: typer.Context,
+    script: Path = typer.Argument(..., help="Python script to run as __main__."),
+    out: Path = typer.Option(Path("advisor_out"), "--out", help="Output directory."),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu"),
+    region: Optional[str] = typer.Option(None, "--region", help="Steady-state region: an advisor.region or NVTX range name."),
+):
+    """Run SCRIPT under torch.profiler + ExecutionTraceObserver and write a trace directory."""
+    from advisor.collect.runner import profile_script
+
+    profile_script(script, list(ctx.args), out_dir=out, device=device, region=region)
+
+
+@app.command()
+def analyze(
+    trace: Path = typer.Argument(..., help="Trace directory from `profile`, or a Kineto .json/.json.gz."),
+    et: Optional[Path] = typer.Option(None, "--et", help="Execution trace file (when TRACE is a bare Kineto file)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where to write analysis.json (default: next to the trace)."),
+    top: int = typer.Option(10, "--top", help="Candidates to show."),
+):
+    """Find fusion candidates in a trace and estimate what each saves."""
+    from advisor.analyze.api import analyze_cli
+
+    analyze_cli(trace, et=et, out=out, top=top)
+
+
+@app.command()
+def report(directory: Path = typer.Argument(..., help="Directory holding analysis.json (and apply.json).")):
+    """Re-render the terminal and HTML reports from a directory, without re-running anything."""
+    raise NotBuiltYet("`report` is not built yet (issue 6); use `analyze` for the terminal summary.")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def apply(
+    ctx: typer.Context,
+    script: Path = typer.Argument(..., help="Workload script."),
+    top: int = typer.Option(5, "--top"),
+    out: Path = typer.Option(Path("advisor_out"), "--out"),
+):
+    """Profile, analyse, generate, validate, patch and benchmark SCRIPT."""
+    raise NotBuiltYet("`apply` is not built yet (issue 5).")
+
+
+def main(argv: List[str] | None = None) -> None:
+    try:
+        app(args=argv, standalone_mode=False)
+    except AdvisorError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    except Exception as e:  # click usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(1)
+        raise
