@@ -1,0 +1,284 @@
+"""`advisor.analyze(path) -> Analysis` and the `analyze` sub-command: trace -> graph -> candidates -> analysis.json."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from advisor.analyze.cost import DeviceModel, est_time_saved_us, group_cost
+from advisor.analyze.fusion import Group, find_groups
+from advisor.analyze.patterns import op_label, pattern_id, signature, title
+from advisor.graph.dataflow import Graph, build_graph
+from advisor.graph.dtypes import torch_dtype_name
+from advisor.ops.registry import MEMORY_BOUND, OpClass
+from advisor.trace.load import load_trace
+
+SCHEMA_VERSION = 1
+CLASS_ORDER = ["matmul", "attention", "pointwise", "reduction", "norm", "data_movement", "view", "other"]
+
+
+@dataclass
+class Analysis:
+    """What the analyzer found. DataFrames for notebooks; `doc` is exactly what analysis.json holds."""
+
+    graph: Graph
+    device: DeviceModel
+    ops: pd.DataFrame  # one row per graph node (op that did work)
+    kernels: pd.DataFrame  # the trace's GPU activity (empty for CPU traces)
+    candidates: pd.DataFrame  # one row per pattern, ranked
+    groups: dict  # candidate id -> [Group] (every occurrence)
+    doc: dict
+
+    def to_json(self, path: Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.doc, indent=1, default=_jsonable))
+        tmp.replace(path)
+        return path
+
+
+def analyze(path, et=None) -> Analysis:
+    trace = load_trace(Path(path), Path(et) if et else None)
+    graph = build_graph(trace)
+    device = DeviceModel.from_meta(trace.meta, graph.device_type)
+    groups = find_groups(graph)
+    by_pattern: dict[str, list[tuple[Group, str]]] = defaultdict(list)
+    for g in groups:
+        sig = signature(graph, g)
+        by_pattern[pattern_id(sig)].append((g, sig))
+    iters = graph.iterations
+    records, group_map = [], {}
+    totals = _totals(graph)
+    for pid, occ in by_pattern.items():
+        costs = [group_cost(graph, g, device) for g, _ in occ]
+        first, sig = occ[0]
+        rec = {
+            "pattern_id": pid, "pattern": sig, "title": title(graph, first),
+            "kind": _kind(graph, first),
+            "ops": [graph.nodes[m].op for m in first.members],
+            "kernels": _uniq(k for m in first.members for k in graph.nodes[m].kernels),
+            "modules": _uniq(graph.nodes[m].module for g, _ in occ for m in g.members if graph.nodes[m].module),
+            "occurrences": _per_iter(len(occ), iters),
+            "kernels_saved": _per_iter(sum(c.kernels - 1 for c in costs), iters),
+            "bytes_unfused": _per_iter(sum(c.bytes_unfused for c in costs), iters),
+            "bytes_fused": _per_iter(sum(c.bytes_fused for c in costs), iters),
+            "bytes_saved": _per_iter(sum(c.bytes_saved for c in costs), iters),
+            "est_time_saved_us": sum(est_time_saved_us(c, g, device) for c, (g, _) in zip(costs, occ)) / iters,
+            "measured_time_us": sum(c.measured_us for c in costs) / iters,
+            "confidence": graph.confidence,
+            "extends_pattern": pattern_id(signature(graph, first.extends)) if first.extends else None,
+            "graph": _graph_view(graph, first),
+            "program": program_of(graph, first),
+        }
+        records.append(rec)
+        group_map[pid] = [g for g, _ in occ]
+    records.sort(key=lambda r: (-r["est_time_saved_us"], -r["bytes_saved"]))
+    for rank, r in enumerate(records, 1):
+        r["id"] = f"c{rank}"
+        r["rank"] = rank
+        r["share_of_iteration"] = r["est_time_saved_us"] / totals["time_us"] if totals["time_us"] else 0.0
+        r["extends"] = next((o["id"] for o in records if o["pattern_id"] == r["extends_pattern"]), None) \
+            if r["extends_pattern"] else None
+    groups_by_id = {r["id"]: group_map[r["pattern_id"]] for r in records}
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "source": {"kineto": str(trace.files.kineto), "et": str(trace.files.et) if trace.files.et else None,
+                   "meta": str(trace.files.meta) if trace.files.meta else None},
+        "device": {"type": device.type, "name": device.name, "bandwidth_Bps": device.bandwidth_Bps,
+                   "launch_us": device.launch_us, "bandwidth_source": device.source},
+        "steady_state": {"iterations": iters,
+                         "source": (trace.meta.get("steady_state") or {}).get("source", "whole")},
+        "totals": totals,
+        "unknown_ops": graph.unknown_ops.assign(count=lambda d: d["count"] / iters,
+                                                time_us=lambda d: d["time_us"] / iters).to_dict("records"),
+        "low_confidence": graph.confidence == "low",
+        "timeline": _timeline(graph, groups_by_id),
+        "candidates": [{k: v for k, v in r.items() if k != "extends_pattern"} for r in records],
+    }
+    cand_df = pd.DataFrame([{k: v for k, v in r.items() if k not in ("graph", "program")} for r in records])
+    return Analysis(graph, device, graph.node_frame(), trace.kernels, cand_df, groups_by_id, doc)
+
+
+def analyze_cli(trace, et=None, out=None, top: int = 10) -> Analysis:
+    from rich.console import Console
+
+    console = Console()
+    with console.status("analysing trace…"):
+        result = analyze(trace, et)
+    trace = Path(trace)
+    out_dir = Path(out) if out else (trace if trace.is_dir() else trace.parent)
+    path = result.to_json(out_dir / "analysis.json")
+    try:
+        from advisor.report.terminal import render_terminal
+    except ImportError:
+        render_terminal = None
+    if render_terminal is not None:
+        render_terminal(result.doc, None, console, top=top)
+    else:
+        _fallback_summary(result.doc, console, top)
+    if result.doc["low_confidence"]:
+        console.print("[yellow]no execution trace: dataflow guessed from shapes and order; "
+                      "every candidate is low-confidence[/]")
+    console.print(f"analysis written to [bold]{path}[/]")
+    return result
+
+
+# ------------------------------------------------------------------------------------------ pieces
+def _per_iter(total: float, iters: int):
+    v = total / iters
+    return int(round(v)) if abs(v - round(v)) < 1e-9 else round(v, 3)
+
+
+def _uniq(items) -> list:
+    seen = {}
+    for i in items:
+        seen.setdefault(i, None)
+    return list(seen)
+
+
+def _kind(graph: Graph, g: Group) -> str:
+    if g.anchor is not None:
+        return "epilogue"
+    classes = {graph.nodes[m].cls for m in g.members}
+    if OpClass.NORM in classes and any("batch" not in graph.nodes[m].op for m in g.members
+                                       if graph.nodes[m].cls == OpClass.NORM):
+        return "norm"
+    if OpClass.REDUCTION in classes:
+        return "reduction"
+    return "pointwise"
+
+
+def _totals(graph: Graph) -> dict:
+    iters = graph.iterations
+    by_class = {c: 0.0 for c in CLASS_ORDER}
+    kernels = 0
+    for n in graph.nodes:
+        key = n.cls.value if n.cls.value in by_class else "other"
+        by_class[key] += n.time_us
+        kernels += len(n.kernels) if graph.device_type == "cuda" else 1
+    total = sum(by_class.values())
+    mem = sum(n.time_us for n in graph.nodes if n.cls in MEMORY_BOUND)
+    return {"kernels": _per_iter(kernels, iters), "time_us": total / iters,
+            "time_kind": "gpu" if graph.device_type == "cuda" else "cpu",
+            "by_class": {k: v / iters for k, v in by_class.items()},
+            "memory_bound_share": mem / total if total else 0.0}
+
+
+def _timeline(graph: Graph, groups_by_id: dict) -> list:
+    cand_of = {}
+    for cid, groups in groups_by_id.items():
+        for g in groups:
+            for m in g.members:
+                cand_of.setdefault(m, cid)
+    first = [n for n in graph.nodes if n.iteration == 0] or graph.nodes
+    rows = []
+    for n in first:
+        spans = n.kernel_spans or [(n.op, n.ts, n.dur)]
+        for name, ts, dur in spans:
+            rows.append({"name": name, "ts_us": ts, "dur_us": dur, "op": n.op, "class": n.cls.value,
+                         "module": n.module, "candidate": cand_of.get(n.idx)})
+    if rows:
+        t0 = min(r["ts_us"] for r in rows)
+        for r in rows:
+            r["ts_us"] -= t0
+    rows.sort(key=lambda r: r["ts_us"])
+    return rows[:5000]
+
+
+def _graph_view(graph: Graph, g: Group) -> dict:
+    """The candidate's subgraph for dataflow diagrams: inputs -> op nodes -> outputs, sizes on edges."""
+    from advisor.analyze.cost import external_io
+
+    local = {m: f"n{i}" for i, m in enumerate(g.members)}
+    reads, escapes = external_io(graph, g.members)
+    ins = {v: f"in{i}" for i, v in enumerate(reads)}
+    outs = {v: f"out{i}" for i, v in enumerate(escapes)}
+    val = graph.values
+
+    def desc(vid, nbytes):
+        v = val[vid]
+        return {"shape": list(v.shape), "dtype": torch_dtype_name(v.dtype), "bytes": int(nbytes)}
+
+    nodes = [{"id": local[m], "op": graph.nodes[m].op, "label": op_label(graph.nodes[m]),
+              "class": graph.nodes[m].cls.value, "module": graph.nodes[m].module,
+              "kernel": graph.nodes[m].kernels[0] if graph.nodes[m].kernels else None,
+              "time_us": graph.nodes[m].time_us} for m in g.members]
+    edges = []
+    for m in g.members:
+        for u in graph.nodes[m].reads:
+            p = val[u.value].producer
+            src = local.get(p) or ins.get(u.value)
+            if src:
+                edges.append({"src": src, "dst": local[m], **desc(u.value, u.bytes), "shape": list(u.shape)})
+    for vid, nbytes in escapes.items():
+        edges.append({"src": local[val[vid].producer], "dst": outs[vid], **desc(vid, nbytes)})
+    return {"nodes": nodes, "inputs": [{"id": ins[v], **desc(v, b)} for v, b in reads.items()],
+            "outputs": [{"id": outs[v], **desc(v, b)} for v, b in escapes.items()], "edges": edges}
+
+
+def program_of(graph: Graph, g: Group) -> dict:
+    """The candidate as a self-contained op program: what the generator lowers and validation replays."""
+    from advisor.analyze.cost import external_io
+
+    reads, escapes = external_io(graph, g.members)
+    names: dict[int, str] = {}
+    inputs = []
+    for vid in reads:
+        v = graph.values[vid]
+        # The widest view through which the group reads this tensor is what the kernel gets.
+        use = max((u for m in g.members for u in graph.nodes[m].reads if u.value == vid), key=lambda u: u.bytes)
+        names[vid] = f"in{len(inputs)}"
+        inputs.append({"id": names[vid], "shape": list(use.shape), "strides": list(use.strides),
+                       "dtype": torch_dtype_name(use.dtype), "storage_offset": use.offset})
+    nodes = []
+    for i, m in enumerate(g.members):
+        n = graph.nodes[m]
+        outs = []
+        for j, u in enumerate(n.writes):
+            names[u.value] = f"v{i}_{j}" if len(n.writes) > 1 else f"v{i}"
+            outs.append({"id": names[u.value], "shape": list(u.shape), "strides": list(u.strides),
+                         "dtype": torch_dtype_name(u.dtype)})
+        args = []
+        read_iter = iter(n.reads)
+
+        def ref(u):
+            return {"ref": names.get(u.value, "?"), "shape": list(u.shape), "strides": list(u.strides),
+                    "storage_offset": u.offset}
+
+        for kind, value in n.args:
+            if kind == "t":
+                args.append(ref(next(read_iter)))
+            elif kind == "tl":
+                args.append({"list": [ref(next(read_iter)) for _ in value]})
+            else:
+                args.append({"value": value})
+        nodes.append({"id": f"n{i}", "op": n.op, "schema": n.schema, "args": args, "outputs": outs,
+                      "inplace": n.inplace})
+    return {"inputs": inputs, "nodes": nodes, "outputs": [names[v] for v in escapes]}
+
+
+def _fallback_summary(doc: dict, console, top: int) -> None:
+    from rich.table import Table
+
+    t = doc["totals"]
+    console.print(f"{doc['device']['name']}: {t['kernels']} kernels/iteration, "
+                  f"{t['time_us']:.1f} µs {t['time_kind']} time per iteration")
+    table = Table(title="fusion candidates")
+    for c in ("#", "pattern", "occ", "launches saved", "bytes saved", "est. saved µs"):
+        table.add_column(c)
+    for c in doc["candidates"][:top]:
+        table.add_row(str(c["rank"]), c["title"], str(c["occurrences"]), str(c["kernels_saved"]),
+                      f"{c['bytes_saved'] / 1e6:.2f} MB", f"{c['est_time_saved_us']:.1f}")
+    console.print(table)
+
+
+def _jsonable(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)

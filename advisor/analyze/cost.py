@@ -1,0 +1,112 @@
+"""The HBM-bytes and time model of a fusion group.
+
+Unfused bytes: what the group's kernels move today, each op reading its inputs and writing its
+outputs (a broadcast input at its true size). Fused bytes: each outside input read once plus each
+output that escapes the group (read by an op outside it, or read by nobody: a final output) written
+once. Time: the kernels' measured time minus a roofline guess at the fused kernel,
+max(bytes / bandwidth, flops / peak) + one launch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from advisor.analyze.fusion import Group
+from advisor.graph.dataflow import Graph
+
+# When meta.json has no measured figures: sustained copy bandwidth (read + write) and launch cost.
+DEFAULT_DEVICE = {
+    "cuda": {"bandwidth_Bps": 3.0e12, "launch_us": 2.5, "flops": 50e12, "matmul_flops": 700e12},
+    "cpu": {"bandwidth_Bps": 10e9, "launch_us": 5.0, "flops": 100e9, "matmul_flops": 500e9},
+}
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    type: str
+    name: str
+    bandwidth_Bps: float
+    launch_us: float
+    flops: float  # non-matmul arithmetic rate
+    matmul_flops: float
+    source: str  # "measured" or "table"
+
+    @classmethod
+    def from_meta(cls, meta: dict, device_type: str) -> "DeviceModel":
+        table = DEFAULT_DEVICE[device_type]
+        dev = meta.get("device") or {}
+        bw, launch = meta.get("bandwidth_Bps"), meta.get("launch_us")
+        measured = bool(bw) and bool(launch) and (dev.get("type", device_type) == device_type)
+        return cls(device_type, str(dev.get("name") or device_type), float(bw) if measured else table["bandwidth_Bps"],
+                   float(launch) if measured else table["launch_us"], table["flops"], table["matmul_flops"],
+                   "measured" if measured else "table")
+
+
+@dataclass
+class GroupCost:
+    bytes_unfused: int
+    bytes_fused: int
+    kernels: int
+    measured_us: float
+    predicted_fused_us: float
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_unfused - self.bytes_fused
+
+
+def external_io(graph: Graph, members: list[int]) -> tuple[dict[int, int], dict[int, int]]:
+    """Values read from outside the group (value id -> bytes, widest view) and values that escape it."""
+    inside = set(members)
+    reads: dict[int, int] = {}
+    escapes: dict[int, int] = {}
+    for m in members:
+        node = graph.nodes[m]
+        for u in node.reads:
+            if graph.values[u.value].producer not in inside:
+                reads[u.value] = max(reads.get(u.value, 0), u.bytes)
+        for u in node.writes:
+            consumers = graph.values[u.value].consumers
+            if not consumers or any(c not in inside for c in consumers):
+                escapes[u.value] = max(escapes.get(u.value, 0), u.bytes)
+    return reads, escapes
+
+
+def group_cost(graph: Graph, group: Group, device: DeviceModel) -> GroupCost:
+    nodes = [graph.nodes[m] for m in group.members]
+    reads, escapes = external_io(graph, group.members)
+    fused = sum(reads.values()) + sum(escapes.values())
+    if group.anchor is not None:
+        # An epilogue is counted on top of its pointwise group already being fused.
+        base = group.extends.members if group.extends else [m for m in group.members if m != group.anchor]
+        unfused = graph.nodes[group.anchor].bytes + sum(external_io_bytes(graph, base))
+        kernels = 2
+    else:
+        unfused = sum(n.bytes for n in nodes)
+        kernels = sum(max(len(n.kernels), 1) for n in nodes)
+    measured = sum(n.time_us for n in nodes)
+    flops = sum(_flops(graph, n) for n in nodes)
+    rate = device.matmul_flops if group.anchor is not None else device.flops
+    predicted = max(fused / device.bandwidth_Bps * 1e6, flops / rate * 1e6) + device.launch_us
+    return GroupCost(int(unfused), int(fused), kernels, measured, predicted)
+
+
+def external_io_bytes(graph: Graph, members: list[int]) -> tuple[int, int]:
+    reads, escapes = external_io(graph, members)
+    return sum(reads.values()), sum(escapes.values())
+
+
+def est_time_saved_us(cost: GroupCost, group: Group, device: DeviceModel) -> float:
+    if group.anchor is not None:
+        # Incremental: the matmul output's round trip and one launch disappear.
+        return cost.bytes_saved / device.bandwidth_Bps * 1e6 + device.launch_us
+    return max(cost.measured_us - cost.predicted_fused_us, 0.0)
+
+
+def _flops(graph: Graph, node) -> float:
+    if node.cls.value == "matmul" and len(node.reads) >= 2 and node.writes:
+        out = math.prod(node.writes[0].shape or (1,))
+        shapes = [u.shape for u in node.reads if len(u.shape) >= 2]
+        k = shapes[0][-1] if shapes else 1
+        return 2.0 * out * k
+    return float(math.prod(node.writes[0].shape)) if node.writes and node.writes[0].shape else 0.0

@@ -1,0 +1,191 @@
+"""Fusion groups: maximal legal sets of vertically connected ops, from a few rewrite rules.
+
+Every node gets a *domain*: the iteration space its kernel walks. Pointwise ops walk their output
+(`numel`); last-dim reductions, norms and softmax walk rows (`R` rows of `N`). The rules:
+
+1. A fusible node joins the group of a producer when their domains agree: same numel; or the group
+   has rows (R, N) and the node walks R*N (row-wise), R (one value per row) or N (a per-column
+   vector, broadcast over rows).
+2. A row op (reduction / norm / softmax) joins a group whose numel is its input's R*N; the group
+   takes its rows. Two row ops in one group must agree on (R, N).
+3. A node that reads from several groups merges them when all of them agree with it.
+4. Never create a cycle: a group may not reach itself through a node outside it.
+
+Matmuls and convolutions are anchors: a pure pointwise group that consumes an anchor's output
+elementwise forms an *epilogue* candidate on top. Everything else is a barrier.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from advisor.graph.dataflow import Graph, Node
+from advisor.ops.registry import OpClass, lookup
+
+
+@dataclass(frozen=True)
+class Domain:
+    numel: int
+    rows: tuple[int, int] | None = None  # (R, N) for row ops
+
+
+@dataclass
+class Group:
+    members: list[int]  # node idxs, in execution order
+    numel: int
+    rows: tuple[int, int] | None = None
+    anchor: int | None = None  # epilogue candidates: the matmul/conv node
+    extends: "Group | None" = None  # epilogue candidates: the pointwise group they absorb
+    meta: dict = field(default_factory=dict)
+
+
+def node_domain(graph: Graph, n: Node) -> Domain | None:
+    """The node's iteration space if the registry says it can fuse, else None (a barrier)."""
+    info = lookup(n.op)
+    if info is None or not n.writes:
+        return None
+    out_numel = _numel(n.writes[0].shape)
+    if n.cls == OpClass.POINTWISE or (info.tags and "fusible_cat" in info.tags):
+        return Domain(max(out_numel, 1))
+    if n.cls == OpClass.NORM and "batchnorm" in info.tags:
+        return Domain(out_numel) if not _bn_training(n) else None
+    if not n.reads:
+        return None
+    in_shape = n.reads[0].shape
+    if not in_shape:
+        return None
+    total = _numel(in_shape)
+    if n.cls == OpClass.NORM and "rowwise" in info.tags:
+        norm_shape = _scalar_arg(n, 1)
+        cols = _numel(norm_shape) if isinstance(norm_shape, (list, tuple)) and norm_shape else in_shape[-1]
+        return Domain(total, (total // max(cols, 1), cols))
+    if n.cls == OpClass.REDUCTION:
+        dims = _scalar_arg(n, info.dim_arg) if info.dim_arg is not None else None
+        if _is_last_dim(dims, len(in_shape)):
+            return Domain(total, (total // max(in_shape[-1], 1), in_shape[-1]))
+    return None
+
+
+def find_groups(graph: Graph) -> list[Group]:
+    domains = [node_domain(graph, n) for n in graph.nodes]
+    group_of: dict[int, Group] = {}
+    producers = [_producers(graph, n) for n in graph.nodes]
+    for n in graph.nodes:
+        d = domains[n.idx]
+        if d is None:
+            continue
+        cands = []
+        for p in producers[n.idx]:
+            g = group_of.get(p)
+            if g is not None and g not in cands and graph.nodes[p].iteration == n.iteration:
+                cands.append(g)
+        merged = Group([n.idx], d.numel, d.rows)
+        for g in cands:
+            trial = _join(g, merged)
+            if trial is not None and not _has_cycle(graph, producers, trial.members):
+                merged = trial
+        for m in merged.members:
+            group_of[m] = merged
+    unique = {id(g): g for g in group_of.values()}
+    fused = [g for g in unique.values() if len(g.members) >= 2]
+    for g in fused:
+        g.members.sort()
+    return fused + _epilogues(graph, domains, group_of)
+
+
+def _join(g: Group, h: Group) -> Group | None:
+    """Merge two groups, or None if their domains disagree (rules 1-3)."""
+    if g.rows and h.rows and g.rows != h.rows:
+        return None
+    rows = g.rows or h.rows
+    members = sorted(set(g.members) | set(h.members))
+    if rows:
+        R, N = rows
+        allowed = {R * N, R, N}
+        if g.numel not in allowed or h.numel not in allowed:
+            return None
+        return Group(members, R * N, rows)
+    numel = max(g.numel, h.numel)
+    if numel % g.numel or numel % h.numel:
+        return None
+    return Group(members, numel, None)
+
+
+def _has_cycle(graph: Graph, producers: list[list[int]], members: list[int]) -> bool:
+    """True if some member depends on a node outside the set that itself depends on the set."""
+    inside = set(members)
+    lo = min(members)
+    seen: set[int] = set()
+    stack = [p for m in members for p in producers[m] if p not in inside and p > lo]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        for p in producers[x]:
+            if p in inside:
+                return True
+            if p > lo:
+                stack.append(p)
+    return False
+
+
+def _epilogues(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[Group]:
+    out = []
+    for n in graph.nodes:
+        if n.cls != OpClass.MATMUL or len(n.writes) != 1:
+            continue
+        v = graph.values[n.writes[0].value]
+        consumers = sorted(set(v.consumers))
+        if len(consumers) != 1:
+            continue
+        c = graph.nodes[consumers[0]]
+        d = domains[c.idx]
+        if d is None or d.rows is not None or d.numel != _numel(v.shape):
+            continue
+        g = group_of.get(c.idx)
+        base = g if g is not None and len(g.members) >= 2 else None
+        if base is not None and base.rows is not None:
+            continue  # a row reduction cannot sit in a matmul tile's epilogue unless N fits a tile
+        members = sorted({n.idx, *(base.members if base else [c.idx])})
+        out.append(Group(members, d.numel, None, anchor=n.idx, extends=base))
+    return out
+
+
+def _producers(graph: Graph, n: Node) -> list[int]:
+    seen = []
+    for u in n.reads:
+        p = graph.values[u.value].producer
+        if p >= 0 and p not in seen:
+            seen.append(p)
+    return seen
+
+
+def _numel(shape) -> int:
+    return int(math.prod(shape)) if shape else 1
+
+
+def _scalar_arg(n: Node, pos: int | None):
+    if pos is None or pos >= len(n.args):
+        return None
+    kind, value = n.args[pos]
+    return value if kind == "s" else None
+
+
+def _is_last_dim(dims, ndim: int) -> bool:
+    if dims is None:
+        return ndim == 1  # a full reduction of a vector is a one-row reduction
+    if isinstance(dims, (int, float)):
+        dims = [int(dims)]
+    if not isinstance(dims, (list, tuple)) or len(dims) != 1:
+        return ndim == 1 and isinstance(dims, (list, tuple)) and len(dims) == 0
+    d = int(dims[0])
+    return d == -1 or d == ndim - 1
+
+
+def _bn_training(n: Node) -> bool:
+    info = lookup(n.op)
+    if info.training_arg is None:
+        return False
+    v = _scalar_arg(n, info.training_arg)
+    return bool(v) if v is not None else True  # unknown: assume training, which is a barrier

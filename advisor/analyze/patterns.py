@@ -1,0 +1,108 @@
+"""Canonical pattern signatures (so one chain in 32 layers is one pattern) and names in words."""
+from __future__ import annotations
+
+import hashlib
+
+from advisor.analyze.fusion import Group
+from advisor.graph.dataflow import Graph, Node
+from advisor.graph.dtypes import short as short_dtype
+from advisor.ops.registry import lookup
+
+
+def signature(graph: Graph, group: Group) -> str:
+    """Op kinds + dataflow shape + dtypes + shape classes; exact sizes left out except the row width class."""
+    local = {m: i for i, m in enumerate(group.members)}
+    ext: dict[int, int] = {}
+    parts = []
+    for m in group.members:
+        n = graph.nodes[m]
+        srcs = []
+        for u in n.reads:
+            p = graph.values[u.value].producer
+            if p in local:
+                srcs.append(f"%{local[p]}")
+            else:
+                k = ext.setdefault(u.value, len(ext))
+                srcs.append(f"in{k}:{short_dtype(u.dtype)}{_shape_class(u.shape, u.strides)}")
+        scalars = [repr(v) for kind, v in n.args if kind == "s" and isinstance(v, (int, float, str, bool))]
+        out = n.writes[0] if n.writes else None
+        out_s = f"{short_dtype(out.dtype)}{_shape_class(out.shape, out.strides)}" if out else "-"
+        parts.append(f"{op_label(n)}({','.join(srcs + scalars)})->{out_s}")
+    rows = f"|rows:N{_bucket(group.rows[1])}" if group.rows else ""
+    anchor = "|epilogue" if group.anchor is not None else ""
+    return "; ".join(parts) + rows + anchor
+
+
+def pattern_id(sig: str) -> str:
+    return hashlib.sha1(sig.encode()).hexdigest()[:12]
+
+
+def op_label(n: Node) -> str:
+    """Short op name in words: `_to_copy` to fp32 reads as to_fp32, clamp_min(0) as relu."""
+    info = lookup(n.op)
+    name = info.short if info else n.op.split("::")[-1]
+    if name in ("_to_copy", "copy_", "copy", "to") and n.writes:
+        src = n.reads[-1].dtype if n.reads else ""
+        if src != n.writes[0].dtype:
+            return f"to_{short_dtype(n.writes[0].dtype)}"
+    if name in ("clamp_min", "clamp_min_") and any(kind == "s" and v in (0, 0.0) for kind, v in n.args):
+        return "relu"
+    return name
+
+
+def title(graph: Graph, group: Group) -> str:
+    labels = [op_label(graph.nodes[m]) for m in group.members]
+    chain = " → ".join(labels)
+    return f"{_name(labels, group)}: {chain}"
+
+
+def _name(labels: list[str], group: Group) -> str:
+    s = set(l.rstrip("_") for l in labels)
+    if group.anchor is not None:
+        rest = [l for l in labels[1:]]
+        act = next((a for a in ("gelu", "silu", "relu", "tanh", "sigmoid", "batch_norm", "cudnn_batch_norm",
+                                "_native_batch_norm_legit_no_training") if a in s), None)
+        what = {"cudnn_batch_norm": "BatchNorm", "batch_norm": "BatchNorm",
+                "_native_batch_norm_legit_no_training": "BatchNorm"}.get(act or "", act.upper() if act else "")
+        has_add = "add" in (l.rstrip("_") for l in rest)
+        bits = [b for b in (what, "residual" if has_add else "") if b]
+        return f"{labels[0]} epilogue ({' + '.join(bits) or 'pointwise'})"
+    prefix = "Residual add + " if labels and labels[0].rstrip("_") == "add" and group.rows else ""
+    if {"pow", "mean", "rsqrt"} <= s or {"mean", "rsqrt"} <= s:
+        return prefix + "RMSNorm"
+    if s & {"layer_norm", "native_layer_norm"}:
+        return prefix + "LayerNorm"
+    if s & {"softmax", "_softmax", "_safe_softmax"} or ({"amax", "exp", "sum"} <= s):
+        return "Softmax" + (" + mask/scale" if s & {"add", "mul", "div", "masked_fill"} else "")
+    if s & {"log_softmax", "_log_softmax"}:
+        return "LogSoftmax"
+    if s & {"cudnn_batch_norm", "batch_norm", "_native_batch_norm_legit_no_training", "native_batch_norm"}:
+        extra = (" + residual add" if "add" in s else "") + (" + ReLU" if "relu" in s else "")
+        return "BatchNorm" + extra
+    if "silu" in s and "mul" in s:
+        return "SwiGLU"
+    if "gelu" in s or {"tanh", "pow"} <= s:
+        return "GELU" + (" + residual" if "add" in s and "gelu" in s else "")
+    if "cat" in s and ("neg" in s):
+        return "Rotary embedding"
+    if "cat" in s:
+        return "Pointwise + cat"
+    if group.rows:
+        return "Row reduction chain"
+    return "Pointwise chain"
+
+
+def _shape_class(shape, strides) -> str:
+    if not shape:
+        return "[]"
+    marks = []
+    for d, st in zip(shape, strides or [1] * len(shape)):
+        marks.append("1" if d == 1 else ("b" if st == 0 else "n"))
+    return "[" + "".join(marks) + "]"
+
+
+def _bucket(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b

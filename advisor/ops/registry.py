@@ -1,0 +1,166 @@
+"""The op registry: the one place that knows what an aten op is.
+
+Every stage asks here: the graph builder (is this op a view to see through, or a node?), the analyzer
+(which class, which fusion rules apply, how many bytes it moves), the generator (how it lowers to
+Triton; see `advisor.ops.lowering`). An op missing from the registry is a fusion barrier, listed by
+name in the analysis, never a crash.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class OpClass(str, Enum):
+    POINTWISE = "pointwise"  # elementwise, incl. type conversion and broadcasting
+    REDUCTION = "reduction"  # sum/mean/amax/... and softmax-like row ops
+    NORM = "norm"  # layer_norm, rms_norm, group_norm, batch_norm
+    MATMUL = "matmul"  # mm/addmm/bmm/conv: fusion anchors (epilogues fuse into them)
+    ATTENTION = "attention"  # fused attention kernels: barriers
+    VIEW = "view"  # metadata only: see through to the ops inside
+    COMPOSITE = "composite"  # calls other ops that do the work: see through to them
+    DATA_MOVEMENT = "data_movement"  # cat, gather, index, transposing copies
+    ALLOC = "alloc"  # allocation / no data touched
+    OTHER = "other"  # unknown to the registry: a barrier
+
+
+# Classes whose ops never become graph nodes: the graph builder descends into their children.
+TRANSPARENT = frozenset({OpClass.VIEW, OpClass.COMPOSITE, OpClass.ALLOC})
+# Classes that are memory-bound: what the report calls "time in memory-bound kernels".
+MEMORY_BOUND = frozenset({OpClass.POINTWISE, OpClass.REDUCTION, OpClass.NORM, OpClass.DATA_MOVEMENT})
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    name: str  # "aten::add" (overload-free)
+    cls: OpClass
+    inplace: bool = False  # writes its first tensor argument
+    # Reductions / norms / softmax: which positional argument holds the reduced dim(s); None = all dims.
+    dim_arg: int | None = None
+    keepdim_arg: int | None = None
+    training_arg: int | None = None  # batch_norm: positional `training` flag (eval BN is pointwise)
+    tags: frozenset = field(default_factory=frozenset)
+
+    @property
+    def short(self) -> str:
+        return self.name.split("::", 1)[-1]
+
+
+_REGISTRY: dict[str, OpInfo] = {}
+
+
+def register(name: str, cls: OpClass, **kw) -> OpInfo:
+    info = OpInfo(name=name, cls=cls, **kw)
+    _REGISTRY[name] = info
+    return info
+
+
+def lookup(name: str) -> OpInfo | None:
+    """The registry entry for an op name ("aten::add" or "aten::add.Tensor"); None if unknown."""
+    info = _REGISTRY.get(name)
+    if info is None and "." in name.split("::", 1)[-1]:
+        info = _REGISTRY.get(name.rsplit(".", 1)[0])
+    return info
+
+
+def op_class(name: str) -> OpClass:
+    info = lookup(name)
+    return info.cls if info else OpClass.OTHER
+
+
+def is_aten(name: str) -> bool:
+    return name.startswith(("aten::", "prims::", "_c10d", "c10d::"))
+
+
+def all_ops() -> dict[str, OpInfo]:
+    return dict(_REGISTRY)
+
+
+# ---------------------------------------------------------------------------------------------
+# The table. Pointwise ops also register their in-place twin ("add_"): same math, writes self.
+_UNARY = """abs neg exp exp2 expm1 log log2 log10 log1p sqrt rsqrt reciprocal sin cos tan asin acos atan
+sinh cosh tanh asinh acosh atanh sigmoid relu relu6 gelu silu mish softplus hardswish hardsigmoid
+hardtanh leaky_relu elu selu celu erf erfc erfinv floor ceil round trunc frac sign sgn bitwise_not
+logical_not isnan isinf isfinite nan_to_num square positive logit threshold glu_jvp clamp clamp_min
+clamp_max sin_ cos_ lgamma digamma signbit fill zero""".split()
+_BINARY = """add sub rsub mul div true_divide floor_divide remainder fmod pow float_power atan2 hypot maximum
+minimum fmax fmin eq ne lt le gt ge logical_and logical_or logical_xor bitwise_and bitwise_or
+bitwise_xor copysign xlogy lerp addcmul addcdiv masked_fill where heaviside""".split()
+_CONVERT = "_to_copy copy clone alias_copy _autocast_to_reduced_precision".split()
+# Identity in eval: the registry treats them as pointwise (the generator lowers them to a copy/no-op).
+_IDENTITY_IN_EVAL = "dropout native_dropout feature_dropout alpha_dropout".split()
+
+for _n in _UNARY + _BINARY + _CONVERT + _IDENTITY_IN_EVAL:
+    register(f"aten::{_n}", OpClass.POINTWISE)
+    register(f"aten::{_n.rstrip('_')}_", OpClass.POINTWISE, inplace=True)
+register("aten::copy_", OpClass.POINTWISE, inplace=True, tags=frozenset({"convert"}))
+register("aten::fill_", OpClass.POINTWISE, inplace=True)
+register("aten::zero_", OpClass.POINTWISE, inplace=True)
+
+# Last-dim reductions and row ops: (name, dim arg index, keepdim arg index)
+for _n, _d, _k in [
+    ("sum", 1, 2), ("mean", 1, 2), ("amax", 1, 2), ("amin", 1, 2), ("max", 1, 2), ("min", 1, 2),
+    ("prod", 1, 2), ("var", 1, 3), ("std", 1, 3), ("var_mean", 1, 3), ("std_mean", 1, 3),
+    ("norm", 2, 3), ("linalg_vector_norm", 2, 3), ("logsumexp", 1, 2), ("argmax", 1, 2), ("argmin", 1, 2),
+    ("all", 1, 2), ("any", 1, 2),
+]:
+    register(f"aten::{_n}", OpClass.REDUCTION, dim_arg=_d, keepdim_arg=_k)
+for _n in ["softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"]:
+    register(f"aten::{_n}", OpClass.REDUCTION, dim_arg=1, tags=frozenset({"rowwise"}))
+for _n in ["cumsum", "cumprod"]:
+    register(f"aten::{_n}", OpClass.DATA_MOVEMENT)  # scans: not fused in this version
+
+# Norms over the last dim(s); batch_norm is per-channel and pointwise in eval.
+for _n in ["layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"]:
+    register(f"aten::{_n}", OpClass.NORM, tags=frozenset({"rowwise"}))
+for _n in ["group_norm", "native_group_norm"]:
+    register(f"aten::{_n}", OpClass.NORM, tags=frozenset({"grouped"}))
+for _n in ["batch_norm", "_batch_norm_impl_index", "native_batch_norm", "cudnn_batch_norm",
+           "_native_batch_norm_legit", "miopen_batch_norm"]:
+    register(f"aten::{_n}", OpClass.NORM, training_arg=5, tags=frozenset({"batchnorm"}))
+register("aten::_native_batch_norm_legit_no_training", OpClass.NORM, tags=frozenset({"batchnorm"}))
+
+# Fusion anchors.
+for _n in ["mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation", "addbmm", "dot",
+           "mv", "addmv", "einsum", "conv1d", "conv2d", "conv3d", "convolution", "_convolution",
+           "cudnn_convolution", "cudnn_convolution_relu", "cudnn_convolution_add_relu",
+           "mkldnn_convolution", "_scaled_mm", "_int_mm", "conv_transpose2d", "embedding_bag",
+           "_fused_linear_gelu"]:
+    register(f"aten::{_n}", OpClass.MATMUL)
+
+for _n in ["scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+           "_scaled_dot_product_attention_math", "_flash_attention_forward", "_efficient_attention_forward",
+           "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable"]:
+    register(f"aten::{_n}", OpClass.ATTENTION)
+
+for _n in """view _unsafe_view reshape _reshape_alias flatten unflatten squeeze unsqueeze transpose t permute
+expand expand_as slice select narrow split split_with_sizes chunk unbind as_strided detach alias
+view_as unfold diagonal movedim swapaxes numpy_T real imag view_as_real view_as_complex lift_fresh
+_conj resolve_conj resolve_neg squeeze_ unsqueeze_ transpose_ t_ as_strided_ set_ align_to
+split_with_sizes_copy""".split():
+    register(f"aten::{_n}", OpClass.VIEW)
+
+# Composite ops: they launch nothing themselves; what they call does the work.
+for _n in """to type_as contiguous dropout_ repeat_interleave expand_copy silu_backward
+flatten_dense_tensors _has_compatible_shallow_copy_type""".split():
+    register(f"aten::{_n}", OpClass.COMPOSITE)
+
+for _n in """cat stack gather scatter scatter_add index index_select index_put index_put_ embedding
+take masked_select masked_scatter repeat tile roll flip narrow_copy _index_put_impl_ constant_pad_nd pad
+max_pool2d max_pool2d_with_indices adaptive_avg_pool2d avg_pool2d _adaptive_avg_pool2d triu tril
+sort topk arange linspace one_hot nonzero upsample_nearest2d upsample_bilinear2d im2col col2im
+_unsafe_index slice_scatter select_scatter""".split():
+    register(f"aten::{_n}", OpClass.DATA_MOVEMENT)
+register("aten::cat", OpClass.DATA_MOVEMENT, tags=frozenset({"fusible_cat"}))
+
+for _n in """empty empty_like empty_strided new_empty new_empty_strided zeros_like_alloc resize_ _local_scalar_dense
+item is_nonzero record_stream _assert_async size stride numel dim is_same_size result_type
+_nested_tensor_from_mask_left_aligned scalar_tensor _to_dense _shape_as_tensor sym_size sym_stride
+_assert_tensor_metadata lift to_dense""".split():
+    register(f"aten::{_n}", OpClass.ALLOC)
+# Factories that write memory: pointwise fills with no tensor inputs.
+for _n in ["zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "rand", "randn", "randint",
+           "rand_like", "randn_like", "normal_", "uniform_", "bernoulli_", "random_", "new_zeros",
+           "new_ones", "new_full", "scalar_tensor_fill"]:
+    register(f"aten::{_n}", OpClass.DATA_MOVEMENT, tags=frozenset({"factory"}))
