@@ -22,15 +22,49 @@ err = Console(stderr=True)
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def profile(
     ctx: typer.Context,
-    script: Path = typer.Argument(..., help="Python script to run as __main__."),
-    out: Path = typer.Option(Path("advisor_out"), "--out", help="Output directory."),
-    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu"),
+    script: Path = typer.Argument(..., help="Python script to run as __main__ (arguments for it go after `--`)."),
+    out: Path = typer.Option(Path("advisor_out"), "--out", help="Output directory (the trace goes to OUT/trace/)."),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu (exported to the script as FUSION_ADVISOR_DEVICE)."),
     region: Optional[str] = typer.Option(None, "--region", help="Steady-state region: an advisor.region or NVTX range name."),
 ):
-    """Run SCRIPT under torch.profiler + ExecutionTraceObserver and write a trace directory."""
+    """Run SCRIPT under torch.profiler + ExecutionTraceObserver and write a trace directory.
+
+    Writes OUT/trace/kineto.json.gz, et.json.gz and meta.json. Exit codes: 1 the script failed
+    (partial trace written), 2 bad input, 4 the script did no tensor work.
+    """
     from advisor.collect.runner import profile_script
 
     profile_script(script, list(ctx.args), out_dir=out, device=device, region=region)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    script: Optional[Path] = typer.Argument(None, help="Workload script (default: the bundled demo workload)."),
+    out: Path = typer.Option(Path("advisor_out"), "--out", help="Output directory."),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu"),
+    region: Optional[str] = typer.Option(None, "--region", help="Steady-state region: an advisor.region or NVTX range name."),
+    top: int = typer.Option(10, "--top", help="Candidates to show."),
+):
+    """Profile SCRIPT, then analyse the trace: `profile` and `analyze` in one go."""
+    from advisor.collect.runner import profile_script
+
+    args = list(ctx.args)
+    if script is not None and str(script).startswith("-"):  # `run -- --iters 2`: arguments for the demo
+        args, script = [str(script), *args], None
+    if script is None:
+        import advisor.demo_workload as demo
+
+        script = Path(demo.__file__)
+    profile_script(script, args, out_dir=out, device=device, region=region)
+    try:
+        from advisor.analyze.api import analyze_cli
+    except Exception as e:  # the analysis stage is optional at this point of the pipeline
+        raise AdvisorError(
+            f"trace written to {out / 'trace'}, but the analysis stage cannot be loaded "
+            f"({type(e).__name__}: {e}); run `fusion-advisor analyze {out / 'trace'}` once it is available"
+        ) from None
+    analyze_cli(out / "trace", et=None, out=None, top=top)
 
 
 @app.command()

@@ -1,0 +1,315 @@
+"""Stage 1, collect: run a user's script under torch.profiler + ExecutionTraceObserver and write a trace dir.
+
+    DIR/trace/kineto.json.gz   Kineto Chrome trace (export_chrome_trace, gzipped; opens in Perfetto/TensorBoard)
+    DIR/trace/et.json.gz       PyTorch Execution Trace (gzipped JSON)
+    DIR/trace/meta.json        what ran where, steady-state iterations, device bandwidth / launch cost
+
+The script runs in-process as `__main__`, like `python SCRIPT ARGS`.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import platform
+import runpy
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from advisor.errors import AdvisorError
+
+DEVICE_ENV = "FUSION_ADVISOR_DEVICE"
+EXIT_SCRIPT_FAILED = 1
+EXIT_NO_TENSOR_WORK = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks
+# ---------------------------------------------------------------------------------------------
+def check_script(script: Path) -> None:
+    """One clear AdvisorError line when SCRIPT cannot be run as a Python script."""
+    if not script.exists():
+        raise AdvisorError(f"script not found: {script}")
+    if script.is_dir():
+        raise AdvisorError(f"{script} is a directory, not a Python script")
+    if script.suffix != ".py":
+        raise AdvisorError(f"{script} is not a Python script (expected a .py file)")
+    try:
+        raw = script.read_bytes()
+    except OSError as e:
+        raise AdvisorError(f"cannot read {script}: {e.strerror or e}") from None
+    if b"\x00" in raw:
+        raise AdvisorError(f"{script} is not Python source (it contains binary data)")
+    try:
+        compile(raw, str(script), "exec", dont_inherit=True)
+    except SyntaxError as e:
+        where = f"{script}:{e.lineno}" if e.lineno else str(script)
+        raise AdvisorError(f"{where}: not valid Python ({e.msg})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AdvisorError(f"{script} is not Python source ({e})") from None
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    d = (device or "auto").strip().lower()
+    if d not in ("auto", "cuda", "cpu"):
+        raise AdvisorError(f"--device must be auto, cuda or cpu (got {device!r})")
+    if d == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if d == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise AdvisorError(f"--device cuda, but no CUDA GPU is available (torch {torch.__version__}, {build}); use --device cpu")
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# running the script
+# ---------------------------------------------------------------------------------------------
+class _Outcome:
+    def __init__(self) -> None:
+        self.complete = False
+        self.error: Optional[str] = None
+        self.traceback: Optional[str] = None
+        self.interrupted = False
+        self.wall_s = 0.0
+
+
+def _script_traceback(exc: BaseException, script: Path) -> str:
+    """The traceback from the script's first frame on (the runner's own frames left out)."""
+    target = os.path.realpath(script)
+    tb = exc.__traceback__
+    t = tb
+    while t is not None and os.path.realpath(t.tb_frame.f_code.co_filename) != target:
+        t = t.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, t if t is not None else tb))
+
+
+def _run_as_main(script: Path, args: Sequence[str], outcome: _Outcome) -> None:
+    old_argv, old_path = sys.argv[:], sys.path[:]
+    sys.argv = [str(script), *args]
+    sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
+    t0 = time.perf_counter()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+        outcome.complete = True
+    except SystemExit as e:
+        code = e.code
+        if code is None or code == 0:
+            outcome.complete = True
+        else:
+            outcome.error = f"SystemExit: {code}"
+            if not isinstance(code, int):  # `sys.exit("message")`: python prints the message
+                outcome.traceback = f"{code}\n"
+    except KeyboardInterrupt:
+        outcome.error = "KeyboardInterrupt"
+        outcome.interrupted = True
+    except BaseException as e:  # noqa: BLE001 - the workload's failure is reported, not ours
+        outcome.error = f"{type(e).__name__}: {e}".strip()
+        outcome.traceback = _script_traceback(e, script)
+    finally:
+        outcome.wall_s = time.perf_counter() - t0
+        sys.argv, sys.path[:] = old_argv, old_path
+
+
+def _gzip_file(src: Path, dst: Path) -> None:
+    with open(src, "rb") as fin, gzip.open(dst, "wb", compresslevel=6) as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)
+    src.unlink()
+
+
+def _versions() -> Dict[str, Any]:
+    import torch
+
+    from advisor import __version__
+
+    try:
+        import triton  # noqa: F401
+
+        triton_version = getattr(triton, "__version__", None)
+    except Exception:
+        triton_version = None
+    return {
+        "tool": f"fusion-advisor {__version__}",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def profile_script(
+    script: Path | str,
+    args: Optional[List[str]] = None,
+    out_dir: Path | str = "advisor_out",
+    device: str = "auto",
+    region: Optional[str] = None,
+    console=None,
+) -> Dict[str, Any]:
+    """Profile SCRIPT and write OUT_DIR/trace/{kineto.json.gz, et.json.gz, meta.json}; returns meta.
+
+    Raises AdvisorError for bad input (exit 2), a failing script (exit 1; partial trace written with
+    complete=false) and a script that did no tensor work (exit 4; trace written).
+    """
+    from rich.console import Console
+
+    from advisor.collect.nvtx_ranges import nvtx_range
+
+    console = console or Console(highlight=False, soft_wrap=True)
+    script = Path(script)
+    args = list(args or [])
+    if args and args[0] == "--":
+        args = args[1:]
+    check_script(script)
+    dev = resolve_device(device)
+    trace_dir = Path(out_dir) / "trace"
+    try:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise AdvisorError(f"cannot create output directory {trace_dir}: {e.strerror or e}") from None
+
+    import torch
+    from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile
+
+    from advisor.collect import steady as steady_mod
+    from advisor.collect.measure import device_info, measure
+    from advisor.collect.nvtx_ranges import ranges_as_regions
+
+    kineto_gz, et_gz, meta_path = trace_dir / "kineto.json.gz", trace_dir / "et.json.gz", trace_dir / "meta.json"
+    kineto_tmp, et_tmp = trace_dir / "kineto.json.tmp", trace_dir / "et.json.tmp"
+    for p in (kineto_gz, et_gz, meta_path, kineto_tmp, et_tmp):
+        if p.exists():
+            p.unlink()
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    outcome = _Outcome()
+    old_env = os.environ.get(DEVICE_ENV)
+    os.environ[DEVICE_ENV] = dev
+    console.print(f"[bold]fusion-advisor[/] profiling [cyan]{script}[/] on [bold]{dev}[/] …")
+    et = ExecutionTraceObserver().register_callback(str(et_tmp))
+    try:
+        with nvtx_range("fusion-advisor.profile"):
+            with console.status(f"running {script.name} under torch.profiler …", spinner="dots"):
+                with profile(activities=activities, record_shapes=True, with_stack=True,
+                             execution_trace_observer=et) as prof:
+                    with ranges_as_regions():
+                        _run_as_main(script, args, outcome)
+                    if dev == "cuda":
+                        try:
+                            torch.cuda.synchronize()
+                        except Exception as e:  # a CUDA error from the workload surfaces here
+                            if outcome.error is None:
+                                outcome.complete, outcome.error = False, f"{type(e).__name__}: {e}"
+    finally:
+        if old_env is None:
+            os.environ.pop(DEVICE_ENV, None)
+        else:
+            os.environ[DEVICE_ENV] = old_env
+        try:
+            et.unregister_callback()
+        except Exception:  # pragma: no cover
+            pass
+
+    if outcome.traceback:
+        sys.stdout.flush()
+        sys.stderr.write(outcome.traceback)
+        sys.stderr.flush()
+
+    with nvtx_range("fusion-advisor.export"), console.status("writing the trace …", spinner="dots"):
+        prof.export_chrome_trace(str(kineto_tmp))
+        with open(kineto_tmp, "rb") as f:
+            trace = json.load(f)
+        _gzip_file(kineto_tmp, kineto_gz)
+        et_note = None
+        if et_tmp.exists() and et_tmp.stat().st_size > 0:
+            _gzip_file(et_tmp, et_gz)
+        else:
+            et_note = "the execution trace observer wrote no file"
+        events = trace.get("traceEvents", []) if isinstance(trace, dict) else []
+        steady = steady_mod.steady_state(events, region)
+        summary = steady_mod.summarize(events, steady)
+
+    with nvtx_range("fusion-advisor.measure"), console.status("measuring bandwidth and launch cost …", spinner="dots"):
+        measured = measure(dev)
+        dinfo = device_info(dev)
+
+    meta: Dict[str, Any] = {
+        **_versions(),
+        "device": dinfo,
+        "script": str(script),
+        "args": args,
+        "steady_state": steady,
+        "bandwidth_Bps": measured["bandwidth_Bps"],
+        "launch_us": measured["launch_us"],
+        "complete": outcome.complete,
+        "error": outcome.error,
+        "kernels": summary["kernels"],
+        "cpu_ops": summary["cpu_ops"],
+        "wall_s": round(outcome.wall_s, 4),
+    }
+    if "measure_error" in measured:
+        meta["measure_error"] = measured["measure_error"]
+    if et_note:
+        meta["et_error"] = et_note
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+
+    _print_summary(console, meta, summary, trace_dir, dev, region)
+
+    if outcome.interrupted:
+        raise KeyboardInterrupt
+    if not outcome.complete:
+        raise AdvisorError(
+            f"{script} failed ({outcome.error}); partial trace written to {trace_dir} (complete: false)",
+            exit_code=EXIT_SCRIPT_FAILED,
+        )
+    if summary["aten_ops"] == 0:
+        raise AdvisorError(
+            f"{script} did no tensor work: no aten ops were recorded, so there is nothing to analyse "
+            f"(trace written to {trace_dir})",
+            exit_code=EXIT_NO_TENSOR_WORK,
+        )
+    return meta
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def _print_summary(console, meta, summary, trace_dir: Path, dev: str, region: Optional[str]) -> None:
+    st = meta["steady_state"]
+    status = "[green]completed[/]" if meta["complete"] else f"[red]failed[/] ({meta['error']})"
+    console.print(f"script {status} in {meta['wall_s']:.2f} s")
+    n_it = len(st["iterations"])
+    if st["source"] == "region":
+        what = f"region [cyan]{st['name']}[/]"
+    elif st["source"] == "module":
+        what = f"calls of module [cyan]{st['name']}[/]"
+    else:
+        what = "the whole trace (no region or nn.Module call found)"
+    dropped = f", {st['warmup_dropped']} warm-up dropped" if st["warmup_dropped"] else ""
+    plural = "s" if n_it != 1 else ""
+    console.print(f"steady state: {n_it} iteration{plural} of {what}{dropped} (found {st['found']})")
+    if st.get("requested_region"):
+        console.print(f"[yellow]warning:[/] no region named {st['requested_region']!r} was recorded; "
+                      f"fell back to {st['source']}")
+    console.print(f"recorded {summary['cpu_ops']} cpu ops ({summary['aten_ops']} aten), {summary['kernels']} kernels")
+    if dev == "cuda":
+        console.print(f"GPU time per steady iteration: {summary['gpu_us_per_iter'] / 1e3:.3f} ms "
+                      f"over {summary['kernels_per_iter']:.0f} kernels")
+    else:
+        console.print(f"CPU op time per steady iteration: {summary['cpu_op_us_per_iter'] / 1e3:.3f} ms "
+                      f"over {summary['cpu_ops_per_iter']:.0f} cpu ops")
+    bw, lu = meta.get("bandwidth_Bps"), meta.get("launch_us")
+    bw_s = f"{bw / 1e9:.1f} GB/s" if bw else "n/a"
+    lu_s = f"{lu:.2f} us" if lu else "n/a"
+    console.print(f"device: {meta['device'].get('name')}; copy bandwidth {bw_s}, launch {lu_s}")
+    sizes = ", ".join(f"{p.name} {_fmt_bytes(p.stat().st_size)}" for p in sorted(trace_dir.iterdir()) if p.is_file())
+    console.print(f"trace written to [bold]{trace_dir}[/] ({sizes})")

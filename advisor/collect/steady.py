@@ -1,0 +1,175 @@
+"""Find the steady-state iterations of a workload in its Kineto events.
+
+Sources, in order:
+  region  -- with `--region NAME`: `user_annotation` events named `advisor.region::NAME` (written by
+             `advisor.region(NAME)` and by NVTX ranges NAME, which the collector turns into record
+             functions while profiling); failing those, `user_annotation` events named exactly NAME
+             (a plain `torch.profiler.record_function(NAME)`).
+  module  -- the calls of the outermost nn.Module: `python_function` events `nn.Module: Class_N` with
+             no nn.Module ancestor along `Python parent id` -> `Python id`; the most-called such module
+             (ties: the one with more total time) is the iteration.
+  whole   -- one iteration spanning every duration event of the trace.
+Nested occurrences of the chosen region are folded into the outermost one. With two or more iterations
+the first is dropped as warm-up. Windows are `[ts, ts + dur]` in the Kineto `ts` time base (us).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from advisor.collect.nvtx_ranges import REGION_PREFIX
+
+MODULE_PREFIX = "nn.Module: "
+
+
+def _window(e: Dict[str, Any]) -> Tuple[float, float]:
+    ts = float(e["ts"])
+    return ts, ts + float(e.get("dur", 0) or 0)
+
+
+def _outermost(events: List[Dict[str, Any]]) -> List[Tuple[float, float]]:
+    """Windows of `events`, dropping any nested inside an earlier one on the same thread."""
+    out: List[Tuple[float, float]] = []
+    last_end: Dict[Any, float] = {}
+    for e in sorted(events, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0) or 0))):
+        b, en = _window(e)
+        key = (e.get("pid"), e.get("tid"))
+        if key in last_end and b < last_end[key]:
+            continue
+        last_end[key] = en
+        out.append((b, en))
+    return sorted(out)
+
+
+def region_names(events: Iterable[Dict[str, Any]]) -> List[str]:
+    names = {e["name"][len(REGION_PREFIX):] for e in events
+             if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(REGION_PREFIX)}
+    return sorted(names)
+
+
+def find_region(events: List[Dict[str, Any]], name: str) -> List[Tuple[float, float]]:
+    ua = [e for e in events if e.get("cat") == "user_annotation" and e.get("ph") == "X"]
+    hits = [e for e in ua if e.get("name") == REGION_PREFIX + name]
+    if not hits:
+        hits = [e for e in ua if e.get("name") == name]
+    return _outermost(hits)
+
+
+def root_module_calls(events: List[Dict[str, Any]]) -> Tuple[Optional[str], List[Tuple[float, float]]]:
+    """(name, windows) of the most-called outermost nn.Module, or (None, [])."""
+    py = [e for e in events if e.get("cat") == "python_function" and e.get("ph") == "X"]
+    by_id = {}
+    for e in py:
+        pid_ = (e.get("args") or {}).get("Python id")
+        if pid_ is not None:
+            by_id[pid_] = e
+    roots: Dict[str, List[Dict[str, Any]]] = defaultdict(list)
+    for e in py:
+        name = str(e.get("name", ""))
+        if not name.startswith(MODULE_PREFIX):
+            continue
+        parent = (e.get("args") or {}).get("Python parent id")
+        seen = set()
+        nested = False
+        while parent is not None and parent not in seen:
+            seen.add(parent)
+            p = by_id.get(parent)
+            if p is None:
+                break
+            if str(p.get("name", "")).startswith(MODULE_PREFIX):
+                nested = True
+                break
+            parent = (p.get("args") or {}).get("Python parent id")
+        if not nested:
+            roots[name].append(e)
+    if not roots:
+        return None, []
+
+    def score(item):
+        name, evs = item
+        return (len(_outermost(evs)), sum(float(e.get("dur", 0) or 0) for e in evs))
+
+    name, evs = max(roots.items(), key=score)
+    return name[len(MODULE_PREFIX):], _outermost(evs)
+
+
+def whole_trace(events: List[Dict[str, Any]]) -> List[Tuple[float, float]]:
+    spans = [_window(e) for e in events if e.get("ph") == "X" and "ts" in e and e.get("cat") != "Trace"]
+    if not spans:
+        return []
+    return [(min(b for b, _ in spans), max(en for _, en in spans))]
+
+
+def steady_state(events: List[Dict[str, Any]], region: Optional[str] = None) -> Dict[str, Any]:
+    """The `steady_state` block of meta.json (plus `requested_region` when --region found nothing)."""
+    source, name, windows = None, None, []
+    missing_region = None
+    if region:
+        windows = find_region(events, region)
+        if windows:
+            source, name = "region", region
+        else:
+            missing_region = region
+    if not windows:
+        mod, windows = root_module_calls(events)
+        if windows:
+            source, name = "module", mod
+    if not windows:
+        source, name, windows = "whole", None, whole_trace(events)
+    found = len(windows)
+    dropped = 1 if found >= 2 else 0
+    out: Dict[str, Any] = {
+        "source": source,
+        "name": name,
+        "iterations": [[round(b, 3), round(e, 3)] for b, e in windows[dropped:]],
+        "warmup_dropped": dropped,
+        "found": found,
+    }
+    if missing_region is not None:
+        out["requested_region"] = missing_region
+    return out
+
+
+def in_windows(ts: float, windows: List[List[float]]) -> bool:
+    return any(b <= ts <= e for b, e in windows)
+
+
+def summarize(events: List[Dict[str, Any]], steady: Dict[str, Any]) -> Dict[str, Any]:
+    """Counts and times for the terminal summary: totals and per steady iteration."""
+    cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    aten = sum(1 for e in cpu_ops if str(e.get("name", "")).startswith("aten::"))
+    wins = steady.get("iterations") or []
+    n_it = max(len(wins), 1)
+
+    # GPU time per steady iteration: kernels whose launch (runtime event, same correlation) lies in a window.
+    launch_ts = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            c = (e.get("args") or {}).get("correlation")
+            if c is not None:
+                launch_ts[c] = float(e["ts"])
+    k_steady = [k for k in kernels
+                if in_windows(launch_ts.get((k.get("args") or {}).get("correlation"), float("nan")), wins)]
+
+    # CPU op time: top-level cpu_ops only (children are inside their parents' time).
+    top = []
+    last_end: Dict[Any, float] = {}
+    for e in sorted(cpu_ops, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0) or 0))):
+        b, en = _window(e)
+        key = (e.get("pid"), e.get("tid"))
+        if key in last_end and b < last_end[key]:
+            continue
+        last_end[key] = en
+        top.append(e)
+    top_steady = [e for e in top if in_windows(float(e["ts"]), wins)]
+    return {
+        "cpu_ops": len(cpu_ops),
+        "aten_ops": aten,
+        "kernels": len(kernels),
+        "kernels_per_iter": len(k_steady) / n_it,
+        "gpu_us_per_iter": sum(float(k.get("dur", 0) or 0) for k in k_steady) / n_it,
+        "gpu_us_total": sum(float(k.get("dur", 0) or 0) for k in kernels),
+        "cpu_op_us_per_iter": sum(float(e.get("dur", 0) or 0) for e in top_steady) / n_it,
+        "cpu_ops_per_iter": sum(1 for e in cpu_ops if in_windows(float(e["ts"]), wins)) / n_it,
+    }
