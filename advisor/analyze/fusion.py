@@ -10,6 +10,9 @@ Every node gets a *domain*: the iteration space its kernel walks. Pointwise ops 
    takes its rows. Two row ops in one group must agree on (R, N).
 3. A node that reads from several groups merges them when all of them agree with it.
 4. Never create a cycle: a group may not reach itself through a node outside it.
+5. Do not fuse through a tensor shared by sibling modules (rotary cos/sin, attention masks read by
+   every layer): it must be written anyway, and fusing it into one layer's chain would make that
+   layer's pattern differ from all the others.
 
 Matmuls and convolutions are anchors: a pure pointwise group that consumes an anchor's output
 elementwise forms an *epilogue* candidate on top. Everything else is a barrier.
@@ -17,6 +20,7 @@ elementwise forms an *epilogue* candidate on top. Everything else is a barrier.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from advisor.graph.dataflow import Graph, Node
@@ -70,6 +74,7 @@ def find_groups(graph: Graph) -> list[Group]:
     domains = [node_domain(graph, n) for n in graph.nodes]
     group_of: dict[int, Group] = {}
     producers = [_producers(graph, n) for n in graph.nodes]
+    shared = [shared_by_sibling_modules(graph, v.consumers) for v in graph.values]
     for n in graph.nodes:
         d = domains[n.idx]
         if d is None:
@@ -77,8 +82,11 @@ def find_groups(graph: Graph) -> list[Group]:
         cands = []
         for p in producers[n.idx]:
             g = group_of.get(p)
-            if g is not None and g not in cands and graph.nodes[p].iteration == n.iteration:
-                cands.append(g)
+            if g is None or g in cands or graph.nodes[p].iteration != n.iteration:
+                continue
+            if any(shared[u.value] for u in n.reads if graph.values[u.value].producer == p):
+                continue
+            cands.append(g)
         merged = Group([n.idx], d.numel, d.rows)
         for g in cands:
             trial = _join(g, merged)
@@ -150,6 +158,18 @@ def _epilogues(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[
         members = sorted({n.idx, *(base.members if base else [c.idx])})
         out.append(Group(members, d.numel, None, anchor=n.idx, extends=base))
     return out
+
+
+def shared_by_sibling_modules(graph: Graph, consumers: list[int]) -> bool:
+    """True when a value's readers sit in two or more sibling module subtrees (e.g. every layer)."""
+    paths = {graph.nodes[c].module for c in consumers}
+    if len(paths) < 2 or "" in paths:
+        return False
+    split = [tuple(re.split(r"[/.]", p)) for p in paths]
+    common = 0
+    while all(len(s) > common for s in split) and len({s[common] for s in split}) == 1:
+        common += 1
+    return all(len(s) > common for s in split)
 
 
 def _producers(graph: Graph, n: Node) -> list[int]:

@@ -51,7 +51,9 @@ def op_label(n: Node) -> str:
 
 
 def title(graph: Graph, group: Group) -> str:
-    labels = [op_label(graph.nodes[m]) for m in group.members]
+    # An epilogue reads anchor-first, whatever the execution order of the ops it absorbs.
+    order = sorted(group.members, key=lambda m: (m != group.anchor, m))
+    labels = [op_label(graph.nodes[m]) for m in order]
     chain = " → ".join(labels)
     return f"{_name(labels, group)}: {chain}"
 

@@ -8,7 +8,9 @@ cpu op that launched them.
 
 Tensors are resolved by storage id with the last-writer rule: a read of storage S (through any
 view) depends on the last node that wrote S before it. That one rule handles views, in-place ops
-and ids reused after a free.
+and ids reused after a free — except for a tensor allocated by no recorded op (the dispatcher's
+wrapped scalars) at a freed address: a read binds to the last writer only if it fits what was
+written (same dtype, inside the written range), otherwise it is a new outside tensor.
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ class Value:
     dtype: str
     bytes: int
     consumers: list = field(default_factory=list)  # node idxs
+    offset: int = 0  # storage offset of the write, in elements
 
 
 @dataclass
@@ -317,7 +320,8 @@ def _resolve_args(node: Node, a: pd.DataFrame, values: list[Value], last_writer:
         elif is_tensor:
             nbytes = true_bytes(r.shape, r.strides, r.itemsize)
             vid = len(values)
-            values.append(Value(vid, int(r.storage_id), node.idx, tuple(r.shape), tuple(r.strides), str(r.dtype), nbytes))
+            values.append(Value(vid, int(r.storage_id), node.idx, tuple(r.shape), tuple(r.strides), str(r.dtype), nbytes,
+                                offset=int(r.offset)))
             last_writer[r.storage_id] = vid
             node.writes.append(Use(vid, int(r.pos), nbytes, tuple(r.shape), tuple(r.strides), str(r.dtype), int(r.offset)))
 
@@ -326,10 +330,29 @@ def _read(values: list[Value], last_writer: dict[int, int], r) -> tuple[int, int
     """The value a tensor argument reads: the storage's last writer, or a new outside tensor."""
     nbytes = true_bytes(r.shape, r.strides, r.itemsize)
     vid = last_writer.get(r.storage_id)
+    if vid is not None and values[vid].producer >= 0 and not _fits(values[vid], r):
+        vid = None  # a stale id: the address was freed and reused by an unrecorded allocation
     if vid is None:
         vid = len(values)
-        values.append(Value(vid, int(r.storage_id), -1, tuple(r.shape), tuple(r.strides), str(r.dtype), nbytes))
+        values.append(Value(vid, int(r.storage_id), -1, tuple(r.shape), tuple(r.strides), str(r.dtype), nbytes,
+                            offset=int(r.offset)))
         last_writer[r.storage_id] = vid
     elif values[vid].producer < 0 and nbytes > values[vid].bytes:
         values[vid].bytes = nbytes  # several views of one outside tensor: read once, at its widest
     return vid, nbytes
+
+
+def _extent(shape, strides) -> int:
+    if not shape:
+        return 1
+    strides = strides if strides and len(strides) == len(shape) else [1] * len(shape)
+    return 1 + sum((d - 1) * abs(st) for d, st in zip(shape, strides) if d > 0)
+
+
+def _fits(written: Value, r) -> bool:
+    if str(r.dtype) != written.dtype:
+        return False
+    if not r.shape and written.shape:
+        return False
+    lo, hi = written.offset, written.offset + _extent(written.shape, written.strides)
+    return lo <= r.offset and r.offset + _extent(r.shape, r.strides) <= hi
