@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from advisor.ops.registry import TRANSPARENT, OpClass, is_aten, lookup
+from advisor.ops.registry import TRANSPARENT, OpClass, is_aten, is_operator, lookup
 from advisor.trace.load import Trace
 
 
@@ -246,9 +246,9 @@ def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels
         info = lookup(name)
         direct = kernels_by_ext.get(int(ext_of_row[row]), ())
         if info is None:
-            if not is_aten(name) or (nid in has_child and not direct):
-                continue  # a scope (record_function, module) or an unknown composite: look inside
-            cls = OpClass.OTHER
+            if not is_operator(name) or (is_aten(name) and nid in has_child and not direct):
+                continue  # a scope (record_function, module) or an unknown aten composite: look inside
+            cls = OpClass.OTHER  # an unknown op (custom ops included): an opaque barrier
         elif info.cls in TRANSPARENT and not direct:
             continue
         else:

@@ -72,6 +72,15 @@ def is_aten(name: str) -> bool:
     return name.startswith(("aten::", "prims::", "_c10d", "c10d::"))
 
 
+# Annotations that look like ops but are scopes: our own module/region markers.
+_SCOPES = ("nn.Module::", "advisor.region::")
+
+
+def is_operator(name: str) -> bool:
+    """An op from some namespace (`aten::add`, `mylib::fused_thing`), as opposed to a user scope."""
+    return "::" in name and not name.startswith(_SCOPES)
+
+
 def all_ops() -> dict[str, OpInfo]:
     return dict(_REGISTRY)
 

@@ -1,0 +1,171 @@
+"""The analyzer on real torch.profiler traces recorded here, and on bad input."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from advisor.analyze.api import analyze
+from advisor.collect.runner import profile_script
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _profile(script: Path, out: Path, *args: str) -> Path:
+    profile_script(script, list(args), out_dir=out, device="cpu", region=None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def seed_trace(tmp_path_factory) -> tuple[Path, int]:
+    n = 4096
+    script = tmp_path_factory.mktemp("src") / "seed_same_shape.py"
+    script.write_text(
+        "import torch\n"
+        "class Seed(torch.nn.Module):\n"
+        "    def forward(self, x, b):\n"
+        "        return torch.log(torch.relu(x + b))\n"
+        f"x, b = torch.randn({n}), torch.randn({n})\n"
+        "m = Seed()\n"
+        "for _ in range(3):\n"
+        "    m(x, b)\n"
+    )
+    return _profile(script, tmp_path_factory.mktemp("seed")), n
+
+
+def test_seed_example_bytes_exact(seed_trace):
+    path, n = seed_trace
+    a = analyze(path)
+    cands = a.doc["candidates"]
+    assert len(cands) == 1, [c["title"] for c in cands]
+    c = cands[0]
+    assert c["bytes_unfused"] == 28 * n
+    assert c["bytes_fused"] == 12 * n
+    assert c["bytes_saved"] == 16 * n
+    assert c["kernels_saved"] == 2
+    assert c["occurrences"] == 1  # per steady-state iteration (the warm-up call is dropped)
+    assert [op.split("::")[1] for op in c["ops"]] == ["add", "relu", "log"]
+    assert c["confidence"] == "high"
+    assert a.doc["steady_state"]["iterations"] == 2
+
+
+def test_analysis_json_schema(seed_trace, tmp_path):
+    path, _ = seed_trace
+    a = analyze(path)
+    out = a.to_json(tmp_path / "analysis.json")
+    doc = json.loads(out.read_text())
+    for key in ("schema_version", "device", "totals", "unknown_ops", "candidates", "timeline"):
+        assert key in doc
+    c = doc["candidates"][0]
+    for key in ("id", "pattern", "ops", "kernels", "modules", "occurrences", "kernels_saved", "bytes_unfused",
+                "bytes_fused", "bytes_saved", "est_time_saved_us", "measured_time_us", "confidence", "program"):
+        assert key in c, key
+    assert doc["device"]["bandwidth_source"] == "measured"
+    assert c["modules"] == ["Seed_0"]
+    prog = c["program"]
+    assert [n["op"] for n in prog["nodes"]] == c["ops"]
+    assert len(prog["inputs"]) == 2 and len(prog["outputs"]) == 1
+
+
+def test_python_api_dataframes(seed_trace):
+    a = analyze(seed_trace[0])
+    assert {"op", "cls", "time_us", "bytes", "module"} <= set(a.ops.columns)
+    assert list(a.candidates["bytes_saved"]) == [16 * seed_trace[1]]
+
+
+def test_no_et_falls_back_to_low_confidence(seed_trace):
+    a = analyze(seed_trace[0] / "trace" / "kineto.json.gz")
+    assert a.doc["low_confidence"] is True
+    assert a.doc["candidates"], "shape-and-order fallback should still find the chain"
+    assert all(c["confidence"] == "low" for c in a.doc["candidates"])
+
+
+@pytest.fixture(scope="module")
+def llama_analysis(tmp_path_factory):
+    return analyze(_profile(ROOT / "examples" / "hf_llama.py", tmp_path_factory.mktemp("llama"), "--device", "cpu"))
+
+
+def _titles(a) -> list[str]:
+    return [c["title"] for c in a.doc["candidates"]]
+
+
+def test_llama_cpu_patterns(llama_analysis):
+    cands = {c["title"].split(":")[0]: c for c in llama_analysis.doc["candidates"]}
+    # The residual add and the RMSNorm chain it feeds, once per norm after a residual (2 layers: 3 + final).
+    rms = cands["Residual add + RMSNorm"]
+    assert [o.split("::")[1] for o in rms["ops"]] == ["add", "pow", "mean", "add", "rsqrt", "mul", "mul"]
+    assert rms["occurrences"] == 4
+    swiglu = cands["SwiGLU"]
+    assert swiglu["occurrences"] == 2 and swiglu["kernels_saved"] == 2
+    rotary = cands["Rotary embedding"]
+    assert [o.split("::")[1] for o in rotary["ops"]] == ["mul", "neg", "cat", "mul", "add"]
+    assert rotary["occurrences"] == 4  # q and k in each of 2 layers
+    assert any(c["kind"] == "epilogue" and c["extends"] == swiglu["id"] for c in llama_analysis.doc["candidates"])
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "advisor", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("content, expect", [
+    (b"", "empty"),
+    (b'{"traceEvents": [{"ph": "X", "cat": "cpu_op"', "not valid JSON"),
+    (b"hello, world", "not valid JSON"),
+    (b'{"nodes": []}', "not a Kineto"),
+    (b'{"traceEvents": []}', "nothing to analyse"),
+])
+def test_bad_trace_one_line_error(tmp_path, content, expect):
+    f = tmp_path / "trace.json"
+    f.write_bytes(content)
+    r = _run_cli("analyze", str(f))
+    assert r.returncode != 0
+    assert expect in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_truncated_gzip(tmp_path, seed_trace):
+    raw = (seed_trace[0] / "trace" / "kineto.json.gz").read_bytes()
+    f = tmp_path / "kineto.json.gz"
+    f.write_bytes(raw[: len(raw) // 2])
+    r = _run_cli("analyze", str(f))
+    assert r.returncode != 0 and "truncated" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_trace(tmp_path):
+    r = _run_cli("analyze", str(tmp_path / "nope"))
+    assert r.returncode != 0 and "not found" in r.stderr
+
+
+def test_analyze_cli_writes_json(seed_trace, tmp_path):
+    r = _run_cli("analyze", str(seed_trace[0]), "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "analysis.json").read_text())
+    assert doc["candidates"][0]["bytes_saved"] == 16 * seed_trace[1]
+
+
+def test_unknown_ops_are_listed_not_fatal(tmp_path):
+    # A custom op the registry has never heard of: a barrier, listed by name.
+    script = tmp_path / "custom.py"
+    script.write_text(
+        "import torch\n"
+        "lib = torch.library.Library('advtest', 'DEF')\n"
+        "lib.define('twice(Tensor x) -> Tensor')\n"
+        "lib.impl('twice', lambda x: x * 2, 'CPU')\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return torch.ops.advtest.twice(torch.relu(x + 1)).exp()\n"
+        "m, x = M(), torch.randn(64)\n"
+        "for _ in range(2):\n"
+        "    m(x)\n"
+    )
+    a = analyze(_profile(script, tmp_path / "out"))
+    names = [u["name"] for u in a.doc["unknown_ops"]]
+    assert "advtest::twice" in names or any("twice" in n for n in names), names
+    # add -> relu fuse; the custom op stops the chain before exp.
+    assert [c["ops"] for c in a.doc["candidates"]] == [["aten::add", "aten::relu"]]
