@@ -83,7 +83,9 @@ def analyze(
 @app.command()
 def report(directory: Path = typer.Argument(..., help="Directory holding analysis.json (and apply.json).")):
     """Re-render the terminal and HTML reports from a directory, without re-running anything."""
-    raise NotBuiltYet("`report` is not built yet (issue 6); use `analyze` for the terminal summary.")
+    from advisor.report import render_reports
+
+    render_reports(directory)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -1,0 +1,68 @@
+"""Stage 5: the terminal, HTML and plain-text reports, rendered from analysis.json (+ apply.json) alone."""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Optional, Tuple
+
+from advisor.errors import AdvisorError
+
+SCHEMA_VERSION = 1
+TEXT_WIDTH = 120  # report.txt is read in editors and diffs, not in the user's terminal
+
+
+def _load(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as ex:
+        raise AdvisorError(f"{path} is not valid JSON (line {ex.lineno}, column {ex.colno}): {ex.msg}") from None
+    except (OSError, UnicodeDecodeError) as ex:
+        raise AdvisorError(f"cannot read {path}: {ex}") from None
+    if not isinstance(data, dict):
+        raise AdvisorError(f"{path} does not hold {what} (expected a JSON object, got {type(data).__name__})")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise AdvisorError(f"{path} has schema_version {version!r}; this fusion-advisor reads version {SCHEMA_VERSION}")
+    return data
+
+
+def load(directory) -> Tuple[dict, Optional[dict]]:
+    """(analysis, apply or None) from a report directory; AdvisorError with one line otherwise."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise AdvisorError(f"{d} is not a directory")
+    a_path = d / "analysis.json"
+    if not a_path.is_file():
+        raise AdvisorError(f"no analysis.json in {d}; run `fusion-advisor analyze` first")
+    analysis = _load(a_path, "an analysis")
+    if not isinstance(analysis.get("candidates", []), list):
+        raise AdvisorError(f"{a_path}: 'candidates' must be a list")
+    p_path = d / "apply.json"
+    apply = _load(p_path, "apply results") if p_path.is_file() else None
+    return analysis, apply
+
+
+def render_reports(directory, console=None, top: int = 10) -> dict:
+    """Print the terminal report and write report.html and report.txt next to analysis.json."""
+    from rich.console import Console
+
+    from advisor.report.html import write_html
+    from advisor.report.terminal import render_terminal
+
+    d = Path(directory)
+    analysis, apply = load(d)
+    console = console or Console()
+    render_terminal(analysis, apply, console, top=top)
+
+    # A second, recording console at a fixed width: the user's console may be narrow or not record.
+    rec = Console(record=True, width=TEXT_WIDTH, file=io.StringIO(), force_terminal=False, color_system=None)
+    render_terminal(analysis, apply, rec, top=top)
+    paths = {"html": d / "report.html", "txt": d / "report.txt"}
+    try:
+        paths["txt"].write_text(rec.export_text(), encoding="utf-8")
+        write_html(analysis, apply, paths["html"])
+    except OSError as ex:
+        raise AdvisorError(f"cannot write the report into {d}: {ex}") from None
+    console.print(f"[dim]Wrote[/] {paths['html']} [dim]and[/] {paths['txt']}", highlight=False)
+    return paths

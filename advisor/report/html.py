@@ -1,0 +1,258 @@
+"""The HTML report: one self-contained file (inline CSS, JS and SVG; nothing fetched)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from advisor import __version__
+from advisor.report import model as M
+from advisor.report.assets import CSS, JS
+from advisor.report.dataflow import classes_in, dataflow_svg, node_count
+from advisor.report.highlight import highlight_python
+from advisor.report.style import candidate_color, class_color, class_label
+from advisor.report.svg import class_bars, e, timeline, timeline_legend
+from advisor.report.units import (fmt_bw, fmt_bytes, fmt_int, fmt_ms, fmt_pct, fmt_sci, fmt_time, module_groups,
+                                  modules_summary)
+
+# The CSP makes "fetches nothing" a property the browser enforces, not just a promise of this code.
+CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
+STATUS_LABEL = {"valid": "validated", "failed": "validation failed", "skipped": "not generated", "absent": ""}
+SHORT_STATUS = {"valid": "✓ valid", "failed": "✗ failed", "skipped": "skipped", "absent": ""}
+
+
+def _tile(value: str, label: str, cls: str = "") -> str:
+    return f'<div class="tile {cls}"><div class="v">{e(value)}</div><div class="k">{e(label)}</div></div>'
+
+
+def _summary(a: dict, apply: Optional[dict]) -> str:
+    dev, src, ss, tot = (a.get(k) or {} for k in ("device", "source", "steady_state", "totals"))
+    kind = "GPU" if tot.get("time_kind") == "gpu" else "CPU"
+    pot, t = M.potential_saving(a), M.total_time_us(a)
+    tiles = [_tile(fmt_int(tot.get("kernels")), "kernels per iteration"),
+             _tile(fmt_time(tot.get("time_us")), f"{kind} time per iteration"),
+             _tile(fmt_pct(tot.get("memory_bound_share")), "of time in memory-bound kernels"),
+             _tile(fmt_time(pot), f"fusion could save per iteration ({fmt_pct(pot / t) if t else '–'})", "hi"),
+             _tile(fmt_int(len(M.candidates(a))), "fusion candidates")]
+    e2e = (apply or {}).get("end_to_end") if isinstance(apply, dict) else None
+    if isinstance(e2e, dict) and M.num(e2e.get("speedup")):
+        tiles.append(_tile(f"{M.num(e2e.get('speedup')):.2f}×", "end-to-end speedup after apply", "good"))
+    facts = [("Device", f"{dev.get('name', '?')} ({dev.get('type', '?')})"),
+             ("Bandwidth", f"{fmt_bw(dev.get('bandwidth_Bps'))} ({dev.get('bandwidth_source', '?')})"),
+             ("Launch overhead", fmt_time(dev.get("launch_us"))),
+             ("Steady state", f"{fmt_int(ss.get('iterations'))} iterations, found by {ss.get('source', '?')}"),
+             ("Kineto trace", src.get("kineto") or "–"), ("Execution trace", src.get("et") or "none")]
+    dl = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in facts)
+    return (f'<section class="card" id="summary"><div class="summary"><div><h2>Summary</h2>'
+            f'<div class="tiles">{"".join(tiles)}</div><dl class="facts">{dl}</dl></div>'
+            f'<div><h2>Time per iteration by op class</h2>{class_bars(a)}</div></div></section>')
+
+
+def _breakable(path: str) -> str:
+    """Escaped path that wraps only before a dot, never inside a module name or a `{0..15}` range."""
+    return "<wbr>.".join(e(p) for p in re.split(r"\.(?![^{]*\})", path))
+
+
+def _table(a: dict, apply: Optional[dict], colors: Dict[str, str]) -> str:
+    pats = M.patterns_by_candidate(apply)
+    # "\n" in a header becomes a line break: two-line headers keep the number columns narrow.
+    heads = [("#", "num"), ("Pattern", "text"), ("Module(s)", "text"), ("Occ.", "num"),
+             ("Launches\nsaved", "num"), ("Bytes\nsaved", "num"), ("Est.\nsaved", "num")]
+    if pats:
+        heads += [("Measured\nsaved", "num"), ("Kernel", "text")]
+    th = "".join(f'<th data-type="{t}" class="{"num" if t == "num" else ""}"'
+                 f'{" aria-sort=ascending" if i == 0 else ""}>{e(h).replace(chr(10), "<br>")}</th>'
+                 for i, (h, t) in enumerate(heads))
+    rows = []
+    for c in M.candidates(a):
+        cid = str(c.get("id"))
+        head, chain = M.title_parts(c)
+        tags = f'<span class="badge">{e(c.get("kind", "?"))}</span>'
+        if c.get("confidence") == "low":
+            tags += ' <span class="badge low">low confidence</span>'
+        mods = "<br>".join(_breakable(m) for m in modules_summary(c.get("modules") or [], max_groups=3, limit=60))
+        share = M.share(c, a)
+
+        def num(v, text):  # data-v carries the raw number so sorting never parses "1.2 ms"
+            raw = M.num(v)
+            return f'<td class="num" data-v="{"" if raw is None else raw!r}">{e(text)}</td>'
+
+        cells = [num(c.get("rank"), c.get("rank", "")),
+                 f'<td class="pat" data-v="{e(head)}"><span class="chip" style="background:{colors.get(cid, "#888")}"></span> '
+                 f'<a href="#cand-{e(cid)}"><b>{e(head)}</b></a> {tags}<div class="chain">{e(chain)}</div></td>',
+                 f'<td class="mods">{mods}</td>',
+                 num(c.get("occurrences"), fmt_int(c.get("occurrences"))),
+                 num(c.get("kernels_saved"), fmt_int(c.get("kernels_saved"))),
+                 num(c.get("bytes_saved"), fmt_bytes(c.get("bytes_saved"))),
+                 f'<td class="num" data-v="{M.num(c.get("est_time_saved_us"), "")}"><b>{e(fmt_time(c.get("est_time_saved_us")))}</b>'
+                 f'<div class="caption">{e(fmt_pct(share))}</div></td>']
+        if pats:
+            p = pats.get(cid)
+            meas, st = M.measured_saved_per_iter(p, c), M.status(p)
+            cells.append(num(meas, fmt_time(meas)))
+            cells.append(f'<td data-v="{st}">' + (f'<span class="badge {st}">{SHORT_STATUS[st]}</span>' if p else "–") + "</td>")
+        rows.append(f'<tr data-c="{e(cid)}">{"".join(cells)}</tr>')
+    unknown = [u for u in a.get("unknown_ops") or [] if isinstance(u, dict)]
+    note = ""
+    if unknown:
+        items = ", ".join(f"<code>{e(u.get('name', '?'))}</code> ×{e(fmt_int(u.get('count')))} ({e(fmt_time(u.get('time_us')))})"
+                          for u in unknown)
+        note = f'<p class="caption">Unknown ops (not modelled, counted as “other”): {items}</p>'
+    foot = '<p class="caption">Est. saved is per iteration over all occurrences; measured saved is the fused kernel\'s ' \
+           'saving per call × occurrences. Click a header to sort.</p>'
+    return (f'<section class="card"><h2>Fusion candidates</h2><div class="tablewrap">'
+            f'<table id="candidates-table" class="sortable"><thead><tr>{th}</tr></thead><tbody>{"".join(rows)}</tbody>'
+            f'</table></div>{foot}{note}</section>')
+
+
+def _bytes_bars(c: dict) -> str:
+    bu, bf = M.num(c.get("bytes_unfused")), M.num(c.get("bytes_fused"))
+    if not bu:
+        return ""
+    bf = bf or 0.0
+    saved = M.num(c.get("bytes_saved"), bu - bf)
+    return (f'<div class="bytes"><b>HBM traffic per iteration</b>'
+            f'<div class="row"><span>unfused</span><div class="bar" style="width:100%"></div><span>{e(fmt_bytes(bu))}</span></div>'
+            f'<div class="row"><span>fused</span><div class="bar fused" style="width:{max(0.5, 100 * bf / bu):.1f}%"></div>'
+            f'<span>{e(fmt_bytes(bf))}</span></div>'
+            f'<div class="caption">saves {e(fmt_bytes(saved))} ({e(fmt_pct(saved / bu))}) of the traffic</div></div>')
+
+
+def _kv(caption: str, rows) -> str:
+    body = "".join(f'<tr><td>{e(k)}</td><td class="{cls}">{e(v)}</td></tr>' for k, v, cls in rows)
+    return f'<table class="kv"><caption>{e(caption)}</caption><tbody>{body}</tbody></table>'
+
+
+def _validation(c: dict, p: Optional[dict]) -> str:
+    if not p:
+        return ""
+    st = M.status(p)
+    parts = [f'<div class="val-box {st}"><b>Generated kernel:</b> <span class="badge {st}">{STATUS_LABEL[st]}</span>']
+    if p.get("reason"):
+        parts.append(f'<div>{e(p["reason"])}</div>')
+    tables = []
+    errs = p.get("errors") or {}
+    if isinstance(errs, dict) and errs:
+        tables.append(_kv("Numerical check", [(k, fmt_sci(v) if isinstance(v, float) else v, "mono") for k, v in errs.items()]))
+    m = p.get("measured") or {}
+    if isinstance(m, dict) and m:
+        occ = M.num(c.get("occurrences"), 1) or 1
+        est_call = M.num(c.get("est_time_saved_us"), 0.0) / occ
+        meas = M.num(m.get("saved_us"))
+        vs_est = f" ({meas / est_call:.0%} of the estimate)" if meas is not None and est_call else ""
+        tables.append(_kv("Timing", [
+            ("unfused → fused, per call", f"{fmt_time(m.get('unfused_us'))} → {fmt_time(m.get('fused_us'))}", ""),
+            ("saved per call: measured vs est.", f"{fmt_time(meas)} vs {fmt_time(est_call)}{vs_est}", ""),
+            ("saved per iteration (× occurrences)", fmt_time(M.measured_saved_per_iter(p, c)), ""),
+            ("achieved bandwidth", f"{fmt_bw(m.get('achieved_Bps'))} ({fmt_pct(m.get('bw_fraction'))} of the device)", "")]))
+    if tables:
+        parts.append(f'<div class="val-grid">{"".join(tables)}</div>')
+    parts.append("</div>")
+    src = p.get("source") or ""
+    if src:
+        n = src.count("\n") + (0 if src.endswith("\n") else 1)
+        gutter = "\n".join(str(i) for i in range(1, n + 1))
+        parts.append(f'<details open><summary>Generated Triton kernel — {e(p.get("kernel_file") or "source")} ({n} lines)'
+                     f'</summary><div class="code"><pre class="gutter">{gutter}</pre>'
+                     f'<pre><code>{highlight_python(src.rstrip(chr(10)))}</code></pre></div></details>')
+    return "".join(parts)
+
+
+def _candidate(a: dict, c: dict, p: Optional[dict], color: str) -> str:
+    cid = str(c.get("id"))
+    head, chain = M.title_parts(c)
+    badges = [f'<span class="badge">{e(c.get("kind", "?"))}</span>']
+    if c.get("confidence") == "low":
+        badges.append('<span class="badge low">low confidence</span>')
+    if p:
+        st = M.status(p)
+        badges.append(f'<span class="badge {st}">{STATUS_LABEL[st]}</span>')
+    with_k, n_ops = node_count(c)
+    occ = M.num(c.get("occurrences"), 1) or 1
+    facts = [("Occurrences", fmt_int(c.get("occurrences"))),
+             ("Kernels per occurrence", f"{with_k} → 1" if with_k else "–"),
+             ("Launches saved", f"{fmt_int(c.get('kernels_saved'))} per iteration"),
+             ("Est. saved", f"{fmt_time(c.get('est_time_saved_us'))} per iteration ({fmt_pct(M.share(c, a))}), "
+                            f"{fmt_time(M.num(c.get('est_time_saved_us'), 0) / occ)} per occurrence"),
+             ("Unfused kernels take", f"{fmt_time(c.get('measured_time_us'))} per iteration")]
+    dl = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in facts)
+    groups = module_groups(c.get("modules") or [])
+    mods = "".join(f"<li>{e(g)}</li>" for g in groups)
+    n_mods = len(c.get("modules") or [])
+    legend = "".join(f'<span class="key"><i style="background:{class_color(k)}"></i>{e(class_label(k))}</span>'
+                     for k in classes_in(c))
+    return (f'<article class="card candidate" id="cand-{e(cid)}" data-c="{e(cid)}"><header>'
+            f'<span class="rank" style="background:{color}">#{e(c.get("rank", "?"))}</span><h3>{e(head)}</h3>'
+            f'{"".join(badges)}</header><div class="chain">{e(chain)}</div>'
+            f'<div class="cols"><dl class="facts">{dl}</dl>{_bytes_bars(c)}</div>'
+            f'<div class="dataflow">{dataflow_svg(c)}</div>'
+            f'<div class="caption">{legend} One occurrence, {n_ops} op{"s" if n_ops != 1 else ""}. Grey boxes are '
+            f'tensors in memory (inputs read, outputs written); fused, every edge between ops stays on chip.</div>'
+            f'<details><summary>Modules ({n_mods} path{"s" if n_mods != 1 else ""})</summary>'
+            f'<ul class="modules">{mods}</ul></details>'
+            f'<details><summary>Canonical pattern</summary><code>{e(c.get("pattern", ""))}</code></details>'
+            f'{_validation(c, p)}</article>')
+
+
+def _after_apply(apply: dict) -> str:
+    e2e, man = apply.get("end_to_end"), [m for m in apply.get("manifest") or [] if isinstance(m, dict)]
+    if not isinstance(e2e, dict) and not man:
+        return ""
+    out = ['<section class="card" id="after-apply"><h2>After apply</h2>']
+    if isinstance(e2e, dict):
+        sp = M.num(e2e.get("speedup"))
+        out.append(f'<div class="e2e"><div><div class="caption">before</div><div class="big">{e(fmt_ms(e2e.get("before_ms")))}</div></div>'
+                   f'<div class="big muted">→</div><div><div class="caption">after</div>'
+                   f'<div class="big">{e(fmt_ms(e2e.get("after_ms")))}</div></div>'
+                   + (f'<div><div class="caption">speedup</div><div class="big" style="color:var(--good)">{sp:.2f}×</div></div>' if sp else "")
+                   + "</div>")
+        if not e2e.get("timing_meaningful", True):
+            out.append('<div class="warn">These timings are not meaningful on this device (e.g. a CPU run); '
+                       'the kernels were validated, not benchmarked.</div>')
+    if man:
+        rows = "".join(f"<tr><td class=\"mono\">{e(m.get('module') or '(top level)')}</td><td>{e(m.get('class', ''))}</td>"
+                       f"<td class=\"mono\">{e(m.get('kernel_file', ''))}</td><td class=\"mono\">{e(m.get('guard', ''))}</td></tr>"
+                       for m in man)
+        out.append('<h2 style="margin-top:8px">Manifest</h2><div class="tablewrap"><table class="manifest"><thead><tr>'
+                   '<th>Module</th><th>Class</th><th>Kernel file</th><th>Guard</th></tr></thead>'
+                   f'<tbody>{rows}</tbody></table></div>')
+    out.append("</section>")
+    return "".join(out)
+
+
+def render_html(analysis: dict, apply: Optional[dict] = None) -> str:
+    a = analysis
+    cands = M.candidates(a)
+    colors = {str(c.get("id")): candidate_color(i) for i, c in enumerate(cands)}
+    titles = {str(c.get("id")): f"#{c.get('rank', '?')} {M.title_parts(c)[0]}" for c in cands}
+    pats = M.patterns_by_candidate(apply)
+    dev, src = a.get("device") or {}, a.get("source") or {}
+    warn = ""
+    if a.get("low_confidence"):
+        reasons = M.low_confidence_reasons(a)
+        warn = ('<div class="warn"><b>Low confidence.</b> Treat the estimates as rough'
+                + (": " + e("; ".join(reasons)) if reasons else "") + ".</div>")
+    sections: List[str] = [
+        f'<header class="top"><div><h1>Fusion report</h1><div class="sub">{e(dev.get("name", "?"))} · '
+        f'{e(src.get("kineto") or "?")}</div></div><div class="sub">fusion-advisor {e(__version__)}</div></header>',
+        warn, _summary(a, apply),
+        f'<section class="card"><h2>One steady-state iteration</h2>{timeline(a, colors, titles)}'
+        f'{timeline_legend(a, colors, titles)}</section>',
+        _table(a, apply, colors),
+    ]
+    if isinstance(apply, dict):
+        sections.append(_after_apply(apply))
+    sections += [_candidate(a, c, pats.get(str(c.get("id"))), colors[str(c.get("id"))]) for c in cands]
+    body = "".join(sections)
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f'<title>Fusion report — {e(dev.get("name", ""))}</title><style>{CSS}</style></head>'
+            f'<body><main class="wrap">{body}<footer>Generated by fusion-advisor {e(__version__)} from analysis.json'
+            f'{" and apply.json" if apply else ""}.</footer></main><script>{JS}</script></body></html>\n')
+
+
+def write_html(analysis: dict, apply: Optional[dict], path) -> Path:
+    path = Path(path)
+    path.write_text(render_html(analysis, apply), encoding="utf-8")
+    return path

@@ -1,0 +1,172 @@
+"""The terminal report: a summary panel and the top-N candidates table (rich)."""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from rich import box
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from advisor.report import model as M
+from advisor.report.style import class_color, class_label, ordered_classes
+from advisor.report.units import (fmt_bw, fmt_bytes, fmt_int, fmt_ms, fmt_pct, fmt_time, modules_summary)
+
+STATUS_TEXT = {
+    "valid": ("✓ valid", "green"),
+    "failed": ("✗ failed", "bold red"),
+    "skipped": ("– skipped", "yellow"),  # attempted, no kernel produced
+    "absent": ("", ""),
+}
+BAR_WIDTH = 28
+
+
+def _class_bars(analysis: dict) -> Table:
+    totals = analysis.get("totals") or {}
+    by_class = totals.get("by_class") or {}
+    total = M.num(totals.get("time_us")) or sum(M.num(v, 0.0) for v in by_class.values()) or 1.0
+    rows = sorted(((c, M.num(by_class[c], 0.0)) for c in ordered_classes(by_class)), key=lambda r: -r[1])
+    peak = max((v for _, v in rows), default=0.0) or 1.0
+    t = Table.grid(padding=(0, 1))
+    t.add_column(min_width=13)
+    t.add_column(width=BAR_WIDTH, no_wrap=True)
+    t.add_column(justify="right")
+    t.add_column(justify="right", style="dim")
+    for cls, v in rows:
+        if v <= 0:
+            continue
+        n = max(1, round(BAR_WIDTH * v / peak))
+        t.add_row(class_label(cls), Text("█" * n, style=class_color(cls)), fmt_time(v), fmt_pct(v / total))
+    return t
+
+
+def _summary(analysis: dict, apply: Optional[dict]) -> Panel:
+    dev, src = analysis.get("device") or {}, analysis.get("source") or {}
+    ss, totals = analysis.get("steady_state") or {}, analysis.get("totals") or {}
+    g = Table.grid(padding=(0, 2))
+    g.add_column(style="bold", no_wrap=True)
+    g.add_column()
+    bw_src = dev.get("bandwidth_source")
+    g.add_row("Device", f"{dev.get('name', '?')} ({dev.get('type', '?')}) · {fmt_bw(dev.get('bandwidth_Bps'))}"
+              + (f" {bw_src}" if bw_src else "") + f" · launch {fmt_time(dev.get('launch_us'))}")
+    trace = str(src.get("kineto") or "?") + ("" if src.get("et") else "  (no execution trace)")
+    g.add_row("Trace", trace)
+    if ss:
+        g.add_row("Steady state", f"{fmt_int(ss.get('iterations'))} iterations, found by {ss.get('source', '?')}")
+    kind = "GPU" if totals.get("time_kind") == "gpu" else "CPU"
+    g.add_row("Per iteration", f"{fmt_int(totals.get('kernels'))} kernels · {fmt_time(totals.get('time_us'))} {kind} time")
+    g.add_row("Memory-bound", f"{fmt_pct(totals.get('memory_bound_share'))} of the time is in memory-bound kernels")
+    pot, t = M.potential_saving(analysis), M.total_time_us(analysis)
+    n = len(M.candidates(analysis))
+    if n:
+        g.add_row("Fusion could save", f"up to {fmt_time(pot)}" + (f" ({fmt_pct(pot / t)})" if t else "")
+                  + f" per iteration, over {n} candidate{'s' if n != 1 else ''}")
+    e2e = (apply or {}).get("end_to_end") if isinstance(apply, dict) else None
+    if isinstance(e2e, dict):
+        sp = M.num(e2e.get("speedup"))
+        line = f"{fmt_ms(e2e.get('before_ms'))} → {fmt_ms(e2e.get('after_ms'))}" + (f"  ({sp:.2f}× faster)" if sp else "")
+        style = "bold green" if e2e.get("timing_meaningful", True) else "yellow"
+        txt = Text(line, style=style)
+        if not e2e.get("timing_meaningful", True):
+            txt.append("  timing not meaningful on this device", style="yellow")
+        g.add_row("After apply", txt)
+    body = Group(g, Text(""), Text("Time by op class", style="bold"), _class_bars(analysis))
+    return Panel(body, title="[bold]fusion-advisor report[/]", title_align="left", border_style="blue",
+                 padding=(0, 1), expand=False)
+
+
+def _pattern_cell(c: dict) -> Text:
+    head, chain = M.title_parts(c)
+    t = Text(head, style="bold")
+    if chain:
+        t.append("\n" + chain, style="dim")
+    if c.get("kind"):
+        t.append(f"\n{c['kind']}", style="dim italic")
+    if c.get("confidence") == "low":
+        t.append((" · " if c.get("kind") else "\n") + "low confidence", style="yellow")
+    return t
+
+
+def _wrap_dotted(path: str, width: int) -> str:
+    """Break a module path before a dot, never inside a name (rich would fold mid-word)."""
+    parts = re.split(r"(?=\.(?![^{]*\}))", path)
+    lines, cur = [], ""
+    for p in parts:
+        if cur and len(cur) + len(p) > width:
+            lines.append(cur)
+            cur = p
+        else:
+            cur += p
+    return "\n".join(lines + [cur])
+
+
+def _candidates_table(analysis: dict, apply: Optional[dict], top: int, width: int) -> Table:
+    pats = M.patterns_by_candidate(apply)
+    has_apply = bool(pats)
+    # Narrow terminals fold the module column into the pattern cell rather than truncate numbers.
+    narrow = width < (110 if has_apply else 100)
+    mod_w = max(16, width - (60 if has_apply else 50)) if narrow else max(26, min(34, (width - (62 if has_apply else 52)) // 2))
+    n_all = len(M.candidates(analysis))
+    t = Table(title=f"Top fusion candidates ({min(top, n_all)} of {n_all})", title_justify="left",
+              title_style="bold", box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False)
+    t.add_column("#", justify="right", no_wrap=True)
+    t.add_column("Pattern", min_width=20, overflow="fold")
+    if not narrow:
+        t.add_column("Module(s)", width=mod_w, overflow="fold")
+    t.add_column("Occ.", justify="right", no_wrap=True)
+    t.add_column("Launches\nsaved", justify="right", no_wrap=True)
+    t.add_column("Bytes\nsaved", justify="right", no_wrap=True)
+    t.add_column("Est. saved\n(share)", justify="right", no_wrap=True)
+    if has_apply:
+        t.add_column("Measured\nsaved", justify="right", no_wrap=True)
+    for c in M.candidates(analysis)[:top]:
+        mods = "\n".join(_wrap_dotted(m, mod_w) for m in modules_summary(c.get("modules") or [], limit=64))
+        pattern = _pattern_cell(c)
+        if narrow and mods:
+            pattern.append("\n" + mods, style="cyan")
+        est = Text(fmt_time(c.get("est_time_saved_us")), style="bold")
+        est.append(f"\n{fmt_pct(M.share(c, analysis))}", style="dim")
+        row = [str(c.get("rank", "")), pattern] + ([] if narrow else [mods])
+        row += [fmt_int(c.get("occurrences")), fmt_int(c.get("kernels_saved")), fmt_bytes(c.get("bytes_saved")), est]
+        if has_apply:
+            p = pats.get(str(c.get("id")))
+            meas = M.measured_saved_per_iter(p, c)
+            label, style = STATUS_TEXT[M.status(p)]
+            cell = Text(fmt_time(meas) if meas is not None else "–")
+            if label:
+                cell.append("\n" + label, style=style)
+            row.append(cell)
+        t.add_row(*row, end_section=True)
+    return t
+
+
+def _footnotes(analysis: dict, apply: Optional[dict], top: int) -> list:
+    out = []
+    pats = M.patterns_by_candidate(apply)
+    if pats:
+        out.append(Text("Measured saved = the fused kernel's saving per call × occurrences.", style="dim"))
+        for c in M.candidates(analysis)[:top]:
+            p = pats.get(str(c.get("id")))
+            if p and M.status(p) in ("failed", "skipped") and p.get("reason"):
+                out.append(Text.assemble((f"  #{c.get('rank')} ", "bold"), (f"{M.status(p)}: ", "red"), str(p["reason"])))
+    unknown = [u for u in analysis.get("unknown_ops") or [] if isinstance(u, dict)]
+    if unknown:
+        parts = ", ".join(f"{u.get('name', '?')} ×{fmt_int(u.get('count'))} ({fmt_time(u.get('time_us'))})" for u in unknown)
+        out.append(Text.assemble(("Unknown ops ", "bold"), ("(not modelled, counted as other): ", "dim"), parts))
+    if analysis.get("low_confidence"):
+        reasons = M.low_confidence_reasons(analysis)
+        out.append(Text("⚠ Low confidence: treat the estimates as rough"
+                        + (" — " + "; ".join(reasons) if reasons else "") + ".", style="bold yellow"))
+    return out
+
+
+def render_terminal(analysis: dict, apply: Optional[dict], console: Console, top: int = 10) -> None:
+    console.print(_summary(analysis, apply))
+    if M.candidates(analysis):
+        console.print(_candidates_table(analysis, apply, top, console.width))
+    else:
+        console.print(Text("No fusion candidates found.", style="bold"))
+    for line in _footnotes(analysis, apply, top):
+        console.print(line)
