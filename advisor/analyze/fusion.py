@@ -139,22 +139,27 @@ def _has_cycle(graph: Graph, producers: list[list[int]], members: list[int]) -> 
 
 
 def _epilogues(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[Group]:
+    """An anchor whose output is read only by one pure pointwise group (or one fusible op), elementwise."""
     out = []
     for n in graph.nodes:
         if n.cls != OpClass.MATMUL or len(n.writes) != 1:
             continue
         v = graph.values[n.writes[0].value]
         consumers = sorted(set(v.consumers))
-        if len(consumers) != 1:
+        if not consumers:
             continue
+        groups = {id(group_of.get(c)) for c in consumers}
+        base = group_of.get(consumers[0])
+        if base is not None and len(base.members) < 2:
+            base = None
+        if len(consumers) > 1 and (base is None or len(groups) != 1):
+            continue
+        if base is not None and base.rows is not None:
+            continue  # a row reduction cannot sit in a matmul tile's epilogue unless N fits a tile
         c = graph.nodes[consumers[0]]
         d = domains[c.idx]
         if d is None or d.rows is not None or d.numel != _numel(v.shape):
             continue
-        g = group_of.get(c.idx)
-        base = g if g is not None and len(g.members) >= 2 else None
-        if base is not None and base.rows is not None:
-            continue  # a row reduction cannot sit in a matmul tile's epilogue unless N fits a tile
         members = sorted({n.idx, *(base.members if base else [c.idx])})
         out.append(Group(members, d.numel, None, anchor=n.idx, extends=base))
     return out

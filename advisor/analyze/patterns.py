@@ -59,16 +59,13 @@ def title(graph: Graph, group: Group) -> str:
 
 
 def _name(labels: list[str], group: Group) -> str:
-    s = set(l.rstrip("_") for l in labels)
     if group.anchor is not None:
-        rest = [l for l in labels[1:]]
-        act = next((a for a in ("gelu", "silu", "relu", "tanh", "sigmoid", "batch_norm", "cudnn_batch_norm",
-                                "_native_batch_norm_legit_no_training") if a in s), None)
-        what = {"cudnn_batch_norm": "BatchNorm", "batch_norm": "BatchNorm",
-                "_native_batch_norm_legit_no_training": "BatchNorm"}.get(act or "", act.upper() if act else "")
-        has_add = "add" in (l.rstrip("_") for l in rest)
-        bits = [b for b in (what, "residual" if has_add else "") if b]
-        return f"{labels[0]} epilogue ({' + '.join(bits) or 'pointwise'})"
+        # labels[0] is the anchor (see title); name what it absorbs the same way as a plain group.
+        rest = labels[1:]
+        inner = _name(rest, Group(group.members[1:], group.numel, group.rows)) if len(rest) > 1 else \
+            _SINGLE.get(rest[0].rstrip("_"), rest[0]) if rest else "pointwise"
+        return f"{labels[0]} epilogue ({inner})"
+    s = set(l.rstrip("_") for l in labels)
     prefix = "Residual add + " if labels and labels[0].rstrip("_") == "add" and group.rows else ""
     if {"pow", "mean", "rsqrt"} <= s or {"mean", "rsqrt"} <= s:
         return prefix + "RMSNorm"
@@ -92,6 +89,11 @@ def _name(labels: list[str], group: Group) -> str:
     if group.rows:
         return "Row reduction chain"
     return "Pointwise chain"
+
+
+_SINGLE = {"gelu": "GELU", "silu": "SiLU", "relu": "ReLU", "tanh": "tanh", "sigmoid": "sigmoid", "add": "bias/residual add",
+           "mul": "scale", "div": "scale", "cudnn_batch_norm": "BatchNorm", "batch_norm": "BatchNorm",
+           "_native_batch_norm_legit_no_training": "BatchNorm", "hardswish": "hardswish"}
 
 
 def _shape_class(shape, strides) -> str:

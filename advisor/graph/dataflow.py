@@ -77,6 +77,7 @@ class Value:
     bytes: int
     consumers: list = field(default_factory=list)  # node idxs
     offset: int = 0  # storage offset of the write, in elements
+    tensor_id: int = -1  # ET tensor id of the first access
 
 
 @dataclass
@@ -330,12 +331,12 @@ def _read(values: list[Value], last_writer: dict[int, int], r) -> tuple[int, int
     """The value a tensor argument reads: the storage's last writer, or a new outside tensor."""
     nbytes = true_bytes(r.shape, r.strides, r.itemsize)
     vid = last_writer.get(r.storage_id)
-    if vid is not None and values[vid].producer >= 0 and not _fits(values[vid], r):
+    if vid is not None and not _fits(values[vid], r):
         vid = None  # a stale id: the address was freed and reused by an unrecorded allocation
     if vid is None:
         vid = len(values)
         values.append(Value(vid, int(r.storage_id), -1, tuple(r.shape), tuple(r.strides), str(r.dtype), nbytes,
-                            offset=int(r.offset)))
+                            offset=int(r.offset), tensor_id=int(r.tensor_id)))
         last_writer[r.storage_id] = vid
     elif values[vid].producer < 0 and nbytes > values[vid].bytes:
         values[vid].bytes = nbytes  # several views of one outside tensor: read once, at its widest
@@ -352,6 +353,10 @@ def _extent(shape, strides) -> int:
 def _fits(written: Value, r) -> bool:
     if str(r.dtype) != written.dtype:
         return False
+    if written.producer < 0:
+        # Two outside tensors on one storage: views of a weight share it; two wrapped scalars
+        # (0-dim, allocated unrecorded one after another at one address) do not.
+        return bool(r.shape) or int(r.tensor_id) == written.tensor_id
     if not r.shape and written.shape:
         return False
     lo, hi = written.offset, written.offset + _extent(written.shape, written.strides)
