@@ -8,6 +8,7 @@ The script runs in-process as `__main__`, like `python SCRIPT ARGS`.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -89,10 +90,78 @@ def _script_traceback(exc: BaseException, script: Path) -> str:
     return "".join(traceback.format_exception(type(exc), exc, t if t is not None else tb))
 
 
-def _run_as_main(script: Path, args: Sequence[str], outcome: _Outcome) -> None:
-    old_argv, old_path = sys.argv[:], sys.path[:]
+@contextlib.contextmanager
+def _script_env(script: Path, args: Sequence[str], device: str):
+    """sys.argv, sys.path[0] and FUSION_ADVISOR_DEVICE as `python SCRIPT ARGS` would see them; restored after."""
+    old_argv, old_path, old_env = sys.argv[:], sys.path[:], os.environ.get(DEVICE_ENV)
     sys.argv = [str(script), *args]
     sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
+    os.environ[DEVICE_ENV] = device
+    try:
+        yield
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+        if old_env is None:
+            os.environ.pop(DEVICE_ENV, None)
+        else:
+            os.environ[DEVICE_ENV] = old_env
+
+
+def preimport(script: Path) -> List[str]:
+    """Import, before profiling starts, the installed packages that SCRIPT imports anywhere in its source.
+
+    With `with_stack=True` the Python tracer records every call, and importing a large library
+    (transformers: millions of calls) would swamp the trace and make exporting it take minutes. Only
+    absolute imports of modules found outside the script's own directory are done (the user's local
+    modules keep their import-time side effects where the script puts them); `from pkg import name`
+    also resolves `name`, which loads lazily exported submodules. Failures are ignored: the script
+    meets them itself. Returns the modules imported.
+    """
+    import ast
+    import importlib
+    import importlib.util
+
+    try:
+        tree = ast.parse(script.read_bytes(), str(script))
+    except (SyntaxError, ValueError):
+        return []
+    script_dir = os.path.dirname(os.path.realpath(script)) + os.sep
+    wanted: List[tuple] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            wanted += [(a.name, ()) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            wanted.append((node.module, tuple(a.name for a in node.names if a.name != "*")))
+    done: List[str] = []
+    for name, attrs in wanted:
+        top = name.split(".")[0]
+        if top == "advisor" or top == "__main__":
+            continue
+        try:
+            spec = importlib.util.find_spec(top)
+            origin = getattr(spec, "origin", None) or ""
+            locs = list(getattr(spec, "submodule_search_locations", None) or [])
+            if spec is None or any(os.path.realpath(x).startswith(script_dir) for x in [origin, *locs] if x):
+                continue
+            mod = importlib.import_module(name)
+            for a in attrs:
+                try:
+                    getattr(mod, a)
+                except AttributeError:
+                    try:
+                        importlib.import_module(f"{name}.{a}")
+                    except Exception:
+                        pass
+            done.append(name)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # noqa: BLE001 - ImportError, SystemExit from odd modules, ...
+            continue
+    return done
+
+
+def _run_as_main(script: Path, outcome: _Outcome) -> None:
+    """runpy the script as __main__ (argv/path already set up); record how it ended in `outcome`."""
     t0 = time.perf_counter()
     try:
         runpy.run_path(str(script), run_name="__main__")
@@ -113,7 +182,6 @@ def _run_as_main(script: Path, args: Sequence[str], outcome: _Outcome) -> None:
         outcome.traceback = _script_traceback(e, script)
     finally:
         outcome.wall_s = time.perf_counter() - t0
-        sys.argv, sys.path[:] = old_argv, old_path
 
 
 def _gzip_file(src: Path, dst: Path) -> None:
@@ -149,6 +217,7 @@ def profile_script(
     device: str = "auto",
     region: Optional[str] = None,
     console=None,
+    preimport_modules: bool = True,
 ) -> Dict[str, Any]:
     """Profile SCRIPT and write OUT_DIR/trace/{kineto.json.gz, et.json.gz, meta.json}; returns meta.
 
@@ -187,33 +256,37 @@ def profile_script(
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
     outcome = _Outcome()
-    old_env = os.environ.get(DEVICE_ENV)
-    os.environ[DEVICE_ENV] = dev
     console.print(f"[bold]fusion-advisor[/] profiling [cyan]{script}[/] on [bold]{dev}[/] …")
-    et = ExecutionTraceObserver().register_callback(str(et_tmp))
-    try:
-        with nvtx_range("fusion-advisor.profile"):
-            with console.status(f"running {script.name} under torch.profiler …", spinner="dots"):
-                with profile(activities=activities, record_shapes=True, with_stack=True,
-                             execution_trace_observer=et) as prof:
-                    with ranges_as_regions():
-                        _run_as_main(script, args, outcome)
-                    if dev == "cuda":
-                        try:
-                            torch.cuda.synchronize()
-                        except Exception as e:  # a CUDA error from the workload surfaces here
-                            if outcome.error is None:
-                                outcome.complete, outcome.error = False, f"{type(e).__name__}: {e}"
-    finally:
-        if old_env is None:
-            os.environ.pop(DEVICE_ENV, None)
-        else:
-            os.environ[DEVICE_ENV] = old_env
+    timings: Dict[str, float] = {}
+    t_phase = time.perf_counter()
+    with _script_env(script, args, dev):
+        if preimport_modules:
+            with nvtx_range("fusion-advisor.preimport"), console.status("importing the script's packages …", spinner="dots"):
+                preimport(script)
+        timings["preimport"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
+        et = ExecutionTraceObserver().register_callback(str(et_tmp))
         try:
-            et.unregister_callback()
-        except Exception:  # pragma: no cover
-            pass
+            with nvtx_range("fusion-advisor.profile"):
+                with console.status(f"running {script.name} under torch.profiler …", spinner="dots"):
+                    with profile(activities=activities, record_shapes=True, with_stack=True,
+                                 execution_trace_observer=et) as prof:
+                        with ranges_as_regions():
+                            _run_as_main(script, outcome)
+                        if dev == "cuda":
+                            try:
+                                torch.cuda.synchronize()
+                            except Exception as e:  # a CUDA error from the workload surfaces here
+                                if outcome.error is None:
+                                    outcome.complete, outcome.error = False, f"{type(e).__name__}: {e}"
+        finally:
+            try:
+                et.unregister_callback()
+            except Exception:  # pragma: no cover
+                pass
 
+    timings["profile"] = time.perf_counter() - t_phase
+    t_phase = time.perf_counter()
     if outcome.traceback:
         sys.stdout.flush()
         sys.stderr.write(outcome.traceback)
@@ -232,10 +305,14 @@ def profile_script(
         events = trace.get("traceEvents", []) if isinstance(trace, dict) else []
         steady = steady_mod.steady_state(events, region)
         summary = steady_mod.summarize(events, steady)
+        del trace, events
+    timings["export"] = time.perf_counter() - t_phase
+    t_phase = time.perf_counter()
 
     with nvtx_range("fusion-advisor.measure"), console.status("measuring bandwidth and launch cost …", spinner="dots"):
         measured = measure(dev)
         dinfo = device_info(dev)
+    timings["measure"] = time.perf_counter() - t_phase
 
     meta: Dict[str, Any] = {
         **_versions(),
@@ -250,6 +327,7 @@ def profile_script(
         "kernels": summary["kernels"],
         "cpu_ops": summary["cpu_ops"],
         "wall_s": round(outcome.wall_s, 4),
+        "collect_s": {k: round(v, 3) for k, v in timings.items()},
     }
     if "measure_error" in measured:
         meta["measure_error"] = measured["measure_error"]
