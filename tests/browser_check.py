@@ -7,9 +7,9 @@ Drives Chromium over the DevTools protocol with a small stdlib WebSocket client 
   rendered size, not display:none / visibility:hidden), one dataflow per candidate row;
 - clicks a numeric header of the candidates table and checks the rows come back sorted;
 - checks the page does not overflow horizontally at 1366 px;
-- saves a PNG screenshot (viewport, or the full page with --full-page).
+- saves a PNG screenshot (the 1366x900 viewport, the top --height px, or the full page).
 
-Usage: python tests/browser_check.py report.html [--screenshot out.png] [--full-page]
+Usage: python tests/browser_check.py report.html [--screenshot out.png] [--full-page | --height PX]
 Prints the result as JSON; exit status 0 when every check passes.
 """
 from __future__ import annotations
@@ -272,11 +272,12 @@ def screenshot(cdp, path, y=0, height=VIEW_H, timeout=60.0) -> Path:
     return path
 
 
-def check(html_path, screenshot_path=None, full_page=False, chromium=None, timeout=60.0) -> dict:
+def check(html_path, screenshot_path=None, full_page=False, chromium=None, timeout=60.0, height=None) -> dict:
     with open_page(html_path, chromium, timeout) as (cdp, url):
         probe = json.loads(cdp.call("Runtime.evaluate", expression=PAGE_PROBE, returnByValue=True)["result"]["value"])
         if screenshot_path:
-            screenshot(cdp, screenshot_path, 0, probe["page_height"] if full_page else VIEW_H, timeout)
+            h = probe["page_height"] if full_page else min(height or VIEW_H, probe["page_height"])
+            screenshot(cdp, screenshot_path, 0, h, timeout)
         cdp.call("Runtime.evaluate", expression="1")  # drain events queued during the probe
 
     errors, requests = [], []
@@ -321,8 +322,9 @@ def main(argv=None) -> int:
     ap.add_argument("html")
     ap.add_argument("--screenshot")
     ap.add_argument("--full-page", action="store_true")
+    ap.add_argument("--height", type=int, help="screenshot the top HEIGHT px of the page (default: the viewport)")
     args = ap.parse_args(argv)
-    res = check(args.html, args.screenshot, args.full_page)
+    res = check(args.html, args.screenshot, args.full_page, height=args.height)
     print(json.dumps({k: v for k, v in res.items() if k != "probe"} | {"probe_keys": sorted(res["probe"])}, indent=1))
     return 0 if res["ok"] else 1
 

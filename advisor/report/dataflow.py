@@ -159,18 +159,22 @@ def _node(v: _V) -> str:
     if v.kind == "op":
         cls = str(d.get("class") or "other")
         col = class_color(cls)
-        has_kernel = bool(d.get("kernel"))
+        # CPU traces have no kernels at all, so "did work" is: not a view, and took time or launched one.
+        has_kernel = _does_work(d)
         # Class shows as colour (legend under the diagram): the box has room for the time only.
         sub = fmt_time(d.get("time_us")) if has_kernel else "view, no kernel"
         tip = f"{d.get('op', '?')} ({class_label(cls)})\nmodule: {d.get('module') or '(top level)'}"
-        tip += f"\nkernel: {short_kernel(d.get('kernel'), 100)}\ntime: {fmt_time(d.get('time_us'))}" if has_kernel else "\nno kernel (a view)"
+        if has_kernel:
+            tip += (f"\nkernel: {short_kernel(d.get('kernel'), 100)}" if d.get("kernel") else "") + f"\ntime: {fmt_time(d.get('time_us'))}"
+        else:
+            tip += "\nno kernel (a view)"
         dash = '' if has_kernel else ' stroke-dasharray="4 3"'
         return (f'<g class="node op" data-class="{e(cls)}"><title>{e(tip)}</title>'
                 f'<rect x="{x:.1f}" y="{y:.1f}" width="{NODE_W}" height="{v.h}" rx="7" fill="{col}" fill-opacity="0.13" '
                 f'stroke="{col}" stroke-width="1.6"{dash}/>'
                 f'<rect x="{x:.1f}" y="{y:.1f}" width="5" height="{v.h}" rx="2" fill="{col}"/>'
                 f'<text x="{x + NODE_W / 2 + 2:.1f}" y="{y + 19:.1f}" text-anchor="middle" class="op-name">'
-                f'{e(ellipsize(op_short(d.get("op")), 15))}</text>'
+                f'{e(ellipsize(d.get("label") or op_short(d.get("op")), 15))}</text>'
                 f'<text x="{x + NODE_W / 2 + 2:.1f}" y="{y + 34:.1f}" text-anchor="middle" class="op-sub">{e(sub)}</text></g>')
     label = "input" if v.kind == "in" else "output"
     shape, dt = fmt_shape(d.get("shape")), short_dtype(d.get("dtype"))
@@ -254,9 +258,15 @@ def classes_in(c: dict) -> List[str]:
     return sorted({str(n.get("class") or "other") for n in nodes if isinstance(n, dict)})
 
 
+def _does_work(n: dict) -> bool:
+    if n.get("class") == "view":
+        return False
+    return bool(n.get("kernel")) or (n.get("time_us") or 0) > 0
+
+
 def node_count(c: dict) -> Tuple[int, int]:
-    """(ops with a kernel, all ops) of one occurrence."""
+    """(ops that do work, all ops) of one occurrence."""
     nodes = [n for n in (c.get("graph") or {}).get("nodes") or [] if isinstance(n, dict)]
-    return sum(1 for n in nodes if n.get("kernel")), len(nodes)
+    return sum(1 for n in nodes if _does_work(n)), len(nodes)
 
 

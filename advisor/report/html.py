@@ -29,9 +29,10 @@ def _summary(a: dict, apply: Optional[dict]) -> str:
     dev, src, ss, tot = (a.get(k) or {} for k in ("device", "source", "steady_state", "totals"))
     kind = "GPU" if tot.get("time_kind") == "gpu" else "CPU"
     pot, t = M.potential_saving(a), M.total_time_us(a)
-    tiles = [_tile(fmt_int(tot.get("kernels")), "kernels per iteration"),
+    noun = M.work_noun(a)
+    tiles = [_tile(fmt_int(tot.get("kernels")), f"{noun} per iteration"),
              _tile(fmt_time(tot.get("time_us")), f"{kind} time per iteration"),
-             _tile(fmt_pct(tot.get("memory_bound_share")), "of time in memory-bound kernels"),
+             _tile(fmt_pct(tot.get("memory_bound_share")), f"of time in memory-bound {noun}"),
              _tile(fmt_time(pot), f"fusion could save per iteration ({fmt_pct(pot / t) if t else '–'})", "hi"),
              _tile(fmt_int(len(M.candidates(a))), "fusion candidates")]
     e2e = (apply or {}).get("end_to_end") if isinstance(apply, dict) else None
@@ -49,8 +50,8 @@ def _summary(a: dict, apply: Optional[dict]) -> str:
 
 
 def _breakable(path: str) -> str:
-    """Escaped path that wraps only before a dot, never inside a module name or a `{0..15}` range."""
-    return "<wbr>.".join(e(p) for p in re.split(r"\.(?![^{]*\})", path))
+    """Escaped path that wraps only before a separator, never inside a module name or a `{0..15}` range."""
+    return re.sub(r"([./])(?![^{]*\})", r"<wbr>\1", e(path))
 
 
 def _table(a: dict, apply: Optional[dict], colors: Dict[str, str]) -> str:
@@ -111,7 +112,7 @@ def _bytes_bars(c: dict) -> str:
         return ""
     bf = bf or 0.0
     saved = M.num(c.get("bytes_saved"), bu - bf)
-    return (f'<div class="bytes"><b>HBM traffic per iteration</b>'
+    return (f'<div class="bytes"><b>Memory traffic per iteration</b>'
             f'<div class="row"><span>unfused</span><div class="bar" style="width:100%"></div><span>{e(fmt_bytes(bu))}</span></div>'
             f'<div class="row"><span>fused</span><div class="bar fused" style="width:{max(0.5, 100 * bf / bu):.1f}%"></div>'
             f'<span>{e(fmt_bytes(bf))}</span></div>'
@@ -170,7 +171,7 @@ def _candidate(a: dict, c: dict, p: Optional[dict], color: str) -> str:
     with_k, n_ops = node_count(c)
     occ = M.num(c.get("occurrences"), 1) or 1
     facts = [("Occurrences", fmt_int(c.get("occurrences"))),
-             ("Kernels per occurrence", f"{with_k} → 1" if with_k else "–"),
+             (f"{M.work_noun(a).capitalize()} per occurrence", f"{with_k} → 1" if with_k else "–"),
              ("Launches saved", f"{fmt_int(c.get('kernels_saved'))} per iteration"),
              ("Est. saved", f"{fmt_time(c.get('est_time_saved_us'))} per iteration ({fmt_pct(M.share(c, a))}), "
                             f"{fmt_time(M.num(c.get('est_time_saved_us'), 0) / occ)} per occurrence"),
@@ -236,7 +237,8 @@ def render_html(analysis: dict, apply: Optional[dict] = None) -> str:
         f'<header class="top"><div><h1>Fusion report</h1><div class="sub">{e(dev.get("name", "?"))} · '
         f'{e(src.get("kineto") or "?")}</div></div><div class="sub">fusion-advisor {e(__version__)}</div></header>',
         warn, _summary(a, apply),
-        f'<section class="card"><h2>One steady-state iteration</h2>{timeline(a, colors, titles)}'
+        f'<section class="card"><h2>One steady-state iteration ({M.work_noun(a)} over time)</h2>'
+        f'{timeline(a, colors, titles)}'
         f'{timeline_legend(a, colors, titles)}</section>',
         _table(a, apply, colors),
     ]

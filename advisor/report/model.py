@@ -16,6 +16,11 @@ def num(x, default=None):
     return default if v != v else v
 
 
+def work_noun(analysis: dict) -> str:
+    """CPU traces have ops, not kernels; saying "kernels" there would misdescribe what was counted."""
+    return "ops" if (analysis.get("totals") or {}).get("time_kind") == "cpu" else "kernels"
+
+
 def candidates(analysis: dict) -> List[dict]:
     cs = [c for c in analysis.get("candidates") or [] if isinstance(c, dict)]
     return sorted(cs, key=lambda c: (num(c.get("rank"), 1e9), str(c.get("id", ""))))

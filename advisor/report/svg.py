@@ -56,7 +56,8 @@ def _nice_step(span: float, target: int = 8) -> float:
 def timeline(analysis: dict, cand_colors: Dict[str, str], cand_titles: Dict[str, str], width: int = 1180) -> str:
     events = [k for k in analysis.get("timeline") or [] if isinstance(k, dict)]
     label_w, pad_r = 96, 12
-    lanes = [("Kernels", "by op class"), ("Candidates", "fusable kernels")]
+    noun = M.work_noun(analysis)
+    lanes = [(noun.capitalize(), "by op class"), ("Candidates", f"fusable {noun}")]
     lane_h, lane_gap, top, axis_h = 30, 10, 6, 26
     h = top + len(lanes) * (lane_h + lane_gap) + axis_h
     out = [f'<svg id="timeline" viewBox="0 0 {width} {h}" width="{width}" height="{h}" role="img" '

@@ -56,8 +56,9 @@ def _summary(analysis: dict, apply: Optional[dict]) -> Panel:
     if ss:
         g.add_row("Steady state", f"{fmt_int(ss.get('iterations'))} iterations, found by {ss.get('source', '?')}")
     kind = "GPU" if totals.get("time_kind") == "gpu" else "CPU"
-    g.add_row("Per iteration", f"{fmt_int(totals.get('kernels'))} kernels · {fmt_time(totals.get('time_us'))} {kind} time")
-    g.add_row("Memory-bound", f"{fmt_pct(totals.get('memory_bound_share'))} of the time is in memory-bound kernels")
+    noun = M.work_noun(analysis)
+    g.add_row("Per iteration", f"{fmt_int(totals.get('kernels'))} {noun} · {fmt_time(totals.get('time_us'))} {kind} time")
+    g.add_row("Memory-bound", f"{fmt_pct(totals.get('memory_bound_share'))} of the time is in memory-bound {noun}")
     pot, t = M.potential_saving(analysis), M.total_time_us(analysis)
     n = len(M.candidates(analysis))
     if n:
@@ -90,8 +91,8 @@ def _pattern_cell(c: dict) -> Text:
 
 
 def _wrap_dotted(path: str, width: int) -> str:
-    """Break a module path before a dot, never inside a name (rich would fold mid-word)."""
-    parts = re.split(r"(?=\.(?![^{]*\}))", path)
+    """Break a module path before a separator, never inside a name (rich would fold mid-word)."""
+    parts = re.split(r"(?=[./](?![^{]*\}))", path)
     lines, cur = [], ""
     for p in parts:
         if cur and len(cur) + len(p) > width:

@@ -137,7 +137,10 @@ def ellipsize(s: str, limit: int) -> str:
 
 # ---- module paths -------------------------------------------------------------------------
 
-_INDEX = re.compile(r"(?:(?<=[./])|^)(\d+)(?=[./]|$)")
+# An index is a path segment of digits (`layers.3`, HF names) or a `_3` suffix (`LlamaMLP_3`, the
+# profiler's module-instance names).
+_INDEX = re.compile(r"(?:(?<=[./_])|^)(\d+)(?=[./]|$)")
+_SEP = re.compile(r"[./](?![^{]*\})")  # separators outside `{0..31}`
 
 
 def _ranges(nums: Iterable[int]) -> str:
@@ -168,7 +171,7 @@ def module_groups(modules: Iterable[str]) -> List[str]:
             if desc != anc and (anc == "" or desc.startswith(anc + ".") or desc.startswith(anc + "/")):
                 # A numbered container entry (`layers.3`) is too coarse to name the site, so its
                 # child wins; a named block (`mlp`) is the natural site, so it absorbs `mlp.act_fn`.
-                coarse = anc == "" or re.search(r"(^|[./])\d+$", anc) is not None
+                coarse = anc == "" or re.search(r"(^|[./_])\d+$", anc) is not None
                 drop.add(anc if coarse else desc)
     leaves = [m for m in mods if m not in drop]
     groups: dict = {}
@@ -187,23 +190,39 @@ def module_groups(modules: Iterable[str]) -> List[str]:
     return [s for _, s in sorted(out)]
 
 
-_SEP = re.compile(r"\.(?![^{]*\})")  # dots outside `{0..31}`
-
-
 def shorten_path(path: str, limit: int = 48) -> str:
-    """Drop the longest middle segments first: the head, the index range and the leaf carry the meaning."""
+    """Fit a module path in about `limit` chars, keeping what locates it: the index ranges and the leaf.
+
+    Segments go in this order: the root-side ones before the first `{..}` range (keeping the
+    container of a bare index, e.g. `layers`), then the longest of the rest; the leaf always stays.
+    """
     if len(path) <= limit:
         return path
+    seps = [m.group() for m in _SEP.finditer(path)]
     parts = _SEP.split(path)
-    while len(".".join(parts)) > limit:
-        middle = [i for i in range(1, len(parts) - 1) if parts[i] != "…" and "{" not in parts[i]]
-        if not middle:
+    first_range = next((i for i, p in enumerate(parts) if "{" in p), len(parts) - 1)
+    keep_parent = parts[first_range].startswith("{")  # `layers.{0..15}` needs `layers`; `Layer_{0,1}` does not
+    order = list(range(0, max(0, first_range - (1 if keep_parent else 0))))
+    order += sorted((i for i in range(first_range, len(parts) - 1) if "{" not in parts[i]), key=lambda i: -len(parts[i]))
+    dropped = set()
+
+    def join():
+        out, prev_dropped = "", False
+        for i, p in enumerate(parts):
+            if i in dropped:
+                if not prev_dropped:
+                    out += ("" if i == 0 else seps[i - 1]) + "…"
+                prev_dropped = True
+                continue
+            out += ("" if i == 0 else seps[i - 1]) + p
+            prev_dropped = False
+        return out
+
+    for i in order:
+        if len(join()) <= limit:
             break
-        i = max(middle, key=lambda j: len(parts[j]))
-        parts[i] = "…"
-        parts = [p for k, p in enumerate(parts) if not (p == "…" and k > 0 and parts[k - 1] == "…")]
-    s = ".".join(parts)
-    return s if len(s) <= limit else "…" + path[-(limit - 1):]
+        dropped.add(i)
+    return join()  # may stay over the limit: a name cut mid-word would point nowhere
 
 
 def modules_summary(modules: Iterable[str], max_groups: int = 2, limit: int = 48) -> List[str]:
