@@ -18,6 +18,7 @@ import shutil
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -268,7 +269,10 @@ def profile_script(
         et = ExecutionTraceObserver().register_callback(str(et_tmp))
         try:
             with nvtx_range("fusion-advisor.profile"):
-                with console.status(f"running {script.name} under torch.profiler …", spinner="dots"):
+                with console.status(f"running {script.name} under torch.profiler …", spinner="dots"), \
+                        warnings.catch_warnings():
+                    # torch 2.11 warns about schedule cycles, which a single profile() never has
+                    warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle.*")
                     with profile(activities=activities, record_shapes=True, with_stack=True,
                                  execution_trace_observer=et) as prof:
                         with ranges_as_regions():
