@@ -223,6 +223,20 @@ def test_dataflow_layout_flows_right_and_never_overlaps(analysis):
         assert width <= 1400  # fits a laptop screen at >= 0.85 scale; long chains fold into bands
 
 
+def test_long_timelines_stay_small(analysis):
+    """A big model's iteration has tens of thousands of kernels; sub-pixel ones share marks."""
+    from advisor.report.svg import timeline
+
+    span = analysis["timeline"][-1]["ts_us"] + 10
+    big = dict(analysis, timeline=[dict(k, ts_us=k["ts_us"] + r * span) for r in range(40) for k in analysis["timeline"]])
+    svg = timeline(big, {"c1": "#f00"}, {})
+    assert len(big["timeline"]) > 27_000 and svg.count("<rect") < 3000 and len(svg) < 1_000_000
+    assert "kernels at this zoom" in svg
+    small = timeline(analysis, {}, {})  # under the threshold: one mark per kernel, plus 2 lanes and candidates
+    n_cand = sum(1 for k in analysis["timeline"] if k["candidate"])
+    assert small.count("<rect") == 2 + len(analysis["timeline"]) + n_cand
+
+
 # ---------------------------------------------------------------------------- files and the CLI
 def test_render_reports_writes_html_and_txt(tmp_path, analysis, applied):
     d = _report_dir(tmp_path, analysis, applied)

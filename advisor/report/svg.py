@@ -39,7 +39,7 @@ def class_bars(analysis: dict, width: int = 560) -> str:
                    f'<text x="{label_w + w + 8:.1f}" y="{y + 15}" class="val">{e(fmt_time(v))}'
                    f'<tspan class="muted"> · {e(fmt_pct(v / total))}</tspan></text></g>')
     if not rows:
-        out.append(f'<text x="0" y="20" class="muted">no per-class times in analysis.json</text>')
+        out.append('<text x="0" y="20" class="muted">no per-class times in analysis.json</text>')
     out.append("</svg>")
     return "".join(out)
 
@@ -51,6 +51,27 @@ def _nice_step(span: float, target: int = 8) -> float:
         if raw <= m * mag:
             return m * mag
     return 10 * mag
+
+
+MAX_MARKS = 2000  # past this, sub-pixel kernels share one mark per ~pixel (keeps the file small)
+
+
+def _merge(marks: list, noun: str) -> list:
+    """Fold runs of sub-pixel marks into ~1 px marks coloured by whichever took the most time."""
+    out = []
+    for m in marks:
+        x, w, col, c, tip, dur = m
+        p = out[-1] if out else None
+        if p and w < 1 and p[1] < 2 and x - p[0] < 1.5:
+            p[1] = max(p[1], x + w - p[0])
+            p[5] += dur
+            p[6][(col, c)] = p[6].get((col, c), 0.0) + dur
+            p[7] += 1
+            p[2], p[3] = max(p[6], key=p[6].get)
+            p[4] = f"{p[7]} {noun} at this zoom, {fmt_time(p[5])} in all; the first:\n{p[8]}"
+        else:
+            out.append([x, w, col, c, tip, dur, {(col, c): dur}, 1, tip])
+    return [m[:6] for m in out]
 
 
 def timeline(analysis: dict, cand_colors: Dict[str, str], cand_titles: Dict[str, str], width: int = 1180) -> str:
@@ -87,14 +108,17 @@ def timeline(analysis: dict, cand_colors: Dict[str, str], cand_titles: Dict[str,
                f"\n{k.get('module') or '(top level)'}\n{fmt_time(dur)} at {fmt_time(ts - t0)}")
         if cid:
             tip += f"\ncandidate {cand_titles.get(str(cid), cid)}"
-        kern.append(f'<rect class="k" x="{x:.2f}" y="{y_k + 3}" width="{w:.2f}" height="{lane_h - 6}" '
-                    f'fill="{class_color(k.get("class"))}"><title>{e(tip)}</title></rect>')
+        kern.append([x, w, class_color(k.get("class")), None, tip, dur])
         if cid:
-            color = cand_colors.get(str(cid), "#555")
-            cand.append(f'<rect class="k c" data-c="{e(cid)}" x="{x:.2f}" y="{y_c + 3}" width="{w:.2f}" '
-                        f'height="{lane_h - 6}" fill="{color}"><title>{e(tip)}</title></rect>')
-    out.append('<g class="kernels">' + "".join(kern) + "</g>")
-    out.append('<g class="cands">' + "".join(cand) + "</g>")
+            cand.append([x, w, cand_colors.get(str(cid), "#555"), str(cid), tip, dur])
+    if len(events) > MAX_MARKS:
+        kern, cand = _merge(kern, noun), _merge(cand, noun)
+    for marks, y, extra in ((kern, y_k, ""), (cand, y_c, " c")):
+        out.append(f'<g class="{"cands" if extra else "kernels"}">')
+        out.extend(f'<rect class="k{extra}"' + (f' data-c="{e(c)}"' if c else "")
+                   + f' x="{x:.2f}" y="{y + 3}" width="{w:.2f}" height="{lane_h - 6}" fill="{col}"><title>{e(tip)}</title></rect>'
+                   for x, w, col, c, tip, _ in marks)
+        out.append("</g>")
 
     y_ax = top + len(lanes) * (lane_h + lane_gap)
     step = _nice_step(span)

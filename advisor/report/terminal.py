@@ -135,7 +135,7 @@ def _candidates_table(analysis: dict, apply: Optional[dict], top: int, width: in
             p = pats.get(str(c.get("id")))
             meas = M.measured_saved_per_iter(p, c)
             label, style = STATUS_TEXT[M.status(p)]
-            cell = Text(fmt_time(meas) if meas is not None else "–")
+            cell = Text(fmt_time(meas) if meas is not None else "–", style="red" if meas is not None and meas < 0 else "")
             if label:
                 cell.append("\n" + label, style=style)
             row.append(cell)
