@@ -66,7 +66,7 @@ def test_analysis_json_schema(seed_trace, tmp_path):
                 "bytes_fused", "bytes_saved", "est_time_saved_us", "measured_time_us", "confidence", "program"):
         assert key in c, key
     assert doc["device"]["bandwidth_source"] == "measured"
-    assert c["modules"] == ["Seed_0"]
+    assert c["modules"] == ["Seed"]  # qualified: the root module class
     prog = c["program"]
     assert [n["op"] for n in prog["nodes"]] == c["ops"]
     assert len(prog["inputs"]) == 2 and len(prog["outputs"]) == 1

@@ -81,8 +81,9 @@ def analyze(path, et=None) -> Analysis:
         r["id"] = f"c{rank}"
         r["rank"] = rank
         r["share_of_iteration"] = r["est_time_saved_us"] / totals["time_us"] if totals["time_us"] else 0.0
-        r["extends"] = next((o["id"] for o in records if o["pattern_id"] == r["extends_pattern"]), None) \
-            if r["extends_pattern"] else None
+    id_of = {r["pattern_id"]: r["id"] for r in records}
+    for r in records:
+        r["extends"] = id_of.get(r["extends_pattern"])
     groups_by_id = {r["id"]: group_map[r["pattern_id"]] for r in records}
     doc = {
         "schema_version": SCHEMA_VERSION,

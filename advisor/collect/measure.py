@@ -4,8 +4,9 @@ Kept short (well under 2 s together) so they can run after every profile.
 - bandwidth: bytes read + written per second by a large copy. GPU: device-to-device copy of a 256 MiB
   random buffer, timed with CUDA events, median of 10 after warm-up. CPU: `clone()` of a 256 MiB
   tensor, median (first clones, which mostly measure page faults, are warm-up).
-- launch: cost of one empty kernel launch. GPU: back-to-back launches of a trivial kernel
-  (`add_` on a 1-element tensor) between two CUDA events, divided by their number. CPU: per-call time
+- launch: cost of one empty kernel launch. GPU: a CUDA graph of back-to-back trivial kernels
+  (`add_` on a 1-element tensor) replayed between two CUDA events, divided by their number; the host
+  side is `dispatch_us`, back-to-back eager calls timed on the host clock. CPU: per-call time
   of the same trivial op, i.e. the dispatcher's cost.
 """
 from __future__ import annotations
@@ -98,40 +99,61 @@ def _cpu_bandwidth(budget_s: float = 0.6) -> float:
 
 
 def launch_us(device: str) -> Optional[float]:
-    """Cost of one empty kernel launch (GPU) or one trivial op dispatch (CPU), in microseconds."""
-    if device == "cuda":
-        x = torch.zeros(1, device="cuda")
-        for _ in range(50):
-            x.add_(1)
-        torch.cuda.synchronize()
-        n, samples = 500, []
+    """GPU-side cost of one tiny kernel in a stream of them (GPU), or one trivial op dispatch (CPU), in µs.
+
+    On a GPU this replays a CUDA graph of back-to-back tiny kernels, so host dispatch is out of the
+    number: it is what one kernel fewer saves on the GPU timeline. Host cost is `dispatch_us`.
+    """
+    if device != "cuda":
+        return dispatch_us(device)
+    x = torch.zeros(1, device="cuda")
+    n = 200
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
         for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                x.add_(1)
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / n)
-        return statistics.median(samples)
-    x = torch.zeros(1)
+            x.add_(1)  # warm-up on the capture stream, as graph capture requires
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / n)
+    return statistics.median(samples)
+
+
+def dispatch_us(device: str) -> Optional[float]:
+    """Host-side cost of one trivial eager op (Python -> dispatcher -> launch), in µs."""
+    x = torch.zeros(1, device=device)
     for _ in range(100):
         x.add_(1)
-    n, samples = 1000, []
+    n, samples = 500, []
     for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(n):
             x.add_(1)
         samples.append((time.perf_counter() - t0) * 1e6 / n)
+    if device == "cuda":
+        torch.cuda.synchronize()
     return statistics.median(samples)
 
 
 def measure(device: str) -> Dict[str, Any]:
     """bandwidth_Bps and launch_us for `device`; a failed measurement is None with the reason kept."""
-    out: Dict[str, Any] = {"bandwidth_Bps": None, "launch_us": None}
+    out: Dict[str, Any] = {"bandwidth_Bps": None, "launch_us": None, "dispatch_us": None}
     errors = []
     with torch.inference_mode():
-        for key, fn in (("bandwidth_Bps", bandwidth_Bps), ("launch_us", launch_us)):
+        for key, fn in (("bandwidth_Bps", bandwidth_Bps), ("launch_us", launch_us), ("dispatch_us", dispatch_us)):
             try:
                 out[key] = float(fn(device))
             except Exception as e:  # e.g. the workload left the GPU in an error state

@@ -246,6 +246,7 @@ def profile_script(
     from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile
 
     from advisor.collect import steady as steady_mod
+    from advisor.collect.module_scopes import module_scopes
     from advisor.collect.measure import device_info, measure
     from advisor.collect.nvtx_ranges import ranges_as_regions
 
@@ -275,7 +276,7 @@ def profile_script(
                     warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle.*")
                     with profile(activities=activities, record_shapes=True, with_stack=True,
                                  execution_trace_observer=et) as prof:
-                        with ranges_as_regions():
+                        with ranges_as_regions(), module_scopes():
                             _run_as_main(script, outcome)
                         if dev == "cuda":
                             try:
@@ -326,6 +327,7 @@ def profile_script(
         "steady_state": steady,
         "bandwidth_Bps": measured["bandwidth_Bps"],
         "launch_us": measured["launch_us"],
+        "dispatch_us": measured["dispatch_us"],
         "complete": outcome.complete,
         "error": outcome.error,
         "kernels": summary["kernels"],
