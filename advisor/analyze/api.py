@@ -13,7 +13,7 @@ from advisor.analyze.fusion import Group, find_groups
 from advisor.analyze.patterns import op_label, pattern_id, signature, title
 from advisor.graph.dataflow import Graph, build_graph
 from advisor.graph.dtypes import torch_dtype_name
-from advisor.ops.registry import MEMORY_BOUND, OpClass
+from advisor.ops.registry import MEMORY_BOUND
 from advisor.trace.load import load_trace
 
 SCHEMA_VERSION = 1
@@ -58,7 +58,7 @@ def analyze(path, et=None) -> Analysis:
         first, sig = occ[0]
         rec = {
             "pattern_id": pid, "pattern": sig, "title": title(graph, first),
-            "kind": _kind(graph, first),
+            "kind": _kind(graph, first, title(graph, first)),
             "ops": [graph.nodes[m].op for m in first.members],
             "kernels": _uniq(k for m in first.members for k in graph.nodes[m].kernels),
             "modules": _uniq(graph.nodes[m].module for g, _ in occ for m in g.members if graph.nodes[m].module),
@@ -141,16 +141,12 @@ def _uniq(items) -> list:
     return list(seen)
 
 
-def _kind(graph: Graph, g: Group) -> str:
+def _kind(graph: Graph, g: Group, name: str) -> str:
     if g.anchor is not None:
         return "epilogue"
-    classes = {graph.nodes[m].cls for m in g.members}
-    if OpClass.NORM in classes and any("batch" not in graph.nodes[m].op for m in g.members
-                                       if graph.nodes[m].cls == OpClass.NORM):
-        return "norm"
-    if OpClass.REDUCTION in classes:
-        return "reduction"
-    return "pointwise"
+    if "Norm" in name.split(":")[0]:
+        return "norm"  # LayerNorm, RMSNorm (however it is spelled in ops), BatchNorm
+    return "reduction" if g.rows else "pointwise"
 
 
 def _totals(graph: Graph) -> dict:
