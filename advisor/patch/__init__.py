@@ -1,0 +1,157 @@
+"""Patch fused kernels into a live model, reversibly.
+
+    handle = advisor.patch(model, "advisor_out")     # the plan `apply` / `optimize` wrote
+    handle = advisor.patch(model, plan)              # or a `Plan` built in-process
+    advisor.unpatch(model)                           # the original forwards, bit for bit
+
+Each target module's `forward` becomes a `PatchedForward` (an instance attribute; the class is never
+touched): it runs the module's captured, rewritten forward (see `capture`), or the original forward
+when patches are off or autograd needs it. `unpatch` deletes the attribute again (or puts back an
+instance-level forward that was there before), so the module is exactly as it was. Patched models
+survive `state_dict` save/load, `.to()`, `eval()/train()` (dynamo guards recompile, and sites whose
+guard no longer holds run the original ops), `copy.deepcopy` and pickling.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from advisor.errors import AdvisorError
+from advisor.patch import rewrite
+from advisor.patch.capture import PatchedForward
+from advisor.patch.modules import called_ancestor, contains, outermost, qualified, resolve
+from advisor.patch.plan import Plan, PatternSpec, Target, build_plan, load_plan, manifest_entry, \
+    occurrence_modules, spec_from_candidate
+
+__all__ = ["patch", "unpatch", "patches_off", "only", "Patched", "Plan", "PatternSpec", "Target", "build_plan",
+           "load_plan", "occurrence_modules", "spec_from_candidate", "patched_modules"]
+
+
+@dataclass
+class Patched:
+    """What `patch` did to a model. Site counts fill in once the patched modules have run."""
+
+    model: torch.nn.Module
+    plan: Plan
+    modules: list = field(default_factory=list)  # [(qualified name, module, [PatternSpec])]
+    unresolved: list = field(default_factory=list)  # trace paths that do not fit this model
+
+    def _logs(self, key: str | None = None) -> list:
+        """One log per distinct capture (modules of one class share theirs)."""
+        seen = {}
+        for _, mod, specs in self.modules:
+            f = mod.__dict__.get("forward")
+            if isinstance(f, PatchedForward) and (key is None or any(s.key == key for s in specs)):
+                seen.setdefault(id(f.log()), f.log())
+        return list(seen.values())
+
+    def sites(self, key: str) -> int:
+        """Substituted occurrences of a pattern in the graphs captured so far (shared graphs count once)."""
+        return sum(log.count(key) for log in self._logs(key))
+
+    def site_objects(self, key: str) -> list:
+        return [s for log in self._logs(key) for s in log.sites.get(key, [])]
+
+    def rejected(self, key: str) -> list[str]:
+        return [r for log in self._logs(key) for r in log.rejected.get(key, [])]
+
+    def errors(self) -> list[str]:
+        return [e for log in self._logs() for e in log.errors]
+
+    def manifest(self) -> list[dict]:
+        out = []
+        for qual, mod, specs in self.modules:
+            f = mod.__dict__.get("forward")
+            log = f.log() if isinstance(f, PatchedForward) else None
+            for s in specs:
+                out.append(manifest_entry(s, qualified(self.model, qual), type(mod).__name__,
+                                          log.count(s.key) if log else None))
+        return out
+
+    def unpatch(self) -> None:
+        unpatch(self.model)
+
+
+def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
+    """Patch `model` in place with a plan (or the plan in an `apply`/`optimize` output directory)."""
+    if isinstance(plan, (str, Path)):
+        plan = load_plan(Path(plan))
+    unpatch(model)
+    wanted: dict[str, list[str]] = {}
+    unresolved = []
+    for t in plan.targets:
+        r = resolve(model, t.module)
+        if r is None:
+            unresolved.append(t.module)
+            continue
+        keys = wanted.setdefault(called_ancestor(model, r[0]), [])
+        keys.extend(k for k in t.keys if k not in keys)
+    if plan.targets and not wanted:
+        raise AdvisorError(f"none of the plan's modules is in this {type(model).__name__} "
+                           f"(the plan names {', '.join(sorted({t.module for t in plan.targets})[:3])}, ...)")
+    order = [p.key for p in plan.patterns]
+    done = Patched(model, plan, unresolved=unresolved)
+    # A capture of a module contains every module it calls, so nested targets merge into the outer one.
+    for outer in outermost(list(wanted)):
+        keys = {k for q, ks in wanted.items() if contains(outer, q) for k in ks}
+        specs = [plan.spec(k) for k in order if k in keys]
+        mod = model.get_submodule(outer) if outer else model
+        saved = mod.__dict__.get("forward")
+        mod.forward = PatchedForward(mod, specs, saved)
+        done.modules.append((outer, mod, specs))
+    return done
+
+
+def unpatch(model: torch.nn.Module) -> int:
+    """Restore every patched forward under `model`; returns how many modules were restored."""
+    n = 0
+    for _, mod in model.named_modules():
+        f = mod.__dict__.get("forward")
+        if isinstance(f, PatchedForward):
+            if f.saved is not None:
+                mod.forward = f.saved
+            else:
+                del mod.forward
+            n += 1
+    return n
+
+
+def patched_modules(model: torch.nn.Module) -> list[tuple[str, PatchedForward]]:
+    return [(q, m.__dict__["forward"]) for q, m in model.named_modules()
+            if isinstance(m.__dict__.get("forward"), PatchedForward)]
+
+
+@contextlib.contextmanager
+def patches_off():
+    """Every patched forward runs its original code inside this block (the reference for comparisons)."""
+    old = rewrite.set_off(True)
+    try:
+        yield
+    finally:
+        rewrite.set_off(old)
+
+
+@contextlib.contextmanager
+def only(keys):
+    """Inside this block only the patterns in `keys` run their launchers; other sites run the original ops."""
+    old = rewrite.set_enabled(keys)
+    try:
+        yield
+    finally:
+        rewrite.set_enabled(old)
+
+
+class _CallableModule(type(contextlib)):
+    """`advisor.patch(model, plan)`: the package `advisor.patch` shadows the function `advisor.patch` once
+    imported (Python sets submodules as attributes of their parent), so the package itself is callable."""
+
+    def __call__(self, model, plan):
+        return patch(model, plan)
+
+
+import sys as _sys  # noqa: E402
+
+_sys.modules[__name__].__class__ = _CallableModule

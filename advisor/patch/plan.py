@@ -1,0 +1,172 @@
+"""What to patch: patterns (program + launcher) and the modules to capture, and the manifest.
+
+A pattern is patched into the module that contains each of its occurrences: the innermost common
+module of the ops of that occurrence (a residual add in layer 0 feeding layer 1's RMSNorm lands on
+`model`, a SwiGLU on `mlp`). Occurrence modules come from the analysis' groups in-process; from
+analysis.json alone (no per-occurrence modules there) the target is the common module of all of a
+candidate's modules, which contains every occurrence too, only coarser.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from advisor.errors import AdvisorError
+from advisor.patch.modules import lca
+from advisor.patch.program import is_scalar_slot, program_text
+
+REPLACEMENTS = ("kernel", "program", "subgraph")
+
+
+@dataclass(eq=False)
+class PatternSpec:
+    """One pattern to substitute. Plain data: it is pickled and deep-copied with patched models."""
+
+    candidate: str
+    pattern_id: str
+    title: str
+    program: dict
+    replacement: str = "kernel"  # kernel: the generated launcher; program / subgraph: stand-ins (tests)
+    kernel_file: str | None = None
+    device_type: str | None = None  # what the kernel was validated on (None: any, for stand-ins)
+    est_time_saved_us: float = 0.0
+    signature: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.pattern_id}:{self.replacement}"
+
+    def guard(self) -> dict:
+        ins = []
+        for s in self.program["inputs"]:
+            if is_scalar_slot(s):
+                ins.append({"id": s["id"], "scalar": True})
+            else:
+                ins.append({"id": s["id"], "dtype": s["dtype"], "shape": s["shape"], "strides": s["strides"]})
+        return {"device_type": self.device_type, "inputs": ins, "no_grad_inputs": True}
+
+    def guard_text(self) -> str:
+        dev = self.device_type or "any device"
+        parts = []
+        for s in self.program["inputs"]:
+            if is_scalar_slot(s):
+                parts.append(f"{s['id']}: number")
+            else:
+                parts.append(f"{s['id']}: {s['dtype']}{list(s['shape'])} strides {list(s['strides'])}")
+        return f"{dev}; " + "; ".join(parts) + "; no input requires grad"
+
+
+@dataclass
+class Target:
+    module: str  # trace path: qualified (`Root.a.b`) or an instance chain
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    patterns: list[PatternSpec]
+    targets: list[Target]
+
+    def spec(self, key: str) -> PatternSpec:
+        return next(p for p in self.patterns if p.key == key)
+
+    def without(self, keys) -> "Plan":
+        keys = set(keys)
+        pats = [p for p in self.patterns if p.key not in keys]
+        tgts = [Target(t.module, [k for k in t.keys if k not in keys]) for t in self.targets]
+        return Plan(pats, [t for t in tgts if t.keys])
+
+    def only(self, keys) -> "Plan":
+        return self.without({p.key for p in self.patterns} - set(keys))
+
+
+def spec_from_candidate(c: dict, replacement: str = "kernel", kernel_file: str | None = None,
+                        device_type: str | None = None) -> PatternSpec:
+    if replacement not in REPLACEMENTS:
+        raise AdvisorError(f"replacement must be one of {', '.join(REPLACEMENTS)} (got {replacement!r})")
+    return PatternSpec(candidate=c["id"], pattern_id=c["pattern_id"], title=c["title"], program=c["program"],
+                       replacement=replacement, kernel_file=kernel_file, device_type=device_type,
+                       est_time_saved_us=float(c.get("est_time_saved_us") or 0.0), signature=c.get("pattern", ""))
+
+
+def occurrence_modules(analysis) -> dict[str, list[str]]:
+    """Candidate id -> the module containing each occurrence (from an in-process `Analysis`)."""
+    out: dict[str, list[str]] = {}
+    for cid, groups in analysis.groups.items():
+        mods = []
+        for g in groups:
+            m = lca([analysis.graph.nodes[i].module for i in g.members])
+            if m and m not in mods:
+                mods.append(m)
+        out[cid] = mods
+    return out
+
+
+def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[str]] | None = None) -> Plan:
+    """Targets for `specs` from occurrence modules, or from analysis.json's module lists."""
+    by_cand = {c["id"]: c for c in doc["candidates"]}
+    targets: dict[str, Target] = {}
+    for s in specs:
+        mods = (occurrences or {}).get(s.candidate)
+        if not mods:
+            common = lca(by_cand.get(s.candidate, {}).get("modules", []))
+            mods = [common] if common else []
+        for m in mods:
+            t = targets.setdefault(m, Target(m))
+            if s.key not in t.keys:
+                t.keys.append(s.key)
+    return Plan(list(specs), list(targets.values()))
+
+
+# ------------------------------------------------------------------------------------ on disk
+def manifest_entry(spec: PatternSpec, module: str, cls: str, sites: int | None = None) -> dict:
+    return {"module": module, "class": cls, "candidate": spec.candidate, "pattern_id": spec.pattern_id,
+            "title": spec.title, "pattern": spec.signature, "replacement": spec.replacement,
+            "kernel_file": spec.kernel_file, "guard": spec.guard_text(), "guard_spec": spec.guard(),
+            "sites": sites, "program": program_text(spec.program)}
+
+
+def load_plan(out_dir: Path) -> Plan:
+    """The plan written by `apply`/`optimize`: apply.json's manifest, programs from analysis.json."""
+    out_dir = Path(out_dir)
+    analysis_p = _find(out_dir, "analysis.json")
+    apply_p = _find(out_dir, "apply.json")
+    doc = json.loads(analysis_p.read_text())
+    applied = json.loads(apply_p.read_text())
+    by_pid = {c["pattern_id"]: c for c in doc["candidates"]}
+    specs: dict[str, PatternSpec] = {}
+    manifest = applied.get("manifest") or []
+    if manifest:
+        targets: dict[str, Target] = {}
+        for e in manifest:
+            c = by_pid.get(e["pattern_id"])
+            if c is None:
+                raise AdvisorError(f"{apply_p}: pattern {e['pattern_id']} is not in {analysis_p}")
+            s = spec_from_candidate(c, e.get("replacement", "kernel"), e.get("kernel_file"),
+                                    (e.get("guard_spec") or {}).get("device_type"))
+            specs.setdefault(s.key, s)
+            t = targets.setdefault(e["module"], Target(e["module"]))
+            if s.key not in t.keys:
+                t.keys.append(s.key)
+        return Plan(list(specs.values()), list(targets.values()))
+    for p in applied.get("patterns", []):
+        c = by_pid.get(p.get("pattern_id")) or next((x for x in doc["candidates"] if x["id"] == p.get("candidate")), None)
+        if c is None or not p.get("validated") or not p.get("kernel_file"):
+            continue
+        s = spec_from_candidate(c, "kernel", p["kernel_file"], p.get("device_type") or doc["device"]["type"])
+        specs.setdefault(s.key, s)
+    if not specs:
+        raise AdvisorError(f"{apply_p} lists no validated kernel to patch in")
+    return build_plan(list(specs.values()), doc)
+
+
+def _find(out_dir: Path, name: str) -> Path:
+    for p in (out_dir / name, out_dir / "trace" / name):
+        if p.exists():
+            return p
+    raise AdvisorError(f"no {name} in {out_dir} (run `fusion-advisor apply` or `advisor.optimize` first)")
+
+
+def to_jsonable(plan: Plan) -> dict:
+    return {"patterns": [asdict(p) for p in plan.patterns], "targets": [asdict(t) for t in plan.targets]}

@@ -1,0 +1,222 @@
+"""An analyzer op program (`candidate["program"]`) as code: an eager reference and an aten FX graph.
+
+The reference runs the program's ops one by one with `torch.ops`, reading every tensor through the
+view the program records (`as_strided` relative to the input it comes from). It is what a generated
+launcher must compute, so the patcher can use it as a stand-in launcher (tests) and the matcher can
+trace it: `program_graph` runs the reference under `make_fx`, so composite ops decompose exactly as
+they do in a torch.compile capture (`linear` -> `t` + `addmm`, `layer_norm` -> `native_layer_norm`,
+`to` -> `_to_copy`) and no table of such spellings is needed.
+
+Wrapped scalars: eager turns a Python number in `x + 1e-6` into a 0-dim float64/int64 tensor, which
+the program lists as an input. The reference passes such inputs on as Python numbers (the eager
+semantics), and `program_graph` bakes each one in as a distinctive sentinel literal so the matcher
+can bind it to whatever literal the captured graph holds.
+"""
+from __future__ import annotations
+
+import math
+import re
+from functools import lru_cache
+from typing import Any, Sequence
+
+import torch
+
+# c10::ScalarType order (stable across torch releases): how the execution trace writes a dtype.
+_SCALAR_TYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+                 torch.float64, torch.complex32, torch.complex64, torch.complex128, torch.bool, None, None, None,
+                 torch.bfloat16]
+_MEMORY_FORMATS = [torch.contiguous_format, torch.preserve_format, torch.channels_last, torch.channels_last_3d]
+NONE = "<None>"  # how the execution trace writes None
+
+
+def dtype_of(name: str) -> torch.dtype:
+    d = getattr(torch, name, None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return d
+
+
+def is_scalar_slot(spec: dict) -> bool:
+    """A 0-dim float64/int64 input: in eager, almost always a wrapped Python number."""
+    return not spec["shape"] and spec["dtype"] in ("float64", "int64")
+
+
+@lru_cache(maxsize=None)
+def resolve_op(schema: str) -> torch._ops.OpOverload:
+    """`aten::pow.Tensor_Scalar(Tensor self, ...)` -> torch.ops.aten.pow.Tensor_Scalar."""
+    qual = schema.split("(", 1)[0]
+    ns, rest = qual.split("::", 1)
+    name, overload = rest.split(".", 1) if "." in rest else (rest, "default")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+@lru_cache(maxsize=None)
+def _declared_types(op: torch._ops.OpOverload) -> list[str]:
+    """Declared argument types as the schema spells them (`ScalarType?`), which `arg.type` loses."""
+    text = str(op._schema)
+    inner = text[text.index("(") + 1: text.rindex(") ->")]
+    parts, depth, cur = [], 0, ""
+    for ch in inner:
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+            continue
+        depth += ch in "([" and 1 or (ch in ")]" and -1 or 0)
+        cur += ch
+    parts.append(cur)
+    return [p.strip().split(" ")[0] for p in parts if p.strip() and p.strip() != "*"]
+
+
+def _convert(value: Any, declared: str, device: torch.device | None) -> Any:
+    if value == NONE or value is None:
+        return None
+    base = declared.rstrip("?")
+    if base == "ScalarType" and isinstance(value, int):
+        return _SCALAR_TYPES[value]
+    if base == "MemoryFormat" and isinstance(value, int):
+        return _MEMORY_FORMATS[value]
+    if base == "Layout" and isinstance(value, int):
+        return torch.strided if value == 0 else value
+    if base == "Device":
+        return device  # the trace's device is where it ran; the program runs where its inputs are
+    return value
+
+
+def _view(t: torch.Tensor, base_spec: dict, ref: dict) -> torch.Tensor:
+    """Read `t` (laid out as `base_spec`) through the view `ref` records."""
+    same = (list(ref["shape"]) == list(t.shape) and _strides_equal(ref["shape"], ref["strides"], t.stride())
+            and ref.get("storage_offset", 0) == base_spec.get("storage_offset", 0))
+    if same:
+        return t
+    delta = ref.get("storage_offset", 0) - base_spec.get("storage_offset", 0)
+    return t.as_strided(ref["shape"], ref["strides"], t.storage_offset() + delta)
+
+
+def _strides_equal(shape, a, b) -> bool:
+    return all(d <= 1 or x == y for d, x, y in zip(shape, a, b)) and len(a) == len(b)
+
+
+def call_node(node: dict, env: dict, device) -> tuple:
+    """Run one program node; `env` maps value ids to (tensor-or-number, layout spec)."""
+    op = resolve_op(node["schema"])
+    declared = _declared_types(op)
+    arguments = op._schema.arguments
+    args, kwargs = [], {}
+
+    def ref_value(r):
+        v, spec = env[r["ref"]]
+        return v if not isinstance(v, torch.Tensor) else _view(v, spec, r)
+
+    for i, a in enumerate(node["args"]):
+        if "ref" in a:
+            v = ref_value(a)
+        elif "list" in a:
+            v = [ref_value(r) for r in a["list"]]
+        else:
+            v = _convert(a.get("value"), declared[i] if i < len(declared) else "", device)
+        if i < len(arguments) and arguments[i].kwarg_only:
+            kwargs[arguments[i].name] = v
+        else:
+            args.append(v)
+    out = op(*args, **kwargs)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def run_program(program: dict, inputs: Sequence[Any]) -> tuple:
+    """The reference: the program's outputs for `inputs` (tensors laid out as the program's inputs)."""
+    if len(inputs) != len(program["inputs"]):
+        raise TypeError(f"program takes {len(program['inputs'])} inputs, got {len(inputs)}")
+    env: dict[str, tuple] = {}
+    device = None
+    for spec, v in zip(program["inputs"], inputs):
+        if isinstance(v, torch.Tensor) and is_scalar_slot(spec) and v.dim() == 0:
+            v = v.item()  # eager saw a Python number here
+        if isinstance(v, torch.Tensor) and device is None and v.dim() > 0:
+            device = v.device
+        env[spec["id"]] = (v, spec)
+    for node in program["nodes"]:
+        outs = call_node(node, env, device)
+        for spec, o in zip(node["outputs"], outs):
+            env[spec["id"]] = (o, {"storage_offset": 0})  # fresh outputs: the trace read them from offset 0
+    return tuple(env[o][0] for o in program["outputs"])
+
+
+def sentinel(k: int, spec: dict):
+    """A literal no model contains, standing for wrapped-scalar input k while tracing."""
+    return 7919 * 1000 + k if spec["dtype"] == "int64" else 7919.000123 + k / 1024
+
+
+def is_sentinel(v: Any, program: dict) -> int | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    for k, spec in enumerate(program["inputs"]):
+        if is_scalar_slot(spec) and v == sentinel(k, spec):
+            return k
+    return None
+
+
+def program_graph(program: dict, device: torch.device | str) -> torch.fx.GraphModule:
+    """The program as an aten FX graph (fake tensors, no data), decomposed as a capture would be.
+
+    Placeholders are one flat storage per tensor input, in input order (wrapped scalars are baked in
+    as sentinels); each input is an `as_strided` view of its storage at the program's layout and
+    offset, and every read is a view relative to that, so reads below the input's own offset work.
+    The graph returns the program's outputs in order.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    specs = program["inputs"]
+    tensor_idx = [k for k, s in enumerate(specs) if not is_scalar_slot(s)]
+
+    def fn(*bases):
+        vals: list[Any] = [sentinel(k, s) for k, s in enumerate(specs)]
+        for k, b in zip(tensor_idx, bases):
+            s = specs[k]
+            vals[k] = b.as_strided(s["shape"], s["strides"], s.get("storage_offset", 0))
+        return run_program(program, vals)
+
+    with FakeTensorMode():
+        bases = [torch.empty(storage_numel(program, k), dtype=dtype_of(specs[k]["dtype"]), device=device)
+                 for k in tensor_idx]
+        gm = make_fx(fn, tracing_mode="real")(*bases)
+    gm.graph.eliminate_dead_code()  # unused outputs of multi-output ops (layer_norm's mean, rstd)
+    gm.recompile()
+    return gm
+
+
+def extent(shape, strides) -> int:
+    """Elements spanned by a strided view, from its first element (0 for an empty view)."""
+    if any(d == 0 for d in shape):
+        return 0
+    return 1 + sum((d - 1) * abs(s) for d, s in zip(shape, strides))
+
+
+def storage_numel(program: dict, k: int) -> int:
+    """Elements of storage that input k and every view through which the program reads it need."""
+    spec = program["inputs"][k]
+    need = spec.get("storage_offset", 0) + extent(spec["shape"], spec["strides"])
+    for n in program["nodes"]:
+        for a in n["args"]:
+            for r in a.get("list", [a] if "ref" in a else []):
+                if r["ref"] == spec["id"]:
+                    need = max(need, r.get("storage_offset", 0) + extent(r["shape"], r["strides"]))
+    return max(need, 1)
+
+
+def program_text(program: dict) -> str:
+    """One line per node, for error messages and the manifest."""
+    lines = []
+    for n in program["nodes"]:
+        args = []
+        for a in n["args"]:
+            if "ref" in a:
+                args.append(a["ref"])
+            elif "list" in a:
+                args.append("[" + ",".join(r["ref"] for r in a["list"]) + "]")
+            else:
+                v = a.get("value")
+                args.append(f"{v:g}" if isinstance(v, float) and math.isfinite(v) else repr(v))
+        outs = ",".join(o["id"] for o in n["outputs"])
+        lines.append(f"{outs} = {re.sub(r'^aten::', '', n['op'])}({', '.join(args)})")
+    return "; ".join(lines)

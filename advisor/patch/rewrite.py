@@ -1,0 +1,312 @@
+"""Substitute a match: the matched nodes become one call to a `Site`, which runs the launcher.
+
+The site takes the program's inputs in the program's order, each laid out as the program describes
+it (shape, strides, dtype): the tensor is an existing view node of G when one has exactly that
+layout, else an `as_strided` of the source tensor at the offset the reads imply. Wrapped scalars are
+passed as the literal G holds (a Python number; eager would have wrapped it the same way).
+
+A site runs the generated launcher only when its guard holds (dtype, device type, shape and strides
+of every input as validated, no input requiring grad, the pattern enabled); otherwise, or if the
+launcher fails or returns something else than the program's outputs, it runs `fallback`: the
+original matched ops, replayed on the same inputs (each read re-created as the same view), so the
+result is bit for bit what the unpatched graph computes.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.fx import Graph, Node
+
+from advisor.patch.match import Match, Pattern, compute_users, input_offset, is_transparent, layout, \
+    same_strides, strip, val
+from advisor.patch.program import dtype_of, is_scalar_slot
+
+# Which patterns run their launcher: None = all; a set of pattern keys = only those (the rest fall
+# back). `off` bypasses patched forwards entirely (see capture.PatchedForward).
+_RUNTIME = threading.local()
+
+
+def enabled_keys():
+    return getattr(_RUNTIME, "enabled", None)
+
+
+def set_enabled(keys) -> Any:
+    old = enabled_keys()
+    _RUNTIME.enabled = None if keys is None else frozenset(keys)
+    return old
+
+
+def patches_are_off() -> bool:
+    return getattr(_RUNTIME, "off", False)
+
+
+def set_off(off: bool) -> bool:
+    old = patches_are_off()
+    _RUNTIME.off = off
+    return old
+
+
+@dataclass
+class InputSpec:
+    scalar: bool
+    dtype: torch.dtype | None = None
+    shape: tuple = ()
+    strides: tuple = ()
+
+    @classmethod
+    def of(cls, spec: dict) -> "InputSpec":
+        if is_scalar_slot(spec):
+            return cls(True)
+        return cls(False, dtype_of(spec["dtype"]), tuple(spec["shape"]), tuple(spec["strides"]))
+
+    def accepts(self, x, device_type: str | None) -> bool:
+        if self.scalar:
+            return isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.dim() == 0)
+        return (isinstance(x, torch.Tensor) and x.dtype == self.dtype and tuple(x.shape) == self.shape
+                and same_strides(self.shape, self.strides, x.stride())
+                and (device_type is None or x.device.type == device_type))
+
+
+@dataclass(eq=False)  # identity semantics: FX keys call targets by them
+class Site:
+    """One substituted occurrence. Called from the rewritten graph with the program's inputs."""
+
+    key: str  # pattern key (what `enabled_keys` selects)
+    label: str
+    launcher: Callable
+    fallback: Callable
+    inputs: list[InputSpec]
+    outputs: list[tuple]  # (shape, strides, dtype) the graph expects of each output
+    device_type: str | None  # what the kernel was validated on; None = any
+    stats: dict = field(default_factory=lambda: {"launched": 0, "fell_back": 0})
+    broken: str | None = None
+
+    @property
+    def __name__(self) -> str:  # FX names the call node after its target
+        return "fused_" + self.key.split(":", 1)[0]
+
+    def __call__(self, *xs):
+        keys = enabled_keys()
+        if self.broken is None and (keys is None or self.key in keys) and self._guard(xs):
+            try:
+                outs = self._check(self.launcher(*xs))
+                self.stats["launched"] += 1
+                return outs
+            except Exception as e:  # a launcher that fails must not take the model down with it
+                self.broken = f"{type(e).__name__}: {e}"
+                warnings.warn(f"fusion-advisor: {self.label}: launcher failed ({self.broken}); "
+                              "running the original ops from now on", RuntimeWarning, stacklevel=2)
+        self.stats["fell_back"] += 1
+        return self.fallback(*xs)
+
+    def _guard(self, xs) -> bool:
+        if len(xs) != len(self.inputs):
+            return False
+        grad = torch.is_grad_enabled()
+        for x, spec in zip(xs, self.inputs):
+            if not spec.accepts(x, self.device_type):
+                return False
+            if grad and isinstance(x, torch.Tensor) and x.requires_grad:
+                return False  # generated kernels have no backward yet
+        return True
+
+    def _check(self, outs) -> tuple:
+        outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        if len(outs) != len(self.outputs):
+            raise RuntimeError(f"launcher returned {len(outs)} outputs, the program has {len(self.outputs)}")
+        fixed = []
+        for o, (shape, strides, dtype) in zip(outs, self.outputs):
+            if not isinstance(o, torch.Tensor) or tuple(o.shape) != shape or o.dtype != dtype:
+                got = f"{tuple(o.shape)} {o.dtype}" if isinstance(o, torch.Tensor) else type(o).__name__
+                raise RuntimeError(f"launcher output is {got}, expected {shape} {dtype}")
+            if not same_strides(shape, strides, o.stride()):
+                # Later views in the graph were recorded for the original layout: restore it.
+                o = torch.empty_strided(shape, strides, dtype=dtype, device=o.device).copy_(o)
+            fixed.append(o)
+        return tuple(fixed)
+
+
+def make_fallback(match: Match, specs: list[dict]) -> Callable:
+    """The matched G ops as a function of the program's inputs (same ops, same literals, same views)."""
+    pos = _position(next(iter(match.nodes.values())).graph)
+    order = sorted(match.nodes.values(), key=pos.__getitem__)
+    idx = {g: i for i, g in enumerate(order)}
+    reads: dict[Node, tuple[int, int]] = {}  # G read node -> (input index, offset relative to the input)
+    for k, b in enumerate(match.inputs):
+        if b.kind == "tensor":
+            base = input_offset(specs[k], b)
+            for _, ga in b.reads:
+                reads[ga] = (k, layout(ga)[2] - base)
+    node_inputs = {b.root: k for k, b in enumerate(match.inputs) if b.kind == "node"}
+    plan = lambda a: _plan_args(a, reads, node_inputs, idx)  # noqa: E731
+    steps = [(g.target, plan(g.args), plan(g.kwargs)) for g in order]
+    outputs = [idx[o] for o in match.outputs]
+
+    def fallback(*xs):
+        env: list = []
+        for target, args, kwargs in steps:
+            env.append(target(*_resolve(args, xs, env), **_resolve(kwargs, xs, env)))
+        return tuple(env[i] for i in outputs)
+
+    return fallback
+
+
+def _resolve(spec, xs, env):
+    kind = spec[0]
+    if kind == "lit":
+        return spec[1]
+    if kind == "in":
+        return xs[spec[1]]
+    if kind in ("read", "node"):  # a view of input k / of an earlier matched op's output
+        _, i, shape, strides, rel = spec
+        t = xs[i] if kind == "read" else env[i]
+        if shape is None or (tuple(t.shape) == shape and t.stride() == strides and rel == 0):
+            return t
+        return t.as_strided(shape, strides, t.storage_offset() + rel)
+    if kind == "list":
+        return [_resolve(s, xs, env) for s in spec[1]]
+    if kind == "tuple":
+        return tuple(_resolve(s, xs, env) for s in spec[1])
+    return {k: _resolve(s, xs, env) for k, s in spec[1].items()}
+
+
+def _plan_args(a, reads, node_inputs, idx):
+    if isinstance(a, Node):
+        if a in reads:
+            k, rel = reads[a]
+            la = layout(a)
+            return ("read", k, la[0], la[1], rel)
+        if a in node_inputs:
+            return ("in", node_inputs[a])
+        src = strip(a)
+        la, ls = layout(a), layout(src)
+        if a is src or la is None or ls is None:
+            return ("node", idx[src], None, None, 0)
+        return ("node", idx[src], la[0], la[1], la[2] - ls[2])
+    if isinstance(a, (list, tuple)):
+        return ("list" if isinstance(a, list) else "tuple", [_plan_args(x, reads, node_inputs, idx) for x in a])
+    if isinstance(a, dict):
+        return ("dict", {k: _plan_args(v, reads, node_inputs, idx) for k, v in a.items()})
+    return ("lit", a)
+
+
+def _position(graph: Graph) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def substitute(graph: Graph, match: Match, pattern: Pattern, make_site: Callable[[Match], Site]) -> Site | str:
+    """Replace the match by a site call. Returns the Site, or why the match cannot be substituted."""
+    specs = pattern.program["inputs"]
+    pos = _position(graph)
+    inside = match.g_nodes()
+    external = [u for o in match.outputs for u in _external_users(o, inside)]
+    first_use = min((pos[u] for u in external), default=len(pos))
+    args: list[Any] = []
+    new_views = []  # (input index, source node, offset): inputs no node of G holds with the right layout
+    last = None  # the latest node an input needs
+    for k, b in enumerate(match.inputs):
+        if b.kind == "literal":
+            args.append(b.value)
+            continue
+        t = b.root if b.kind == "node" else _existing_view(b, specs[k], input_offset(specs[k], b))
+        if t is None:
+            new_views.append((k, b.root, input_offset(specs[k], b)))
+            t = b.root
+        args.append(t)
+        if last is None or pos[t] > pos[last]:
+            last = t
+    if last is None:
+        return "the program has no tensor input"
+    if pos[last] >= first_use:
+        return "cannot place the fused call: an input is computed after a use of an output"
+    site = make_site(match)
+    for k, root, off in new_views:
+        with graph.inserting_after(last):
+            s = specs[k]
+            v = graph.call_function(torch.ops.aten.as_strided.default,
+                                    (root, list(s["shape"]), list(s["strides"]), off))
+        v.meta["val"] = _fake_view(root, s, off)
+        args[k] = last = v
+    with graph.inserting_after(last):
+        call = graph.call_function(site, tuple(args))
+    call.meta["val"] = tuple(val(o) for o in match.outputs)
+    prev = call
+    for i, o in enumerate(match.outputs):
+        with graph.inserting_after(prev):
+            item = graph.call_function(_item, (call, i))
+        item.meta["val"] = val(o)
+        o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+        prev = item
+    _erase_dead(graph, inside)
+    return site
+
+
+def _erase_dead(graph: Graph, nodes: set[Node]) -> None:
+    """Erase the replaced nodes, and the views between them that nothing reads any more."""
+    todo = set(nodes)
+    while todo:
+        dead = [n for n in todo if not n.users]
+        if not dead:
+            break
+        for n in dead:
+            todo.discard(n)
+            preds = [a for a in n.all_input_nodes if a in nodes or is_transparent(a)]
+            graph.erase_node(n)
+            todo.update(p for p in preds if p.op == "call_function")
+
+
+def _item(t, i):  # a named function: shows as `_item(site, 0)` in printed graphs
+    return t[i]
+
+
+def _external_users(g: Node, inside: set[Node]) -> list[Node]:
+    out, stack = [], list(g.users)
+    while stack:
+        u = stack.pop()
+        if u in inside:
+            continue
+        if is_transparent(u) and all(x in inside or is_transparent(x) for x in compute_users(u)) and not any(
+                x.op == "output" for x in u.users):
+            stack.extend(u.users)
+            continue
+        out.append(u)
+    return out
+
+
+def _existing_view(b, spec: dict, off: int) -> Node | None:
+    """A node on the reads' view chains already laid out as the program's input."""
+    want = (tuple(spec["shape"]), tuple(spec["strides"]))
+    for _, ga in b.reads:
+        n = ga
+        while True:
+            l = layout(n)
+            if l is not None and l[0] == want[0] and same_strides(l[0], want[1], l[1]) and l[2] == off:
+                return n
+            if n is b.root or not is_transparent(n):
+                break
+            n = n.args[0]
+    return None
+
+
+def _fake_view(root: Node, spec: dict, off: int):
+    v = val(root)
+    if isinstance(v, torch.Tensor):
+        try:
+            return v.as_strided(spec["shape"], spec["strides"], off)
+        except Exception:
+            return None
+    return None
+
+
+def output_layouts(match: Match) -> list[tuple]:
+    out = []
+    for o in match.outputs:
+        l = layout(o)
+        out.append((l[0], l[1], l[3]))
+    return out
+
+
