@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 DEVICES=${DEVICES:-"cuda cpu"}
-WORKLOADS=${WORKLOADS:-"seed mlp_block hf_llama hf_gpt2 hf_bert timm_vit tv_resnet50"}
+WORKLOADS=${WORKLOADS:-"seed mlp_block hf_llama hf_gpt2 hf_bert timm_vit tv_resnet50 hf_gpt2_eager hf_bert_eager splade"}
 RUN_TIMEOUT=${RUN_TIMEOUT:-240}
 TOTAL_BUDGET=${TOTAL_BUDGET:-540}
 LIMIT_BYTES=${LIMIT_BYTES:-$((5 * 1024 * 1024))}
@@ -78,6 +78,14 @@ shrink_args() {  # name level
     esac
 }
 
+workload() {  # name -> "script base-args": variants of an example are named <example>_<variant>
+    case "$1" in
+        hf_gpt2_eager) echo "hf_gpt2 --attn eager" ;;
+        hf_bert_eager) echo "hf_bert --attn eager" ;;
+        *) echo "$1" ;;
+    esac
+}
+
 trace_bytes() {  # dir -> total bytes of its trace files
     local d=$1/trace total=0 f s
     for f in "$d"/kineto.json.gz "$d"/et.json.gz "$d"/meta.json; do
@@ -91,6 +99,11 @@ record() {  # device name
     if [ "$device" = cuda ]; then dest=$SAMPLES/$name; else dest=$SAMPLES/cpu/$name; fi
     for level in 0 1; do
         args=$(shrink_args "$name" "$level")
+        [ "$args" = STOP ] && return 0
+        local spec script
+        spec=$(workload "$name")
+        script=${spec%% *}
+        [ "$spec" != "$script" ] && args="${spec#* } $args"
         local left=$((TOTAL_BUDGET - ($(date +%s) - START)))
         if [ "$left" -lt 15 ]; then
             log "!! [$device] $name skipped: the ${TOTAL_BUDGET}s budget is spent"
@@ -105,7 +118,7 @@ record() {  # device name
         t0=$(date +%s.%N)
         # shellcheck disable=SC2086
         timeout --kill-after=10 "$run_timeout" \
-            $PY -m advisor profile "examples/$name.py" --out "$dest" --device "$device" -- $args \
+            $PY -m advisor profile "examples/$script.py" --out "$dest" --device "$device" -- $args \
             >>"$LOG" 2>&1 </dev/null
         rc=$?
         t1=$(date +%s.%N)

@@ -2,7 +2,7 @@
 
 cuda: bf16, bert-base dims (hidden 768, 12 heads, intermediate 3072, vocab 30522), 2 layers, batch 32 x seq 512.
 cpu:  fp32, hidden 64, 2 layers, 4 heads, intermediate 128, vocab 256, batch 2 x seq 16.
-Usage: python examples/hf_bert.py [--device cuda|cpu] [--iters 3] [--layers N]
+Usage: python examples/hf_bert.py [--device cuda|cpu] [--iters 3] [--layers N] [--attn sdpa|eager]
 """
 import argparse
 import os
@@ -16,6 +16,8 @@ def main():
     ap.add_argument("--device", default=default_device, choices=["cuda", "cpu"])
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
+                    help="attention implementation: eager materialises softmax(q k^T) (what attention fusion targets)")
     a = ap.parse_args()
 
     from transformers import BertConfig, BertModel
@@ -28,7 +30,7 @@ def main():
         dtype, batch, seq = torch.float32, 2, 16
         dims = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=256)
     config = BertConfig(num_hidden_layers=a.layers, max_position_embeddings=max(seq, 512), **dims)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = a.attn
     with torch.device(a.device):
         model = BertModel(config).to(dtype).eval()
         ids = torch.randint(0, config.vocab_size, (batch, seq))

@@ -2,7 +2,7 @@
 
 cuda: bf16, n_embd 1024, 2 layers, 16 heads, vocab 50257, batch 8 x seq 1024.
 cpu:  fp32, n_embd 64, 2 layers, 4 heads, vocab 256, batch 2 x seq 16.
-Usage: python examples/hf_gpt2.py [--device cuda|cpu] [--iters 3] [--layers N]
+Usage: python examples/hf_gpt2.py [--device cuda|cpu] [--iters 3] [--layers N] [--attn sdpa|eager]
 """
 import argparse
 import os
@@ -16,6 +16,8 @@ def main():
     ap.add_argument("--device", default=default_device, choices=["cuda", "cpu"])
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
+                    help="attention implementation: eager materialises softmax(q k^T) (what attention fusion targets)")
     a = ap.parse_args()
 
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -28,7 +30,7 @@ def main():
         dtype, batch, seq = torch.float32, 2, 16
         dims = dict(n_embd=64, n_head=4, vocab_size=256, n_positions=128, bos_token_id=255, eos_token_id=255)
     config = GPT2Config(n_layer=a.layers, **dims)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = a.attn
     with torch.device(a.device):
         model = GPT2LMHeadModel(config).to(dtype).eval()
         ids = torch.randint(0, config.vocab_size, (batch, seq))

@@ -141,3 +141,33 @@ def test_analysis_json_roundtrip(analyses, tmp_path):
     assert doc["totals"]["time_kind"] == "gpu" and doc["device"]["bandwidth_source"] == "measured"
     ranked = [c["est_time_saved_us"] for c in doc["candidates"]]
     assert ranked == sorted(ranked, reverse=True)
+
+
+EAGER = [("cpu/hf_gpt2_eager", SAMPLES / "cpu" / "hf_gpt2_eager", ["matmul", "mul", "add", "softmax", "matmul"]),
+         ("cpu/hf_bert_eager", SAMPLES / "cpu" / "hf_bert_eager", ["matmul", "mul", "softmax", "matmul"])]
+EAGER += [(n.replace("cpu/", ""), SAMPLES / n.replace("cpu/", ""), ops) for n, _, ops in EAGER
+          if (SAMPLES / n.replace("cpu/", "")).exists()]
+
+
+@pytest.mark.parametrize("name, path, ops", EAGER, ids=[n for n, _, _ in EAGER])
+def test_eager_attention_is_found(name, path, ops):
+    doc = analyze(path).doc
+    (att,) = [c for c in doc["candidates"] if c["kind"] == "attention"]
+    assert _ops(att) == ops and att["occurrences"] == 2  # one per layer
+    # The B x H x L x L scores and probabilities are never written by the fused kernel.
+    assert att["intermediate_bytes"] > 0 and att["bytes_fused"] < att["bytes_unfused"]
+
+
+SPLADE = [p for p in (SAMPLES / "splade", SAMPLES / "cpu" / "splade") if p.exists()]
+
+
+@pytest.mark.parametrize("path", SPLADE, ids=[str(p.relative_to(SAMPLES)) for p in SPLADE])
+def test_splade_matmul_reduction_is_found(path):
+    doc = analyze(path).doc
+    (mr,) = [c for c in doc["candidates"] if c["kind"] == "matmul_reduction"]
+    assert _ops(mr) == ["linear", "relu", "log1p", "mul", "amax"]
+    out = mr["graph"]["outputs"]
+    assert len(out) == 1 and len(out[0]["shape"]) == 2  # only the B x V result is written
+    # The logits (B x L x V) and the pointwise intermediates are never materialised.
+    logits = [e for e in mr["graph"]["edges"] if e["src"] == "n0"]
+    assert logits and mr["intermediate_bytes"] >= logits[0]["bytes"]

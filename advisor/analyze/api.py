@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from advisor.analyze.cost import DeviceModel, est_time_saved_us, group_cost
+from advisor.analyze.cost import DeviceModel, est_time_saved_us, group_cost, intermediate_bytes
 from advisor.analyze.fusion import Group, find_groups
 from advisor.analyze.patterns import op_label, pattern_id, signature, title
 from advisor.graph.dataflow import Graph, build_graph
@@ -69,6 +69,7 @@ def analyze(path, et=None) -> Analysis:
             "bytes_saved": _per_iter(sum(c.bytes_saved for c in costs), iters),
             "est_time_saved_us": sum(est_time_saved_us(c, g, device) for c, (g, _) in zip(costs, occ)) / iters,
             "measured_time_us": sum(c.measured_us for c in costs) / iters,
+            "intermediate_bytes": _per_iter(sum(intermediate_bytes(graph, g.members) for g, _ in occ), iters),
             "confidence": graph.confidence,
             "extends_pattern": pattern_id(signature(graph, first.extends)) if first.extends else None,
             "graph": _graph_view(graph, first),
@@ -142,8 +143,8 @@ def _uniq(items) -> list:
 
 
 def _kind(graph: Graph, g: Group, name: str) -> str:
-    if g.anchor is not None:
-        return "epilogue"
+    if g.kind != "fusion":
+        return g.kind
     if "Norm" in name.split(":")[0]:
         return "norm"  # LayerNorm, RMSNorm (however it is spelled in ops), BatchNorm
     return "reduction" if g.rows else "pointwise"

@@ -76,7 +76,7 @@ def group_cost(graph: Graph, group: Group, device: DeviceModel) -> GroupCost:
     nodes = [graph.nodes[m] for m in group.members]
     reads, escapes = external_io(graph, group.members)
     fused = sum(reads.values()) + sum(escapes.values())
-    if group.anchor is not None:
+    if group.kind == "epilogue":
         # An epilogue is counted on top of its pointwise group already being fused.
         base = group.extends.members if group.extends else [m for m in group.members if m != group.anchor]
         unfused = graph.nodes[group.anchor].bytes + sum(external_io_bytes(graph, base))
@@ -86,9 +86,15 @@ def group_cost(graph: Graph, group: Group, device: DeviceModel) -> GroupCost:
         kernels = sum(max(len(n.kernels), 1) for n in nodes)
     measured = sum(n.time_us for n in nodes)
     flops = sum(_flops(graph, n) for n in nodes)
-    rate = device.matmul_flops if group.anchor is not None else device.flops
+    rate = device.matmul_flops if any(n.cls.value == "matmul" for n in nodes) else device.flops
     predicted = max(fused / device.bandwidth_Bps * 1e6, flops / rate * 1e6) + device.launch_us
     return GroupCost(int(unfused), int(fused), kernels, measured, predicted)
+
+
+def intermediate_bytes(graph: Graph, members: list[int]) -> int:
+    """Bytes of tensors made and consumed inside the group: memory the fused kernel never allocates."""
+    _, escapes = external_io(graph, members)
+    return sum(u.bytes for m in members for u in graph.nodes[m].writes if u.value not in escapes)
 
 
 def external_io_bytes(graph: Graph, members: list[int]) -> tuple[int, int]:
@@ -97,7 +103,7 @@ def external_io_bytes(graph: Graph, members: list[int]) -> tuple[int, int]:
 
 
 def est_time_saved_us(cost: GroupCost, group: Group, device: DeviceModel) -> float:
-    if group.anchor is not None:
+    if group.kind == "epilogue":
         # Incremental: the matmul output's round trip and one launch disappear.
         return cost.bytes_saved / device.bandwidth_Bps * 1e6 + device.launch_us
     return max(cost.measured_us - cost.predicted_fused_us, 0.0)

@@ -14,14 +14,19 @@ Every node gets a *domain*: the iteration space its kernel walks. Pointwise ops 
    every layer): it must be written anyway, and fusing it into one layer's chain would make that
    layer's pattern differ from all the others.
 
-Matmuls and convolutions are anchors: a pure pointwise group that consumes an anchor's output
-elementwise forms an *epilogue* candidate on top. Everything else is a barrier.
+Matmuls and convolutions are anchors; three more rules build on them:
+6. Epilogue: a pure pointwise group (or op) that alone reads an anchor's output, elementwise.
+7. Attention: matmul -> (scale / mask / other pointwise) -> softmax -> matmul, where each
+   intermediate is read only inside the chain: the score matrix need never be written.
+8. Matmul + reduction: matmul -> pointwise -> a reduction over leading (non-contracted) dims of
+   the matmul output (SPLADE's max over the sequence): the matmul output need never be written.
+Everything else is a barrier.
 """
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from advisor.graph.dataflow import Graph, Node
 from advisor.ops.registry import OpClass, lookup
@@ -40,7 +45,7 @@ class Group:
     rows: tuple[int, int] | None = None
     anchor: int | None = None  # epilogue candidates: the matmul/conv node
     extends: "Group | None" = None  # epilogue candidates: the pointwise group they absorb
-    meta: dict = field(default_factory=dict)
+    kind: str = "fusion"  # fusion | epilogue | attention | matmul_reduction
 
 
 def node_domain(graph: Graph, n: Node) -> Domain | None:
@@ -98,7 +103,8 @@ def find_groups(graph: Graph) -> list[Group]:
     fused = [g for g in unique.values() if len(g.members) >= 2]
     for g in fused:
         g.members.sort()
-    return fused + _epilogues(graph, domains, group_of)
+    return (fused + _epilogues(graph, domains, group_of) + _attention(graph, fused, group_of)
+            + _matmul_reductions(graph, domains, group_of))
 
 
 def _join(g: Group, h: Group) -> Group | None:
@@ -161,8 +167,72 @@ def _epilogues(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[
         if d is None or d.rows is not None or d.numel != _numel(v.shape):
             continue
         members = sorted({n.idx, *(base.members if base else [c.idx])})
-        out.append(Group(members, d.numel, None, anchor=n.idx, extends=base))
+        out.append(Group(members, d.numel, None, anchor=n.idx, extends=base, kind="epilogue"))
     return out
+
+
+def _attention(graph: Graph, groups: list[Group], group_of: dict[int, Group]) -> list[Group]:
+    out = []
+    for g in groups:
+        if not g.rows or not any(_is_softmax(graph.nodes[m]) for m in g.members):
+            continue
+        inside = set(g.members)
+        first = [graph.values[u.value].producer for m in g.members for u in graph.nodes[m].reads
+                 if graph.values[u.value].producer not in inside and graph.values[u.value].producer >= 0]
+        scores = [p for p in dict.fromkeys(first) if graph.nodes[p].cls == OpClass.MATMUL
+                  and _only_read_by(graph, p, inside)]
+        escapes = [u.value for m in g.members for u in graph.nodes[m].writes
+                   if any(c not in inside for c in graph.values[u.value].consumers)]
+        if len(scores) != 1 or len(escapes) != 1:
+            continue
+        readers = set(graph.values[escapes[0]].consumers) - inside
+        if len(readers) != 1:
+            continue
+        pv = graph.nodes[readers.pop()]
+        if pv.cls != OpClass.MATMUL:
+            continue
+        out.append(Group(sorted({scores[0], *g.members, pv.idx}), g.numel, g.rows, extends=g, kind="attention"))
+    return out
+
+
+def _matmul_reductions(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[Group]:
+    out = []
+    for r in graph.nodes:
+        if r.cls != OpClass.REDUCTION or domains[r.idx] is not None or len(r.reads) < 1:
+            continue
+        dims = _scalar_arg(r, lookup(r.op).dim_arg)
+        ndim = len(r.reads[0].shape)
+        dims = [dims] if isinstance(dims, int) else dims
+        if not dims or not ndim or any(int(d) % ndim == ndim - 1 for d in dims):
+            continue  # last-dim (row) reductions are the row kernels' business
+        src = graph.values[r.reads[0].value].producer
+        if src < 0:
+            continue
+        chain = group_of.get(src)
+        members = list(chain.members) if chain is not None and len(chain.members) >= 2 else [src]
+        inside = set(members)
+        anchors = [graph.values[u.value].producer for m in members for u in graph.nodes[m].reads
+                   if graph.values[u.value].producer >= 0 and graph.values[u.value].producer not in inside
+                   and graph.nodes[graph.values[u.value].producer].cls == OpClass.MATMUL]
+        if graph.nodes[src].cls == OpClass.MATMUL:
+            anchors, members, inside = [src], [], set()
+        anchors = list(dict.fromkeys(anchors))
+        if len(anchors) != 1 or not _only_read_by(graph, anchors[0], inside | {r.idx}):
+            continue
+        if members and not _only_read_by(graph, members[-1], {r.idx}):
+            continue
+        out.append(Group(sorted({anchors[0], *members, r.idx}), _numel(r.reads[0].shape), None,
+                         kind="matmul_reduction"))
+    return out
+
+
+def _only_read_by(graph: Graph, producer: int, readers: set[int]) -> bool:
+    return all(c in readers for u in graph.nodes[producer].writes for c in graph.values[u.value].consumers)
+
+
+def _is_softmax(n: Node) -> bool:
+    info = lookup(n.op)
+    return bool(info and "rowwise" in info.tags and n.cls == OpClass.REDUCTION)
 
 
 def shared_by_sibling_modules(graph: Graph, consumers: list[int]) -> bool:

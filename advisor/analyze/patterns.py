@@ -29,8 +29,8 @@ def signature(graph: Graph, group: Group) -> str:
         out_s = f"{short_dtype(out.dtype)}{_shape_class(out.shape, out.strides)}" if out else "-"
         parts.append(f"{op_label(n)}({','.join(srcs + scalars)})->{out_s}")
     rows = f"|rows:N{_bucket(group.rows[1])}" if group.rows else ""
-    anchor = "|epilogue" if group.anchor is not None else ""
-    return "; ".join(parts) + rows + anchor
+    kind = f"|{group.kind}" if group.kind != "fusion" else ""
+    return "; ".join(parts) + rows + kind
 
 
 def pattern_id(sig: str) -> str:
@@ -59,6 +59,10 @@ def title(graph: Graph, group: Group) -> str:
 
 
 def _name(labels: list[str], group: Group) -> str:
+    if group.kind == "attention":
+        return "Attention (unfused: scores materialised)"
+    if group.kind == "matmul_reduction":
+        return f"Matmul + reduction ({labels[-1]} over {labels[0]} output)"
     if group.anchor is not None:
         # labels[0] is the anchor (see title); name what it absorbs the same way as a plain group.
         rest = labels[1:]
