@@ -1,0 +1,96 @@
+"""Validation: every generated kernel, every time, before anything uses it.
+
+For each case (`shapes.cases`: recorded, odd sizes, all ones) it draws fresh inputs, runs the
+program through PyTorch in float64 and in the native dtypes, runs the kernel on copies of the
+inputs into NaN-poisoned outputs, and compares (`compare`). Without a GPU the kernel runs in
+Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is first imported).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from advisor.validate.compare import TOLERANCES, compare, poison
+from advisor.validate.inputs import draw
+from advisor.validate.reference import run_reference
+from advisor.validate.shapes import cases
+
+__all__ = ["validate", "Validation", "TOLERANCES", "interpreted"]
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
+
+
+@dataclass
+class Validation:
+    validated: bool
+    reason: str | None
+    errors: dict = field(default_factory=dict)
+
+
+def validate(gen, module, seed: int = 0) -> Validation:
+    """Check `module.run` against the program it was generated from (`gen`: a codegen.Generated)."""
+    prog = gen.program
+    interp = interpreted()
+    device = "cpu" if interp else "cuda"
+    g = torch.Generator().manual_seed(seed)
+    worst = {"rel_l2": 0.0, "max_abs": 0.0, "eager_rel_l2": 0.0, "eager_max_abs": 0.0}
+    shapes, notes = [], []
+    dtypes = sorted({str(v.dtype)[6:] for v in prog.outputs})
+    for case in cases(prog, interp):
+        inputs = draw(prog, case, device, g)
+        shapes.append({"case": case.name, "inputs": [list(t.shape) for t in inputs.values()]})
+        if case.note:
+            notes.append(case.note)
+        try:
+            ref64, mutated64 = run_reference(prog, case, inputs, "fp64")
+            native, mutated_native = run_reference(prog, case, inputs, "native")
+        except Exception as e:  # the trace's program itself does not replay
+            return Validation(False, f"reference replay failed at {case.name} shape: {type(e).__name__}: {e}")
+        try:
+            outs, after = _run_kernel(module, prog, inputs)
+        except Exception as e:
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            return Validation(False, f"kernel failed to compile or run ({case.name} shape): {type(e).__name__}: {msg}"[:500])
+        checks = [compare(o, ref64[v.id], native[v.id], f"{v.id} ({case.name} shape)")
+                  for o, v in zip(outs, prog.outputs[:prog.returned])]
+        checks += [compare(after[k], mutated64[k], mutated_native[k], f"{k} written in place ({case.name} shape)")
+                   for k in _mutated(prog)]
+        for c in checks:
+            if not c.ok:
+                return Validation(False, c.reason, _errors(worst, c, dtypes, shapes, notes))
+            for key in worst:
+                worst[key] = max(worst[key], getattr(c, key))
+    return Validation(True, None, _errors(worst, None, dtypes, shapes, notes))
+
+
+def _errors(worst, failed, dtypes, shapes, notes) -> dict:
+    src = failed or worst
+    get = (lambda k: getattr(src, k)) if failed else (lambda k: src[k])
+    return {"rel_l2": get("rel_l2"), "max_abs": get("max_abs"), "eager_rel_l2": get("eager_rel_l2"),
+            "eager_max_abs": get("eager_max_abs"), "dtype": ",".join(dtypes), "shapes": shapes,
+            "note": "; ".join(dict.fromkeys(notes)) or None}
+
+
+def _mutated(prog) -> list:
+    return sorted({prog.inplace[v.id].src for v in prog.outputs if v.id in prog.inplace})
+
+
+def _run_kernel(module, prog, inputs: dict) -> tuple[list, dict]:
+    from advisor.validate.reference import _clone_strided
+
+    args = {k: _clone_strided(t, t.dtype) for k, t in inputs.items()}
+    real_empty = module._empty
+    module._empty = lambda *a, **k: poison(real_empty(*a, **k))
+    try:
+        with np.errstate(all="ignore"):  # the interpreter's numpy warns on log(0) etc., as the GPU does not
+            outs = module.run(*[args[i.id] for i in prog.inputs])
+    finally:
+        module._empty = real_empty
+    if torch.cuda.is_available() and not interpreted():
+        torch.cuda.synchronize()
+    return list(outs), args

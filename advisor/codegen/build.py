@@ -1,0 +1,254 @@
+"""Evaluate a program at index tuples, building the kernel's expression DAG.
+
+`value_at(v, idx)` is the value `v` at logical index `idx` (a tuple of index nodes): pointwise ops
+recurse into their operands at the broadcast index, views remap the index onto their source, `cat`
+selects between sources, row ops decompose into reductions over the current row. Nothing is
+materialised: an intermediate read at two different indices is simply computed twice.
+"""
+from __future__ import annotations
+
+import torch
+
+from advisor.codegen.dag import Dag, Node, opmath
+from advisor.codegen.ir import Dim, Input, Op, Program, View
+from advisor.ops.lowering import Args, Unsupported
+
+ROUNDING = {"aten::_to_copy", "aten::copy", "aten::_autocast_to_reduced_precision"}
+
+
+class Builder:
+    def __init__(self, prog: Program, dag: Dag):
+        self.p, self.dag = prog, dag
+        self.memo: dict = {}
+        self.mask: Node | None = None  # mask of the loads being built (the current output group)
+        self.flat: tuple | None = None  # (index tuple, offs) where flat-layout inputs load at offs
+        self.flat_inputs: set[str] = set()
+        self.cols: Node | None = None  # row kernels: the column index
+        self.n: Node | None = None  # row kernels: the row width
+        self.size_args: dict[str, Dim] = {}  # kernel argument -> the size it carries
+        self.strides: dict[str, tuple] = {}  # kernel argument -> (tensor name, dim)
+        self.helpers: set[str] = set()
+
+    # ------------------------------------------------------------------ sizes and strides as nodes
+    def size(self, d: Dim) -> Node:
+        d = self.p.sizes.norm(d)
+        if d.literal:
+            return self.dag.lit(d.const)
+        name = size_name(d)
+        self.size_args[name] = d
+        return self.dag.arg(name)
+
+    def stride(self, tensor: str, dim: int) -> Node:
+        name = f"{tensor}_stride{dim}"
+        self.strides[name] = (tensor, dim)
+        return self.dag.arg(name)
+
+    # ------------------------------------------------------------------------------------ reading
+    def value_at(self, vid: str, idx: tuple) -> Node:
+        key = (vid, tuple(id(i) for i in idx))
+        hit = self.memo.get(key)
+        if hit is None:
+            v = self.p.values[vid]
+            hit = self.eval_op(v.op, v.slot, idx)
+            hit.hint = hit.hint or vid
+            self.memo[key] = hit
+        return hit
+
+    def read(self, view: View, idx: tuple) -> Node:
+        src = self.p.source(view.src)
+        if view.identity:
+            tidx = tuple(idx)
+        else:
+            tidx = [self.dag.lit(s) for s in view.starts]
+            for d, e in enumerate(view.dims):
+                if e is not None:
+                    tidx[e] = self.dag.iadd(tidx[e], idx[d])
+            tidx = tuple(tidx)
+        if isinstance(src, Input):
+            return self.load(src, tidx, view)
+        return self.value_at(view.src, tidx)
+
+    def load(self, inp: Input, tidx: tuple, view: View) -> Node:
+        if self.flat is not None and inp.id in self.flat_inputs and tidx == self.flat[0]:
+            offset = self.flat[1]
+        else:
+            terms = [self.dag.imul(i, self.stride(inp.id, e)) for e, i in enumerate(tidx)
+                     if not (self.p.sizes.norm(inp.shape[e]).literal and inp.rec_shape[e] == 1)]
+            offset = self.dag.isum(terms, hint=f"{inp.id}_row")
+        mask = self.mask if offset.full else None
+        return self.dag.load(f"{inp.id}_ptr", offset, mask, inp.dtype, hint=inp.id)
+
+    def operand_index(self, idx: tuple, view: View) -> tuple:
+        """The index of a broadcast operand: its dims right-aligned with the output's, size-1 dims at 0."""
+        shift = len(idx) - len(view.shape)
+        out = []
+        for j, d in enumerate(view.shape):
+            lit1 = self.p.sizes.norm(d).literal and d.value == 1
+            out.append(self.dag.lit(0) if lit1 or j + shift < 0 else idx[j + shift])
+        return tuple(out)
+
+    # ----------------------------------------------------------------------------------- evaluation
+    def eval_op(self, op: Op, slot: int, idx: tuple) -> Node:
+        kind = op.low.kind
+        if kind == "cat":
+            return self.eval_cat(op, idx)
+        if kind == "row":
+            return self.eval_row(op, slot, idx)
+        return self.eval_pointwise(op, slot, idx)
+
+    def eval_pointwise(self, op: Op, slot: int, idx: tuple) -> Node:
+        low, out = op.low, op.outputs[slot].dtype
+        nodes, values = [], {}
+        for name, a in op.args.items():
+            if isinstance(a, View):
+                values[name] = self.read(a, self.operand_index(idx, a))
+            else:
+                values[name] = a
+        if low.promote == "none":
+            ct = None
+        elif low.promote == "logical":
+            ct = torch.bool
+        elif low.promote == "compare":
+            ct = opmath(_result_type([values[n] for n in low.operands if n in values]))
+        else:
+            ct = opmath(op.outputs[0].dtype)
+        fmt_args, tensors = {}, []
+        for name, v in values.items():
+            if isinstance(v, Node):
+                tensors.append(name)
+                if name in low.operands and ct is not None:
+                    v = self.dag.cast(v, ct)
+                fmt_args[name] = "{%d}" % len(nodes)
+                nodes.append(v)
+            elif name in low.operands and isinstance(v, (bool, int, float)) and ct is not None:
+                fmt_args[name] = self.dag.lit(v, ct).fmt
+            else:
+                fmt_args[name] = v
+        fmt_args.setdefault("self", next((fmt_args[n] for n in low.operands if n in fmt_args), None))
+        fmt_args["op"] = op.name
+        res_ct = ct or (nodes[0].dtype if nodes else opmath(out))
+        text = low.emit(Args(fmt_args, res_ct, out, tensors, values))
+        if isinstance(text, tuple):
+            text = text[slot]
+        self.helpers.update(low.helpers)
+        reg = torch.bool if low.promote in ("compare", "logical") else res_ct
+        node = self.dag.op(text, *nodes, dtype=reg, logical=out, comment=op.qualname)
+        return self.finish(node, op, out)
+
+    def finish(self, node: Node, op: Op, out: torch.dtype) -> Node:
+        """The op's result as registers of its output dtype: narrowing conversions round first."""
+        base = op.name.rstrip("_") if op.name.endswith("_") and not op.name.endswith("__") else op.name
+        if base in ROUNDING and out in (torch.bfloat16, torch.float16) and node.dtype.is_floating_point:
+            node = self.dag.round_to(self.dag.cast(node, torch.float32), out)
+        res = self.dag.cast(node, opmath(out), logical=out)
+        res.logical = out
+        return res
+
+    def eval_cat(self, op: Op, idx: tuple) -> Node:
+        views = op.args["tensors"]
+        out = op.outputs[0]
+        dim = (op.args.get("dim") or 0) % len(out.shape)
+        ct = opmath(out.dtype)
+        parts, offsets, start = [], [], Dim((), 0, 0)
+        for v in views:
+            offsets.append(start)
+            start = Dim(self.p.sizes.norm(start).terms + self.p.sizes.norm(v.shape[dim]).terms,
+                        self.p.sizes.norm(start).const + self.p.sizes.norm(v.shape[dim]).const, 0)
+        i = idx[dim]
+        for k, v in enumerate(views):
+            local = self.dag.isub(i, self.size(offsets[k]))
+            hi = self.dag.isub(self.size(v.shape[dim]), self.dag.lit(1))
+            if k > 0:
+                local = self.dag.add("op", "tl.maximum({}, 0)", (local,))
+            if k < len(views) - 1:
+                local = self.dag.add("op", "tl.minimum({}, {})", (local, hi))  # clamp: loads stay in bounds
+            sub = list(idx)
+            sub[dim] = local
+            parts.append(self.dag.cast(self.read(v, self.operand_index(tuple(sub), v)), ct))
+        res = parts[-1]
+        for k in range(len(views) - 2, -1, -1):
+            res = self.dag.op("tl.where({} < {}, {}, {})", i, self.size(offsets[k + 1]), parts[k], res,
+                              dtype=ct, logical=out.dtype, comment=op.qualname)
+        return self.finish(res, op, out.dtype)
+
+    def eval_row(self, op: Op, slot: int, idx: tuple) -> Node:
+        self_view = next(v for v in op.args.values() if isinstance(v, View))
+        nlead = len(self_view.shape) - 1
+        lead = tuple(idx[:nlead])
+        if op.outputs[slot].shape and len(op.outputs[slot].shape) == nlead + 1 and \
+                op.outputs[slot].shape[-1].value != 1 and idx[-1] is not self.cols:
+            raise Unsupported(f"{op.qualname}'s output is read at a shifted column")
+        key = ("row", op.id, tuple(id(i) for i in lead))
+        outs = self.memo.get(key)
+        if outs is None:
+            outs = self.decompose(op, lead)
+            self.memo[key] = outs
+        return self.finish(outs[slot], op, op.outputs[slot].dtype)
+
+    def decompose(self, op: Op, lead: tuple) -> tuple:
+        if self.cols is None:
+            raise Unsupported(f"{op.qualname} in a pointwise kernel")
+        low = op.low
+        full = lead + (self.cols,)
+        out0 = op.outputs[0].dtype
+        ct = opmath(out0)  # bool for all/any, int64 for integer sums, fp32 for bf16/fp16
+        vals = {}
+        first = None
+        for name, a in op.args.items():
+            if isinstance(a, View):
+                node = self.dag.cast(self.read(a, self.operand_index(full, a)), ct)
+                first = first or (name, a)
+                vals[name] = node
+            else:
+                vals[name] = a
+        vals.setdefault("self", vals[first[0]])
+        vals["in_dtype"] = self.p.source(first[1].src).dtype
+        vals["op"] = op.name
+        self.helpers.update(low.helpers)
+        return tuple(low.emit(RowOps(self.dag, self.n, ct, op.qualname), Args(vals, ct, out0)))
+
+
+class RowOps:
+    """The builder row decompositions in the lowering table write against."""
+
+    def __init__(self, dag: Dag, n: Node, ct: torch.dtype, comment: str):
+        self.dag, self.n, self.ct, self.comment = dag, n, ct, comment
+
+    def reduce(self, kind: str, x: Node) -> Node:
+        if kind == "sum" and x.dtype in (torch.bool, torch.int32, torch.int16, torch.int8, torch.uint8):
+            x = self.dag.cast(x, torch.int64)
+        return self.dag.reduce(kind, x)
+
+    def op(self, fmt: str, *xs) -> Node:
+        nodes = [x if isinstance(x, Node) else self.lit(x) for x in xs]
+        dtype = next((x.dtype for x in nodes if x.dtype is not None and x.kind != "arg"), self.ct)
+        return self.dag.op(fmt, *nodes, dtype=dtype, comment=self.comment)
+
+    def lit(self, v) -> Node:
+        return self.dag.lit(v, self.ct if self.ct.is_floating_point else torch.float32)
+
+
+def _result_type(vals) -> torch.dtype:
+    """torch.result_type over operands: nodes stand for tensors of their logical dtype, numbers for themselves."""
+    dummies = []
+    for v in vals:
+        if isinstance(v, Node):
+            dummies.append(torch.empty((1,), dtype=v.logical))
+        elif isinstance(v, (bool, int, float)):
+            dummies.append(v)
+    if not dummies:
+        return torch.float32
+    res = dummies[0] if not isinstance(dummies[0], torch.Tensor) else dummies[0]
+    dt = None
+    for d in dummies[1:]:
+        dt = torch.result_type(res, d) if dt is None else torch.result_type(torch.empty((1,), dtype=dt), d)
+    if dt is None:
+        return dummies[0].dtype if isinstance(dummies[0], torch.Tensor) else torch.tensor(dummies[0]).dtype
+    return dt
+
+
+def size_name(d: Dim) -> str:
+    if len(d.terms) == 1 and not d.const:
+        k, dim = d.terms[0].split(".")
+        return f"{k}_size{dim}"
+    return "size_" + "_".join(t.replace(".", "_") for t in d.terms) + (f"_{d.const}" if d.const else "")

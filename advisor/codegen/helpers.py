@@ -1,0 +1,118 @@
+"""`@triton.jit` helpers the lowering table calls, copied into each generated module that needs them.
+
+They are built from core `tl` math only: libdevice is not available to Triton's interpreter, and the
+generated kernels must run there (CI) exactly as on the GPU.
+"""
+from __future__ import annotations
+
+HELPERS = {
+    "_tanh": '''
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (exp(2x) + 1) cancels near 0, so small |x| uses the odd series up to x**9.
+    x2 = x * x
+    series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333
+                  + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203))))
+    return tl.where(tl.abs(x) < 0.125, series, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+''',
+    "_expm1": '''
+@triton.jit
+def _expm1(x):
+    # exp(x) - 1 cancels near 0; Kahan's (u - 1) * x / log(u), u = exp(x), keeps full precision there.
+    u = tl.exp(x)
+    um1 = u - 1.0
+    near0 = tl.where(um1 == 0.0, x, um1 * x / tl.log(u))
+    return tl.where(tl.abs(x) < 0.5, near0, um1)
+''',
+    "_log1p": '''
+@triton.jit
+def _log1p(x):
+    # log(1 + x) loses x when it is tiny; Kahan's log(u) * x / (u - 1), u = 1 + x, does not.
+    u = 1.0 + x
+    d = u - 1.0
+    near0 = tl.where(d == 0.0, x, tl.log(u) * x / d)
+    return tl.where(tl.abs(x) < 0.5, near0, tl.log(u))
+''',
+    "_asinh": '''
+@triton.jit
+def _asinh(x):
+    a = tl.abs(x)
+    y = _log1p(a + a * a / (1.0 + tl.sqrt(1.0 + a * a)))
+    return tl.where(x < 0, -y, y)
+''',
+    "_softplus": '''
+@triton.jit
+def _softplus(x, beta, threshold):
+    # log(1 + exp(beta x)) / beta, and x itself past the threshold (where exp would overflow)
+    return tl.where(x * beta > threshold, x, _log1p(tl.exp(x * beta)) / beta)
+''',
+    "_trunc": '''
+@triton.jit
+def _trunc(x):
+    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+''',
+    "_round_half_even": '''
+@triton.jit
+def _round_half_even(x):
+    # torch.round rounds ties to even; x - floor(x) is exact, so ties are detected exactly.
+    r = tl.floor(x)
+    diff = x - r
+    odd = r - 2.0 * tl.floor(r * 0.5)
+    return tl.where((diff > 0.5) | ((diff == 0.5) & (odd == 1.0)), r + 1.0, r)
+''',
+    "_pow": '''
+@triton.jit
+def _pow(x, y):
+    # |x| ** y through exp2/log2; a negative base needs an integral y, whose parity gives the sign.
+    mag = tl.exp2(y * tl.log2(tl.abs(x)))
+    y_int = y == tl.floor(y)
+    y_odd = y_int & (y - 2.0 * tl.floor(y * 0.5) == 1.0)
+    signed = tl.where(y_int, tl.where(y_odd, -mag, mag), float("nan"))
+    res = tl.where(x < 0, signed, mag)
+    return tl.where((y == 0.0) | (x == 1.0), 1.0, res)
+''',
+    "_remainder": '''
+@triton.jit
+def _remainder(a, b):
+    # Python-style modulo (sign of b); Triton's % is C's fmod (sign of a).
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+''',
+    "_div_floor": '''
+@triton.jit
+def _div_floor(a, b):
+    # ATen's floor division for floats: exact where floor(a / b) rounds the wrong way.
+    mod = a % b
+    div = (a - mod) / b
+    div = tl.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1.0, div)
+    q = tl.floor(div)
+    q = tl.where(div - q > 0.5, q + 1.0, q)
+    return tl.where(b == 0, a / b, q)
+''',
+    "_div_floor_int": '''
+@triton.jit
+def _div_floor_int(a, b):
+    q = a // b  # truncates toward zero; step down when the signs differ and it was inexact
+    return tl.where((a % b != 0) & ((a < 0) != (b < 0)), q - 1, q)
+''',
+    "_mul_combine": '''
+@triton.jit
+def _mul_combine(a, b):
+    return a * b
+''',
+}
+
+# Helpers that call other helpers.
+DEPENDS = {"_asinh": ("_log1p",), "_softplus": ("_log1p",)}
+
+
+def helper_source(names) -> str:
+    """The source of the named helpers and what they call, in a stable order."""
+    need = set()
+    stack = list(names)
+    while stack:
+        n = stack.pop()
+        if n not in need:
+            need.add(n)
+            stack.extend(DEPENDS.get(n, ()))
+    return "".join(HELPERS[n] for n in HELPERS if n in need)

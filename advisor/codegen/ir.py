@@ -1,0 +1,418 @@
+"""A candidate's program read for code generation: symbolic sizes, views as index maps, dtypes.
+
+Sizes are symbols (`in0.2` is dim 2 of input 0) unified by broadcasting, so one kernel serves every
+occurrence of a pattern whatever its sizes. A size that only a view argument fixes (a slice, a
+select, an expand) stays a literal, and the input dims it depends on are pinned to their recorded
+size: the launcher checks them and refuses other shapes rather than compute the wrong thing.
+
+A ref (a tensor read) becomes a `View`: for each of its dims, which dim of its source it walks (or
+none: broadcast or size 1), plus a start index per source dim. Slices, selects, unsqueezes, expands
+and permutes are index maps; a reshape that merges or splits dims is not, and is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from advisor.ops.lowering import Lowering, Unsupported, lowering
+
+NONE = "<None>"
+
+
+@dataclass(frozen=True)
+class Dim:
+    terms: tuple = ()  # size symbols ("in0.2"); several for a concatenated dim
+    const: int = 0
+    value: int = 0  # the recorded size
+
+    @property
+    def literal(self) -> bool:
+        return not self.terms
+
+
+class Sizes:
+    """Union-find over size symbols; a class may be pinned to its recorded value."""
+
+    def __init__(self):
+        self.parent: dict[str, str] = {}
+        self.value: dict[str, int] = {}
+        self.pinned: set[str] = set()
+
+    def symbol(self, name: str, value: int) -> Dim:
+        self.parent.setdefault(name, name)
+        self.value[name] = value
+        return Dim((name,), 0, value)
+
+    def find(self, s: str) -> str:
+        while self.parent[s] != s:
+            self.parent[s] = self.parent[self.parent[s]]
+            s = self.parent[s]
+        return s
+
+    def norm(self, d: Dim) -> Dim:
+        terms, const = [], d.const
+        for t in d.terms:
+            r = self.find(t)
+            if r in self.pinned:
+                const += self.value[r]
+            else:
+                terms.append(r)
+        return Dim(tuple(sorted(terms)), const, d.value)
+
+    def pin(self, d: Dim) -> None:
+        for t in d.terms:
+            self.pinned.add(self.find(t))
+
+    def unify(self, a: Dim, b: Dim) -> Dim:
+        if a.value != b.value:
+            raise Unsupported(f"sizes {a.value} and {b.value} do not match")
+        a, b = self.norm(a), self.norm(b)
+        if a == b:
+            return a
+        if len(a.terms) == 1 and len(b.terms) == 1 and not a.const and not b.const:
+            ra, rb = sorted([a.terms[0], b.terms[0]], key=_sym_order)
+            self.parent[rb] = ra
+            return self.norm(a)
+        self.pin(a)  # a literal, or sums that do not match term by term: fix both
+        self.pin(b)
+        return Dim((), a.value, a.value)
+
+
+def _sym_order(s: str):
+    k, d = s[2:].split(".")
+    return int(k), int(d)
+
+
+@dataclass
+class Input:
+    id: str
+    dtype: torch.dtype
+    shape: list  # [Dim]
+    rec_shape: list
+    rec_strides: list
+    offset: int
+
+
+@dataclass
+class View:
+    src: str  # "in0" or "v3"
+    shape: list  # [Dim] of the ref
+    dims: list  # per ref dim: the source dim it walks, or None
+    starts: list  # per source dim: first index read
+    identity: bool = False
+
+
+@dataclass
+class Value:
+    id: str
+    dtype: torch.dtype
+    shape: list
+    rec_shape: list
+    rec_strides: list
+    op: "Op"
+    slot: int
+    offset: int = 0  # storage offset (non-zero only for values written in place into a view)
+
+
+@dataclass
+class Op:
+    id: str
+    name: str  # "aten::add"
+    overload: str  # "Tensor", or "default"
+    low: Lowering
+    args: dict  # schema name -> View | [View] | Python value
+    outputs: list  # [Value]
+    inplace: bool
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.name}.{self.overload}" if self.overload != "default" else self.name
+
+
+@dataclass
+class Program:
+    inputs: list
+    values: dict
+    ops: list
+    outputs: list  # [Value] written by the kernel
+    sizes: Sizes
+    inplace: dict = field(default_factory=dict)  # value id -> View into the input it overwrites
+    returned: int = 0  # the first `returned` outputs are the subgraph's; the rest are in-place writes
+
+    def source(self, sid: str):
+        return self.values.get(sid) or next(i for i in self.inputs if i.id == sid)
+
+    @property
+    def row_ops(self) -> list:
+        return [o for o in self.ops if o.low.kind == "row"]
+
+    def dim_key(self, d: Dim) -> str:
+        d = self.sizes.norm(d)
+        return "+".join(d.terms + ((str(d.const),) if d.const or not d.terms else ()))
+
+    def signature(self) -> str:
+        """Everything the generated code depends on, with sizes as symbols: the pattern's cache key."""
+        dims = lambda ds: [self.dim_key(d) for d in ds]  # noqa: E731
+        view = lambda v: [v.src, dims(v.shape), v.dims, v.starts, v.identity]  # noqa: E731
+        doc = {
+            "inputs": [[i.id, str(i.dtype), dims(i.shape), _order(i.rec_strides, i.rec_shape),
+                        [s == 0 for s in i.rec_strides]] for i in self.inputs],
+            "ops": [[o.qualname, {k: (view(v) if isinstance(v, View) else [view(x) for x in v]
+                                      if isinstance(v, list) and v and isinstance(v[0], View) else repr(v))
+                                  for k, v in o.args.items()},
+                     [[v.id, str(v.dtype), dims(v.shape), _order(v.rec_strides, v.rec_shape)] for v in o.outputs]]
+                    for o in self.ops],
+            "outputs": [v.id for v in self.outputs],
+            "inplace": {k: view(v) for k, v in self.inplace.items()},
+        }
+        return json.dumps(doc, sort_keys=True)
+
+    def key(self, version: str) -> str:
+        return hashlib.sha256((version + self.signature()).encode()).hexdigest()[:16]
+
+
+def _order(strides, shape) -> list:
+    """Physical order of the dims, outermost first (size-1 dims do not count)."""
+    return sorted(range(len(shape)), key=lambda d: (-(strides[d] if shape[d] != 1 else -1), d))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, str(name), None)
+    if not isinstance(dt, torch.dtype):
+        raise Unsupported(f"dtype {name!r}")
+    return dt
+
+
+# ------------------------------------------------------------------------------------------ reading
+def read_program(prog: dict) -> Program:
+    """The IR of an analysis.json program; raises Unsupported with the reason it cannot be generated."""
+    sizes = Sizes()
+    p = Program([], {}, [], [], sizes)
+    for k, spec in enumerate(prog["inputs"]):
+        shape = [sizes.symbol(f"in{k}.{d}", n) for d, n in enumerate(spec["shape"])]
+        for d in shape:
+            if d.value == 1:
+                sizes.pin(d)  # broadcast structure is part of the pattern
+        p.inputs.append(Input(spec["id"], torch_dtype(spec["dtype"]), shape, list(spec["shape"]),
+                              list(spec["strides"]), int(spec.get("storage_offset") or 0)))
+    for spec in prog["nodes"]:
+        p.ops.append(_read_op(p, spec))
+    p.outputs = [p.values[v] for v in prog["outputs"]]
+    p.returned = len(p.outputs)
+    # A mutated input must end up mutated even when nothing in the group reads it afterwards.
+    last = {}
+    for vid, view in p.inplace.items():
+        last[_root(p, view)] = vid
+    for vid in last.values():
+        if p.values[vid] not in p.outputs:
+            p.outputs.append(p.values[vid])
+    return p
+
+
+def _root(p: Program, view: View) -> str:
+    return view.src
+
+
+def _read_op(p: Program, spec: dict) -> Op:
+    name = spec["op"]
+    low = lowering(name)
+    if low is None:
+        raise Unsupported(f"no Triton lowering for {name}")
+    schema = _schema(spec)
+    overload = schema.overload_name or "default"
+    args = {}
+    for a, arg in zip(schema.arguments, spec["args"]):
+        if "ref" in arg:
+            args[a.name] = _view(p, arg)
+        elif "list" in arg:
+            args[a.name] = [_view(p, r) for r in arg["list"]]
+        else:
+            v = arg.get("value")
+            args[a.name] = None if v == NONE else v
+    for a in schema.arguments[len(spec["args"]):]:
+        args[a.name] = a.default_value if a.has_default_value() else None
+    op = Op(spec["id"], name, overload, low, args, [], bool(spec.get("inplace")))
+    shapes = infer_shapes(p, op)
+    if len(shapes) < len(spec["outputs"]):
+        raise Unsupported(f"{op.qualname}: {len(spec['outputs'])} outputs, the lowering knows {len(shapes)}")
+    for slot, (out, shape) in enumerate(zip(spec["outputs"], shapes)):
+        if [d.value for d in shape] != list(out["shape"]):
+            raise Unsupported(f"{op.qualname}: shape inference gives {[d.value for d in shape]}, "
+                              f"the trace recorded {out['shape']}")
+        v = Value(out["id"], torch_dtype(out["dtype"]), shape, list(out["shape"]), list(out["strides"]), op, slot)
+        p.values[v.id] = v
+        op.outputs.append(v)
+    if op.inplace:
+        _track_inplace(p, op, next(x for x in args.values() if isinstance(x, View)))
+    return op
+
+
+def _track_inplace(p: Program, op: Op, target: View) -> None:
+    """An in-place op on an input (or on an earlier in-place result) writes into that input's memory."""
+    v = op.outputs[0]
+    src = p.source(target.src)
+    if isinstance(src, Input):
+        p.inplace[v.id] = target
+    elif target.src in p.inplace and target.identity:
+        p.inplace[v.id] = p.inplace[target.src]
+    elif target.src in p.inplace:
+        raise Unsupported(f"{op.qualname} writes into a view of an in-place result")
+    else:
+        return  # in place on an intermediate: just a value
+    v.offset = src.offset + sum(s * st for s, st in zip(p.inplace[v.id].starts, src.rec_strides)) \
+        if isinstance(src, Input) else src.offset
+
+
+def _schema(spec: dict):
+    s = spec.get("schema") or ""
+    if s:
+        return torch._C.parse_schema(s)
+    # No schema recorded (shape-only traces): the first overload whose arity and tensor slots fit.
+    short = spec["op"].split("::", 1)[1]
+    packet = getattr(torch.ops.aten, short, None)
+    for ov in packet.overloads() if packet is not None else ():
+        sch = getattr(packet, ov)._schema
+        n_req = sum(1 for a in sch.arguments if not a.has_default_value())
+        if n_req <= len(spec["args"]) <= len(sch.arguments) and all(
+                ("ref" in g) == str(a.type).startswith("Tensor") for a, g in zip(sch.arguments, spec["args"])):
+            return sch
+    raise Unsupported(f"no schema recorded for {spec['op']} and none of its overloads fits")
+
+
+def _view(p: Program, ref: dict) -> View:
+    sid = ref["ref"]
+    if sid == "?" or (sid not in p.values and not any(i.id == sid for i in p.inputs)):
+        raise Unsupported(f"a ref names {sid!r}, which is neither an input nor an earlier value")
+    src = p.source(sid)
+    shape, strides, off = list(ref["shape"]), list(ref["strides"]), int(ref.get("storage_offset") or 0)
+    base_off = src.offset
+    same_strides = all(a == b for n, a, b in zip(shape, strides, src.rec_strides) if n != 1)
+    if shape == src.rec_shape and same_strides and off == base_off:
+        return View(sid, list(src.shape), list(range(len(shape))), [0] * len(shape), identity=True)
+    # Which source dim each ref dim walks: same stride, preferring the right-aligned position.
+    src_strides, used, dims = src.rec_strides, set(), []
+    for d, (n, st) in enumerate(zip(shape, strides)):
+        if n == 1 or st == 0:
+            dims.append(None)
+            continue
+        aligned = d + len(src.rec_shape) - len(shape)
+        cands = [e for e in range(len(src_strides)) if src_strides[e] == st and src.rec_shape[e] > 1 and e not in used]
+        if not cands:
+            raise Unsupported(f"reads {sid} through a reshaping view (shape {shape}, strides {strides})")
+        e = aligned if aligned in cands else cands[0]
+        used.add(e)
+        dims.append(e)
+    starts = _starts(off - base_off, src.rec_shape, src_strides)
+    if starts is None:
+        raise Unsupported(f"reads {sid} at storage offset {off}, which no index of it reaches")
+    sizes = []
+    for d, n in enumerate(shape):
+        e = dims[d]
+        if e is not None and n == src.rec_shape[e] and starts[e] == 0:
+            sizes.append(src.shape[e])
+        else:
+            sizes.append(Dim((), n, n))
+            if e is not None:
+                p.sizes.pin(src.shape[e])
+    for e, s in enumerate(starts):
+        if s:
+            p.sizes.pin(src.shape[e])
+        if e not in dims and src.rec_shape[e] > 1:
+            p.sizes.pin(src.shape[e])  # a select or a size-1 slice of a dim the view drops
+    if isinstance(src, Value):
+        for d, e in enumerate(dims):
+            if e is not None and not 0 <= starts[e] <= starts[e] + shape[d] <= src.rec_shape[e]:
+                raise Unsupported(f"reads {sid} out of its bounds")
+    return View(sid, sizes, dims, starts)
+
+
+def _starts(delta: int, shape, strides):
+    """Per-dim start indices whose offsets add up to `delta` (outermost dims first, truncating)."""
+    starts = [0] * len(shape)
+    for e in sorted(range(len(shape)), key=lambda e: -abs(strides[e])):
+        if strides[e] and shape[e] > 1:
+            q = int(delta / strides[e])
+            starts[e], delta = q, delta - q * strides[e]
+    return starts if delta == 0 else None
+
+
+# ----------------------------------------------------------------------------------- shape rules
+def infer_shapes(p: Program, op: Op) -> list:
+    rule, a = op.low.shape, op.args
+    views = [v for v in a.values() if isinstance(v, View)]
+    if rule == "cat":
+        return [_cat_shape(p, a["tensors"], a.get("dim") or 0)]
+    first = views[0].shape if views else []
+    if rule == "same":
+        return [list(first)] * 2
+    if rule == "broadcast":
+        out = broadcast(p.sizes, [v.shape for v in views])
+        return [out, out]  # a second output only for native_dropout's mask
+    if rule == "row":
+        _check_last_dim(a.get("dim"), len(first))
+        return [list(first)]
+    if rule == "norm":
+        ns = a.get("normalized_shape") or []
+        if len(ns) != 1 or ns[0] != first[-1].value:
+            raise Unsupported(f"normalized_shape {ns}: only the last dim is a row")
+        broadcast(p.sizes, [first] + [v.shape for v in views[1:]])  # weight and bias walk the row
+        stats = list(first[:-1]) + [Dim((), 1, 1)]
+        return [list(first), stats, stats]
+    if rule == "reduce":
+        dims = a.get("dim")
+        keep = bool(a.get("keepdim"))
+        if dims in (None, []) or (isinstance(dims, list) and len(dims) == len(first) == 1):
+            if len(first) > 1:
+                raise Unsupported(f"{op.qualname} over all {len(first)} dims: only last-dim reductions fuse")
+            out = [Dim((), 1, 1)] * len(first) if keep else []
+        else:
+            _check_last_dim(dims, len(first))
+            out = list(first[:-1]) + ([Dim((), 1, 1)] if keep else [])
+        return [out, out]
+    raise Unsupported(f"shape rule {rule!r}")
+
+
+def _check_last_dim(dims, ndim: int) -> None:
+    d = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else dims
+    if not isinstance(d, int) or d not in (-1, ndim - 1):
+        raise Unsupported(f"reduces over dim {dims}: only the last dim is a row")
+
+
+def broadcast(sizes: Sizes, shapes: list) -> list:
+    rank = max((len(s) for s in shapes), default=0)
+    out = []
+    for j in range(rank):
+        dims = [s[j - rank + len(s)] for s in shapes if j - rank + len(s) >= 0]
+        big = [d for d in dims if d.value != 1]
+        if not big:
+            out.append(dims[0])
+            continue
+        d = big[0]
+        for other in big[1:]:
+            d = sizes.unify(d, other)
+        out.append(d)
+    return out
+
+
+def _cat_shape(p: Program, views: list, dim: int) -> list:
+    rank = len(views[0].shape)
+    dim = dim % rank
+    out = []
+    for j in range(rank):
+        if j == dim:
+            terms, const = [], 0
+            for v in views:
+                d = p.sizes.norm(v.shape[j])
+                terms += d.terms
+                const += d.const
+            out.append(Dim(tuple(terms), const, sum(v.shape[j].value for v in views)))
+        else:
+            d = views[0].shape[j]
+            for v in views[1:]:
+                d = p.sizes.unify(d, v.shape[j])
+            out.append(d)
+    return out

@@ -1,0 +1,237 @@
+"""Assemble a generated module: imports, helpers, kernel(s), launch heuristics and `run(...)`.
+
+The module imports only torch and triton. `run` takes the subgraph's inputs (same order as the
+program), checks they have the structure the kernel was generated for, allocates the outputs with the
+recorded dtypes and memory order, writes in-place outputs into the input they overwrite, and returns
+the outputs in the program's order.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from advisor.codegen.helpers import helper_source
+from advisor.codegen.ir import Program, _order
+from advisor.codegen.plan import Plan, size_expr
+from advisor.codegen.printer import pointwise_kernel, row_kernels
+
+COMMON = '''
+
+def _empty(shape, order, dtype, device):
+    """A new output, dense in the memory order eager produced (validation swaps in a NaN-filled one)."""
+    return torch.empty_permuted(shape, order, dtype=dtype, device=device)
+
+
+def _like(x, ref):
+    """x with ref's shape and memory layout, so it can be read at the output's flat offsets."""
+    if x.shape == ref.shape and all(a == b for n, a, b in zip(x.shape, x.stride(), ref.stride()) if n != 1):
+        return x
+    return torch.empty_like(ref, dtype=x.dtype).copy_(x)
+
+
+def _int64_needed(*tensors):
+    """Offsets past 2**31 elements need 64-bit index math."""
+    return max(sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + t.numel() for t in tensors) >= 2**31
+'''
+
+POINTWISE_CONFIG = '''
+
+def _pointwise_config(numel):
+    """(BLOCK, num_warps): 8-16 elements per thread keep enough loads in flight to saturate HBM."""
+    if numel >= 1 << 22:
+        return 2048, 8
+    return 1024, 4
+'''
+
+ROW_CONFIG = '''
+
+MAX_PERSISTENT_N = 16384  # wider rows do not fit in registers: stream them through the looped kernel
+LOOP_BLOCK_N = 2048  # columns per step of the looped kernel
+
+
+def _row_config(n):
+    """(BLOCK_N, num_warps) of the persistent kernel: the whole row in one block, ~8-16 values per thread."""
+    block = triton.next_power_of_2(n)
+    return block, max(1, min(16, block // 256))
+'''
+
+
+def kernel_name(prog: Program) -> str:
+    names = []
+    for o in prog.ops:
+        n = o.name.split("::")[1].strip("_").replace("_to_copy", "to")
+        if not names or names[-1] != n:
+            names.append(n)
+    base = "_".join(names[:5]) + ("_etc" if len(names) > 5 else "")
+    return f"{base}_kernel"
+
+
+def module_source(plan: Plan) -> str:
+    p, b = plan.prog, plan.builder
+    name = kernel_name(p)
+    params, call = _params(plan)
+    if plan.kind == "pointwise":
+        kernels = pointwise_kernel(plan, name, params)
+        launch = _launch_pointwise(plan, name, call)
+        config = POINTWISE_CONFIG
+    else:
+        persistent, looped = row_kernels(plan, name, params)
+        kernels = persistent + "\n\n" + looped
+        launch = _launch_rows(plan, name, call)
+        config = ROW_CONFIG
+    helpers = helper_source(b.helpers | ({"_mul_combine"} if "_mul_combine" in kernels else set()))
+    parts = ["import torch\nimport triton\nimport triton.language as tl\n", helpers, "\n\n" + kernels,
+             "\n\n" + _run(plan, launch), COMMON, config]
+    return "".join(parts).replace("\n\n\n\n", "\n\n\n").strip() + "\n"
+
+
+def _params(plan: Plan) -> tuple[list, list]:
+    """Kernel parameters and the launcher expressions passed for them, in the same order."""
+    p, b = plan.prog, plan.builder
+    from advisor.codegen.printer import Printer
+
+    needed = Printer(plan).needed
+    used = {n.fmt for n in needed if n.kind in ("load", "arg")}
+    if plan.kind == "rows":
+        used.add(_size_name(plan))
+    params, call = [], []
+    for i in p.inputs:
+        if f"{i.id}_ptr" in used:
+            params.append(f"{i.id}_ptr")
+            call.append(i.id)
+    for k in range(len(p.outputs)):
+        params.append(f"out{k}_ptr")
+        call.append(f"out{k}")
+    if plan.kind == "pointwise":
+        for g in plan.groups:
+            params.append(g.numel)
+            call.append(g.numel)
+    for name, d in sorted(b.size_args.items()):
+        if name not in used:
+            continue
+        params.append(name)
+        call.append(size_expr(p, d))
+    for name, (t, d) in sorted(b.strides.items()):
+        if name not in used:
+            continue
+        params.append(name)
+        call.append(f"{t}.stride({d})")
+    return params, call
+
+
+def _checks(p: Program) -> list:
+    """Conditions under which the kernel computes what the ops would: ranks, dtypes, tied sizes."""
+    conds = []
+    for k, i in enumerate(p.inputs):
+        conds.append(f"{i.id}.dim() == {len(i.shape)}")
+        conds.append(f"{i.id}.dtype == {i.dtype}")
+        for d, dim in enumerate(i.shape):
+            sym = dim.terms[0]
+            n = p.sizes.norm(dim)
+            if n.literal:
+                conds.append(f"{i.id}.shape[{d}] == {dim.value}")
+            elif n.terms[0] != sym:
+                conds.append(f"{i.id}.shape[{d}] == {size_expr(p, n)}")
+    return conds
+
+
+def _run(plan: Plan, launch: list) -> str:
+    p = plan.prog
+    args = ", ".join(i.id for i in p.inputs)
+    lines = [f"def run({args}):",
+             f'    """{_describe(p)}"""',
+             f"    device = {p.inputs[0].id}.device" if p.inputs else "    device = torch.device('cuda')"]
+    conds = _checks(p)
+    if conds:
+        lines.append("    if not (" + _wrap(conds, " and ", 8) + "):")
+        lines.append('        raise ValueError("inputs differ from the pattern this kernel was generated for")')
+    for i in p.inputs:
+        if not i.shape:
+            lines.append(f"    {i.id} = {i.id}.to(device)  # 0-dim inputs (Python scalars in the model) may live on the CPU")
+    for k, v in enumerate(p.outputs):
+        if v.id in p.inplace:
+            lines.append(f"    out{k} = {_inplace_view(p, p.inplace[v.id])}  # written in place, like {v.op.qualname}")
+        else:
+            shape = "(" + ", ".join(size_expr(p, d) for d in v.shape) + ("," if len(v.shape) == 1 else "") + ")"
+            order = tuple(_order(v.rec_strides, v.rec_shape))
+            lines.append(f"    out{k} = _empty({shape}, {order}, {v.dtype}, device)")
+    if plan.kind == "pointwise":
+        for g in plan.groups:
+            if g.layout_ref is None:
+                continue
+            for inp in sorted(plan.builder.flat_inputs):
+                lines.append(f"    {inp} = _like({inp}, out{g.layout_ref})  # read at the output's flat offsets")
+            break
+    lines += launch
+    ret = ", ".join(f"out{k}" for k in range(p.returned)) + ("," if p.returned == 1 else "")
+    lines.append(f"    return {ret}" if p.returned else "    return ()")
+    return "\n".join(lines) + "\n"
+
+
+def _inplace_view(p: Program, view) -> str:
+    src = p.source(view.src)
+    if view.identity:
+        return view.src
+    sizes = ", ".join(size_expr(p, d) for d in view.shape)
+    strides = ", ".join(f"{view.src}.stride({e})" if e is not None else "0" for e in view.dims)
+    off = " + ".join([f"{view.src}.storage_offset()"] + [f"{s} * {view.src}.stride({e})"
+                                                          for e, s in enumerate(view.starts) if s])
+    return f"torch.as_strided({src.id}, ({sizes},), ({strides},), {off})"
+
+
+def _launch_pointwise(plan: Plan, name: str, call: list) -> list:
+    head = [f"    {g.numel} = out{g.outputs[0]}.numel()" for g in plan.groups]
+    numels = [g.numel for g in plan.groups]
+    total = numels[0] if len(numels) == 1 else f"max({', '.join(numels)})"
+    tensors = ", ".join([i.id for i in plan.prog.inputs if i.shape] + [f"out{k}" for k in range(len(plan.prog.outputs))])
+    body = [f"BLOCK, num_warps = _pointwise_config({total})",
+            f"grid = (triton.cdiv({total}, BLOCK),)",
+            f"{name}[grid](" + _wrap(call, ", ", 12) + ",",
+            f"    BLOCK=BLOCK, BIG_INDEX=_int64_needed({tensors}), num_warps=num_warps)"]
+    return head + [f"    if {total}:"] + ["        " + line for line in body]
+
+
+def _launch_rows(plan: Plan, name: str, call: list) -> list:
+    p = plan.prog
+    n = size_expr(p, plan.n)
+    r = " * ".join(f"({size_expr(p, d)})" if "+" in size_expr(p, d) else size_expr(p, d) for d in plan.lead) or "1"
+    args = _wrap(call, ", ", 12)
+    return [f"    N = {n}  # row width",
+            f"    R = {r}  # rows",
+            "    if R == 0:",
+            "        pass",
+            "    elif N <= MAX_PERSISTENT_N:",
+            "        BLOCK_N, num_warps = _row_config(N)",
+            f"        {name}[(R,)](" + args + ", BLOCK_N=BLOCK_N, num_warps=num_warps)",
+            "    else:",
+            f"        {name}_looped[(R,)](" + args + ", BLOCK_N=LOOP_BLOCK_N, num_warps=8)"]
+
+
+def _size_name(plan: Plan) -> str:
+    from advisor.codegen.build import size_name
+
+    return size_name(plan.prog.sizes.norm(plan.n)) if not plan.prog.sizes.norm(plan.n).literal else ""
+
+
+def _wrap(items: list, sep: str, indent: int, width: int = 100) -> str:
+    out, line = [], ""
+    for it in items:
+        piece = it if not line else sep + it
+        if line and len(line) + len(piece) + indent > width:
+            out.append(line + sep.rstrip())
+            line = it
+        else:
+            line += piece
+    out.append(line)
+    return ("\n" + " " * indent).join(out)
+
+
+def _describe(p: Program) -> str:
+    ops = " -> ".join(o.qualname.split("::")[1] for o in p.ops)
+    text = f"Same inputs and outputs as the aten ops it replaces: {ops}."
+    return _wrap(text.split(" "), " ", 4, 96)
+
+
+def numel(shape) -> int:
+    return int(math.prod(shape)) if shape else 1

@@ -1,0 +1,180 @@
+"""What a kernel computes: its domain, the index variables, and one store per output.
+
+Pointwise programs walk each output shape with a flat index (in the output's memory order, so
+stores are contiguous), unravelled into one index per dim. Programs with a row op (reductions,
+softmax, norms over the last dim) run one program per row: leading indices from the program id,
+`cols` along the row. Both leave the rest to `Builder.value_at`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from advisor.codegen.build import Builder
+from advisor.codegen.dag import Dag, Node
+from advisor.codegen.ir import Dim, Program, Value, _order
+from advisor.ops.lowering import Unsupported
+
+
+@dataclass
+class Store:
+    out: int  # position in Program.outputs
+    value: Node
+    offset: Node
+    mask: Node | None
+    dtype: torch.dtype  # memory dtype
+
+
+@dataclass
+class Group:  # pointwise: outputs sharing one shape and memory order
+    numel: str  # kernel argument
+    dims: list  # [Dim]
+    order: list  # dims outermost first
+    outputs: list = field(default_factory=list)  # positions in Program.outputs
+    layout_ref: int | None = None  # an allocated output whose dense layout flat inputs follow
+
+
+@dataclass
+class Plan:
+    kind: str  # "pointwise" | "rows"
+    prog: Program
+    dag: Dag
+    builder: Builder
+    stores: list
+    groups: list = field(default_factory=list)
+    lead: list = field(default_factory=list)  # rows: [Dim] of the leading dims
+    n: Dim | None = None  # rows: the row width
+
+
+def plan(prog: Program) -> Plan:
+    return plan_rows(prog) if prog.row_ops else plan_pointwise(prog)
+
+
+def _dense(shape, order) -> list:
+    strides, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc *= shape[d]
+    return strides
+
+
+def _same_layout(a_shape, a_strides, b_shape, b_strides) -> bool:
+    return list(a_shape) == list(b_shape) and all(x == y for n, x, y in zip(a_shape, a_strides, b_strides) if n != 1)
+
+
+# ------------------------------------------------------------------------------------- pointwise
+def plan_pointwise(prog: Program) -> Plan:
+    dag = Dag()
+    b = Builder(prog, dag)
+    groups: dict = {}
+    for k, v in enumerate(prog.outputs):
+        dims = tuple(prog.dim_key(d) for d in v.shape)
+        if v.id in prog.inplace:  # written through the input's own strides: any group of its shape will do
+            g = next((x for (d, _), x in groups.items() if d == dims), None)
+            if g is None:
+                g = groups[(dims, None)] = Group("", list(v.shape), list(range(len(v.shape))))
+        else:
+            order = tuple(_order(v.rec_strides, v.rec_shape))
+            g = groups.get((dims, order))
+            if g is None:
+                g = groups[(dims, order)] = Group("", list(v.shape), list(order), layout_ref=k)
+        g.outputs.append(k)
+    glist = list(groups.values())
+    offs = dag.var("offs", full=True)
+    stores = []
+    for gi, g in enumerate(glist):
+        suffix = str(gi) if len(glist) > 1 else ""
+        g.numel = f"numel{suffix}"
+        b.mask = dag.var(f"mask{suffix}", full=True)
+        idx = _unravel(b, offs, g.dims, g.order, "i", suffix)
+        b.flat = (idx, offs)
+        b.flat_inputs = _flat_inputs(prog, prog.outputs[g.layout_ref]) if g.layout_ref is not None else set()
+        for k in g.outputs:
+            v = prog.outputs[k]
+            val = b.value_at(v.id, idx)
+            if v.id in prog.inplace:
+                offset = dag.isum([dag.imul(i, b.stride(f"out{k}", d)) for d, i in enumerate(idx)])
+            else:
+                offset = offs  # allocated dense in the group's order: the flat index is the address
+            stores.append(Store(k, val, offset, b.mask, v.dtype))
+    return Plan("pointwise", prog, dag, b, stores, groups=glist)
+
+
+def _unravel(b: Builder, flat: Node, dims: list, order: list, prefix: str, suffix: str) -> tuple:
+    """Index per dim of a flat position walking `dims` in `order` (outermost first)."""
+    dag = b.dag
+    idx: list = [None] * len(dims)
+    inner = dag.lit(1)
+    live = [d for d in order if not (b.p.sizes.norm(dims[d]).literal and dims[d].value == 1)]
+    for pos, d in enumerate(reversed(live)):
+        q = flat if inner.kind == "lit" and inner.fmt == "1" else dag.add("op", "{} // {}", (flat, inner))
+        if pos < len(live) - 1:
+            q = dag.add("op", "{} % {}", (q, b.size(dims[d])))
+        if q is not flat:
+            q.hint = q.hint or f"{prefix}{d}{suffix}"
+        idx[d] = q
+        inner = dag.imul(inner, b.size(dims[d]))
+    for d in range(len(dims)):
+        if idx[d] is None:
+            idx[d] = dag.lit(0)
+    return tuple(idx)
+
+
+def _flat_inputs(prog: Program, ref: Value) -> set:
+    """Inputs laid out exactly like the (dense) output and only ever read whole: they load at `offs`."""
+    ref_strides = _dense(ref.rec_shape, _order(ref.rec_strides, ref.rec_shape))
+    sliced = {v.src for o in prog.ops for a in o.args.values()
+              for v in (a if isinstance(a, list) else [a]) if hasattr(v, "identity") and not v.identity}
+    out = set()
+    for i in prog.inputs:
+        if i.id in sliced or [prog.dim_key(d) for d in i.shape] != [prog.dim_key(d) for d in ref.shape]:
+            continue
+        if _same_layout(i.rec_shape, i.rec_strides, ref.rec_shape, ref_strides):
+            out.add(i.id)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ rows
+def plan_rows(prog: Program) -> Plan:
+    dag = Dag()
+    b = Builder(prog, dag)
+    first = prog.row_ops[0]
+    view = next(v for v in first.args.values() if hasattr(v, "identity"))
+    full = list(view.shape)
+    for o in prog.row_ops[1:]:
+        other = next(v for v in o.args.values() if hasattr(v, "identity")).shape
+        if [d.value for d in other] != [d.value for d in full]:
+            raise Unsupported(f"row ops over different shapes ({[d.value for d in full]} and "
+                              f"{[d.value for d in other]})")
+    if not full:
+        raise Unsupported("a row op over a 0-dim tensor")
+    lead, n = full[:-1], full[-1]
+    row = dag.var("row", full=False)
+    b.cols = dag.var("cols", full=True)
+    b.n = b.size(n)
+    b.mask = dag.var("col_mask", full=True)
+    lead_idx = _unravel(b, row, lead, list(range(len(lead))), "r", "")
+    stores = []
+    for k, v in enumerate(prog.outputs):
+        shape = [d.value for d in v.shape]
+        if shape == [d.value for d in full] and len(v.shape) == len(full):
+            idx = lead_idx + (b.cols,)
+        elif shape == [d.value for d in lead] or shape == [d.value for d in lead] + [1]:
+            idx = lead_idx + ((dag.lit(0),) if len(shape) == len(lead) + 1 else ())
+        else:
+            raise Unsupported(f"output {v.id} of shape {shape} is neither a row ({[d.value for d in full]}) "
+                              f"nor one value per row")
+        val = b.value_at(v.id, idx)
+        offset = dag.isum([dag.imul(i, b.stride(f"out{k}", d)) for d, i in enumerate(idx)], hint=f"out{k}_row")
+        stores.append(Store(k, val, offset, b.mask if offset.full else None, v.dtype))
+    return Plan("rows", prog, dag, b, stores, lead=lead, n=n)
+
+
+def size_expr(prog: Program, d: Dim) -> str:
+    """A size as the launcher computes it from its arguments."""
+    d = prog.sizes.norm(d)
+    parts = [f"{t.split('.')[0]}.shape[{t.split('.')[1]}]" for t in d.terms]
+    if d.const or not parts:
+        parts.append(str(d.const))
+    return " + ".join(parts)

@@ -1,0 +1,113 @@
+"""Fresh inputs for a validation case, with the recorded dtypes and memory structure.
+
+Each input keeps its recorded layout at the case's sizes: the same dim order, stride-0 (expanded)
+dims, and padding between rows (a slice of a wider tensor stays a slice). Its storage also covers
+every element the program reads through other views of it (a shifted slice may read before the
+view's first element). Values: random normal floats, never zero; strictly positive where an op
+needs it (log, sqrt, rsqrt, pow with a fractional exponent, ...); 0-dim float inputs (Python
+scalars in the model: eps, scales) in [0.5, 1.5]; integers in ±[1, 9]; random bools.
+"""
+from __future__ import annotations
+
+import torch
+
+from advisor.codegen.ir import Input, Program, View, _order
+from advisor.validate.shapes import Case
+
+PASS_SIGN = {"aten::_to_copy", "aten::clone", "aten::copy", "aten::alias_copy", "aten::contiguous",
+             "aten::_autocast_to_reduced_precision", "aten::dropout", "aten::native_dropout", "aten::abs"}
+
+
+def positive_inputs(prog: Program) -> set:
+    """Inputs that must be > 0: read (directly or through a conversion) by an op whose domain needs it."""
+    need = set()
+    for op in prog.ops:
+        names = op.low.positive
+        if op.name.startswith("aten::pow") and isinstance(op.args.get("exponent"), float) \
+                and not float(op.args["exponent"]).is_integer():
+            names = ("self",)
+        for n in names:
+            v = op.args.get(n)
+            if isinstance(v, View):
+                need |= _roots(prog, v.src)
+    return need
+
+
+def _roots(prog: Program, sid: str) -> set:
+    if sid not in prog.values:
+        return {sid}
+    op = prog.values[sid].op
+    if op.name.rstrip("_") not in PASS_SIGN:
+        return set()
+    return {r for v in op.args.values() if isinstance(v, View) for r in _roots(prog, v.src)}
+
+
+def layout(inp: Input, shape: list) -> list:
+    """Strides for `shape` with the recorded structure: same order, stride-0 dims, row padding."""
+    order = _order(inp.rec_strides, inp.rec_shape)
+    strides = [0] * len(shape)
+    acc = None
+    for d in reversed(order):
+        rec = inp.rec_strides[d]
+        if rec == 0:
+            continue
+        if acc is None:
+            strides[d], acc = rec, rec  # innermost: keep its step (a column of a wider tensor)
+        else:
+            strides[d] = acc
+        inner_rec = max(inp.rec_shape[d], 1)
+        # extent the next dim steps over: this dim's size plus the padding it had when recorded
+        nxt = [e for e in order[:order.index(d)] if inp.rec_strides[e] != 0]
+        if nxt:
+            pad = inp.rec_strides[nxt[-1]] // max(rec, 1) - inner_rec
+            acc = strides[d] * (max(shape[d], 1) + max(pad, 0))
+    return strides
+
+
+def draw(prog: Program, case: Case, device, generator: torch.Generator) -> dict:
+    """{input id: tensor} for one case."""
+    positive = positive_inputs(prog)
+    out = {}
+    for inp in prog.inputs:
+        shape = case.shape(prog, inp.shape)
+        strides = layout(inp, shape)
+        lo, hi = _extent(prog, case, inp, shape, strides)
+        storage = _values(inp, hi - lo + 1, inp.id in positive, generator)
+        t = torch.as_strided(storage.to(device), shape, strides, -lo)
+        out[inp.id] = t
+    return out
+
+
+def _extent(prog: Program, case: Case, inp: Input, shape, strides) -> tuple[int, int]:
+    """Lowest and highest element offset (relative to the input's start) any read of it touches."""
+    spans = [(0, sum((n - 1) * s for n, s in zip(shape, strides) if n > 0))]
+    for op in prog.ops:
+        for a in op.args.values():
+            for v in (a if isinstance(a, list) else [a]):
+                if isinstance(v, View) and v.src == inp.id and not v.identity:
+                    base = sum(st * s for st, s in zip(v.starts, strides))
+                    lo = hi = base
+                    for d, e in enumerate(v.dims):
+                        if e is not None:
+                            n = case.size(prog, v.shape[d])
+                            step = (n - 1) * strides[e]
+                            lo, hi = lo + min(step, 0), hi + max(step, 0)
+                    spans.append((lo, hi))
+    return min(0, *(s[0] for s in spans)), max(s[1] for s in spans)
+
+
+def _values(inp: Input, n: int, positive: bool, g: torch.Generator) -> torch.Tensor:
+    dt = inp.dtype
+    if dt == torch.bool:
+        return torch.rand(n, generator=g) < 0.5
+    if not dt.is_floating_point:
+        mag = torch.randint(1, 10, (n,), generator=g)
+        sign = torch.ones(n, dtype=torch.int64) if positive else torch.where(torch.rand(n, generator=g) < 0.5, -1, 1)
+        return (mag * sign).to(dt)
+    if not inp.shape:
+        return (0.5 + torch.rand(n, generator=g, dtype=torch.float64)).to(dt)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    if positive:
+        x = x.abs() + 0.05
+    x = x.to(dt)
+    return torch.where(x == 0, torch.ones_like(x), x)  # never zeros

@@ -1,0 +1,87 @@
+"""The original program run op by op through PyTorch: the ground truth a kernel is compared with.
+
+`mode="native"` replays it in the recorded dtypes (what eager computes); `mode="fp64"` upcasts every
+floating input and dtype argument to float64 (the exact answer, up to fp64 rounding). 0-dim float64
+and int64 inputs are the model's Python scalars (wrapped numbers), so they are passed as Python
+numbers, which keeps torch's type promotion exactly as eager had it.
+"""
+from __future__ import annotations
+
+import torch
+
+from advisor.codegen.ir import Program, View
+from advisor.validate.shapes import Case
+
+# torch's ScalarType codes, as ScalarType arguments arrive in traces
+SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64,
+                5: torch.float16, 6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
+
+
+def run_reference(prog: Program, case: Case, inputs: dict, mode: str) -> tuple[dict, dict]:
+    """({value id: tensor}, {input id: tensor after the run}) for the program on clones of `inputs`."""
+    env = {}
+    for k, t in inputs.items():
+        env[k] = _clone_strided(t, torch.float64 if mode == "fp64" and t.is_floating_point() else t.dtype)
+    for op in prog.ops:
+        fn = getattr(getattr(torch.ops.aten, op.name.split("::")[1]), op.overload)
+        first = next((v for v in op.args.values() if isinstance(v, View)), None)
+        if first is not None and first.shape:
+            env["__row_width__"] = case.size(prog, first.shape[-1])
+        args, kwargs = [], {}
+        for a in fn._schema.arguments:
+            if a.name not in op.args:
+                continue
+            val = _arg(prog, case, env, op.args[a.name], a, mode)
+            if a.kwarg_only:
+                kwargs[a.name] = val
+            else:
+                args.append(val)
+        res = fn(*args, **kwargs)
+        res = res if isinstance(res, (tuple, list)) else (res,)
+        for v, r in zip(op.outputs, res):
+            env[v.id] = r
+    return env, {k: env[k] for k in inputs}
+
+
+def _arg(prog: Program, case: Case, env: dict, v, schema_arg, mode: str):
+    if isinstance(v, View):
+        src = prog.source(v.src)
+        t = env[v.src]
+        if v.src in inputs_of(prog) and t.dim() == 0 and src.dtype in (torch.float64, torch.int64) \
+                and schema_arg.alias_info is None:
+            return t.item()  # a wrapped Python scalar
+        return view_of(prog, case, t, v)
+    if isinstance(v, list) and v and isinstance(v[0], View):
+        return [view_of(prog, case, env[x.src], x) for x in v]
+    ty = str(schema_arg.type)
+    if "ScalarType" in ty and isinstance(v, int):
+        dt = SCALAR_TYPES.get(v, torch.float32)
+        return torch.float64 if mode == "fp64" and dt.is_floating_point else dt
+    if "MemoryFormat" in ty or "Layout" in ty or "Device" in ty:
+        return None
+    if schema_arg.name == "half_to_float" and mode == "fp64":
+        return False
+    if schema_arg.name == "normalized_shape" and isinstance(v, list) and len(v) == 1:
+        return [env["__row_width__"]]  # normalises the last dim, whatever its size in this case
+    return v
+
+
+def inputs_of(prog: Program) -> set:
+    return {i.id for i in prog.inputs}
+
+
+def view_of(prog: Program, case: Case, t: torch.Tensor, v: View) -> torch.Tensor:
+    """The tensor a ref reads: `t` seen through the view's index map at the case's sizes."""
+    if v.identity:
+        return t
+    sizes = [case.size(prog, d) for d in v.shape]
+    strides = [t.stride(e) if e is not None else 0 for e in v.dims]
+    offset = t.storage_offset() + sum(s * t.stride(e) for e, s in enumerate(v.starts) if s)
+    return torch.as_strided(t, sizes, strides, offset)
+
+
+def _clone_strided(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of t's whole storage viewed like t, so reads outside the view still see the same data."""
+    whole = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+    base = whole.to(dtype, copy=True)
+    return torch.as_strided(base, t.shape, t.stride(), t.storage_offset())

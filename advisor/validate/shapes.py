@@ -1,0 +1,100 @@
+"""The shapes a kernel is validated at: the recorded ones, odd ones, and all-ones.
+
+Sizes are chosen per class of unified size symbols (see `advisor.codegen.ir`); classes pinned by the
+pattern (broadcast 1s, sizes fixed by slices) keep their recorded value, so the program's broadcast
+structure is the same in every case. Under Triton's interpreter the recorded case is capped (fewer
+rows, same row width; fewer elements for pointwise kernels) so CI stays fast; the result says so.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from advisor.codegen.ir import Dim, Program
+
+INTERPRETER_MAX_ROWS = 24
+INTERPRETER_MAX_NUMEL = 1 << 13
+ODD = [3, 5, 7, 11, 13, 17, 19, 23]
+
+
+@dataclass
+class Case:
+    name: str  # "recorded" | "odd" | "ones"
+    values: dict  # size symbol -> size, for every symbol of the program
+    note: str = ""
+
+    def size(self, prog: Program, d: Dim) -> int:
+        d = prog.sizes.norm(d)
+        return d.const + sum(self.values[t] for t in d.terms)
+
+    def shape(self, prog: Program, dims) -> list:
+        return [self.size(prog, d) for d in dims]
+
+
+def free_classes(prog: Program) -> dict:
+    """Representative symbol -> recorded size, for the classes validation may resize."""
+    s = prog.sizes
+    return {s.find(t): s.value[t] for t in s.parent if s.find(t) not in s.pinned}
+
+
+def row_class(prog: Program) -> str | None:
+    if not prog.row_ops:
+        return None
+    view = next(v for v in prog.row_ops[0].args.values() if hasattr(v, "identity"))
+    n = prog.sizes.norm(view.shape[-1])
+    return n.terms[0] if len(n.terms) == 1 else None
+
+
+def _case(prog: Program, name: str, chosen: dict, note: str = "") -> Case:
+    s = prog.sizes
+    values = {t: chosen.get(s.find(t), s.value[t]) for t in s.parent}
+    return Case(name, values, note)
+
+
+def domain_numel(prog: Program, case: Case) -> tuple[int, int]:
+    """(rows, elements) of the biggest output under `case` (rows: 1 for pointwise programs)."""
+    numel = max((math.prod(case.shape(prog, v.shape)) for v in prog.outputs), default=1)
+    if prog.row_ops:
+        view = next(v for v in prog.row_ops[0].args.values() if hasattr(v, "identity"))
+        shape = case.shape(prog, view.shape)
+        return math.prod(shape[:-1]), max(numel, math.prod(shape))
+    return 1, numel
+
+
+def cases(prog: Program, interpreter: bool) -> list:
+    free = free_classes(prog)
+    n_cls = row_class(prog)
+    recorded = dict(free)
+    note = ""
+    if interpreter:
+        recorded, note = _cap(prog, recorded, n_cls)
+    odd = {}
+    for k, (rep, v) in enumerate(sorted(free.items())):
+        if rep == n_cls:  # row width: not a power of two, so the block has a masked tail
+            odd[rep] = v - 3 if v > 8 else v + 3
+        else:
+            odd[rep] = ODD[k % len(ODD)]
+    out = [_case(prog, "recorded", recorded, note), _case(prog, "odd", odd)]
+    if free:
+        out.append(_case(prog, "ones", {rep: 1 for rep in free}))
+    return out
+
+
+def _cap(prog: Program, chosen: dict, n_cls: str | None) -> tuple[dict, str]:
+    """Shrink the biggest resizable classes (never the row width) until the interpreter case is small."""
+    chosen = dict(chosen)
+    shrunk = False
+    for _ in range(64):
+        rows, numel = domain_numel(prog, _case(prog, "cap", chosen))
+        too_big = rows > INTERPRETER_MAX_ROWS if prog.row_ops else numel > INTERPRETER_MAX_NUMEL
+        cands = [r for r, v in chosen.items() if r != n_cls and v > 1]
+        if not too_big or not cands:
+            break
+        big = max(cands, key=lambda r: chosen[r])
+        half = chosen[big] // 2
+        chosen[big] = max(1, half - 1 if half % 2 == 0 else half)  # odd: not a multiple of any block
+        shrunk = True
+    if not shrunk:
+        return chosen, ""
+    what = "rows" if prog.row_ops else "elements"
+    return chosen, f"interpreter: recorded shape capped to fewer {what}" + (" (same row width)" if prog.row_ops else "")
