@@ -15,3 +15,27 @@ def analyze(path, et=None):
     from advisor.analyze.api import analyze as _analyze
 
     return _analyze(path, et=et)
+
+
+def optimize(model, example_inputs, top: int = 5, out=None, **kw):
+    """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`."""
+    from advisor.optimize import optimize as _optimize
+
+    return _optimize(model, example_inputs, top=top, out=out, **kw)
+
+
+def patch(model, plan):
+    """Patch `model` with a plan (or an `apply`/`optimize` output directory); returns a `Patched`.
+
+    (Once `advisor.patch` the package is imported it replaces this attribute; the package is callable
+    with the same signature.)"""
+    from advisor.patch import patch as _patch
+
+    return _patch(model, plan)
+
+
+def unpatch(model):
+    """Restore every patched forward under `model`, bit for bit."""
+    from advisor.patch import unpatch as _unpatch
+
+    return _unpatch(model)

@@ -84,6 +84,7 @@ class Backend:
     def __init__(self, specs: list[PatternSpec], log: CaptureLog):
         self.specs = specs
         self.log = log
+        self.device = torch.device("cpu")  # of the graph being rewritten
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
@@ -100,7 +101,7 @@ class Backend:
 
     def rewrite(self, gm: torch.fx.GraphModule) -> None:
         self.log.graphs += 1
-        device = _graph_device(gm.graph)
+        device = self.device = _graph_device(gm.graph)
         for spec in self.specs:
             before = _copy_graph(gm.graph)
             try:
@@ -134,7 +135,8 @@ class Backend:
         fallback = rewrite.make_fallback(m, spec.program["inputs"])
         return rewrite.Site(key=spec.key, label=f"{spec.candidate} {spec.title}", launcher=_launcher(spec, fallback),
                             fallback=fallback, inputs=[rewrite.InputSpec.of(s) for s in spec.program["inputs"]],
-                            outputs=rewrite.output_layouts(m), device_type=spec.device_type)
+                            outputs=rewrite.output_layouts(m), device_type=spec.device_type,
+                            scalar_device=self.device if spec.replacement == "kernel" else "cpu")
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:

@@ -82,8 +82,10 @@ class Site:
     inputs: list[InputSpec]
     outputs: list[tuple]  # (shape, strides, dtype) the graph expects of each output
     device_type: str | None  # what the kernel was validated on; None = any
+    scalar_device: torch.device | str = "cpu"  # where launchers get wrapped scalars (as 0-dim tensors)
     stats: dict = field(default_factory=lambda: {"launched": 0, "fell_back": 0})
     broken: str | None = None
+    _scalars: dict = field(default_factory=dict)
 
     @property
     def __name__(self) -> str:  # FX names the call node after its target
@@ -93,7 +95,7 @@ class Site:
         keys = enabled_keys()
         if self.broken is None and (keys is None or self.key in keys) and self._guard(xs):
             try:
-                outs = self._check(self.launcher(*xs))
+                outs = self._check(self.launcher(*self._launch_args(xs)))
                 self.stats["launched"] += 1
                 return outs
             except Exception as e:  # a launcher that fails must not take the model down with it
@@ -102,6 +104,18 @@ class Site:
                               "running the original ops from now on", RuntimeWarning, stacklevel=2)
         self.stats["fell_back"] += 1
         return self.fallback(*xs)
+
+    def _launch_args(self, xs) -> list:
+        """Launchers take every program input as a tensor: wrapped scalars become cached 0-dim tensors."""
+        out = list(xs)
+        for k, (x, spec) in enumerate(zip(xs, self.inputs)):
+            if spec.scalar and not isinstance(x, torch.Tensor):
+                t = self._scalars.get((k, x))
+                if t is None:
+                    dtype = torch.int64 if isinstance(x, int) else torch.float64
+                    t = self._scalars[(k, x)] = torch.tensor(x, dtype=dtype, device=self.scalar_device)
+                out[k] = t
+        return out
 
     def _guard(self, xs) -> bool:
         if len(xs) != len(self.inputs):

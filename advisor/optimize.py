@@ -1,0 +1,173 @@
+"""`advisor.optimize(model, example_inputs)`: dynamic fusion of a live model, in this process.
+
+    report = advisor.optimize(model, (input_ids,), top=5)   # profiles, analyses, generates, patches
+    print(report)                                           # what was patched where, and why not
+    advisor.unpatch(model)                                  # back to the original, bit for bit
+
+Steps: profile a few calls (inference mode) into OUT/trace, analyse (OUT/analysis.json), generate and
+validate kernels for the top candidates (the generator's on-disk cache makes repeats cheap), patch
+the model in place, run it patched and unpatched on the example inputs and unpatch any pattern whose
+outputs differ, write OUT/apply.json (patterns, manifest) so `advisor.patch(other_model, OUT)` can
+re-apply the same plan later. With `benchmark=True` (meaningful on a GPU) also times the call before
+and after, and each pattern applied alone.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class OptimizeReport:
+    out_dir: Path
+    patterns: list  # apply.json `patterns` records, with patch status
+    manifest: list
+    check: dict
+    end_to_end: dict | None = None
+    handle: object = field(default=None, repr=False)
+
+    @property
+    def applied(self) -> list:
+        return [p for p in self.patterns if p.get("patched")]
+
+    def __str__(self) -> str:
+        lines = [f"fusion-advisor: {len(self.applied)} of {len(self.patterns)} patterns patched "
+                 f"(plan in {self.out_dir})"]
+        for p in self.patterns:
+            mark = "patched" if p.get("patched") else "not patched"
+            sites = f", {p['sites']} site(s)" if p.get("sites") else ""
+            why = f" — {p['status']}" if not p.get("patched") else ""
+            lines.append(f"  {p['candidate']:>4} {p['title']}: {mark}{sites}{why}")
+        if self.end_to_end:
+            lines.append("  " + describe_timing(self.end_to_end))
+        return "\n".join(lines)
+
+
+def describe_timing(e2e: dict) -> str:
+    if not e2e.get("timing_meaningful"):
+        return f"timing: not meaningful here ({e2e.get('reason')})"
+    return f"{e2e['before_ms']:.3f} ms -> {e2e['after_ms']:.3f} ms per call ({e2e['speedup']:.2f}x)"
+
+
+def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, replacement: str = "kernel",
+             calls: int = 3, benchmark: bool = False, iters: int = 20) -> OptimizeReport:
+    from advisor.analyze.api import analyze
+    from advisor.bench.trace import profile_calls
+    from advisor.patch import build_plan, occurrence_modules, patch, unpatch
+    from advisor.patch.kernels import kernel_specs
+    from advisor.patch.verify import check
+
+    args, kwargs = split_inputs(example_inputs)
+    device = _device_of(model, args, kwargs)
+    out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="fusion-advisor-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    unpatch(model)  # profile the original
+
+    def call():
+        with torch.inference_mode():
+            return model(*args, **kwargs)
+
+    analysis = analyze(profile_calls(call, out_dir, device, calls))
+    analysis.to_json(out_dir / "analysis.json")
+    specs, records = kernel_specs(analysis.doc, top, replacement, out_dir, device)
+    plan = build_plan(specs, analysis.doc, occurrence_modules(analysis))
+    handle = patch(model, plan)
+    chk = check(call, handle)
+    handle = chk.handle
+    records = pattern_status(records, specs, handle, chk.dropped)
+    e2e = time_patterns(call, handle, device, iters, records) if benchmark else None
+    doc = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": device,
+           "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e}
+    write_json(out_dir / "apply.json", doc)
+    return OptimizeReport(out_dir, records, doc["manifest"], doc["check"], e2e, handle)
+
+
+def pattern_status(records: list, specs: list, handle, dropped: dict) -> list:
+    """Each apply.json pattern record plus whether it is patched, where, and if not why."""
+    by_cand = {s.candidate: s for s in specs}
+    out = []
+    for r in records:
+        r = dict(r)
+        s = by_cand.get(r["candidate"])
+        sites = handle.sites(s.key) if s is not None and handle is not None else 0
+        broken = [x.broken for x in handle.site_objects(s.key) if x.broken] if s is not None and handle else []
+        r["sites"] = sites
+        r["patched"] = bool(s is not None and sites and s.key not in dropped and not broken)
+        if s is None:
+            r["status"] = r.get("reason") or "no kernel"
+        elif s.key in dropped:
+            r["status"] = f"unpatched: {dropped[s.key]}"
+        elif broken:
+            r["status"] = f"launcher failed, original ops run instead: {broken[0]}"
+        elif not sites:
+            why = sorted(set(handle.rejected(s.key))) if handle else []
+            r["status"] = "not found in the captured graphs" + (f" ({'; '.join(why)})" if why else "")
+        else:
+            r["status"] = "patched"
+        out.append(r)
+    return out
+
+
+def time_patterns(call, handle, device: str, iters: int, records: list) -> dict:
+    """Before/after per call, and each patched pattern applied alone (the others run their original ops)."""
+    from advisor.bench.timing import time_call, timing_meaningful
+    from advisor.patch import only, patches_off
+
+    if not timing_meaningful(device):
+        return {"timing_meaningful": False, "device": device,
+                "reason": "kernels run in Triton's interpreter on the CPU; no speedup is claimed"}
+    with patches_off():
+        before = time_call(call, device, iters=iters)
+    after = time_call(call, device, iters=iters)
+    with only(set()):
+        captured = time_call(call, device, iters=iters)
+    by_cand = {s.candidate: s for s in handle.plan.patterns}
+    for r in records:
+        s = by_cand.get(r["candidate"])
+        if not r.get("patched") or s is None:
+            continue
+        with only({s.key}):
+            alone = time_call(call, device, iters=iters)
+        r["applied_alone"] = {"ms": round(alone.median_ms, 4), "captured_ms": round(captured.median_ms, 4),
+                              "saved_us_per_iter": round((captured.median_ms - alone.median_ms) * 1e3, 2),
+                              "est_saved_us_per_iter": r.get("est_time_saved_us")}
+    return {"timing_meaningful": True, "device": device, "method": before.method, "iters": before.iters,
+            "before_ms": round(before.median_ms, 4), "after_ms": round(after.median_ms, 4),
+            "captured_only_ms": round(captured.median_ms, 4),
+            "speedup": round(before.median_ms / after.median_ms, 4) if after.median_ms else None,
+            "before": before.as_dict(), "after": after.as_dict()}
+
+
+def split_inputs(example_inputs) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def _device_of(model, args, kwargs) -> str:
+    for t in list(model.parameters())[:1] + [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]:
+        return "cuda" if t.device.type == "cuda" else "cpu"
+    return "cpu"
+
+
+def write_json(path: Path, doc: dict) -> Path:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=_jsonable))
+    tmp.replace(path)
+    return path
+
+
+def _jsonable(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
