@@ -81,6 +81,52 @@ def analyze(
 
 
 @app.command()
+def generate(
+    source: Path = typer.Argument(..., help="Directory with analysis.json, or a trace (directory or Kineto file) to analyse first."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: where analysis.json is)."),
+    top: int = typer.Option(10, "--top", help="How many top-ranked candidates to generate kernels for."),
+):
+    """Generate a fused Triton kernel per top candidate, validate each against PyTorch, write OUT/kernels/*.py and OUT/apply.json."""
+    import json
+
+    from rich.table import Table
+
+    from advisor.codegen.pipeline import generate_candidates
+
+    console = Console()
+    source = Path(source)
+    found = source / "analysis.json" if source.is_dir() else (source if source.name == "analysis.json" else None)
+    if found is not None and found.exists():
+        doc = json.loads(found.read_text())
+        out_dir = out or found.parent
+    else:
+        if not source.exists():
+            raise AdvisorError(f"{source} does not exist")
+        from advisor.analyze.api import analyze as run_analysis
+
+        trace = source / "trace" if (source / "trace").is_dir() else source
+        with console.status("analysing trace…"):
+            result = run_analysis(trace)
+        out_dir = out or (source if source.is_dir() and trace != source else trace.parent if trace.is_file() else trace)
+        result.to_json(Path(out_dir) / "analysis.json")
+        doc = result.doc
+    table = Table(title=f"generated kernels ({out_dir / 'kernels'})")
+    for col in ("#", "pattern", "result", "rel_l2", "file"):
+        table.add_column(col)
+
+    def show(e):
+        ok = "[green]validated[/]" if e["validated"] else f"[yellow]{e['reason']}[/]"
+        rel = f"{e['errors']['rel_l2']:.2g}" if e.get("errors") and e["validated"] else ""
+        table.add_row(e["candidate"], e.get("title") or "", ok, rel, Path(e["kernel_file"]).name if e["kernel_file"] else "")
+
+    with console.status("generating and validating kernels…"):
+        applied = generate_candidates(doc, Path(out_dir), top=top, on_result=show)
+    console.print(table)
+    n_ok = sum(p["validated"] for p in applied["patterns"])
+    console.print(f"{n_ok} of {len(applied['patterns'])} patterns validated; results in [bold]{Path(out_dir) / 'apply.json'}[/]")
+
+
+@app.command()
 def report(directory: Path = typer.Argument(..., help="Directory holding analysis.json (and apply.json).")):
     """Re-render the terminal and HTML reports from a directory, without re-running anything."""
     from advisor.report import render_reports

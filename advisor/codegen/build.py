@@ -101,7 +101,8 @@ class Builder:
         nodes, values = [], {}
         for name, a in op.args.items():
             if isinstance(a, View):
-                values[name] = self.read(a, self.operand_index(idx, a))
+                at = (idx[1],) if name in low.channel and len(a.shape) == 1 else self.operand_index(idx, a)
+                values[name] = self.read(a, at)
             else:
                 values[name] = a
         if low.promote == "none":
@@ -128,7 +129,9 @@ class Builder:
         fmt_args["op"] = op.name
         res_ct = ct or (nodes[0].dtype if nodes else opmath(out))
         text = low.emit(Args(fmt_args, res_ct, out, tensors, values))
-        if isinstance(text, tuple):
+        if isinstance(text, tuple) or slot:
+            if not isinstance(text, tuple) or slot >= len(text):
+                raise Unsupported(f"{op.qualname}: output {slot} is used, the lowering computes only the first")
             text = text[slot]
         self.helpers.update(low.helpers)
         reg = torch.bool if low.promote in ("compare", "logical") else res_ct

@@ -176,8 +176,9 @@ class Program:
 
 
 def _order(strides, shape) -> list:
-    """Physical order of the dims, outermost first (size-1 dims do not count)."""
-    return sorted(range(len(shape)), key=lambda d: (-(strides[d] if shape[d] != 1 else -1), d))
+    """Physical order of the dims, outermost first; size-1 and stride-0 dims (which do not move
+    through memory) go last."""
+    return sorted(range(len(shape)), key=lambda d: (shape[d] == 1 or strides[d] == 0, -strides[d], d))
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -236,7 +237,7 @@ def _read_op(p: Program, spec: dict) -> Op:
     for a in schema.arguments[len(spec["args"]):]:
         args[a.name] = a.default_value if a.has_default_value() else None
     op = Op(spec["id"], name, overload, low, args, [], bool(spec.get("inplace")))
-    shapes = infer_shapes(p, op)
+    shapes = infer_shapes(p, op, [o["shape"] for o in spec["outputs"]])
     if len(shapes) < len(spec["outputs"]):
         raise Unsupported(f"{op.qualname}: {len(spec['outputs'])} outputs, the lowering knows {len(shapes)}")
     for slot, (out, shape) in enumerate(zip(spec["outputs"], shapes)):
@@ -341,7 +342,7 @@ def _starts(delta: int, shape, strides):
 
 
 # ----------------------------------------------------------------------------------- shape rules
-def infer_shapes(p: Program, op: Op) -> list:
+def infer_shapes(p: Program, op: Op, recorded: list) -> list:
     rule, a = op.low.shape, op.args
     views = [v for v in a.values() if isinstance(v, View)]
     if rule == "cat":
@@ -352,6 +353,12 @@ def infer_shapes(p: Program, op: Op) -> list:
     if rule == "broadcast":
         out = broadcast(p.sizes, [v.shape for v in views])
         return [out, out]  # a second output only for native_dropout's mask
+    if rule == "channel":  # batch norm: per-channel vectors walk dim 1; other outputs (saved stats) as recorded
+        for name in op.low.channel:
+            v = a.get(name)
+            if isinstance(v, View) and len(first) > 1:
+                p.sizes.unify(first[1], v.shape[0])
+        return [list(first)] + [[Dim((), n, n) for n in shape] for shape in recorded[1:]]
     if rule == "row":
         _check_last_dim(a.get("dim"), len(first))
         return [list(first)]

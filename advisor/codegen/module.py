@@ -81,7 +81,8 @@ def module_source(plan: Plan) -> str:
         launch = _launch_rows(plan, name, call)
         config = ROW_CONFIG
     helpers = helper_source(b.helpers | ({"_mul_combine"} if "_mul_combine" in kernels else set()))
-    parts = ["import torch\nimport triton\nimport triton.language as tl\n", helpers, "\n\n" + kernels,
+    parts = ["import torch\nimport triton\nimport triton.language as tl\n", "\n" + helpers if helpers else "",
+             "\n\n" + kernels,
              "\n\n" + _run(plan, launch), COMMON, config]
     return "".join(parts).replace("\n\n\n\n", "\n\n\n").strip() + "\n"
 

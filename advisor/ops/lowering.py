@@ -41,7 +41,8 @@ class Lowering:
     operands: tuple = ("self",)  # schema args that are tensors or numbers taking part in promotion
     positive: tuple = ()  # operands that validation draws strictly positive (log, sqrt, pow, ...)
     helpers: tuple = ()  # names in HELPERS the emitted code calls
-    shape: str = "broadcast"  # broadcast | same | cat | reduce | row | norm: output shape rule
+    shape: str = "broadcast"  # broadcast | same | cat | reduce | row | norm | channel: output shape rule
+    channel: tuple = ()  # per-channel vector operands, indexed by dim 1 of the output (batch norm)
 
 
 class Args:
@@ -335,6 +336,21 @@ pw("dropout feature_dropout alpha_dropout native_dropout", _dropout, "none", ope
 pw("fill", lambda a: f"tl.zeros_like({a.self}) + {a.value}", "none", operands=("self", "value"),
    shape="same")
 pw("zero", lambda a: f"tl.zeros_like({a.self})", "none", shape="same")
+
+
+
+def _batch_norm(a):
+    if getattr(a, "training", False) not in (False, None) or a.running_mean is None:
+        raise Unsupported("batch_norm in training mode normalises by batch statistics: not pointwise")
+    eps = getattr(a, "eps", getattr(a, "epsilon", 1e-5))
+    y = f"({a.input} - {a.running_mean}) * tl.rsqrt({a.running_var} + {a.lit(eps)})"
+    y = f"{y} * {a.weight}" if a.weight is not None else y
+    return f"{y} + {a.bias}" if a.bias is not None else y
+
+
+_BN = ("weight", "bias", "running_mean", "running_var")
+pw("batch_norm native_batch_norm cudnn_batch_norm miopen_batch_norm _native_batch_norm_legit_no_training",
+   _batch_norm, operands=("input",) + _BN, channel=_BN, shape="channel", positive=("running_var",))
 
 # --------------------------------------------------------------------------------------------- cat
 _add("cat", "cat", None, promote="none", operands=("tensors",), shape="cat")

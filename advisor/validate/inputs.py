@@ -44,23 +44,16 @@ def _roots(prog: Program, sid: str) -> set:
 
 def layout(inp: Input, shape: list) -> list:
     """Strides for `shape` with the recorded structure: same order, stride-0 dims, row padding."""
-    order = _order(inp.rec_strides, inp.rec_shape)
-    strides = [0] * len(shape)
+    live = [d for d in _order(inp.rec_strides, inp.rec_shape) if inp.rec_strides[d] and inp.rec_shape[d] != 1]
+    strides = [0 if inp.rec_strides[d] == 0 and inp.rec_shape[d] != 1 else 1 for d in range(len(shape))]
     acc = None
-    for d in reversed(order):
+    for j, d in enumerate(reversed(live)):  # innermost first
         rec = inp.rec_strides[d]
-        if rec == 0:
-            continue
-        if acc is None:
-            strides[d], acc = rec, rec  # innermost: keep its step (a column of a wider tensor)
-        else:
-            strides[d] = acc
-        inner_rec = max(inp.rec_shape[d], 1)
-        # extent the next dim steps over: this dim's size plus the padding it had when recorded
-        nxt = [e for e in order[:order.index(d)] if inp.rec_strides[e] != 0]
-        if nxt:
-            pad = inp.rec_strides[nxt[-1]] // max(rec, 1) - inner_rec
-            acc = strides[d] * (max(shape[d], 1) + max(pad, 0))
+        strides[d] = rec if acc is None else acc  # the innermost keeps its step (a column of a wider tensor)
+        pad = 0
+        if j + 1 < len(live):  # padding between this dim's rows when recorded (a slice of a wider dim)
+            pad = max(inp.rec_strides[live[-2 - j]] // rec - inp.rec_shape[d], 0)
+        acc = strides[d] * (max(shape[d], 1) + pad)
     return strides
 
 
