@@ -137,12 +137,25 @@ def report(directory: Path = typer.Argument(..., help="Directory holding analysi
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def apply(
     ctx: typer.Context,
-    script: Path = typer.Argument(..., help="Workload script."),
-    top: int = typer.Option(5, "--top"),
-    out: Path = typer.Option(Path("advisor_out"), "--out"),
+    script: Path = typer.Argument(..., help="Workload script (arguments for it go after `--`)."),
+    top: int = typer.Option(5, "--top", help="Candidates to generate kernels for."),
+    out: Path = typer.Option(Path("advisor_out"), "--out", help="Output directory (the only place written)."),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu"),
+    region: Optional[str] = typer.Option(None, "--region", help="Steady-state region: an advisor.region or NVTX range name."),
+    iters: int = typer.Option(20, "--iters", help="Timed iterations (after warm-up) of the steady state."),
+    replacement: str = typer.Option("kernel", "--replacement", help="kernel (generated Triton) | program | "
+                                    "subgraph (stand-ins that replay the original ops: checks the patcher)."),
 ):
-    """Profile, analyse, generate, validate, patch and benchmark SCRIPT."""
-    raise NotBuiltYet("`apply` is not built yet (issue 5).")
+    """Profile, analyse, generate, validate, patch and benchmark SCRIPT; writes OUT/apply.json.
+
+    The script's models are patched as it builds them (its files are never edited): the first calls
+    are compared patched vs unpatched, a pattern that changes the outputs is unpatched; then the
+    steady-state iteration is timed before and after (GPU only; on the CPU timing is not meaningful).
+    """
+    from advisor.patch.apply import apply_script
+
+    apply_script(script, list(ctx.args), out, top=top, device=device, region=region, replacement=replacement,
+                 iters=iters)
 
 
 def main(argv: List[str] | None = None) -> None:

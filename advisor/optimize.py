@@ -63,6 +63,9 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     from advisor.patch.kernels import kernel_specs
     from advisor.patch.verify import check
 
+    from advisor.patch.apply import use_interpreter_without_gpu
+
+    use_interpreter_without_gpu()
     args, kwargs = split_inputs(example_inputs)
     device = _device_of(model, args, kwargs)
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="fusion-advisor-"))

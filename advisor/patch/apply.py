@@ -1,0 +1,229 @@
+"""`fusion-advisor apply SCRIPT`: profile -> analyse -> generate + validate -> patch -> re-run -> compare
+-> benchmark, writing OUT/apply.json. Only OUT is written; the script's files are never touched.
+
+The re-run patches the script's models as it builds them (`script.intercept_roots`) and compares the
+first calls patched vs unpatched on the same inputs. Timing follows the steady state the collector
+found:
+- module: the recorded last call of the outermost module is replayed (warm-up, then >= `iters` calls
+  with CUDA events): unpatched, patched, captured with every site on its original ops, and each
+  pattern alone (its contribution = captured-only minus alone), the analyzer's estimate beside it;
+- region: the script is re-run, unpatched then patched, timing each `advisor.region(NAME)` occurrence
+  (the first of each run is warm-up) until `iters` samples; no per-pattern split;
+- whole: whole script runs, three of each.
+On the CPU kernels run in Triton's interpreter: `timing_meaningful: false`, and nothing is timed.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from advisor.optimize import SCHEMA_VERSION, pattern_status, time_patterns, write_json
+from advisor.patch.modules import root_class
+from advisor.patch.script import Session, intercept_roots, run_script
+
+
+def use_interpreter_without_gpu() -> None:
+    """No GPU: generated kernels must run in Triton's interpreter, which triton reads from the environment."""
+    import os
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+class Handles:
+    """The patch handles of every model instance the script built, read as one."""
+
+    def __init__(self, session: Session):
+        self.session = session
+
+    @property
+    def plan(self):
+        return self.session.plan
+
+    def _logs(self, key=None):
+        seen = {}
+        for h in self.session.handles:
+            for log in h._logs(key):
+                seen.setdefault(id(log), log)
+        return list(seen.values())
+
+    def sites(self, key):
+        return sum(log.count(key) for log in self._logs(key))
+
+    def site_objects(self, key):
+        return [s for log in self._logs(key) for s in log.sites.get(key, [])]
+
+    def rejected(self, key):
+        return [r for log in self._logs(key) for r in log.rejected.get(key, [])]
+
+    def manifest(self):
+        out, seen = [], set()
+        for h in self.session.handles:
+            for e in h.manifest():
+                k = (e["module"], e["pattern_id"])
+                if k not in seen and e["pattern_id"] + ":" + e["replacement"] not in self.session.dropped:
+                    seen.add(k)
+                    out.append(e)
+        return out
+
+
+def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str = "auto", region: str | None = None,
+                 replacement: str = "kernel", iters: int = 20, console=None) -> dict:
+    from rich.console import Console
+
+    from advisor.analyze.api import analyze
+    from advisor.collect.runner import profile_script, resolve_device
+    from advisor.patch import build_plan, occurrence_modules
+    from advisor.patch.kernels import kernel_specs
+
+    console = console or Console(highlight=False, soft_wrap=True)
+    out = Path(out)
+    use_interpreter_without_gpu()
+    meta = profile_script(script, args, out_dir=out, device=device, region=region, console=console)
+    dev = resolve_device(device)
+    with console.status("analysing the trace …"):
+        analysis = analyze(out / "trace")
+        analysis.to_json(out / "analysis.json")
+    with console.status(f"generating and validating kernels for the top {top} candidates …"):
+        specs, records = kernel_specs(analysis.doc, top, replacement, out, dev)
+    plan = build_plan(specs, analysis.doc, occurrence_modules(analysis))
+    session = Session(plan)
+    args = list(args)
+    if args and args[0] == "--":
+        args = args[1:]
+    try:
+        with console.status(f"re-running {script.name} with {len(specs)} pattern(s) patched …"):
+            with intercept_roots(session):
+                run_script(script, args, dev)
+        handles = Handles(session)
+        records = pattern_status(records, specs, handles, session.dropped)
+        steady = meta.get("steady_state") or {}
+        with console.status("timing the steady state before and after …"):
+            e2e = _benchmark(script, args, dev, steady, session, handles, records, iters)
+        doc = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": dev,
+               "script": str(script), "args": args, "patterns": records, "manifest": handles.manifest(),
+               "checks": session.checks, "errors": session.errors, "end_to_end": e2e}
+        if not session.handles:
+            doc["errors"] = doc["errors"] + [f"no instance of {', '.join(sorted(session.roots)) or 'a planned module'} "
+                                             "was called while the script ran: nothing was patched"]
+    finally:
+        session.close()
+    write_json(out / "apply.json", doc)
+    print_summary(console, doc, out)
+    return doc
+
+
+def _benchmark(script, args, dev, steady, session, handles, records, iters) -> dict:
+    from advisor.bench.timing import timing_meaningful
+
+    base = {"steady_state": {"source": steady.get("source"), "name": steady.get("name")}}
+    if not timing_meaningful(dev):
+        return {**base, "timing_meaningful": False, "device": dev,
+                "reason": "kernels run in Triton's interpreter on the CPU; no speedup is claimed"}
+    if steady.get("source") == "module":
+        rec = session.recorded.get(root_class(steady.get("name") or ""))
+        if rec is not None:
+            return {**base, **time_patterns(rec.replay, handles, dev, iters, records)}
+    before = _script_timing(script, args, dev, steady, None, iters)
+    after = _script_timing(script, args, dev, steady, session.plan, iters)
+    return {**base, "timing_meaningful": True, "device": dev, "method": before["method"], "iters": before["iters"],
+            "before_ms": before["median_ms"], "after_ms": after["median_ms"],
+            "speedup": round(before["median_ms"] / after["median_ms"], 4) if after["median_ms"] else None,
+            "note": "per-pattern contributions are measured only when the steady state is a module call"}
+
+
+def _script_timing(script, args, dev, steady, plan, iters: int, max_runs: int = 10) -> dict:
+    """Re-run the script (patched when `plan` is given), timing region occurrences or whole runs."""
+    name = steady.get("name") if steady.get("source") == "region" else None
+    samples: list[float] = []
+    for _ in range(max_runs if name else 3):
+        timer = _RegionTimer(name) if name else None
+        session = Session(plan, compare_calls=0) if plan is not None else None
+        t0 = time.perf_counter()
+        with (intercept_roots(session) if session else contextlib.nullcontext()), (timer or contextlib.nullcontext()):
+            run_script(script, args, dev)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+        if session:
+            session.close()
+        samples += timer.samples()[1:] if timer else [wall]
+        if name and len(samples) >= iters:
+            break
+    if not samples:
+        return {"median_ms": None, "iters": 0, "method": "none"}
+    return {"median_ms": round(statistics.median(samples), 4), "iters": len(samples),
+            "method": "cuda_events per region" if name else "wall clock per script run"}
+
+
+class _RegionTimer:
+    """Times `advisor.region(NAME)` occurrences with CUDA events while installed."""
+
+    def __init__(self, name: str):
+        self.name, self.events = name, []
+
+    def __enter__(self):
+        import advisor
+        import advisor.collect.region as region_mod
+
+        self._orig = region_mod.region
+        orig, timer = self._orig, self
+
+        @contextlib.contextmanager
+        def region(name: str):
+            if name != timer.name:
+                with orig(name):
+                    yield
+                return
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with orig(name):
+                start.record()
+                yield
+                end.record()
+            timer.events.append((start, end))
+
+        region_mod.region = advisor.region = region
+        return self
+
+    def __exit__(self, *exc):
+        import advisor
+        import advisor.collect.region as region_mod
+
+        region_mod.region = advisor.region = self._orig
+        return False
+
+    def samples(self) -> list[float]:
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in self.events]
+
+
+def print_summary(console, doc: dict, out: Path) -> None:
+    from rich.table import Table
+
+    t = Table(title="fusion-advisor apply", title_justify="left")
+    for col in ("cand.", "pattern", "status", "sites", "est. saved µs/iter", "measured µs/iter (alone)"):
+        t.add_column(col)
+    for p in doc["patterns"]:
+        alone = (p.get("applied_alone") or {}).get("saved_us_per_iter")
+        est = p.get("est_time_saved_us")
+        status = p.get("status") or ""
+        t.add_row(p["candidate"], p["title"], status if len(status) < 80 else status[:77] + "…", str(p.get("sites") or 0),
+                  f"{est:.1f}" if isinstance(est, (int, float)) else "-",
+                  f"{alone:.1f}" if isinstance(alone, (int, float)) else "-")
+    console.print(t)
+    for c in doc.get("checks") or []:
+        state = "bit-identical" if c.get("bit_identical") else ("match" if c.get("ok") else "MISMATCH")
+        console.print(f"check {c['module']}: patched vs unpatched outputs {state}"
+                      + (f" (rel_l2 {c['rel_l2']:.2g}, max_abs {c['max_abs']:.2g})" if not c.get("bit_identical") else ""))
+    for e in doc.get("errors") or []:
+        console.print(f"[yellow]warning:[/] {e}")
+    e2e = doc.get("end_to_end") or {}
+    if e2e.get("timing_meaningful"):
+        console.print(f"steady state: {e2e['before_ms']:.3f} ms -> {e2e['after_ms']:.3f} ms "
+                      f"({e2e['speedup']:.2f}x; median of {e2e['iters']}, {e2e['method']})")
+    else:
+        console.print(f"timing not meaningful: {e2e.get('reason')}")
+    console.print(f"apply results written to [bold]{out / 'apply.json'}[/]")
