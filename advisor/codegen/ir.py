@@ -348,8 +348,6 @@ def infer_shapes(p: Program, op: Op, recorded: list) -> list:
     if rule == "cat":
         return [_cat_shape(p, a["tensors"], a.get("dim") or 0)]
     first = views[0].shape if views else []
-    if rule == "same":
-        return [list(first)] * 2
     if rule == "broadcast":
         out = broadcast(p.sizes, [v.shape for v in views])
         return [out, out]  # a second output only for native_dropout's mask

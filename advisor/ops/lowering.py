@@ -41,7 +41,7 @@ class Lowering:
     operands: tuple = ("self",)  # schema args that are tensors or numbers taking part in promotion
     positive: tuple = ()  # operands that validation draws strictly positive (log, sqrt, pow, ...)
     helpers: tuple = ()  # names in HELPERS the emitted code calls
-    shape: str = "broadcast"  # broadcast | same | cat | reduce | row | norm | channel: output shape rule
+    shape: str = "broadcast"  # broadcast | cat | reduce | row | norm | channel: output shape rule
     channel: tuple = ()  # per-channel vector operands, indexed by dim 1 of the output (batch norm)
 
 
@@ -319,8 +319,8 @@ pw("logit", _logit, "float")
 
 # ---------------------------------------------------------------- conversions, copies, identities
 # The generator casts the result to the output dtype (rounding through bf16/fp16 when narrowing).
-pw("_to_copy _autocast_to_reduced_precision", lambda a: a.self, "none", shape="same")
-pw("copy", lambda a: a.src, "none", operands=("src",), shape="same")  # copy_(self, src): src as self
+pw("_to_copy _autocast_to_reduced_precision", lambda a: a.self, "none")
+pw("copy", lambda a: a.src, "none", operands=("src",))  # copy_(self, src): src broadcast into self
 
 
 def _dropout(a):
@@ -333,9 +333,8 @@ def _dropout(a):
 
 
 pw("dropout feature_dropout alpha_dropout native_dropout", _dropout, "none", operands=("input",))
-pw("fill", lambda a: f"tl.zeros_like({a.self}) + {a.value}", "none", operands=("self", "value"),
-   shape="same")
-pw("zero", lambda a: f"tl.zeros_like({a.self})", "none", shape="same")
+pw("fill", lambda a: f"tl.zeros_like({a.self}) + {a.value}", "none", operands=("self", "value"))
+pw("zero", lambda a: f"tl.zeros_like({a.self})", "none")
 
 
 

@@ -28,10 +28,11 @@ def run_reference(prog: Program, case: Case, inputs: dict, mode: str) -> tuple[d
         if first is not None and first.shape:
             env["__row_width__"] = case.size(prog, first.shape[-1])
         args, kwargs = [], {}
+        tensors = [env[v.src] for v in op.args.values() if isinstance(v, View) and env[v.src].dim() > 0]
         for a in fn._schema.arguments:
             if a.name not in op.args:
                 continue
-            val = _arg(prog, case, env, op.args[a.name], a, mode)
+            val = _arg(prog, case, env, op.args[a.name], a, mode, tensors)
             if a.kwarg_only:
                 kwargs[a.name] = val
             else:
@@ -43,14 +44,16 @@ def run_reference(prog: Program, case: Case, inputs: dict, mode: str) -> tuple[d
     return env, {k: env[k] for k in inputs}
 
 
-def _arg(prog: Program, case: Case, env: dict, v, schema_arg, mode: str):
+def _arg(prog: Program, case: Case, env: dict, v, schema_arg, mode: str, tensors: list):
     if isinstance(v, View):
         src = prog.source(v.src)
         t = env[v.src]
         if v.src in inputs_of(prog) and t.dim() == 0 and src.dtype in (torch.float64, torch.int64) \
                 and schema_arg.alias_info is None:
-            return t.item()  # a wrapped Python scalar
+            return _wrapped(t.item(), tensors)  # a Python scalar in the model
         return view_of(prog, case, t, v)
+    if str(schema_arg.type).startswith("Tensor") and isinstance(v, (bool, int, float)):
+        return _wrapped(v, tensors)
     if isinstance(v, list) and v and isinstance(v[0], View):
         return [view_of(prog, case, env[x.src], x) for x in v]
     ty = str(schema_arg.type)
@@ -64,6 +67,17 @@ def _arg(prog: Program, case: Case, env: dict, v, schema_arg, mode: str):
     if schema_arg.name == "normalized_shape" and isinstance(v, list) and len(v) == 1:
         return [env["__row_width__"]]  # normalises the last dim, whatever its size in this case
     return v
+
+
+def _wrapped(v, tensors: list) -> torch.Tensor:
+    """A stand-in for a number torch wraps into a 0-dim tensor: a CPU scalar tensor that promotes like
+    the number would (it never changes the dtype of the tensor operands) and keeps its value in the
+    compute dtype (ATen reads CPU scalars in opmath precision)."""
+    other = next((t for t in tensors if t.dtype != torch.bool), tensors[0] if tensors else None)
+    dt = torch.result_type(other, v) if other is not None else torch.tensor(v).dtype
+    if dt in (torch.bfloat16, torch.float16):
+        dt = torch.float32
+    return torch.tensor(v, dtype=dt)
 
 
 def inputs_of(prog: Program) -> set:
