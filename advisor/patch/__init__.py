@@ -38,13 +38,14 @@ class Patched:
     plan: Plan
     modules: list = field(default_factory=list)  # [(qualified name, module, [PatternSpec])]
     unresolved: list = field(default_factory=list)  # trace paths that do not fit this model
+    forwards: dict = field(default_factory=dict, repr=False)  # qualified name -> PatchedForward installed
 
     def _logs(self, key: str | None = None) -> list:
         """One log per distinct capture (modules of one class share theirs)."""
         seen = {}
-        for _, mod, specs in self.modules:
-            f = mod.__dict__.get("forward")
-            if isinstance(f, PatchedForward) and (key is None or any(s.key == key for s in specs)):
+        for qual, _, specs in self.modules:
+            f = self.forwards[qual]
+            if key is None or any(s.key == key for s in specs):
                 seen.setdefault(id(f.log()), f.log())
         return list(seen.values())
 
@@ -61,14 +62,14 @@ class Patched:
     def errors(self) -> list[str]:
         return [e for log in self._logs() for e in log.errors]
 
-    def manifest(self) -> list[dict]:
+    def manifest(self, matched_only: bool = True) -> list[dict]:
+        """apply.json's manifest: one entry per patched module and pattern (found there, by default)."""
         out = []
         for qual, mod, specs in self.modules:
-            f = mod.__dict__.get("forward")
-            log = f.log() if isinstance(f, PatchedForward) else None
+            log = self.forwards[qual].log()
             for s in specs:
-                out.append(manifest_entry(s, qualified(self.model, qual), type(mod).__name__,
-                                          log.count(s.key) if log else None))
+                if log.count(s.key) or not matched_only:
+                    out.append(manifest_entry(s, qualified(self.model, qual), type(mod).__name__, log.count(s.key)))
         return out
 
     def unpatch(self) -> None:
@@ -100,7 +101,7 @@ def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
         specs = [plan.spec(k) for k in order if k in keys]
         mod = model.get_submodule(outer) if outer else model
         saved = mod.__dict__.get("forward")
-        mod.forward = PatchedForward(mod, specs, saved)
+        mod.forward = done.forwards[outer] = PatchedForward(mod, specs, saved)
         done.modules.append((outer, mod, specs))
     return done
 

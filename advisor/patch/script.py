@@ -4,9 +4,9 @@ How the script's model is reached: for the duration of the run, `torch.nn.Module
 An outermost module call (no module call in progress on this thread) whose class is a plan root
 (the first component of the manifest's module paths, e.g. `LlamaForCausalLM`) patches that instance
 in place before it runs (`advisor.patch`), so the very first call is already patched. The first
-`compare_calls` calls of each patched instance (in eval mode) also run with patches off on the same
-inputs and are compared (`verify.check`): a pattern that changes the outputs is unpatched there and
-for every later instance. The last call of every outermost module class is recorded (module, inputs,
+`compare_calls` calls of each patched instance (unless it has active dropout or batch norm in
+training mode) also run with patches off on the same inputs and are compared (`verify.check`): a
+pattern that changes the outputs is unpatched there and for every later instance. The last call of every outermost module class is recorded (module, inputs,
 grad mode) so the steady-state iteration can be replayed for timing. When the script ends the wrapper
 is removed; patched instances stay patched until `close()`.
 """
@@ -64,7 +64,7 @@ class Session:
         st = self._state.get(m)
         if st is None and cls in self.roots and self.plan.targets:
             st = self._state[m] = {"handle": self._patch(m), "checked": 0}
-        if st is None or st["handle"] is None or m.training or st["checked"] >= self.compare_calls:
+        if st is None or st["handle"] is None or st["checked"] >= self.compare_calls or not _repeatable(m):
             return call(m, *args, **kwargs)
         st["checked"] += 1
         from advisor.patch.verify import check
@@ -90,6 +90,16 @@ class Session:
     def close(self) -> None:
         for h in self.handles:
             unpatch(h.model)
+
+
+def _repeatable(m: torch.nn.Module) -> bool:
+    """Can the call run twice (patched and unpatched) with the same result and no lasting effect?
+    Not with active dropout (random) or batch norm in training mode (updates its running stats)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.dropout import _DropoutNd
+
+    return not any(x.training and (isinstance(x, _BatchNorm) or (isinstance(x, _DropoutNd) and x.p > 0))
+                   for x in m.modules())
 
 
 @contextlib.contextmanager

@@ -1,0 +1,132 @@
+"""`advisor.optimize` and `fusion-advisor apply` end to end on the CPU (generated kernels in the interpreter)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import advisor
+from advisor.patch import build_plan, patch, patched_modules, patches_off, spec_from_candidate
+from advisor.patch.verify import check
+from test_patch import inputs, run, tiny  # noqa: E402 (pytest puts tests/ on sys.path)
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _titles(records, patched=True) -> set:
+    return {r["title"].split(":")[0] for r in records if bool(r.get("patched")) == patched}
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory):
+    model, kw = tiny("llama")
+    x = inputs("llama")
+    ref = run(model, kw, x)
+    out = tmp_path_factory.mktemp("opt")
+    report = advisor.optimize(model, {**x, **kw}, top=6, out=out)
+    return model, kw, x, ref, report
+
+
+def test_optimize_patches_llama_and_writes_a_plan(optimized):
+    model, kw, x, ref, report = optimized
+    assert {"Residual add + RMSNorm", "RMSNorm", "SwiGLU", "Rotary embedding"} <= _titles(report.patterns)
+    assert report.check["ok"], report.check
+    assert torch.allclose(run(model, kw, x), ref, rtol=1e-5, atol=1e-5)
+    doc = json.loads((report.out_dir / "apply.json").read_text())
+    assert (report.out_dir / "analysis.json").exists()
+    entries = doc["manifest"]
+    assert entries and {"module", "class", "pattern", "kernel_file", "guard"} <= set(entries[0])
+    assert all(Path(e["kernel_file"]).is_file() and str(report.out_dir) in e["kernel_file"] for e in entries)
+    assert doc["end_to_end"] is None  # no benchmark asked for
+    assert "patched" in str(report)
+
+
+def test_patch_from_an_output_directory(optimized):
+    *_, report = optimized
+    model, kw = tiny("llama")
+    x = inputs("llama")
+    ref = run(model, kw, x)
+    h = advisor.patch(model, report.out_dir)
+    out = run(model, kw, x)
+    assert {e["pattern_id"] for e in h.manifest() if e["sites"]} == {r["pattern_id"] for r in report.applied}
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    advisor.unpatch(model)
+    assert torch.equal(run(model, kw, x), ref)
+
+
+def test_a_kernel_that_changes_outputs_is_unpatched(tmp_path):
+    """A (deliberately wrong) launcher: the check finds the mismatch, names the pattern, and unpatches it."""
+    from advisor.analyze.api import analyze
+    from advisor.bench.trace import profile_calls
+
+    model, kw = tiny("llama", layers=1)
+    x = inputs("llama")
+    a = analyze(profile_calls(lambda: run(model, kw, x), tmp_path, "cpu", calls=2))
+    swiglu = next(c for c in a.doc["candidates"] if c["title"].startswith("SwiGLU"))
+    bad = tmp_path / "bad_kernel.py"
+    bad.write_text("import torch\n\ndef run(a, b):\n    return (torch.nn.functional.silu(a) * b * 1.01,)\n")
+    specs = [spec_from_candidate(swiglu, "kernel", str(bad), "cpu"),
+             spec_from_candidate(next(c for c in a.doc["candidates"] if c["title"].startswith("Rotary")), "program")]
+    h = patch(model, build_plan(specs, a.doc))
+
+    def call():
+        with torch.inference_mode():
+            return model(**x, **kw).logits
+
+    chk = check(call, h)
+    assert not chk.comparison.ok
+    assert list(chk.dropped) == [specs[0].key] and "alone" in chk.dropped[specs[0].key]
+    assert [s.key for s in chk.handle.plan.patterns] == [specs[1].key]
+    assert len(patched_modules(model)) == 1
+    with patches_off():
+        ref = call()
+    assert torch.equal(call(), ref)  # what is left is exact (the rotary stand-in)
+
+
+@pytest.mark.parametrize("name, must", [
+    ("llama", {"Residual add + RMSNorm", "SwiGLU", "Rotary embedding"}),
+    ("gpt2", {"Residual add + LayerNorm", "GELU"}),
+    ("bert", {"Residual add + LayerNorm"}),
+])
+def test_apply_script_end_to_end(name, must, tmp_path):
+    from rich.console import Console
+
+    from advisor.patch.apply import apply_script
+
+    doc = apply_script(ROOT / "examples" / f"hf_{name}.py", ["--device", "cpu"], tmp_path / name,
+                       top=8, device="cpu", console=Console(file=open("/dev/null", "w")))
+    assert must <= _titles(doc["patterns"]), [(r["title"], r["status"]) for r in doc["patterns"]]
+    assert doc["checks"] and all(c["ok"] for c in doc["checks"])
+    assert not doc["errors"]
+    assert {e["pattern_id"] for e in doc["manifest"]} == {r["pattern_id"] for r in doc["patterns"] if r["patched"]}
+    assert doc["end_to_end"]["timing_meaningful"] is False and "speedup" not in doc["end_to_end"]
+    saved = json.loads((tmp_path / name / "apply.json").read_text())
+    assert saved["manifest"] == doc["manifest"]
+
+
+def test_apply_cli(tmp_path):
+    """The command itself, in a fresh interpreter (with the program stand-in: no kernel generation)."""
+    out = tmp_path / "seed"
+    script = tmp_path / "seed.py"
+    script.write_text(
+        "import torch\n"
+        "class Seed(torch.nn.Module):\n"
+        "    def forward(self, x, b):\n"
+        "        return torch.log(torch.relu(x + b))\n"
+        "x, b = torch.randn(4096), torch.randn(4096)\n"
+        "m = Seed()\n"
+        "for _ in range(3):\n"
+        "    m(x, b)\n")
+    r = subprocess.run([sys.executable, "-m", "advisor", "apply", str(script), "--out", str(out), "--device", "cpu",
+                        "--replacement", "program"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((out / "apply.json").read_text())
+    assert [p["title"].split(":")[0] for p in doc["patterns"] if p["patched"]] == ["Pointwise chain"]
+    assert doc["manifest"][0]["module"] == "Seed" and doc["manifest"][0]["class"] == "Seed"
+    assert doc["checks"][0]["bit_identical"]
+    assert "timing not meaningful" in r.stdout

@@ -1,0 +1,238 @@
+"""The patcher on real Hugging Face models from tiny configs (random weights, nothing downloaded).
+
+First with stand-in replacements that must be bit-identical (`subgraph`: the matched ops themselves,
+which tests the matcher and the substitution; `program`: the analyzer's program replayed by PyTorch,
+which also tests input order and views), then with the generated Triton kernels (interpreter).
+"""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import advisor
+from advisor.analyze.api import analyze
+from advisor.bench.trace import profile_calls
+from advisor.patch import build_plan, occurrence_modules, only, patch, patched_modules, patches_off, \
+    spec_from_candidate, unpatch
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def tiny(name: str, layers: int = 2):
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if name == "llama":
+        cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                          vocab_size=256, max_position_embeddings=128)
+        cls, kw = LlamaForCausalLM, {"use_cache": False}
+    elif name == "gpt2":
+        cfg = GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=256, n_positions=128, bos_token_id=255,
+                         eos_token_id=255)
+        cls, kw = GPT2LMHeadModel, {"use_cache": False}
+    else:
+        cfg = BertConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                         vocab_size=256, max_position_embeddings=128)
+        cls, kw = BertModel, {}
+    cfg._attn_implementation = "sdpa"
+    return cls(cfg).eval(), kw
+
+
+def inputs(name: str, seq: int = 16, batch: int = 2) -> dict:
+    g = torch.Generator().manual_seed(1)
+    d = {"input_ids": torch.randint(0, 256, (batch, seq), generator=g)}
+    if name == "bert":
+        d["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+    return d
+
+
+def run(model, kw, x, grad: bool = False):
+    ctx = torch.enable_grad() if grad else torch.inference_mode()
+    with ctx:
+        out = model(**x, **kw)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+# The patterns the issue names, by the analyzer's titles (a prefix of `title`), per model.
+WANTED = {
+    "llama": [["Residual add + RMSNorm", "RMSNorm", "SwiGLU", "Rotary embedding"]],
+    "gpt2": [["Residual add + LayerNorm", "GELU"], ["addmm epilogue (GELU)"]],  # bias+GELU: the addmm epilogue
+    "bert": [["Residual add + LayerNorm", "linear epilogue (GELU)"]],
+}
+
+
+@pytest.fixture(scope="module")
+def analyses(tmp_path_factory):
+    """One in-process profile + analysis per model (shared by every test here)."""
+    out = {}
+    for name in WANTED:
+        model, kw = tiny(name)
+        x = inputs(name)
+        a = analyze(profile_calls(lambda: run(model, kw, x), tmp_path_factory.mktemp(name), "cpu", calls=3))
+        out[name] = a
+    return out
+
+
+def pick(analysis, titles: list[str]) -> list[dict]:
+    found = []
+    for t in titles:
+        hits = [c for c in analysis.doc["candidates"] if c["title"].split(":")[0] == t]
+        assert hits, f"no candidate titled {t!r}: {[c['title'] for c in analysis.doc['candidates']]}"
+        found += hits
+    return found
+
+
+def plan_for(analysis, titles, replacement, **kw):
+    specs = [spec_from_candidate(c, replacement, **kw) for c in pick(analysis, titles)]
+    return build_plan(specs, analysis.doc, occurrence_modules(analysis)), specs
+
+
+@pytest.mark.parametrize("replacement", ["subgraph", "program"])
+@pytest.mark.parametrize("name, group", [(n, i) for n, groups in WANTED.items() for i in range(len(groups))])
+def test_stand_in_replacement_is_bit_identical(analyses, name, group, replacement):
+    a = analyses[name]
+    model, kw = tiny(name)
+    x = inputs(name)
+    ref = run(model, kw, x)
+    plan, specs = plan_for(a, WANTED[name][group], replacement)
+    h = patch(model, plan)
+    out = run(model, kw, x)
+    for s in specs:
+        occ = next(c["occurrences"] for c in a.doc["candidates"] if c["id"] == s.candidate)
+        calls = sum(site.stats["launched"] for site in h.site_objects(s.key))
+        assert calls == occ, (s.title, h.rejected(s.key), h.errors())
+    assert torch.equal(out, ref)
+    assert unpatch(model) == len(h.modules)
+    assert torch.equal(run(model, kw, x), ref)
+
+
+def test_unpatch_restores_forward_and_state(analyses):
+    model, kw = tiny("llama")
+    x = inputs("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = run(model, kw, x)
+    plan, _ = plan_for(analyses["llama"], WANTED["llama"][0], "program")
+    h = patch(model, plan)
+    assert [q for q, _ in patched_modules(model)] == ["model"]
+    run(model, kw, x)
+    unpatch(model)
+    assert not patched_modules(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert model.model.forward.__func__ is type(model.model).forward
+    assert torch.equal(run(model, kw, x), ref)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert h.manifest() and all(e["sites"] for e in h.manifest())
+
+
+def test_backward_gives_unpatched_gradients(analyses):
+    model, kw = tiny("llama")
+    twin = copy.deepcopy(model)
+    x = inputs("llama")
+    plan, _ = plan_for(analyses["llama"], WANTED["llama"][0], "program")
+    patch(model, plan)
+    run(model, kw, x)  # a patched inference call first, so the capture exists
+    run(model, kw, x, grad=True).float().pow(2).mean().backward()
+    run(twin, kw, x, grad=True).float().pow(2).mean().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), n
+
+
+def test_guard_falls_back_outside_validated_shapes(analyses):
+    model, kw = tiny("llama")
+    plan, specs = plan_for(analyses["llama"], ["SwiGLU"], "program")
+    h = patch(model, plan)
+    run(model, kw, inputs("llama"))
+    site = h.site_objects(specs[0].key)[0]
+    assert site.stats == {"launched": 2, "fell_back": 0}  # one capture, shared by both layers' MLPs
+    # A new sequence length recompiles; the program no longer matches there, so the original ops run.
+    other = inputs("llama", seq=12)
+    with patches_off():
+        ref = run(model, kw, other)
+    assert torch.equal(run(model, kw, other), ref)
+    assert site.stats["launched"] == 2
+    # The site's own guard: a call with other strides / dtype / a grad-requiring input runs the original.
+    spec = site.inputs[0]
+    x = torch.randn(spec.shape, dtype=torch.float32)
+    y = torch.randn(spec.shape, dtype=torch.float32)
+    assert torch.equal(site(x, y)[0], site.fallback(x, y)[0]) and site.stats["launched"] == 3
+    site(x.transpose(0, 1).contiguous().transpose(0, 1), y)  # same values, other strides
+    site(x.double(), y.double())
+    site(x.requires_grad_(), y)
+    assert site.stats == {"launched": 3, "fell_back": 3}
+    with only(set()):  # a pattern switched off runs its original ops too
+        site(x.detach(), y)
+    assert site.stats["fell_back"] == 4
+
+
+def test_patched_model_survives_copy_save_to_and_modes(analyses, tmp_path):
+    model, kw = tiny("llama")
+    x = inputs("llama")
+    ref = run(model, kw, x)
+    plan, specs = plan_for(analyses["llama"], WANTED["llama"][0], "subgraph")
+    patch(model, plan)
+    assert torch.equal(run(model, kw, x), ref)
+    twin = copy.deepcopy(model)
+    assert patched_modules(twin) and patched_modules(twin)[0][1].module is twin.model
+    assert torch.equal(run(twin, kw, x), ref)
+    clone = pickle.loads(pickle.dumps(model))
+    assert torch.equal(run(clone, kw, x), ref)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    model.load_state_dict(torch.load(buf))
+    assert torch.equal(run(model, kw, x), ref)
+    model.train()  # no dropout in this config: same outputs, through a new capture
+    with torch.no_grad():
+        assert torch.equal(model(**x, **kw).logits, ref)
+    model.eval()
+    model.to(torch.float64)  # outside the validated dtype: the original ops run, in float64
+    with patches_off():
+        ref64 = run(model, kw, x)
+    assert torch.equal(run(model, kw, x), ref64)
+    unpatch(twin)
+    assert not patched_modules(twin) and patched_modules(model)
+
+
+@pytest.mark.parametrize("name, titles", [
+    ("llama", ["Residual add + RMSNorm", "RMSNorm", "SwiGLU", "Rotary embedding"]),
+    ("gpt2", ["Residual add + LayerNorm", "GELU"]),
+    ("bert", ["Residual add + LayerNorm"]),
+])
+def test_generated_kernels_patch_and_match(analyses, name, titles, tmp_path):
+    """The generated Triton kernels (interpreter here): patched at every occurrence, outputs within tolerance."""
+    from advisor.bench.compare import compare_outputs
+    from advisor.patch.kernels import kernel_specs
+
+    a = analyses[name]
+    chosen = pick(a, titles)
+    doc = {**a.doc, "candidates": chosen}
+    specs, records = kernel_specs(doc, len(chosen), "kernel", tmp_path, "cpu")
+    assert len(specs) == len(chosen), [(r["title"], r["reason"]) for r in records if not r["validated"]]
+    model, kw = tiny(name)
+    x = inputs(name)
+    ref = run(model, kw, x)
+    h = patch(model, build_plan(specs, a.doc, occurrence_modules(a)))
+    out = run(model, kw, x)
+    for s in specs:
+        sites = h.site_objects(s.key)
+        assert sites and all(site.broken is None for site in sites), (s.title, h.rejected(s.key), h.errors())
+        assert sum(site.stats["launched"] for site in sites) == next(c["occurrences"] for c in chosen
+                                                                      if c["id"] == s.candidate)
+    cmp = compare_outputs(ref, out)
+    assert cmp.ok, cmp.reason
+    unpatch(model)
+    assert torch.equal(run(model, kw, x), ref)
+
+
+def test_package_is_callable_like_the_function(analyses):
+    model, kw = tiny("llama")
+    plan, _ = plan_for(analyses["llama"], ["SwiGLU"], "program")
+    h = advisor.patch(model, plan)
+    assert patched_modules(model)
+    advisor.unpatch(model)
+    assert not patched_modules(model) and h.plan is plan
