@@ -41,10 +41,7 @@ class Generated:
     cached: bool  # True when an earlier run had generated it already
     program: Program
     kind: str  # "pointwise" | "rows"
-
-    @property
-    def path(self) -> Path:
-        return cache.path_of(self.key)
+    path: Path  # the module on disk (in the cache, or a scratch file when the cache was bypassed)
 
 
 def generate(program: dict, use_cache: bool = True) -> Generated:
@@ -58,5 +55,8 @@ def generate(program: dict, use_cache: bool = True) -> Generated:
     cached = code is not None
     if code is None:
         code = module_source(plan(prog))
-        cache.put(key, code)
-    return Generated(key, code, cached, prog, "rows" if prog.row_ops else "pointwise")
+        # Bypassing the cache (a patched lowering table, say) must not leave a module under the pattern's key.
+        path = cache.put(key, code) if use_cache else cache.scratch(key, code)
+    else:
+        path = cache.path_of(key)
+    return Generated(key, code, cached, prog, "rows" if prog.row_ops else "pointwise", path)

@@ -135,6 +135,8 @@ class Builder:
             text = text[slot]
         self.helpers.update(low.helpers)
         reg = torch.bool if low.promote in ("compare", "logical") else res_ct
+        if text == "{0}":  # an identity (clone, eval dropout, a conversion): no line of its own
+            return self.finish(nodes[0], op, out)
         node = self.dag.op(text, *nodes, dtype=reg, logical=out, comment=op.qualname)
         return self.finish(node, op, out)
 

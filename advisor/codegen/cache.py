@@ -46,6 +46,16 @@ def put(key: str, source: str) -> Path:
     return atomic_write(cache_dir() / f"{key}.py", source)
 
 
+def scratch(key: str, source: str) -> Path:
+    """A module written outside the cache (a unique file each time)."""
+    d = cache_dir().parent / "scratch"
+    d.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f"{key}_", suffix=".py")
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    return Path(tmp)
+
+
 def path_of(key: str) -> Path:
     return cache_dir() / f"{key}.py"
 

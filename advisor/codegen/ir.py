@@ -41,6 +41,7 @@ class Sizes:
         self.parent: dict[str, str] = {}
         self.value: dict[str, int] = {}
         self.pinned: set[str] = set()
+        self.defs: dict[str, Dim] = {}  # class -> its size in terms of other classes (a cat's output)
 
     def symbol(self, name: str, value: int) -> Dim:
         self.parent.setdefault(name, name)
@@ -59,13 +60,17 @@ class Sizes:
             r = self.find(t)
             if r in self.pinned:
                 const += self.value[r]
+            elif r in self.defs:
+                e = self.norm(self.defs[r])
+                terms += e.terms
+                const += e.const
             else:
                 terms.append(r)
         return Dim(tuple(sorted(terms)), const, d.value)
 
     def pin(self, d: Dim) -> None:
-        for t in d.terms:
-            self.pinned.add(self.find(t))
+        for t in self.norm(d).terms:
+            self.pinned.add(t)
 
     def unify(self, a: Dim, b: Dim) -> Dim:
         if a.value != b.value:
@@ -77,6 +82,10 @@ class Sizes:
             ra, rb = sorted([a.terms[0], b.terms[0]], key=_sym_order)
             self.parent[rb] = ra
             return self.norm(a)
+        for x, y in ((a, b), (b, a)):  # a bare size equal to a sum of others (x = in1.1 + 1): define it so
+            if len(x.terms) == 1 and not x.const and y.terms and x.terms[0] not in y.terms:
+                self.defs[x.terms[0]] = y
+                return y
         self.pin(a)  # a literal, or sums that do not match term by term: fix both
         self.pin(b)
         return Dim((), a.value, a.value)

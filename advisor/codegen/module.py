@@ -145,7 +145,7 @@ def _run(plan: Plan, launch: list) -> str:
              f"    device = {p.inputs[0].id}.device" if p.inputs else "    device = torch.device('cuda')"]
     conds = _checks(p)
     if conds:
-        lines.append("    if not (" + _wrap(conds, " and ", 8) + "):")
+        lines.append("    if not (" + _wrap(conds, " and ", 8, first=12) + "):")
         lines.append('        raise ValueError("inputs differ from the pattern this kernel was generated for")')
     for i in p.inputs:
         if not i.shape:
@@ -157,13 +157,9 @@ def _run(plan: Plan, launch: list) -> str:
             shape = "(" + ", ".join(size_expr(p, d) for d in v.shape) + ("," if len(v.shape) == 1 else "") + ")"
             order = tuple(_order(v.rec_strides, v.rec_shape))
             lines.append(f"    out{k} = _empty({shape}, {order}, {v.dtype}, device)")
-    if plan.kind == "pointwise":
-        for g in plan.groups:
-            if g.layout_ref is None:
-                continue
-            for inp in sorted(plan.builder.flat_inputs):
-                lines.append(f"    {inp} = _like({inp}, out{g.layout_ref})  # read at the output's flat offsets")
-            break
+    for g in plan.groups:
+        for inp in sorted(g.flat_inputs):
+            lines.append(f"    {inp} = _like({inp}, out{g.layout_ref})  # read at the output's flat offsets")
     lines += launch
     ret = ", ".join(f"out{k}" for k in range(p.returned)) + ("," if p.returned == 1 else "")
     lines.append(f"    return {ret}" if p.returned else "    return ()")
@@ -186,27 +182,26 @@ def _launch_pointwise(plan: Plan, name: str, call: list) -> list:
     numels = [g.numel for g in plan.groups]
     total = numels[0] if len(numels) == 1 else f"max({', '.join(numels)})"
     tensors = ", ".join([i.id for i in plan.prog.inputs if i.shape] + [f"out{k}" for k in range(len(plan.prog.outputs))])
-    body = [f"BLOCK, num_warps = _pointwise_config({total})",
-            f"grid = (triton.cdiv({total}, BLOCK),)",
-            f"{name}[grid](" + _wrap(call, ", ", 12) + ",",
-            f"    BLOCK=BLOCK, BIG_INDEX=_int64_needed({tensors}), num_warps=num_warps)"]
-    return head + [f"    if {total}:"] + ["        " + line for line in body]
+    return head + [
+        f"    if {total}:",
+        f"        BLOCK, num_warps = _pointwise_config({total})",
+        f"        grid = (triton.cdiv({total}, BLOCK),)",
+        f"        {name}[grid](" + _wrap(call, ", ", 12, first=len(name) + 15) + ",",
+        f"            BLOCK=BLOCK, BIG_INDEX=_int64_needed({tensors}), num_warps=num_warps)"]
 
 
 def _launch_rows(plan: Plan, name: str, call: list) -> list:
     p = plan.prog
     n = size_expr(p, plan.n)
     r = " * ".join(f"({size_expr(p, d)})" if "+" in size_expr(p, d) else size_expr(p, d) for d in plan.lead) or "1"
-    args = _wrap(call, ", ", 12)
     return [f"    N = {n}  # row width",
-            f"    R = {r}  # rows",
-            "    if R == 0:",
-            "        pass",
-            "    elif N <= MAX_PERSISTENT_N:",
+            f"    R = {r}  # rows: one program each",
+            "    args = (" + _wrap(call, ", ", 12, first=12) + ")",
+            "    if R and N <= MAX_PERSISTENT_N:",
             "        BLOCK_N, num_warps = _row_config(N)",
-            f"        {name}[(R,)](" + args + ", BLOCK_N=BLOCK_N, num_warps=num_warps)",
-            "    else:",
-            f"        {name}_looped[(R,)](" + args + ", BLOCK_N=LOOP_BLOCK_N, num_warps=8)"]
+            f"        {name}[(R,)](*args, BLOCK_N=BLOCK_N, num_warps=num_warps)",
+            "    elif R:",
+            f"        {name}_looped[(R,)](*args, BLOCK_N=LOOP_BLOCK_N, num_warps=8)"]
 
 
 def _size_name(plan: Plan) -> str:
@@ -215,23 +210,24 @@ def _size_name(plan: Plan) -> str:
     return size_name(plan.prog.sizes.norm(plan.n)) if not plan.prog.sizes.norm(plan.n).literal else ""
 
 
-def _wrap(items: list, sep: str, indent: int, width: int = 100) -> str:
-    out, line = [], ""
+def _wrap(items: list, sep: str, indent: int, width: int = 100, first: int = 30) -> str:
+    """items joined by sep, in lines of at most `width` columns (the first starts at column `first`)."""
+    lines, cur, col = [], "", first
     for it in items:
-        piece = it if not line else sep + it
-        if line and len(line) + len(piece) + indent > width:
-            out.append(line + sep.rstrip())
-            line = it
+        piece = it if not cur else sep + it
+        if cur and col + len(cur) + len(piece) > width:
+            lines.append(cur + sep.rstrip())
+            cur, col = it, indent
         else:
-            line += piece
-    out.append(line)
-    return ("\n" + " " * indent).join(out)
+            cur += piece
+    lines.append(cur)
+    return ("\n" + " " * indent).join(lines)
 
 
 def _describe(p: Program) -> str:
     ops = " -> ".join(o.qualname.split("::")[1] for o in p.ops)
     text = f"Same inputs and outputs as the aten ops it replaces: {ops}."
-    return _wrap(text.split(" "), " ", 4, 96)
+    return _wrap(text.split(" "), " ", 4, 96, first=7)
 
 
 def numel(shape) -> int:

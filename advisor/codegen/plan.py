@@ -33,6 +33,7 @@ class Group:  # pointwise: outputs sharing one shape and memory order
     order: list  # dims outermost first
     outputs: list = field(default_factory=list)  # positions in Program.outputs
     layout_ref: int | None = None  # an allocated output whose dense layout flat inputs follow
+    flat_inputs: set = field(default_factory=set)  # inputs read at `offs` (the launcher lays them out so)
 
 
 @dataclass
@@ -87,9 +88,12 @@ def plan_pointwise(prog: Program) -> Plan:
         suffix = str(gi) if len(glist) > 1 else ""
         g.numel = f"numel{suffix}"
         b.mask = dag.var(f"mask{suffix}", full=True)
-        idx = _unravel(b, offs, g.dims, g.order, "i", suffix)
+        idx = _unravel(b, offs, g.dims, g.order, "i", f"_{suffix}" if suffix else "")
         b.flat = (idx, offs)
-        b.flat_inputs = _flat_inputs(prog, prog.outputs[g.layout_ref]) if g.layout_ref is not None else set()
+        if g.layout_ref is not None:  # an input follows one output's layout only
+            taken = set().union(*(h.flat_inputs for h in glist[:gi]))
+            g.flat_inputs = _flat_inputs(prog, prog.outputs[g.layout_ref]) - taken
+        b.flat_inputs = g.flat_inputs
         for k in g.outputs:
             v = prog.outputs[k]
             val = b.value_at(v.id, idx)

@@ -34,7 +34,7 @@ class Case:
 def free_classes(prog: Program) -> dict:
     """Representative symbol -> recorded size, for the classes validation may resize."""
     s = prog.sizes
-    return {s.find(t): s.value[t] for t in s.parent if s.find(t) not in s.pinned}
+    return {s.find(t): s.value[t] for t in s.parent if s.find(t) not in s.pinned and s.find(t) not in s.defs}
 
 
 def row_class(prog: Program) -> str | None:
