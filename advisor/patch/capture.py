@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import types
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -158,8 +159,21 @@ def compiled(fn: Callable, specs: list[PatternSpec]) -> Callable:
     key = (fn, tuple(s.key for s in specs))
     c = _COMPILED.get(key)
     if c is None:
-        c = _COMPILED[key] = torch.compile(fn, backend=Backend(specs, log_for(key)), dynamic=False)
+        c = _COMPILED[key] = torch.compile(_fresh(fn), backend=Backend(specs, log_for(key)), dynamic=False)
     return c
+
+
+def _fresh(fn: Callable) -> Callable:
+    """The same function with its own code object. Dynamo keeps its compiled-code cache on the code
+    object and stops compiling after `recompile_limit` (8) entries; every plan (set of pattern keys)
+    is a new backend, hence a new entry, so plans would otherwise share, and exhaust, one cache."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    g = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    g.__kwdefaults__ = fn.__kwdefaults__
+    g.__dict__.update(fn.__dict__)
+    g.__qualname__ = fn.__qualname__
+    return g
 
 
 # ------------------------------------------------------------------------------------ the forward

@@ -6,9 +6,10 @@ An outermost module call (no module call in progress on this thread) whose class
 in place before it runs (`advisor.patch`), so the very first call is already patched. The first
 `compare_calls` calls of each patched instance (unless it has active dropout or batch norm in
 training mode) also run with patches off on the same inputs and are compared (`verify.check`): a
-pattern that changes the outputs is unpatched there and for every later instance. The last call of every outermost module class is recorded (module, inputs,
-grad mode) so the steady-state iteration can be replayed for timing. When the script ends the wrapper
-is removed; patched instances stay patched until `close()`.
+pattern that changes the outputs is unpatched there and for every later instance. The last call of
+every outermost module class is recorded (module, inputs, grad mode) so the steady-state iteration
+can be replayed for timing. When the script ends the wrapper is removed; patched instances stay
+patched until `close()`.
 """
 from __future__ import annotations
 
