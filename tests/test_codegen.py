@@ -1,5 +1,7 @@
 """Code generation beyond single ops: broadcasting over strided/expanded inputs, type promotion,
 row kernels in both variants, cat, multiple outputs, in-place outputs, the cache, the emitted code."""
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,17 @@ F = torch.nn.functional
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+
+DEV = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _device():
+    """Tensors made in a test live where kernels run: the GPU, or the CPU under the interpreter."""
+    torch.set_default_device(DEV)
+    yield
+    torch.set_default_device(None)
+
 
 
 def build(fn, *inputs):

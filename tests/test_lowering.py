@@ -3,6 +3,8 @@ run (Triton's interpreter without a GPU) and compared both by `validate` (fp64/n
 odd shapes, NaN-poisoned outputs) and directly with the PyTorch function on the same inputs."""
 import math
 
+import os
+
 import pytest
 import torch
 
@@ -24,19 +26,31 @@ TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2), torch.float16:
 def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
 
+DEV = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _device():
+    """Tensors made in a test live where kernels run: the GPU, or the CPU under the interpreter."""
+    torch.set_default_device(DEV)
+    yield
+    torch.set_default_device(None)
+
+
 
 def _inputs(n, dtype, positive=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cpu = {"generator": g, "device": "cpu"}
     out = []
     for k in range(n):
         if dtype == torch.bool:
-            out.append(torch.rand(SHAPE, generator=g) < 0.5)
+            x = torch.rand(SHAPE, **cpu) < 0.5
         elif not dtype.is_floating_point:
-            out.append(torch.randint(1, 10, SHAPE, generator=g) * (1 if positive else torch.where(
-                torch.rand(SHAPE, generator=g) < 0.5, -1, 1)))
+            x = torch.randint(1, 10, SHAPE, **cpu) * (1 if positive else torch.where(torch.rand(SHAPE, **cpu) < 0.5, -1, 1))
         else:
-            x = torch.randn(SHAPE, generator=g, dtype=torch.float64)
-            out.append((x.abs() + 0.1 if positive else x).to(dtype))
+            x = torch.randn(SHAPE, dtype=torch.float64, **cpu)
+            x = (x.abs() + 0.1 if positive else x).to(dtype)
+        out.append(x.to(DEV))
     return out
 
 

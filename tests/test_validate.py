@@ -4,6 +4,8 @@ with a stated reason."""
 import json
 from pathlib import Path
 
+import os
+
 import pytest
 import torch
 
@@ -24,6 +26,17 @@ SAMPLES = sorted(p for p in (ROOT / "sample_traces").glob("**/trace") if (p / "k
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+
+DEV = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _device():
+    """Tensors made in a test live where kernels run: the GPU, or the CPU under the interpreter."""
+    torch.set_default_device(DEV)
+    yield
+    torch.set_default_device(None)
+
 
 
 def seed(dtype=torch.float32, n=3000):

@@ -37,7 +37,7 @@ def validate(gen, module, seed: int = 0) -> Validation:
     prog = gen.program
     interp = interpreted()
     device = "cpu" if interp else "cuda"
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     worst = {"rel_l2": 0.0, "max_abs": 0.0, "eager_rel_l2": 0.0, "eager_max_abs": 0.0}
     shapes, notes = [], []
     dtypes = sorted({str(v.dtype)[6:] for v in prog.outputs})

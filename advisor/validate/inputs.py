@@ -91,15 +91,16 @@ def _extent(prog: Program, case: Case, inp: Input, shape, strides) -> tuple[int,
 
 def _values(inp: Input, n: int, positive: bool, g: torch.Generator) -> torch.Tensor:
     dt = inp.dtype
+    cpu = {"generator": g, "device": "cpu"}  # drawn on the CPU (the generator's device), then moved
     if dt == torch.bool:
-        return torch.rand(n, generator=g) < 0.5
+        return torch.rand(n, **cpu) < 0.5
     if not dt.is_floating_point:
-        mag = torch.randint(1, 10, (n,), generator=g)
-        sign = torch.ones(n, dtype=torch.int64) if positive else torch.where(torch.rand(n, generator=g) < 0.5, -1, 1)
+        mag = torch.randint(1, 10, (n,), **cpu)
+        sign = torch.where(torch.rand(n, **cpu) < 0.5, -1, 1) if not positive else torch.ones(n, dtype=torch.int64, device="cpu")
         return (mag * sign).to(dt)
     if not inp.shape:
-        return (0.5 + torch.rand(n, generator=g, dtype=torch.float64)).to(dt)
-    x = torch.randn(n, generator=g, dtype=torch.float64)
+        return (0.5 + torch.rand(n, dtype=torch.float64, **cpu)).to(dt)
+    x = torch.randn(n, dtype=torch.float64, **cpu)
     if positive:
         x = x.abs() + 0.05
     x = x.to(dt)

@@ -74,10 +74,10 @@ def _wrapped(v, tensors: list) -> torch.Tensor:
     the number would (it never changes the dtype of the tensor operands) and keeps its value in the
     compute dtype (ATen reads CPU scalars in opmath precision)."""
     other = next((t for t in tensors if t.dtype != torch.bool), tensors[0] if tensors else None)
-    dt = torch.result_type(other, v) if other is not None else torch.tensor(v).dtype
+    dt = torch.result_type(other, v) if other is not None else torch.tensor(v, device="cpu").dtype
     if dt in (torch.bfloat16, torch.float16):
         dt = torch.float32
-    return torch.tensor(v, dtype=dt)
+    return torch.tensor(v, dtype=dt, device="cpu")
 
 
 def inputs_of(prog: Program) -> set:
