@@ -108,6 +108,8 @@ def pattern_status(records: list, specs: list, handle, dropped: dict) -> list:
             r["status"] = f"unpatched: {dropped[s.key]}"
         elif broken:
             r["status"] = f"launcher failed, original ops run instead: {broken[0]}"
+        elif not sites and handle is not None and not getattr(handle, "reached", True):
+            r["status"] = "not patched: no module of the plan was called"
         elif not sites:
             why = sorted(set(handle.rejected(s.key))) if handle else []
             r["status"] = "not found in the captured graphs" + (f" ({'; '.join(why)})" if why else "")

@@ -44,6 +44,10 @@ class Handles:
     def plan(self):
         return self.session.plan
 
+    @property
+    def reached(self) -> bool:
+        return bool(self.session.handles)
+
     def _logs(self, key=None):
         seen = {}
         for h in self.session.handles:
