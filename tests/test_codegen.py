@@ -103,6 +103,7 @@ def test_channels_last_batch_norm_residual_relu():
     (lambda a: (a > 0).sum(-1), (torch.randn(4, 9),)),  # bool sum -> int64
 ])
 def test_type_promotion(fn, inputs):
+    inputs = [t.to(DEV) for t in inputs]  # made at collection time, on the CPU
     gen, mod = run_and_compare(fn, *inputs, atol=1e-2, rtol=1e-2)
     assert_validates(gen, mod)
 
