@@ -1,8 +1,12 @@
 """Patched vs unpatched outputs of a whole model call, with validation's dtype tolerances.
 
 Outputs are walked as pytrees (tuples, dicts, Hugging Face ModelOutputs): tensors are compared like
-validation compares a kernel with eager (`advisor.validate.compare.TOLERANCES`: rel_l2, and max_abs
-relative to max(1, max|ref|)), integer/bool tensors and everything else must be equal.
+validation compares a kernel (`advisor.validate.compare.TOLERANCES`: rel_l2, and max_abs relative to
+max(1, max|ref|)), integer/bool tensors and everything else must be equal. A whole low-precision model
+amplifies rounding: a bf16 kernel that rounds once where eager rounds after every op moves 8 layers'
+logits by ~2% rel_l2, as much as eager itself is off. So when the patched output is not within the
+tolerance of the unpatched one and an exact answer (the same call in float32) is at hand, the rule is
+validation's: within the tolerance of the exact answer, or no worse than twice eager's own error.
 """
 from __future__ import annotations
 
@@ -41,14 +45,17 @@ class Comparison:
                 "bit_identical": self.exact}
 
 
-def compare_outputs(ref, out) -> Comparison:
-    ref_leaves, ref_spec = tree_flatten(ref)
-    out_leaves, out_spec = tree_flatten(out)
-    if len(ref_leaves) != len(out_leaves):
+def compare_outputs(ref, out, exact=None) -> Comparison:
+    """`out` (patched) against `ref` (unpatched eager) by the dtype's tolerance; with `exact` (the same call
+    in a higher precision) also validation's second rule: no worse than twice eager's own error."""
+    ref_leaves, _ = tree_flatten(ref)
+    out_leaves, _ = tree_flatten(out)
+    exact_leaves = tree_flatten(exact)[0] if exact is not None else [None] * len(ref_leaves)
+    if len(ref_leaves) != len(out_leaves) or len(exact_leaves) != len(ref_leaves):
         return Comparison(False, f"{len(out_leaves)} outputs, expected {len(ref_leaves)}", exact=False)
     worst = Comparison(True)
-    for i, (r, o) in enumerate(zip(ref_leaves, out_leaves)):
-        c = _compare_one(r, o, f"output {i}")
+    for i, (r, o, x) in enumerate(zip(ref_leaves, out_leaves, exact_leaves)):
+        c = _compare_one(r, o, f"output {i}", x)
         worst.exact &= c.exact
         worst.rel_l2, worst.max_abs = max(worst.rel_l2, c.rel_l2), max(worst.max_abs, c.max_abs)
         if not c.ok:
@@ -57,9 +64,9 @@ def compare_outputs(ref, out) -> Comparison:
     return worst
 
 
-def _compare_one(r, o, name: str) -> Comparison:
+def _compare_one(r, o, name: str, x=None) -> Comparison:
     if not isinstance(r, torch.Tensor):
-        same = isinstance(o, type(r)) and (r == o if not isinstance(r, float) or r == r else o != o)
+        same = (o != o) if isinstance(r, float) and r != r else (type(o) is type(r) and o == r)
         return Comparison(bool(same), None if same else f"{name}: {o!r} != {r!r}", exact=bool(same))
     if not isinstance(o, torch.Tensor) or o.shape != r.shape or o.dtype != r.dtype:
         what = f"{tuple(o.shape)} {o.dtype}" if isinstance(o, torch.Tensor) else type(o).__name__
@@ -69,18 +76,33 @@ def _compare_one(r, o, name: str) -> Comparison:
     if not r.is_floating_point() and not r.is_complex():
         return Comparison(False, f"{name}: {int((r != o).sum())} elements differ", exact=False)
     rd, od = r.detach().double().cpu(), o.detach().double().cpu()
-    finite = rd.isfinite() & od.isfinite()
     if not torch.equal(rd.isfinite(), od.isfinite()):
         return Comparison(False, f"{name}: NaN/Inf at different positions", exact=False)
-    d = (od - rd)[finite]
-    norm = rd[finite].norm().item()
-    rel = d.norm().item() / (norm if norm > 0 else 1.0)
-    mx = d.abs().max().item() if d.numel() else 0.0
     tol_rel, tol_abs = tolerance(r.dtype)
-    scale = max(1.0, rd[finite].abs().max().item()) if finite.any() else 1.0
-    if rel > tol_rel:
-        return Comparison(False, f"{name}: rel_l2 {rel:.3g} exceeds {tol_rel:.3g} for {str(r.dtype)[6:]}", rel, mx, False)
-    if mx > tol_abs * scale:
-        return Comparison(False, f"{name}: max_abs {mx:.3g} exceeds {tol_abs * scale:.3g} for {str(r.dtype)[6:]}",
-                          rel, mx, False)
+    rel, mx, scale = _errors(od, rd)
+    lim_rel, lim_abs, against = tol_rel, tol_abs * scale, "unpatched"
+    if isinstance(x, torch.Tensor) and x.shape == r.shape and (rel > lim_rel or mx > lim_abs):
+        # Validation's rule against the exact answer: within tolerance, or no worse than 2x eager's error.
+        xd = x.detach().double().cpu()
+        e_rel, e_mx, scale = _errors(rd, xd)
+        rel, mx, _ = _errors(od, xd)
+        lim_rel, lim_abs, against = max(tol_rel, 2 * e_rel), max(tol_abs * scale, 2 * e_mx), "float32 reference"
+    dt = str(r.dtype)[6:]
+    if rel > lim_rel:
+        return Comparison(False, f"{name}: rel_l2 {rel:.3g} vs the {against} exceeds {lim_rel:.3g} for {dt}", rel, mx,
+                          False)
+    if mx > lim_abs:
+        return Comparison(False, f"{name}: max_abs {mx:.3g} vs the {against} exceeds {lim_abs:.3g} for {dt}", rel, mx,
+                          False)
     return Comparison(True, None, rel, mx, False)
+
+
+def _errors(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(rel_l2, max_abs, max(1, max|ref|)) over the elements finite in both."""
+    finite = x.isfinite() & ref.isfinite()
+    d = (x - ref)[finite]
+    r = ref[finite]
+    if d.numel() == 0:
+        return 0.0, 0.0, 1.0
+    norm = r.norm().item()
+    return d.norm().item() / (norm if norm > 0 else 1.0), d.abs().max().item(), max(1.0, r.abs().max().item())

@@ -226,8 +226,10 @@ def print_summary(console, doc: dict, out: Path) -> None:
         console.print(f"[yellow]warning:[/] {e}")
     e2e = doc.get("end_to_end") or {}
     if e2e.get("timing_meaningful"):
+        extra = f", captured without kernels {e2e['captured_only_ms']:.3f} ms" if e2e.get("captured_only_ms") else ""
+        noise = f", noise ±{e2e['noise_ms']:.3f} ms" if e2e.get("noise_ms") is not None else ""
         console.print(f"steady state: {e2e['before_ms']:.3f} ms -> {e2e['after_ms']:.3f} ms "
-                      f"({e2e['speedup']:.2f}x; median of {e2e['iters']}, {e2e['method']})")
+                      f"({e2e['speedup']:.2f}x; median of {e2e['iters']}, {e2e['method']}{noise}{extra})")
     else:
         console.print(f"timing not meaningful: {e2e.get('reason')}")
     console.print(f"apply results written to [bold]{out / 'apply.json'}[/]")

@@ -68,9 +68,9 @@ class Session:
         if st is None or st["handle"] is None or st["checked"] >= self.compare_calls or not _repeatable(m):
             return call(m, *args, **kwargs)
         st["checked"] += 1
-        from advisor.patch.verify import check
+        from advisor.patch.verify import check, float32_reference
 
-        chk = check(lambda: call(m, *args, **kwargs), st["handle"])
+        chk = check(lambda: call(m, *args, **kwargs), st["handle"], float32_reference(m, args, kwargs))
         self.checks.append({"module": cls, **chk.as_dict()})
         if chk.dropped:
             self.dropped.update(chk.dropped)

@@ -1,14 +1,19 @@
 """Patched vs unpatched on the same inputs; a pattern whose outputs differ is unpatched and says why.
 
-`check(call, handle)`: runs `call()` with patches off (the reference) and on, compares with
-validation's dtype tolerances. On a mismatch each pattern is run alone against the reference; the
+`check(call, handle, exact)`: runs `call()` with patches off (the reference) and on, compares with
+validation's dtype tolerances (and, for low-precision models, validation's rule against a float32
+copy of the call: see `advisor.bench.compare`). On a mismatch each pattern is run alone against the reference; the
 ones that fail alone are dropped (if none fails alone, the combination is at fault and all are
 dropped) and the model is re-patched without them.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_map
 
 from advisor.bench.compare import Comparison, compare_outputs
 from advisor.patch import Patched, only, patch, patches_off
@@ -25,21 +30,57 @@ class Check:
         return {**self.comparison.as_dict(), "dropped": dict(self.dropped)}
 
 
-def check(call: Callable[[], object], handle: Patched) -> Check:
+def check(call: Callable[[], object], handle: Patched, exact: Callable[[], object] | None = None) -> Check:
+    """`exact()`, when given, computes the same call in float32 (see `float32_reference`); it is only run
+    when the patched output is not within the dtype tolerance of the unpatched one."""
     with patches_off():
         ref = call()
     out = call()
     cmp = compare_outputs(ref, out)
+    exact_out = None
+    if not cmp.ok and exact is not None:
+        exact_out = exact()
+        if exact_out is not None:
+            cmp = compare_outputs(ref, out, exact_out)
     if cmp.ok:
         return Check(cmp, {}, handle, out)
     live = [s.key for s in handle.plan.patterns if handle.sites(s.key)]
     dropped = {}
     for key in live:
         with only({key}):
-            alone = compare_outputs(ref, call())
+            alone = compare_outputs(ref, call(), exact_out)
         if not alone.ok:
             dropped[key] = f"outputs differ from the unpatched model with this pattern alone: {alone.reason}"
     if not dropped:
         dropped = {k: f"outputs differ with all patterns applied together: {cmp.reason}" for k in live}
     new = patch(handle.model, handle.plan.without(dropped))
     return Check(cmp, dropped, new, ref)
+
+
+def float32_reference(module: torch.nn.Module, args: tuple, kwargs: dict) -> Callable[[], object] | None:
+    """A function computing `module(*args, **kwargs)` on a float32 copy (floating inputs upcast, patches
+    off): the exact answer that low-precision outputs are judged against. None when the module already
+    computes in float32 or wider, or when the copy would not fit in the device's free memory."""
+    floats = [t for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()]
+    if not floats or all(t.dtype in (torch.float32, torch.float64) for t in floats):
+        return None
+    need = 2 * sum(t.numel() for t in floats) * 4  # the copy, plus room for its activations
+    dev = floats[0].device
+    if dev.type == "cuda" and torch.cuda.mem_get_info(dev)[0] < need:
+        return None
+
+    def up(t):
+        return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def run():
+        twin = copy.deepcopy(module).float()
+        a, k = tree_map(up, (args, kwargs))
+        try:
+            with patches_off(), torch.inference_mode():
+                return twin(*a, **k)
+        except Exception:  # a model that cannot run in float32: judge by the tolerance alone
+            return None
+        finally:
+            del twin
+
+    return run
