@@ -96,6 +96,7 @@ def test_good_kernel_validates_at_every_case():
     assert v.errors["dtype"] == "bfloat16" and v.errors["rel_l2"] < TOLERANCES[torch.bfloat16].rel_l2
 
 
+@pytest.mark.skipif(DEV == "cuda", reason="the cap applies to Triton's interpreter only")
 def test_interpreter_caps_rows_but_keeps_the_row_width():
     gen = generate(record_program(lambda x: torch.softmax(x, -1), torch.randn(512, 96)))
     v = validate(gen, load_module(gen.path))

