@@ -27,7 +27,6 @@ class Builder:
         self.n: Node | None = None  # row kernels: the row width
         self.size_args: dict[str, Dim] = {}  # kernel argument -> the size it carries
         self.strides: dict[str, tuple] = {}  # kernel argument -> (tensor name, dim)
-        self.helpers: set[str] = set()
 
     # ------------------------------------------------------------------ sizes and strides as nodes
     def size(self, d: Dim) -> Node:
@@ -133,7 +132,6 @@ class Builder:
             if not isinstance(text, tuple) or slot >= len(text):
                 raise Unsupported(f"{op.qualname}: output {slot} is used, the lowering computes only the first")
             text = text[slot]
-        self.helpers.update(low.helpers)
         reg = torch.bool if low.promote in ("compare", "logical") else res_ct
         if text == "{0}":  # an identity (clone, eval dropout, a conversion): no line of its own
             return self.finish(nodes[0], op, out)
@@ -209,7 +207,6 @@ class Builder:
         vals.setdefault("self", vals[first[0]])
         vals["in_dtype"] = self.p.source(first[1].src).dtype
         vals["op"] = op.name
-        self.helpers.update(low.helpers)
         return tuple(low.emit(RowOps(self.dag, self.n, ct, op.qualname), Args(vals, ct, out0)))
 
 

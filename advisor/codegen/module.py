@@ -7,11 +7,8 @@ the outputs in the program's order.
 """
 from __future__ import annotations
 
-import math
 
-import torch
-
-from advisor.codegen.helpers import helper_source
+from advisor.codegen.helpers import HELPERS, helper_source
 from advisor.codegen.ir import Program, _order
 from advisor.codegen.plan import Plan, size_expr
 from advisor.codegen.printer import pointwise_kernel, row_kernels
@@ -82,7 +79,7 @@ def module_source(plan: Plan) -> str:
         kernels = persistent + "\n\n" + looped
         launch = _launch_rows(plan, name, call)
         config = ROW_CONFIG
-    helpers = helper_source(b.helpers | ({"_mul_combine"} if "_mul_combine" in kernels else set()))
+    helpers = helper_source(n for n in HELPERS if f"{n}(" in kernels or f", {n})" in kernels)
     parts = ["import torch\nimport triton\nimport triton.language as tl\n", "\n" + helpers if helpers else "",
              "\n\n" + kernels,
              "\n\n" + _run(plan, launch), COMMON, config]
@@ -237,7 +234,3 @@ def _describe(p: Program) -> str:
     ops = " -> ".join(o.qualname.split("::")[1] for o in p.ops)
     text = f"Same inputs and outputs as the aten ops it replaces: {ops}."
     return _wrap(text.split(" "), " ", 4, 96, first=7)
-
-
-def numel(shape) -> int:
-    return int(math.prod(shape)) if shape else 1

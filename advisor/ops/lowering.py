@@ -16,7 +16,7 @@ a persistent kernel (row in registers) or a looped one (chunked passes) for wide
 
 Only core `tl` math runs in both the GPU compiler (triton 3.6+) and the interpreter, so tanh, expm1,
 log1p, pow, round, ... are composed from it in small `@triton.jit` helpers (`advisor.codegen.helpers`),
-named by each entry's `helpers` and copied into every generated module that calls them.
+copied into every generated module that calls them.
 """
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ class Lowering:
     promote: str = "common"
     operands: tuple = ("self",)  # schema args that are tensors or numbers taking part in promotion
     positive: tuple = ()  # operands that validation draws strictly positive (log, sqrt, pow, ...)
-    helpers: tuple = ()  # names in HELPERS the emitted code calls
     shape: str = "broadcast"  # broadcast | cat | reduce | row | norm | channel: output shape rule
     channel: tuple = ()  # per-channel vector operands, indexed by dim 1 of the output (batch norm)
 
@@ -113,8 +112,8 @@ pw("rsub", lambda a: f"{a.other} - {_scaled(a, a.self)}", operands=BIN)
 pw("mul", lambda a: f"{a.self} * {a.other}", operands=BIN)
 pw("true_divide", lambda a: f"{a.self} / {a.other}", "float", BIN)
 pw("fmod", lambda a: f"{a.self} % {a.other}", operands=BIN)  # Triton's % is C's fmod, as torch.fmod
-pw("remainder", lambda a: f"_remainder({a.self}, {a.other})", operands=BIN, helpers=("_remainder",))
-pw("floor_divide", lambda a: _div_floor(a), operands=BIN, helpers=("_div_floor", "_div_floor_int"))
+pw("remainder", lambda a: f"_remainder({a.self}, {a.other})", operands=BIN)
+pw("floor_divide", lambda a: _div_floor(a), operands=BIN)
 
 
 def _div(a):
@@ -133,7 +132,7 @@ def _div_floor(a):
 
 
 # div with a rounding mode keeps integer dtypes; plain div is true division: the output dtype decides.
-pw("div", _div, "common", BIN, helpers=("_trunc", "_div_floor", "_div_floor_int"))
+pw("div", _div, "common", BIN)
 
 
 def _pow_scalar(a):
@@ -160,7 +159,7 @@ def _pow(a):
     return f"_pow({a.self}, {a.exponent})"  # Tensor_Tensor, or Scalar (a literal base)
 
 
-pw("pow float_power", _pow, operands=("self", "exponent"), helpers=("_pow",))
+pw("pow float_power", _pow, operands=("self", "exponent"))
 
 # ------------------------------------------------------------------------------------- unary math
 UNARY_FLOAT = {  # integer inputs compute in the default float dtype
@@ -175,8 +174,7 @@ UNARY_FLOAT = {  # integer inputs compute in the default float dtype
 }
 POSITIVE = {"log", "log2", "log10", "sqrt", "rsqrt", "acosh"}
 for _n, _f in UNARY_FLOAT.items():
-    _h = tuple(h for h in ("_expm1", "_log1p", "_tanh", "_asinh") if h in _f)
-    pw(_n, lambda a, f=_f: f.format(a.self), "float", positive=("self",) if _n in POSITIVE else (), helpers=_h)
+    pw(_n, lambda a, f=_f: f.format(a.self), "float", positive=("self",) if _n in POSITIVE else ())
 
 
 def _float_or_same(fmt):  # floor/ceil/round/trunc/frac leave integer tensors as they are
@@ -185,8 +183,8 @@ def _float_or_same(fmt):  # floor/ceil/round/trunc/frac leave integer tensors as
 
 pw("floor", _float_or_same("tl.floor({})"))
 pw("ceil", _float_or_same("tl.ceil({})"))
-pw("trunc fix", _float_or_same("_trunc({})"), helpers=("_trunc",))
-pw("frac", lambda a: f"{a.self} - _trunc({a.self})", helpers=("_trunc",))
+pw("trunc fix", _float_or_same("_trunc({})"))
+pw("frac", lambda a: f"{a.self} - _trunc({a.self})")
 
 
 def _round(a):
@@ -199,7 +197,7 @@ def _round(a):
     return f"_round_half_even({a.self} * {scale}) / {scale}"
 
 
-pw("round", _round, helpers=("_round_half_even",))
+pw("round", _round)
 pw("neg negative", lambda a: f"-{a.self}")
 pw("positive clone alias_copy", lambda a: a.self)
 pw("abs absolute", lambda a: f"tl.abs({a.self})")
@@ -281,10 +279,8 @@ pw("silu", lambda a: f"{a.self} / (1.0 + tl.exp(-{a.self}))", "float")
 pw("hardsigmoid", lambda a: f"{MIN.format(MAX.format(f'{a.self} + 3.0', '0.0'), '6.0')} / 6.0", "float")
 pw("hardswish", lambda a: f"{a.self} * {MIN.format(MAX.format(f'{a.self} + 3.0', '0.0'), '6.0')} / 6.0",
    "float")
-pw("mish", lambda a: f"{a.self} * _tanh(_softplus({a.self}, 1.0, 20.0))", "float",
-   helpers=("_tanh", "_softplus", "_log1p"))
-pw("softplus", lambda a: f"_softplus({a.self}, {a.lit(a.beta)}, {a.lit(a.threshold)})", "float",
-   helpers=("_softplus", "_log1p"))
+pw("mish", lambda a: f"{a.self} * _tanh(_softplus({a.self}, 1.0, 20.0))", "float")
+pw("softplus", lambda a: f"_softplus({a.self}, {a.lit(a.beta)}, {a.lit(a.threshold)})", "float")
 
 
 def _gelu(a):
@@ -294,7 +290,7 @@ def _gelu(a):
     return f"0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))"
 
 
-pw("gelu", _gelu, "float", helpers=("_tanh",))
+pw("gelu", _gelu, "float")
 
 
 def _elu(a, alpha=None, scale=1.0, input_scale=1.0):
@@ -303,9 +299,9 @@ def _elu(a, alpha=None, scale=1.0, input_scale=1.0):
     return f"tl.where({a.self} > 0, {a.self} * {a.lit(scale)}, {neg})"
 
 
-pw("elu", lambda a: _elu(a, a.alpha, a.scale, a.input_scale), "float", helpers=("_expm1",))
-pw("selu", lambda a: _elu(a, 1.6732632423543772, 1.0507009873554805), "float", helpers=("_expm1",))
-pw("celu", lambda a: _elu(a, a.alpha, 1.0, 1.0 / a.alpha), "float", helpers=("_expm1",))
+pw("elu", lambda a: _elu(a, a.alpha, a.scale, a.input_scale), "float")
+pw("selu", lambda a: _elu(a, 1.6732632423543772, 1.0507009873554805), "float")
+pw("celu", lambda a: _elu(a, a.alpha, 1.0, 1.0 / a.alpha), "float")
 
 
 def _logit(a):
@@ -435,7 +431,7 @@ row("var", lambda b, a: (_mean_var(b, a, a.self, _correction(a))[1],))
 row("std", lambda b, a: (b.op("tl.sqrt({})", _mean_var(b, a, a.self, _correction(a))[1]),))
 row("var_mean", lambda b, a: _mean_var(b, a, a.self, _correction(a))[::-1])
 row("std_mean", lambda b, a: (lambda m, v: (b.op("tl.sqrt({})", v), m))(*_mean_var(b, a, a.self, _correction(a))))
-row("linalg_vector_norm norm", _norm, helpers=("_pow",))
+row("linalg_vector_norm norm", _norm)
 row("logsumexp", _logsumexp)
 row("softmax _softmax", _softmax, shape="row")
 row("_safe_softmax", lambda b, a: _softmax(b, a, safe=True), shape="row")
