@@ -146,9 +146,11 @@ def _run(plan: Plan, launch: list) -> str:
     if conds:
         lines.append("    if not (" + _wrap(conds, " and ", 8, first=12) + "):")
         lines.append('        raise ValueError("inputs differ from the pattern this kernel was generated for")')
-    for i in p.inputs:
-        if not i.shape:
-            lines.append(f"    {i.id} = {i.id}.to(device)  # 0-dim inputs (Python scalars in the model) may live on the CPU")
+    scalars = [i.id for i in p.inputs if not i.shape]
+    if scalars:  # 0-dim inputs are the model's Python scalars (eps, scales): they may live on the CPU
+        names = ", ".join(scalars) + ("," if len(scalars) == 1 else "")
+        lines.append(f"    {names} = (t.to(device) for t in ({names}))" if len(scalars) > 1 else
+                     f"    {scalars[0]} = {scalars[0]}.to(device)")
     for k, v in enumerate(p.outputs):
         if v.id in p.inplace:
             lines.append(f"    out{k} = {_inplace_view(p, p.inplace[v.id])}  # written in place, like {v.op.qualname}")
