@@ -56,7 +56,8 @@ def describe_timing(e2e: dict) -> str:
 
 
 def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, replacement: str = "kernel",
-             calls: int = 3, benchmark: bool = False, iters: int = 20) -> OptimizeReport:
+             calls: int = 3, benchmark: bool = False, iters: int = 20,
+             granularity: str = "occurrence") -> OptimizeReport:
     from advisor.analyze.api import analyze
     from advisor.bench.trace import profile_calls
     from advisor.patch import build_plan, occurrence_modules, patch, unpatch
@@ -79,7 +80,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     analysis = analyze(profile_calls(call, out_dir, device, calls))
     analysis.to_json(out_dir / "analysis.json")
     specs, records = kernel_specs(analysis.doc, top, replacement, out_dir, device)
-    plan = build_plan(specs, analysis.doc, occurrence_modules(analysis))
+    plan = build_plan(specs, analysis.doc, occurrence_modules(analysis), granularity)
     handle = patch(model, plan)
     chk = check(call, handle, float32_reference(model, args, kwargs))
     handle = chk.handle

@@ -30,6 +30,11 @@ def root_class(path: str) -> str:
     return path.split(".", 1)[0]
 
 
+def root_path(path: str) -> str:
+    """The path of the root module itself, in the same spelling."""
+    return path.split("/", 1)[0] if is_instance_chain(path) else path.split(".", 1)[0]
+
+
 def lca(paths: list[str]) -> str | None:
     """The innermost module containing every path (same spelling throughout); None if no common root."""
     paths = [p for p in paths if p]

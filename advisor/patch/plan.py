@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from advisor.errors import AdvisorError
-from advisor.patch.modules import lca
+from advisor.patch.modules import lca, root_path
 from advisor.patch.program import is_scalar_slot, program_text
 
 REPLACEMENTS = ("kernel", "program", "subgraph")
@@ -103,8 +103,17 @@ def occurrence_modules(analysis) -> dict[str, list[str]]:
     return out
 
 
-def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[str]] | None = None) -> Plan:
-    """Targets for `specs` from occurrence modules, or from analysis.json's module lists."""
+GRANULARITIES = ("occurrence", "pattern", "root")
+
+
+def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[str]] | None = None,
+               granularity: str = "occurrence") -> Plan:
+    """Targets for `specs`: the module of each occurrence (`occurrence`), the one module containing all
+    of a pattern's occurrences (`pattern`), or the whole model (`root`). Coarser targets mean fewer,
+    larger captures: less per-call overhead (one guard check and one graph call instead of one per
+    layer), at the price of a bigger graph for dynamo to capture."""
+    if granularity not in GRANULARITIES:
+        raise AdvisorError(f"granularity must be one of {', '.join(GRANULARITIES)} (got {granularity!r})")
     by_cand = {c["id"]: c for c in doc["candidates"]}
     targets: dict[str, Target] = {}
     for s in specs:
@@ -112,6 +121,10 @@ def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[
         if not mods:
             common = lca(by_cand.get(s.candidate, {}).get("modules", []))
             mods = [common] if common else []
+        if granularity == "pattern" and lca(mods):
+            mods = [lca(mods)]
+        elif granularity == "root":
+            mods = list(dict.fromkeys(root_path(m) for m in mods))
         for m in mods:
             t = targets.setdefault(m, Target(m))
             if s.key not in t.keys:
