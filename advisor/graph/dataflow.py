@@ -11,20 +11,29 @@ view) depends on the last node that wrote S before it. That one rule handles vie
 and ids reused after a free — except for a tensor allocated by no recorded op (the dispatcher's
 wrapped scalars) at a freed address: a read binds to the last writer only if it fits what was
 written (same dtype, inside the written range), otherwise it is a new outside tensor.
+
+Scale: the choice of which ET ops become nodes, who owns which kernels and which module each op ran
+in are computed for all ops at once with numpy (tree walks as pointer jumps, one level at a time); only
+the ops that become nodes get Python objects, and their arguments come from shared templates
+(trace/et.py), so a million-kernel trace costs a few seconds here.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import reduce
+from operator import add
 
 import numpy as np
 import pandas as pd
 
-from advisor.ops.registry import TRANSPARENT, OpClass, is_aten, is_operator, lookup
-from advisor.trace.load import Trace
+from advisor.graph.etnodes import choose
+from advisor.graph.index import KernelIndex, module_paths  # noqa: F401 (module_paths: also used from here)
+from advisor.ops.registry import OpClass
+from advisor.trace.load import Trace, gc_paused
 
 
-@dataclass
+@dataclass(slots=True)
 class Use:
     value: int  # value id
     pos: int  # argument position in the op
@@ -35,7 +44,7 @@ class Use:
     offset: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
     idx: int
     et_id: int
@@ -66,7 +75,7 @@ class Node:
         return sum(u.bytes for u in self.reads) + sum(u.bytes for u in self.writes)
 
 
-@dataclass
+@dataclass(slots=True)
 class Value:
     vid: int
     storage: int
@@ -120,6 +129,7 @@ def steady_windows(trace: Trace) -> list[tuple[float, float]]:
     return [(float(trace.kernels["ts"].min()), float(trace.kernels["end"].max()))]
 
 
+
 def _iteration_of(ts: np.ndarray, wins: list[tuple[float, float]]) -> np.ndarray:
     out = np.full(len(ts), -1, dtype=np.int64)
     for k, (a, b) in enumerate(wins):
@@ -128,219 +138,134 @@ def _iteration_of(ts: np.ndarray, wins: list[tuple[float, float]]) -> np.ndarray
 
 
 def build_graph(trace: Trace) -> Graph:
-    wins = steady_windows(trace)
-    ops = trace.ops
-    ops = ops.assign(iteration=_iteration_of(ops["ts"].to_numpy(), wins))
-    modules = module_paths(trace, ops)
-    kernels_by_ext = _kernels_by_ext(trace)
-    device_type = "cuda" if trace.has_gpu else "cpu"
-    if len(trace.et_nodes):
-        nodes, values = _nodes_from_et(trace, ops, modules, kernels_by_ext)
-        confidence = "high"
-    else:
-        from advisor.graph.fallback import nodes_from_kineto
+    with gc_paused():
+        wins = steady_windows(trace)
+        ops = trace.ops.assign(iteration=_iteration_of(trace.ops["ts"].to_numpy(), wins))
+        modules = module_paths(trace, ops)
+        kernels = KernelIndex(trace)
+        device_type = "cuda" if trace.has_gpu else "cpu"
+        if len(trace.et_nodes):
+            nodes, values = _nodes_from_et(trace, ops, modules, kernels)
+            confidence = "high"
+        else:
+            from advisor.graph.fallback import nodes_from_kineto
 
-        nodes, values = nodes_from_kineto(trace, ops, modules, kernels_by_ext)
-        confidence = "low"
-    for v in values:
-        v.consumers = []
-    for n in nodes:
-        for u in n.reads:
-            values[u.value].consumers.append(n.idx)
-    unknown = [(n.op, n.time_us) for n in nodes if n.cls == OpClass.OTHER]
+            nodes, values = nodes_from_kineto(trace, ops, modules, kernels)
+            confidence = "low"
+        for v in values:
+            v.consumers = []
+        for n in nodes:
+            for u in n.reads:
+                values[u.value].consumers.append(n.idx)
+        unknown = [(n.op, n.time_us) for n in nodes if n.cls == OpClass.OTHER]
     udf = pd.DataFrame(unknown, columns=["name", "time_us"])
     udf = (udf.groupby("name", observed=True).agg(count=("time_us", "size"), time_us=("time_us", "sum")).reset_index()
            if len(udf) else pd.DataFrame({"name": [], "count": [], "time_us": []}))
     return Graph(nodes, values, max(len(wins), 1), confidence, device_type, udf)
 
 
-def _kernels_by_ext(trace: Trace) -> dict[int, list[tuple[str, float, float]]]:
-    """External id of the innermost cpu op -> [(kernel name, dur)], joined through the launch's correlation."""
-    k = trace.kernels
-    if not len(k):
-        return {}
-    ext = k["ext_id"].to_numpy().copy()
-    if len(trace.runtime) and (ext <= 0).any():
-        # Some kernels carry no External id; their launching runtime call does.
-        rt = trace.runtime[trace.runtime["correlation"] > 0].drop_duplicates("correlation")
-        by_corr = dict(zip(rt["correlation"].to_numpy(), rt["ext_id"].to_numpy()))
-        corr = k["correlation"].to_numpy()
-        missing = ext <= 0
-        ext[missing] = [by_corr.get(c, -1) for c in corr[missing]]
-    out: dict[int, list] = {}
-    for e, name, ts, dur in zip(ext, k["name"].astype(str), k["ts"].to_numpy(), k["dur"].to_numpy()):
-        if e <= 0:
-            continue  # unattributable (e.g. launched outside any recorded op)
-        out.setdefault(int(e), []).append((name, float(ts), float(dur)))
-    return out
-
-
-def module_paths(trace: Trace, ops: pd.DataFrame) -> np.ndarray:
-    """Innermost nn.Module path of each op, by interval nesting of the module call events.
-
-    Prefers qualified names from the collector's `nn.Module::<qualname>` annotations; falls back to
-    the python tracer's `nn.Module: Class_N` events (class instance chain).
-    """
-    ann = ops[ops["name"].astype(str).str.startswith("nn.Module::")]
-    if len(ann):
-        spans = [(r.ts, r.end, r.tid, str(r.name)[len("nn.Module::"):], True) for r in ann.itertuples()]
-    else:
-        m = trace.modules
-        spans = [(r.ts, r.end, r.tid, str(r.name)[len("nn.Module: "):], False) for r in m.itertuples()]
-    out = np.full(len(ops), "", dtype=object)
-    if not spans:
-        return out
-    spans.sort(key=lambda s: (s[2], s[0], -s[1]))
-    order = np.lexsort((ops["ts"].to_numpy(), ops["tid"].to_numpy()))
-    ts, tid = ops["ts"].to_numpy(), ops["tid"].to_numpy()
-    stack: list[tuple[float, str]] = []  # (end, path)
-    si, cur_tid = 0, None
-    for i in order:
-        if tid[i] != cur_tid:
-            cur_tid, stack = tid[i], []
-        while si < len(spans) and (spans[si][2], spans[si][0]) <= (tid[i], ts[i]):
-            s_ts, s_end, s_tid, name, qualified = spans[si]
-            si += 1
-            if s_tid != cur_tid:
-                continue
-            while stack and stack[-1][0] < s_ts:
-                stack.pop()
-            path = name if qualified or not stack else f"{stack[-1][1]}/{name}"
-            stack.append((s_end, path))
-        while stack and stack[-1][0] < ts[i]:
-            stack.pop()
-        out[i] = stack[-1][1] if stack else ""
-    return out
-
-
-def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels_by_ext: dict):
-    et = trace.et_nodes.sort_values("id")
-    # Kineto op per rf_id (only ops inside a steady-state window become nodes).
-    rf = ops[(ops["rf_id"] > 0)]
-    rf_row = {int(r): i for i, r in zip(rf.index, rf["rf_id"].to_numpy())}
-    ids = et["id"].to_numpy()
-    names = et["name"].astype(str).to_numpy()
-    parents = et["parent"].to_numpy()
-    rfs = et["rf_id"].to_numpy()
-    schemas = et["schema"].astype(str).to_numpy()
-    has_child = set(parents.tolist())
-    ext_of_row = ops["ext_id"].to_numpy()
-    launched = _subtree_launched(ids, parents, rfs, rf_row, ext_of_row, kernels_by_ext) if trace.has_gpu else None
-
-    args_by_node = {nid: g for nid, g in trace.et_args.groupby("node", sort=False)}
-    owner: dict[int, int] = {}  # ET id -> graph node idx (for ops swallowed by a node)
+def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels: KernelIndex):
+    c = choose(trace, ops["iteration"].to_numpy(), kernels)
+    chosen = np.flatnonzero(c.node)
+    spans = _kernel_spans(c, chosen, kernels)
+    ts, dur, it = ops["ts"].to_numpy(), ops["dur"].to_numpy(), ops["iteration"].to_numpy()
+    templates = [_static_rows(rows) for rows in trace.et.templates]
+    tids, sids = trace.et.tensor_ids, trace.et.storage_ids
     nodes: list[Node] = []
     values: list[Value] = []
     last_writer: dict[int, int] = {}
-
-    for nid, name, parent, rfid, schema in zip(ids, names, parents, rfs, schemas):
-        nid = int(nid)
-        if parent in owner:
-            owner[nid] = owner[parent]
-            row = rf_row.get(int(rfid))
-            if row is not None:
-                _charge_kernels(nodes[owner[nid]], kernels_by_ext.get(int(ext_of_row[row]), ()))
-            continue
-        row = rf_row.get(int(rfid))
-        if row is None or ops.at[row, "iteration"] < 0:
-            continue
-        info = lookup(name)
-        direct = kernels_by_ext.get(int(ext_of_row[row]), ())
-        if info is None:
-            if not is_operator(name) or (is_aten(name) and nid in has_child and not direct):
-                continue  # a scope (record_function, module) or an unknown aten composite: look inside
-            cls = OpClass.OTHER  # an unknown op (custom ops included): an opaque barrier
-        elif info.cls in TRANSPARENT and not direct:
-            continue
-        else:
-            cls = info.cls if info.cls not in TRANSPARENT else OpClass.DATA_MOVEMENT
-        a = args_by_node.get(nid)
-        if a is not None and cls != OpClass.OTHER and _is_alias(a, info):
-            continue  # e.g. `to` / `contiguous` / eval dropout that returned its input
-        node = Node(idx=len(nodes), et_id=nid, rf_id=int(rfid), op=name, cls=cls, schema=schema,
-                    ts=float(ops.at[row, "ts"]), dur=float(ops.at[row, "dur"]),
-                    iteration=int(ops.at[row, "iteration"]), module=modules[row],
-                    inplace=bool(info and info.inplace))
-        if launched is not None and nid not in launched:
-            continue  # on a GPU trace an op whose subtree launched nothing did no device work
-        _charge_kernels(node, direct)
-        owner[nid] = node.idx
+    for idx, (e, (names, k_ts, k_dur)) in enumerate(zip(chosen.tolist(), spans)):
+        r, code = int(c.row[e]), int(c.code[e])
+        info = c.info[code]
+        node = Node(idx, int(c.ids[e]), int(c.rf[e]), c.names[e], c.cls[code], c.schemas[e], float(ts[r]), float(dur[r]),
+                    int(it[r]), modules[r], inplace=bool(info and info.inplace))
+        if names:
+            node.kernels = names
+            node.kernel_spans = list(zip(names, k_ts, k_dur))
+            node.kernel_us = reduce(add, k_dur, 0.0)  # in charge order, like += one kernel at a time
         nodes.append(node)
-        if a is not None:
-            _resolve_args(node, a, values, last_writer)
+        rows = templates[c.tpl[e]]
+        if rows:
+            t0 = int(c.t0[e])
+            n = rows[-1][0]  # tensor ids this node's template uses
+            _resolve_args(node, rows, tids[t0:t0 + n].tolist(), sids[t0:t0 + n].tolist(), values, last_writer)
     return nodes, values
 
 
-def _subtree_launched(ids, parents, rfs, rf_row, ext_of_row, kernels_by_ext) -> set[int]:
-    """ET ids whose op or any descendant launched a kernel (children have larger ids than parents)."""
-    launched: set[int] = set()
-    for nid, parent, rfid in zip(ids[::-1], parents[::-1], rfs[::-1]):
-        row = rf_row.get(int(rfid))
-        if int(nid) in launched or (row is not None and int(ext_of_row[row]) in kernels_by_ext):
-            launched.add(int(nid))
-            launched.add(int(parent))
-    return launched
+def _kernel_spans(c, chosen: np.ndarray, kernels: KernelIndex) -> list[tuple[list, list, list]]:
+    """(names, ts, durs) of the kernels each chosen node owns: its own op's, then those of the ops it
+    swallowed in id order (each op's kernels in trace order)."""
+    charged = np.flatnonzero((c.owner >= 0) & (c.row >= 0))
+    empty = [([], [], [])] * len(chosen)
+    if not len(charged) or not len(kernels.rows):
+        return empty
+    lo, hi = kernels.bounds(c.ext[charged])
+    n = hi - lo
+    rep = np.repeat(np.arange(len(charged)), n)
+    krow = kernels.rows[np.repeat(lo, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)]
+    owner = c.owner[charged][rep]
+    order = np.argsort(owner, kind="stable")  # by owning node; within it in id order, then trace order
+    owner, krow = owner[order], krow[order]
+    node_of = np.searchsorted(chosen, owner)
+    bounds = np.searchsorted(node_of, np.arange(len(chosen) + 1))
+    names, ts, dur = kernels.names[krow].tolist(), kernels.ts[krow].tolist(), kernels.dur[krow].tolist()
+    return [(names[a:b], ts[a:b], dur[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _charge_kernels(node: Node, kernels) -> None:
-    for name, ts, dur in kernels:
-        node.kernels.append(name)
-        node.kernel_spans.append((name, ts, dur))
-        node.kernel_us += dur
+def _static_rows(rows) -> list:
+    """A template's rows with what the dataflow needs precomputed; the last entry's first field is the
+    number of tensor ids the template uses (max slot + 1)."""
+    out = []
+    for r in rows:
+        shape = tuple(r.shape) if r.shape is not None else None
+        strides = tuple(r.strides) if r.strides is not None else None
+        nbytes = true_bytes(shape, strides, r.itemsize) if shape is not None else 0
+        extent = _extent(shape, strides) if shape is not None else 0
+        out.append((r.io == "i", r.slot, r.pos, r.sub, r.value, r.tensor_id, r.storage_id, r.offset, shape, strides,
+                    str(r.dtype), nbytes, extent))
+    if out:
+        out.append((max([r.slot for r in rows] + [-1]) + 1,))
+    return out
 
 
-def _is_alias(args: pd.DataFrame, info) -> bool:
-    if info is None or info.inplace:
-        return False
-    t = args[args["storage_id"] >= 0]
-    outs = t[t["io"] == "o"]
-    ins = t[t["io"] == "i"]
-    if not len(outs) or not len(ins):
-        return False
-    in_keys = set(zip(ins["storage_id"], ins["offset"]))
-    return all(k in in_keys for k in zip(outs["storage_id"], outs["offset"]))
-
-
-def _resolve_args(node: Node, a: pd.DataFrame, values: list[Value], last_writer: dict[int, int]) -> None:
+def _resolve_args(node: Node, rows: list, tids: list, sids: list, values: list[Value], last_writer: dict) -> None:
     list_arg: tuple[int, list] | None = None  # (pos, value ids) of a tensor-list argument being read
-    for r in a.itertuples(index=False):
-        is_tensor = r.storage_id >= 0 and r.shape is not None
-        if r.io == "i":
+    for is_in, slot, pos, sub, value, tid, sid, offset, shape, strides, dtype, nbytes, extent in rows[:-1]:
+        if slot >= 0:
+            tid, sid = tids[slot], sids[slot]
+        is_tensor = sid >= 0 and shape is not None
+        if is_in:
             if not is_tensor:
-                node.args.append(("s", r.value))
+                node.args.append(("s", value))
                 continue
-            vid, nbytes = _read(values, last_writer, r)
-            node.reads.append(Use(vid, int(r.pos), nbytes, tuple(r.shape), tuple(r.strides), str(r.dtype), int(r.offset)))
-            if r.sub >= 0:
-                if list_arg is None or list_arg[0] != r.pos:
-                    list_arg = (int(r.pos), [])
+            vid = _read(values, last_writer, sid, tid, offset, shape, strides, dtype, nbytes, extent)
+            node.reads.append(Use(vid, pos, nbytes, shape, strides, dtype, offset))
+            if sub >= 0:
+                if list_arg is None or list_arg[0] != pos:
+                    list_arg = (pos, [])
                     node.args.append(("tl", list_arg[1]))
                 list_arg[1].append(vid)
             else:
                 node.args.append(("t", vid))
         elif is_tensor:
-            nbytes = true_bytes(r.shape, r.strides, r.itemsize)
             vid = len(values)
-            values.append(Value(vid, int(r.storage_id), node.idx, tuple(r.shape), tuple(r.strides), str(r.dtype), nbytes,
-                                offset=int(r.offset)))
-            last_writer[r.storage_id] = vid
-            node.writes.append(Use(vid, int(r.pos), nbytes, tuple(r.shape), tuple(r.strides), str(r.dtype), int(r.offset)))
+            values.append(Value(vid, sid, node.idx, shape, strides, dtype, nbytes, offset=offset))
+            last_writer[sid] = vid
+            node.writes.append(Use(vid, pos, nbytes, shape, strides, dtype, offset))
 
 
-def _read(values: list[Value], last_writer: dict[int, int], r) -> tuple[int, int]:
+def _read(values: list[Value], last_writer: dict, sid, tid, offset, shape, strides, dtype, nbytes, extent) -> int:
     """The value a tensor argument reads: the storage's last writer, or a new outside tensor."""
-    nbytes = true_bytes(r.shape, r.strides, r.itemsize)
-    vid = last_writer.get(r.storage_id)
-    if vid is not None and not _fits(values[vid], r):
+    vid = last_writer.get(sid)
+    if vid is not None and not _fits(values[vid], tid, offset, shape, dtype, extent):
         vid = None  # a stale id: the address was freed and reused by an unrecorded allocation
     if vid is None:
         vid = len(values)
-        values.append(Value(vid, int(r.storage_id), -1, tuple(r.shape), tuple(r.strides), str(r.dtype), nbytes,
-                            offset=int(r.offset), tensor_id=int(r.tensor_id)))
-        last_writer[r.storage_id] = vid
+        values.append(Value(vid, sid, -1, shape, strides, dtype, nbytes, offset=offset, tensor_id=tid))
+        last_writer[sid] = vid
     elif values[vid].producer < 0 and nbytes > values[vid].bytes:
         values[vid].bytes = nbytes  # several views of one outside tensor: read once, at its widest
-    return vid, nbytes
+    return vid
 
 
 def _extent(shape, strides) -> int:
@@ -350,14 +275,14 @@ def _extent(shape, strides) -> int:
     return 1 + sum((d - 1) * abs(st) for d, st in zip(shape, strides) if d > 0)
 
 
-def _fits(written: Value, r) -> bool:
-    if str(r.dtype) != written.dtype:
+def _fits(written: Value, tid: int, offset: int, shape: tuple, dtype: str, extent: int) -> bool:
+    if dtype != written.dtype:
         return False
     if written.producer < 0:
         # Two outside tensors on one storage: views of a weight share it; two wrapped scalars
         # (0-dim, allocated unrecorded one after another at one address) do not.
-        return bool(r.shape) or int(r.tensor_id) == written.tensor_id
-    if not r.shape and written.shape:
+        return bool(shape) or tid == written.tensor_id
+    if not shape and written.shape:
         return False
     lo, hi = written.offset, written.offset + _extent(written.shape, written.strides)
-    return lo <= r.offset and r.offset + _extent(r.shape, r.strides) <= hi
+    return lo <= offset and offset + extent <= hi

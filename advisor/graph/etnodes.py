@@ -1,0 +1,161 @@
+"""Which ET ops become graph nodes, and which node owns each op (and so its kernels): all ops at once.
+
+The rules are the ones dataflow.py states, applied the way a walk of the ET in id order applies them:
+an op is swallowed when its parent (walked earlier: a smaller id) is a node or swallowed; otherwise it
+becomes a node when the op ran inside a steady-state window and the registry calls it work (plus, on
+GPU traces, something in its subtree launched a kernel, and it is not a `to`/`contiguous` that returned
+its own input). "Parent walked earlier" and "subtree" are pointer jumps over the parent links, one tree
+level per numpy step, so millions of ET ops cost no Python loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from advisor.graph.index import KernelIndex, as_strings
+from advisor.ops.registry import TRANSPARENT, OpClass, is_aten, is_operator, lookup
+from advisor.trace.et import EtArgs
+from advisor.trace.load import Trace
+
+# Per distinct op name, what the registry says: never a node / an unknown aten op (a node unless it is a
+# composite that launched nothing itself) / an unknown op of another namespace / a view-like op (a node
+# only if it launched a kernel itself) / work.
+SCOPE, UNKNOWN_ATEN, UNKNOWN_OP, SEE_THROUGH, WORK = range(5)
+
+
+@dataclass
+class Choice:
+    """ET ops sorted by id; `node` marks graph nodes, `owner` the node that swallowed each op (or -1)."""
+
+    ids: np.ndarray
+    rf: np.ndarray
+    row: np.ndarray  # Kineto op row of each ET op (-1: none recorded)
+    ext: np.ndarray  # its External id (the key of the kernels it launched)
+    names: np.ndarray
+    schemas: np.ndarray
+    tpl: np.ndarray
+    t0: np.ndarray
+    cls: list  # OpClass per distinct name code, for nodes
+    info: list  # OpInfo (or None) per distinct name code
+    code: np.ndarray  # name code per ET op
+    node: np.ndarray
+    owner: np.ndarray
+
+
+def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
+    en = trace.et_nodes
+    order = np.argsort(en["id"].to_numpy(), kind="stable")
+    ids, parents = en["id"].to_numpy()[order], en["parent"].to_numpy()[order]
+    rfs = en["rf_id"].to_numpy()[order]
+    code = en["name"].cat.codes.to_numpy()[order]
+    cats = [str(c) for c in en["name"].cat.categories]
+    row = _op_rows(trace.ops["rf_id"].to_numpy(), rfs)
+    ext = np.where(row >= 0, trace.ops["ext_id"].to_numpy()[np.maximum(row, 0)], -1)
+    direct = kernels.count(ext) > 0 if trace.has_gpu else np.zeros(len(ids), dtype=bool)
+    # A parent counts only if the id-order walk met it first (a smaller id): the root is its own parent.
+    at = np.clip(np.searchsorted(ids, parents), 0, max(len(ids) - 1, 0))
+    pidx = np.where((ids[at] == parents) & (parents < ids), at, -1) if len(ids) else at
+
+    infos = [lookup(c) for c in cats]
+    verdict = np.array([_verdict(c, i) for c, i in zip(cats, infos)] + [SCOPE], dtype=np.int8)[code]
+    has_child = np.isin(ids, parents)
+    work = ((verdict == WORK) | (verdict == UNKNOWN_OP) | ((verdict == SEE_THROUGH) & direct)
+            | ((verdict == UNKNOWN_ATEN) & ~(has_child & ~direct)))
+    in_window = row >= 0
+    in_window[in_window] = iteration[row[in_window]] >= 0
+    ok = in_window & work
+    if trace.has_gpu:
+        ok &= _launched(ids, parents, pidx, direct)
+    ok &= ~_aliases(ok, verdict, code, infos, en["tpl"].to_numpy()[order], en["t0"].to_numpy()[order], trace.et)
+
+    node = np.zeros(len(ids), dtype=bool)
+    owner = np.full(len(ids), -1, dtype=np.int64)
+    for level in _levels(pidx):
+        p = pidx[level]
+        inherited = np.where(p >= 0, owner[np.maximum(p, 0)], -1)
+        mine = (inherited < 0) & ok[level]
+        node[level] = mine
+        owner[level] = np.where(inherited >= 0, inherited, np.where(mine, level, -1))
+    cls = [(i.cls if i.cls not in TRANSPARENT else OpClass.DATA_MOVEMENT) if i else OpClass.OTHER for i in infos]
+    schemas = as_strings(en["schema"])[order]
+    names = np.array(cats + [""], dtype=object)[code]
+    return Choice(ids, rfs, row, ext, names, schemas, en["tpl"].to_numpy()[order], en["t0"].to_numpy()[order], cls, infos,
+                  code, node, owner)
+
+
+def _verdict(name: str, info) -> int:
+    if info is None:
+        if not is_operator(name):
+            return SCOPE  # a scope (record_function, module): look inside
+        return UNKNOWN_ATEN if is_aten(name) else UNKNOWN_OP  # unknown ops (custom ones too): opaque barriers
+    return SEE_THROUGH if info.cls in TRANSPARENT else WORK
+
+
+def _op_rows(ops_rf: np.ndarray, rfs: np.ndarray) -> np.ndarray:
+    """Kineto op row per record-function id: the last op with that id (ids > 0), -1 if none."""
+    have = np.flatnonzero(ops_rf > 0)
+    if not len(have) or not len(rfs):
+        return np.full(len(rfs), -1, dtype=np.int64)
+    order = have[np.argsort(ops_rf[have], kind="stable")]
+    keys = ops_rf[order]
+    at = np.searchsorted(keys, rfs, "right") - 1
+    hit = (at >= 0) & (keys[np.maximum(at, 0)] == rfs)
+    return np.where(hit, order[np.maximum(at, 0)], -1)
+
+
+def _launched(ids, parents, pidx, direct) -> np.ndarray:
+    """Ops whose subtree launched a kernel: a walk from the largest id down adds an op that launched or
+    was added, and its parent; the parent passes it on only if walked later (a smaller id)."""
+    passes = direct.copy()
+    frontier = passes.copy()
+    while frontier.any():
+        up = pidx[frontier]
+        up = up[(up >= 0) & ~passes[np.maximum(up, 0)]]
+        passes[up] = True
+        frontier = np.zeros_like(passes)
+        frontier[up] = True
+    return passes | np.isin(ids, parents[passes])
+
+
+def _levels(pidx: np.ndarray) -> list[np.ndarray]:
+    """Op indices grouped by depth below their walked-first ancestor chain, shallowest first."""
+    depth = np.zeros(len(pidx), dtype=np.int64)
+    has = pidx >= 0
+    while True:
+        new = np.where(has, depth[np.maximum(pidx, 0)] + 1, 0)
+        if np.array_equal(new, depth):
+            break
+        depth = new
+    order = np.argsort(depth, kind="stable")
+    bounds = np.searchsorted(depth[order], np.arange(depth.max() + 2 if len(depth) else 1))
+    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _aliases(cand, verdict, code, infos, tpl, t0, et: EtArgs) -> np.ndarray:
+    """Ops that returned one of their inputs (`to`, `contiguous`, eval dropout): every output tensor is an
+    input's (storage, offset). Checked per argument template, for all its ops at once."""
+    out = np.zeros(len(cand), dtype=bool)
+    inplace = np.array([bool(i and i.inplace) for i in infos] + [False], dtype=bool)[code]
+    known = np.array([i is not None for i in infos] + [False], dtype=bool)[code]
+    check = np.flatnonzero(cand & known & ~inplace & (verdict != UNKNOWN_OP) & (verdict != UNKNOWN_ATEN))
+    for t in np.unique(tpl[check]):
+        rows = [r for r in et.templates[t] if r.slot >= 0 or r.storage_id >= 0]
+        ins = [r for r in rows if r.io == "i"]
+        outs = [r for r in rows if r.io == "o"]
+        if not ins or not outs:
+            continue
+        these = check[tpl[check] == t]
+
+        def sids(r):
+            return et.storage_ids[t0[these] + r.slot] if r.slot >= 0 else np.full(len(these), r.storage_id)
+
+        alias = np.ones(len(these), dtype=bool)
+        for o in outs:
+            hit = np.zeros(len(these), dtype=bool)
+            for i in ins:
+                if i.offset == o.offset:
+                    hit |= sids(i) == sids(o)
+            alias &= hit
+        out[these] = alias
+    return out

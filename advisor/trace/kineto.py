@@ -1,0 +1,183 @@
+"""Kineto events -> the four frames the analyzer reads: ops, kernels, runtime calls, nn.Module calls.
+
+Fast path (torch's layout, see stream.py): one regex pass over each chunk picks out only the events we
+keep -- the with_stack python frames, most of a big trace, are skipped without being parsed -- and
+captures their fields as bytes. A cpu op's args line is its ids (which differ every time) followed by
+its input shapes, types and concrete values (which repeat every layer and iteration): the ids are cut
+off and the rest becomes a categorical "signature", parsed once per distinct value. Kernel and runtime
+args are small and parsed with orjson a chunk at a time.
+
+Anything the fast path does not recognise in a chunk (a missing field, other spacing) sends that chunk
+down the generic path: parse it whole and pick fields from dicts, as a plain json.load would.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from advisor.trace.columns import Table
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+OP_CATS = ("cpu_op", "user_annotation")
+MODULE_PREFIX = "nn.Module: "
+
+# A JSON string's body, escapes and all (unrolled: a run of plain characters is one fast class repeat).
+_STR = rb'"([^"\\\n]*(?:\\.[^"\\\n]*)*)"'
+EVENT = re.compile(
+    rb'\{\n    "ph": "X", "cat": "(cpu_op|user_annotation|kernel|gpu_memcpy|gpu_memset|cuda_runtime|cuda_driver'
+    rb'|python_function(?=", "name": "nn\.Module: ))"'
+    rb'(?:, "name": ' + _STR + rb', "pid": -?\d+, "tid": (-?\d+),\n    "ts": ([-+.\deE]+), "dur": ([-+.\deE]+)'
+    rb'(?:,\n    "args": \{\n      ([^\n]*(?:\n      [^\n]*)*)\n    \})?\n  \})?')  # rest optional: a miss shows as no ts
+OP_ARGS = re.compile(
+    rb'^"External id": (-?\d+),(?:"Sequence number": (-?\d+), "Fwd thread id": -?\d+, )?'
+    rb'(?:"Record function id": (-?\d+))?(?:, )?(?:(?:(.*), |)"Ev Idx": -?\d+|(.*))$', re.M)
+FRAME_OF = {**{c.encode(): "ops" for c in OP_CATS}, **{c.encode(): "kernels" for c in GPU_CATS},
+            **{c.encode(): "runtime" for c in RUNTIME_CATS}, b"python_function": "modules"}
+ID_KEYS = {"External id", "Record function id", "Sequence number", "Fwd thread id", "Ev Idx"}
+
+
+class Mismatch(Exception):
+    """The fast path does not recognise this chunk."""
+
+
+def tables() -> dict[str, Table]:
+    base = dict(name="cat", cat="cat", ts="f8", dur="f8", tid="i8")
+    return {"ops": Table(**base, ext_id="i8", rf_id="i8", seq="i8", dims="obj", types="obj", concrete="obj"),
+            "kernels": Table(**base, ext_id="i8", correlation="i8", stream="i8"),
+            "runtime": Table(**base, ext_id="i8", correlation="i8"),
+            "modules": Table(**base, py_id="i8", py_parent="i8")}
+
+
+def frames(t: dict[str, Table]) -> tuple[pd.DataFrame, ...]:
+    out = []
+    for key in ("ops", "kernels", "runtime", "modules"):
+        df = t[key].frame()
+        df["dur"] = df["dur"].fillna(0.0)
+        df["end"] = df["ts"] + df["dur"]
+        out.append(df)
+    return tuple(out)
+
+
+class FastParser:
+    """Per-file state of the fast path: the signature cache and the string decoders."""
+
+    def __init__(self, loads) -> None:
+        self.loads = loads
+        self.sig_code: dict[bytes, int] = {}
+        self.sigs: list[tuple] = []  # (dims, types, concrete) per signature
+
+    def chunk(self, chunk: bytes, t: dict[str, Table]) -> None:
+        """Add a chunk's events to the tables, or raise Mismatch having added nothing."""
+        rows: dict[str, list] = {"ops": [], "kernels": [], "runtime": [], "modules": []}
+        for m in EVENT.findall(chunk):
+            if not m[3]:
+                raise Mismatch("event not in torch's layout")
+            rows[FRAME_OF[m[0]]].append(m)
+        staged = [(key, self._ops(r, t[key]) if key == "ops" else self._with_args(key, r, t[key]))
+                  for key, r in rows.items() if r]
+        for key, cols in staged:
+            t[key].add(**cols)
+
+    def _base(self, rows: list, table: Table) -> tuple[dict, tuple]:
+        cats, names, tids, ts, dur, args = zip(*rows)
+        n = len(rows)
+        return {"name": table.interners["name"].raw_codes(names, self.decode),
+                "cat": table.interners["cat"].raw_codes(cats, bytes.decode),
+                "tid": np.fromiter(map(int, tids), np.int64, n), "ts": np.fromiter(map(float, ts), np.float64, n),
+                "dur": np.fromiter(map(float, dur), np.float64, n)}, args
+
+    def _ops(self, rows: list, table: Table) -> dict:
+        cols, args = self._base(rows, table)
+        parsed = OP_ARGS.findall(b"\n".join(args))
+        if len(parsed) != len(rows):
+            raise Mismatch("cpu op args not in torch's layout")
+        ext, seq, rf, sig_a, sig_b = zip(*parsed)
+        code = self.sig_code
+        sig = [code.get(a or b) for a, b in zip(sig_a, sig_b)]
+        if None in sig:
+            for s in {a or b for a, b in zip(sig_a, sig_b)} - code.keys():
+                self._new_sig(s)
+            sig = [code[a or b] for a, b in zip(sig_a, sig_b)]
+        sig = np.array(sig, dtype=np.int64)
+        table = np.empty((len(self.sigs), 3), dtype=object)
+        table[:] = self.sigs
+        cols.update(ext_id=np.fromiter(map(int, ext), np.int64, len(rows)),
+                    rf_id=np.array([int(r) if r else 0 for r in rf], dtype=np.int64),
+                    seq=np.array([int(s) if s else -1 for s in seq], dtype=np.int64),
+                    dims=table[sig, 0], types=table[sig, 1], concrete=table[sig, 2])
+        return cols
+
+    def _new_sig(self, s: bytes) -> None:
+        d = self.loads(b"{" + s + b"}") if s else {}
+        if ID_KEYS & d.keys():
+            raise Mismatch("cpu op args in an unexpected order")
+        self.sig_code[s] = len(self.sigs)
+        self.sigs.append((d.get("Input Dims"), d.get("Input type"), d.get("Concrete Inputs")))
+
+    def _with_args(self, key: str, rows: list, table: Table) -> dict:
+        cols, args = self._base(rows, table)
+        dicts = self.loads(b"[{" + b"},{".join(args) + b"}]")
+        cols.update(arg_columns(key, dicts))
+        return cols
+
+    def decode(self, raw: bytes) -> str:
+        return self.loads(b'"' + raw + b'"')
+
+
+def arg_columns(key: str, args: list[dict]) -> dict:
+    """The id columns of one frame from its events' args dicts (missing or null -> the default)."""
+    if key == "kernels":
+        return {"ext_id": _ints(args, "External id"), "correlation": _ints(args, "correlation"),
+                "stream": _ints(args, "stream")}
+    if key == "runtime":
+        return {"ext_id": _ints(args, "External id"), "correlation": _ints(args, "correlation")}
+    if key == "modules":
+        return {"py_id": _ints(args, "Python id"), "py_parent": _ints(args, "Python parent id")}
+    return {"ext_id": _ints(args, "External id"), "rf_id": _ints(args, "Record function id", 0),
+            "seq": _ints(args, "Sequence number"), "dims": [a.get("Input Dims") for a in args],
+            "types": [a.get("Input type") for a in args], "concrete": [a.get("Concrete Inputs") for a in args]}
+
+
+def _ints(args: list[dict], key: str, default: int = -1) -> np.ndarray:
+    values = [a.get(key, default) for a in args]
+    try:
+        return np.array([default if v is None else v for v in values], dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):  # strings, floats, bools: as pandas would coerce them
+        s = pd.to_numeric(pd.Series(values, dtype="object").fillna(-1), errors="coerce")
+        return s.fillna(-1).astype("int64").to_numpy()
+
+
+def add_dicts(events: list, t: dict[str, Table]) -> None:
+    """The generic path: events as dicts (a chunk parsed whole, or a whole document)."""
+    rows: dict[str, list] = {"ops": [], "kernels": [], "runtime": [], "modules": []}
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        cat = e.get("cat")
+        if cat is None or e.get("ph") != "X":
+            continue
+        if cat in OP_CATS:
+            rows["ops"].append(e)
+        elif cat in GPU_CATS:
+            rows["kernels"].append(e)
+        elif cat in RUNTIME_CATS:
+            rows["runtime"].append(e)
+        elif cat == "python_function" and str(e.get("name", "")).startswith(MODULE_PREFIX):
+            rows["modules"].append(e)
+    for key, evs in rows.items():
+        if not evs:
+            continue
+        args = [e.get("args") or {} for e in evs]
+        t[key].add(name=[str(e.get("name", "")) for e in evs], cat=[str(e["cat"]) for e in evs],
+                   ts=pd.to_numeric(pd.Series([e.get("ts", 0.0) for e in evs], dtype="object"),
+                                    errors="coerce").astype("float64").to_numpy(),
+                   dur=pd.to_numeric(pd.Series([e.get("dur", 0.0) for e in evs], dtype="object"),
+                                     errors="coerce").astype("float64").to_numpy(),
+                   tid=_ints([e for e in evs], "tid", 0), **arg_columns(key, args))
+
+
+def counts(t: dict[str, Table]) -> dict[str, int]:
+    return {k: sum(len(p) for p in v.parts["ts"]) for k, v in t.items()}
