@@ -1,0 +1,1046 @@
+#!/usr/bin/env python
+"""GPU benchmark suite (issue 7): fusion-advisor against eager PyTorch and torch.compile, in one run.
+
+    python bench/suite.py                                  # all seven workloads, ~10 min on an H100
+    python bench/suite.py --workloads hf_llama,hf_gpt2     # a subset
+    python bench/suite.py --quick --device cpu             # tiny shapes on the CPU (what the tests run)
+
+For each workload (bf16 inference, random weights, nothing downloaded; shapes in bench/workloads.py)
+one child process (a crash or OOM loses one workload, not the run) measures, in one process:
+- eager: steady-state median and spread (CUDA events), kernels launched per call, the reference output;
+- torch.compile (default mode): the first call (cold: empty Inductor and Triton caches), steady state,
+  kernels per call, max error vs eager;
+- fusion-advisor: `advisor.optimize` with an empty kernel cache (fresh FUSION_ADVISOR_CACHE and Triton
+  cache) up to the first optimised call; then each patched pattern timed alone (`time_patterns`) and
+  only the patterns that are faster alone are kept, and only if the kept set is faster than eager end
+  to end (otherwise the model is unpatched and the report says so); steady state, kernels, max error;
+- all three timed again in interleaved rounds (the numbers reported: drift hits all alike).
+A second child process re-runs `advisor.optimize` on a fresh copy of the model with the kernel cache
+(and Triton's cache) the first one filled: the cold start with a warm cache, paid in a new process as
+a real second run would (in-process, dynamo's capture cache would make it look cheaper).
+
+Writes OUT/bench-<gpu>.jsonl (one line per finished workload, as it goes), OUT/bench-<gpu>.json and
+OUT/bench-<gpu>.md (rewritten after every workload, so a partial run leaves a report); prints a short
+table at the end. On the CPU generated kernels run in Triton's interpreter: every time is reported as
+not meaningful and no speedup is claimed.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SCHEMA_VERSION = 1
+DEFAULT_BUDGET_S = 560.0  # all workloads; leaves room inside a 10-minute command limit
+FINAL_RESERVE_S = 12.0  # the final interleaved timing and the kernel counts
+NOT_MEANINGFUL = "CPU run: generated kernels run in Triton's interpreter, times say nothing about fusion"
+
+
+# ===================================================================================== parent
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.child:
+        return child_main(a)
+    return parent_main(a)
+
+
+def parse_args(argv=None):
+    from bench.workloads import NAMES
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="all", help=f"comma-separated subset of: {', '.join(NAMES)} (default all)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (the CPU test run); reports get a -quick suffix")
+    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    ap.add_argument("--out", default=str(ROOT / "reports"), help="directory for bench-<gpu>.{md,json,jsonl}")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds for all selected workloads (default {DEFAULT_BUDGET_S:.0f}, "
+                         "shared by weight; time a workload leaves over goes to the next)")
+    ap.add_argument("--top", type=int, default=8, help="advisor candidates to generate (default 8)")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per configuration (default 30; quick 3)")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (debugging)")
+    ap.add_argument("--logs", default=None, help="keep each child's log here (default: a temporary directory)")
+    # internal: one workload in this process
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--root", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.workloads in ("all", ""):
+        a.names = list(NAMES)
+    else:
+        a.names = [w.strip() for w in a.workloads.split(",") if w.strip()]
+        bad = [w for w in a.names if w not in NAMES]
+        if bad:
+            ap.error(f"unknown workload(s) {', '.join(bad)} (known: {', '.join(NAMES)})")
+    if a.iters is None:
+        a.iters = 3 if a.quick else 30
+    if a.iters < 1:
+        ap.error("--iters must be >= 1")
+    return a
+
+
+def host_info(device: str) -> dict:
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    def ver(pkg):
+        try:
+            return metadata.version(pkg)
+        except Exception:
+            return None
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "triton": ver("triton"),
+            "transformers": ver("transformers"), "timm": ver("timm"), "torchvision": ver("torchvision"),
+            "cpu_count": os.cpu_count(), "device": device, "device_name": None, "cuda": torch.version.cuda}
+    if device == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(0)
+    else:
+        info["device_name"] = platform.processor() or platform.machine() or "cpu"
+    try:
+        from advisor import __version__
+        info["fusion_advisor"] = __version__
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        info["git"] = rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except Exception:
+        pass
+    return info
+
+
+def gpu_slug(device: str, name: str | None) -> str:
+    """`NVIDIA H100 80GB HBM3` -> `h100`; the CPU -> `cpu`."""
+    if device != "cuda" or not name:
+        return "cpu"
+    words = re.sub(r"[^a-z0-9 ]", " ", name.lower()).split()
+    words = [w for w in words if w not in ("nvidia", "geforce", "tesla", "amd", "radeon", "instinct")]
+    for w in words:
+        if re.fullmatch(r"[a-z]{1,3}\d{2,4}[a-z]?", w):
+            return w
+    for w in words:
+        if re.search(r"\d", w) and not re.fullmatch(r"\d+(gb|g)", w):
+            return w
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def parent_main(a) -> int:
+    import torch
+
+    from bench.workloads import WEIGHTS
+
+    t_run = time.time()
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("suite: --device cuda but no GPU is visible", file=sys.stderr)
+        return 2
+    host = host_info(device)
+    slug = gpu_slug(device, host["device_name"]) + ("-quick" if a.quick else "")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {k: out / f"bench-{slug}.{k}" for k in ("md", "json", "jsonl")}
+    paths["jsonl"].write_text("")
+    logs = Path(a.logs) if a.logs else Path(tempfile.mkdtemp(prefix="fa-suite-logs-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    budget = a.budget if a.budget is not None else DEFAULT_BUDGET_S
+    meaningful = device == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    doc = {"schema_version": SCHEMA_VERSION, "generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "command": " ".join([Path(sys.executable).name, *sys.argv]), "host": host, "device": device,
+           "quick": a.quick, "timing_meaningful": meaningful, "budget_s": budget, "top": a.top, "iters": a.iters,
+           "workloads": [], "summary": {}}
+    print(f"suite: {len(a.names)} workload(s) on {host['device_name']} ({device}{', quick shapes' if a.quick else ''}), "
+          f"budget {budget:.0f} s; child logs in {logs}", flush=True)
+    deadline = t_run + budget
+    for i, name in enumerate(a.names):
+        left = deadline - time.time()
+        rest = sum(WEIGHTS[n] for n in a.names[i:])
+        share = max(0.0, left * WEIGHTS[name] / rest)
+        if share < 15:
+            res = {"workload": name, "status": "skipped", "reason": f"time budget used up ({left:.0f} s left)"}
+        else:
+            res = run_workload(a, name, device, share, logs)
+        doc["workloads"].append(res)
+        doc["summary"] = summarise(doc["workloads"], meaningful)
+        with paths["jsonl"].open("a") as f:
+            f.write(json.dumps(res, default=str) + "\n")
+        write_json(paths["json"], doc)
+        paths["md"].write_text(markdown(doc))
+        print(f"[{i + 1}/{len(a.names)}] {one_line(res, meaningful)}", flush=True)
+    doc["wall_s"] = round(time.time() - t_run, 1)
+    write_json(paths["json"], doc)
+    paths["md"].write_text(markdown(doc))
+    print()
+    print(tail_table(doc))
+    print(f"\nwrote {paths['md']}, {paths['json'].name}, {paths['jsonl'].name} ({doc['wall_s']:.0f} s)")
+    return 0
+
+
+def run_workload(a, name: str, device: str, share: float, logs: Path) -> dict:
+    """The main child, then (if the advisor ran) the warm-cache child; both under `share` seconds."""
+    t0 = time.time()
+    root = Path(tempfile.mkdtemp(prefix=f"fa-suite-{name}-"))
+    try:
+        warm_reserve = min(45.0, max(20.0, 0.3 * share))
+        main_s = max(10.0, share - warm_reserve)
+        res = run_child(a, name, device, root, root / "result.json", main_s, logs / f"{name}.log", warm=False)
+        adv = res.get("advisor") or {}
+        left = share - (time.time() - t0)
+        if adv.get("cold_empty_s") is None:
+            res.setdefault("advisor", {})["cold_warm_s"] = None
+            res["warm_status"] = "not run: the advisor's empty-cache run did not finish"
+        elif left < 10:
+            res["warm_status"] = f"not run: {left:.0f} s left of this workload's budget"
+        else:
+            w = run_child(a, name, device, root, root / "warm.json", left, logs / f"{name}.warm.log", warm=True)
+            wa = w.get("warm") or {}
+            res["advisor"]["cold_warm_s"] = wa.get("cold_s")
+            res["warm"] = wa
+            res["warm_status"] = w.get("status")
+            if w.get("status") != "ok":
+                res["warm"]["log_tail"] = w.get("log_tail")
+                res["warm"]["errors"] = w.get("errors")
+        res["wall_s"] = round(time.time() - t0, 1)
+        res["budget_s"] = round(share, 1)
+        return res
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_child(a, name, device, root: Path, result: Path, timeout: float, log: Path, warm: bool) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--device", device, "--root", str(root),
+           "--result", str(result), "--top", str(a.top), "--iters", str(a.iters),
+           "--deadline", f"{time.time() + timeout:.1f}"]
+    cmd += ["--quick"] * a.quick + ["--no-compile"] * a.no_compile + ["--warm"] * warm
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    t0 = time.time()
+    with log.open("w") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout + 5)  # the child watches its deadline too; this is the hard stop
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            rc = proc.returncode
+    try:
+        res = json.loads(result.read_text())
+    except Exception:
+        res = {"workload": name}
+    res["child_rc"] = rc
+    res["child_s"] = round(time.time() - t0, 1)
+    if timed_out:
+        res["status"] = f"timeout after {timeout:.0f} s (in {res.get('phase') or 'start-up'})"
+    elif rc != 0 and res.get("status") in (None, "running"):
+        res["status"] = f"crashed (exit {rc}) in {res.get('phase') or 'start-up'}"
+    if res.get("status") not in ("ok", "not installed"):
+        res["log_tail"] = _tail(log, 40)
+    return res
+
+
+def _kill_group(proc) -> None:
+    """Stop the child and what it started (Inductor's compile workers): its own process group."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: Path, n: int) -> list:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [ln[:300] for ln in lines[-n:]]
+
+
+# ===================================================================================== child
+class Child:
+    """One workload in this process. `self.r` is the result, saved after every phase."""
+
+    def __init__(self, a):
+        self.a = a
+        self.t0 = time.time()
+        self.deadline = a.deadline or float("inf")
+        self.root = Path(a.root or tempfile.mkdtemp(prefix="fa-suite-"))
+        self.result = Path(a.result) if a.result else self.root / "result.json"
+        self.r = {"workload": a.child, "status": "running", "phase": "start-up", "errors": {}, "phase_s": {},
+                  "skipped": {}, "quick": a.quick}
+
+    def save(self) -> None:
+        self.r["elapsed_s"] = round(time.time() - self.t0, 1)
+        write_json(self.result, self.r)
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time a phase; an exception is recorded under errors[name] and does not end the run."""
+        self.r["phase"] = name
+        self.save()
+        print(f"--- {name} ({self.left():.0f} s left)", flush=True)
+        t = time.time()
+        box = {"ok": False}
+        try:
+            yield box
+            box["ok"] = True
+        except Exception as e:
+            traceback.print_exc()
+            tb = traceback.format_exc().strip().splitlines()
+            self.r["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
+            self.r["errors"][name + "_traceback"] = tb[-12:]
+        finally:
+            self.r["phase_s"][name] = round(time.time() - t, 2)
+            self.save()
+
+
+def child_main(a) -> int:
+    name = a.child
+    device = a.device if a.device != "auto" else None
+    root = Path(a.root or tempfile.mkdtemp(prefix="fa-suite-"))
+    # Caches: fresh per workload (the advisor's kernel cache, Triton's, Inductor's), set before any import.
+    os.environ["FUSION_ADVISOR_CACHE"] = str(root / "advisor-cache")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor-cache")
+    os.environ["TRITON_CACHE_DIR"] = str(root / "triton-warmup")
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads it when first imported
+    c = Child(a)
+    try:
+        return run_child_phases(c, name, device, root)
+    except BaseException as e:  # record, then let the parent see a failure
+        c.r["status"] = f"error in {c.r.get('phase')}: {type(e).__name__}: {e}"[:500]
+        c.r["errors"]["fatal"] = traceback.format_exc().strip().splitlines()[-12:]
+        c.save()
+        raise
+
+
+def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int:
+    import torch
+
+    from bench import workloads
+
+    a = c.a
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    meaningful = device == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    c.r.update(device=device, timing_meaningful=meaningful, title=workloads.TITLES[name])
+    if not meaningful:
+        c.r["timing_note"] = NOT_MEANINGFUL
+    with c.phase("warm-up") as ok:
+        process_warmup(device)
+    with c.phase("build") as ok:
+        try:
+            w = workloads.build(name, device, a.quick)
+        except workloads.NotInstalled as e:
+            c.r.update(status="not installed", reason=str(e))
+            c.save()
+            return 0
+    if not ok["ok"]:
+        c.r["status"] = "error in build"
+        c.save()
+        return 1
+    c.r.update(shape=w.shape, dtype=str(w.dtype).replace("torch.", ""), notes=w.notes,
+               params=sum(p.numel() for p in w.model.parameters()))
+    args, kwargs = w.args_kwargs()
+
+    def runner(m):
+        def call():
+            with torch.inference_mode():
+                return m(*args, **kwargs)
+        return call
+
+    if a.warm:
+        return warm_run(c, w, device, root, runner)
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    eager = runner(w.model)
+    pre_iters, pre_warm = (2, 1) if a.quick else (10, 3)
+
+    # ---- eager: the reference output and a first timing
+    with c.phase("eager") as ok:
+        ref = workloads.main_output(eager())
+        sync()
+        ref = ref.detach().clone()
+        t = _time(eager, device, pre_warm, pre_iters)
+        c.r["eager"] = {"prelim": t, "output": f"{tuple(ref.shape)} {str(ref.dtype).replace('torch.', '')}",
+                        "output_all_finite": bool(torch.isfinite(ref).all())}
+    if not ok["ok"]:
+        c.r["status"] = "error in eager"
+        c.save()
+        return 1
+    # The advisor patches its model in place: its own copy (torch.compile wraps the original, unchanged).
+    m_adv = copy.deepcopy(w.model)
+
+    # ---- the advisor, empty kernel cache: optimize -> first optimised call. It runs first, so that it is
+    # the process's first real dynamo capture as in the warm-cache process (torch.compile, after it, may
+    # profit from a warmer dynamo, never the advisor); capped so torch.compile still gets its turn.
+    adv = c.r["advisor"] = {"top": a.top}
+    report = None
+    compile_reserve = 0.0 if a.no_compile else (40.0 if a.quick or device != "cuda" else 45.0)
+    with c.phase("advisor") as ok, time_limit(c.left() - compile_reserve - FINAL_RESERVE_S, "advisor.optimize"):
+        from advisor.optimize import optimize  # (`advisor.optimize` is the module once that is imported)
+
+        os.environ["TRITON_CACHE_DIR"] = str(root / "triton-advisor")
+        call = runner(m_adv)
+        sync()
+        t1 = time.perf_counter()
+        report = optimize(m_adv, w.inputs, top=a.top, out=root / "advisor-out")
+        t2 = time.perf_counter()
+        out = call()
+        sync()
+        adv["cold_empty_s"] = round(time.perf_counter() - t1, 2)
+        adv["optimize_s"] = round(t2 - t1, 2)
+        adv["cache_files"] = count_files(Path(os.environ["FUSION_ADVISOR_CACHE"]))
+        adv["check"] = report.check
+        adv["patterns"] = [slim_pattern(p) for p in report.patterns]
+        adv["patched"] = len(report.applied)
+        errs = report.handle.errors() if report.handle is not None and hasattr(report.handle, "errors") else []
+        if errs:
+            adv["capture_errors"] = [str(e)[:300] for e in errs[:10]]
+        adv["all_patched_errors"] = errors_vs(ref, workloads.main_output(out))
+        del out
+    if not ok["ok"]:
+        report = None
+        _unpatch_quietly(m_adv)
+
+    # ---- keep only what is faster (GPU): each pattern alone, then the kept set end to end
+    if report is not None:
+        with c.phase("select") as ok, time_limit(c.left() - compile_reserve - FINAL_RESERVE_S, "selection"):
+            select_patterns(c, report, m_adv, runner(m_adv), device, meaningful, compile_reserve)
+        if not ok["ok"]:  # half-way through a re-patch: measure the advisor as it was left, say so
+            adv["decision"] = f"selection failed, the model is measured as it was left: {c.r['errors'].get('select')}"
+
+    # ---- torch.compile, default mode: the first call (empty Inductor/Triton caches), then steady state
+    compiled = None
+    if a.no_compile:
+        c.r["skipped"]["compile"] = "--no-compile"
+    else:
+        with c.phase("compile") as ok, time_limit(c.left() - FINAL_RESERVE_S, "torch.compile"):
+            os.environ["TRITON_CACHE_DIR"] = str(root / "triton-compile")
+            compiled_mod = torch.compile(w.model)
+            call = runner(compiled_mod)
+            sync()
+            t1 = time.perf_counter()
+            out = call()
+            sync()
+            first = time.perf_counter() - t1
+            comp = c.r["compile"] = {"first_call_s": round(first, 2), "mode": "default"}
+            comp.update(errors_vs(ref, workloads.main_output(out)))
+            del out
+            comp["prelim"] = _time(call, device, pre_warm, pre_iters)
+            compiled = call
+
+    # ---- final: eager, advisor, compile timed in interleaved rounds
+    fns = {"eager": eager}
+    if report is not None:
+        fns["advisor"] = runner(m_adv)
+    if compiled is not None:
+        fns["compile"] = compiled
+    with c.phase("final timing") as ok:
+        rounds = 1 if a.quick else 3
+        warmup_s = 0.0 if a.quick else 0.5
+        times = interleaved(fns, device, a.iters, rounds, warmup_s)
+        for k, t in times.items():
+            c.r.setdefault(k, {})["timing"] = t
+            c.r[k]["median_ms"] = t["median_ms"]
+            c.r[k]["spread_ms"] = t["spread_ms"]
+    # Kernel counts last: the profiler's first use in a process (CUPTI) is then part of the advisor's cold
+    # start here, as it is in the warm-cache process.
+    with c.phase("outputs") as ok:
+        if "advisor" in fns:
+            out = fns["advisor"]()
+            c.r["advisor"].update(errors_vs(ref, workloads.main_output(out)))
+            del out
+        for k, fn in fns.items():
+            c.r[k]["kernels_per_iter"] = kernel_count(fn, device, root)
+    finish(c, meaningful)
+    c.r["status"] = "ok" if not any(k for k in c.r["errors"] if not k.endswith("_traceback")) else "partial"
+    c.r["phase"] = "done"
+    c.save()
+    return 0
+
+
+def finish(c: Child, meaningful: bool) -> None:
+    """Speedups (eager / x, same run) and the estimate-vs-measured comparison."""
+    r = c.r
+    e = (r.get("eager") or {}).get("median_ms")
+    for k in ("advisor", "compile"):
+        x = (r.get(k) or {}).get("median_ms")
+        if k in r:
+            r[k]["speedup"] = round(e / x, 4) if (meaningful and e and x) else None
+    adv = r.get("advisor") or {}
+    if meaningful and e and adv.get("median_ms"):
+        kept = [p for p in adv.get("patterns", []) if p.get("kept")]
+        est = sum(p.get("est_us") or 0.0 for p in kept)
+        meas = (e - adv["median_ms"]) * 1e3
+        adv["end_to_end"] = {"measured_saved_us": round(meas, 1), "est_saved_us_kept": round(est, 1),
+                             "ratio": round(meas / est, 3) if est else None}
+
+
+def select_patterns(c: Child, report, model, call, device: str, meaningful: bool, reserve: float = 0.0) -> None:
+    """Time each patched pattern alone (`advisor.optimize.time_patterns`); keep the ones that save time
+    alone; keep the kept set only if it beats eager end to end, else unpatch the model."""
+    import advisor
+    from advisor.bench.timing import time_configs
+    from advisor.optimize import time_patterns
+    from advisor.patch import patches_off
+
+    adv = c.r["advisor"]
+    handle = report.handle
+    records = report.patterns
+    patched = [p for p in records if p.get("patched")]
+    key_of = {s.candidate: s.key for s in handle.plan.patterns} if handle is not None else {}
+    if not patched:
+        adv["decision"] = "nothing patched"
+        adv["kept"] = []
+        _mark(adv, set())
+        return
+    if not meaningful:
+        adv["decision"] = "all patched patterns kept (timing not meaningful here: no selection)"
+        adv["kept"] = [p["candidate"] for p in patched]
+        _mark(adv, set(adv["kept"]))
+        return
+    need = 4.0 + 1.2 * (3 + len(patched))
+    if c.left() - reserve - FINAL_RESERVE_S < need:
+        adv["decision"] = f"all patched patterns kept (no time left to time them alone: {c.left():.0f} s)"
+        adv["kept"] = [p["candidate"] for p in patched]
+        c.r["skipped"]["select"] = adv["decision"]
+        _mark(adv, set(adv["kept"]))
+        return
+    e2e = time_patterns(call, handle, device, 20, records)  # adds `applied_alone` to the records
+    adv["all_patched"] = {k: e2e.get(k) for k in ("before_ms", "after_ms", "captured_only_ms", "speedup", "noise_ms")}
+    adv["patterns"] = [slim_pattern(p) for p in records]
+    kept = [p for p in patched if ((p.get("applied_alone") or {}).get("saved_us_per_iter") or 0) > 0]
+    if kept and len(kept) == len(patched):
+        before, after = e2e["before_ms"], e2e["after_ms"]
+        how = "all patched patterns save time alone"
+    elif kept:
+        advisor.patch(model, handle.plan.only({key_of[p["candidate"]] for p in kept if p["candidate"] in key_of}))
+        call()  # capture with the kept set
+        t = time_configs(call, {"before": patches_off, "after": None}, device, iters=20)
+        before, after = t["before"].median_ms, t["after"].median_ms
+        how = f"{len(kept)} of {len(patched)} patterns save time alone; re-patched with those"
+        adv["kept_set_tuning"] = {"before_ms": round(before, 4), "after_ms": round(after, 4)}
+    else:
+        before = after = None
+        how = "no pattern saves time alone"
+    if kept and after < before:
+        adv["decision"] = f"kept: {how}, {before:.3f} -> {after:.3f} ms end to end"
+        adv["kept"] = [p["candidate"] for p in kept]
+    else:
+        advisor.unpatch(model)
+        tail = f" and the kept set is not faster than eager ({before:.3f} -> {after:.3f} ms)" if kept else ""
+        adv["decision"] = f"dropped (model unpatched: runs eager): {how}{tail}"
+        adv["kept"] = []
+    _mark(adv, set(adv["kept"]))
+
+
+def _unpatch_quietly(model) -> None:
+    try:
+        from advisor.patch import unpatch
+
+        unpatch(model)
+    except Exception:
+        pass
+
+
+class PhaseTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str):
+    """Raise `PhaseTimeout` in this (main) thread after `seconds` (SIGALRM), so one slow phase cannot eat
+    the time of the phases after it. No limit when `seconds` is infinite."""
+    if seconds is None or math.isinf(seconds) or not hasattr(signal, "setitimer"):
+        yield
+        return
+    seconds = max(5.0, seconds)
+
+    def on_alarm(signum, frame):
+        raise PhaseTimeout(f"{what} did not finish within its {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _mark(adv: dict, kept: set) -> None:
+    for p in adv.get("patterns", []):
+        p["kept"] = p["candidate"] in kept
+
+
+def slim_pattern(p: dict) -> dict:
+    """An apply.json pattern record without the kernel source, plus estimate vs measured."""
+    alone = p.get("applied_alone") or {}
+    est, meas = p.get("est_time_saved_us"), alone.get("saved_us_per_iter")
+    out = {"candidate": p.get("candidate"), "pattern_id": p.get("pattern_id"), "title": p.get("title"),
+           "occurrences": p.get("occurrences"), "validated": p.get("validated"), "patched": bool(p.get("patched")),
+           "sites": p.get("sites"), "status": p.get("status") or p.get("reason"),
+           "est_us": round(est, 2) if isinstance(est, (int, float)) else None,
+           "measured_us": meas, "measured_spread_us": alone.get("spread_us"),
+           "kernel_file": Path(p["kernel_file"]).name if p.get("kernel_file") else None}
+    if isinstance(est, (int, float)) and est and isinstance(meas, (int, float)):
+        out["measured_over_est"] = round(meas / est, 3)
+        out["within_25pct"] = abs(meas / est - 1) <= 0.25
+    out["matmul_epilogue"] = bool(re.search(r"\b(linear|addmm|mm|bmm|matmul|conv\w*) epilogue",
+                                            str(p.get("title") or "")))
+    return out
+
+
+def warm_run(c: Child, w, device: str, root: Path, runner) -> int:
+    """A new process, the kernel cache (and Triton's) the empty-cache run filled: optimize -> first call."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    before = count_files(Path(os.environ["FUSION_ADVISOR_CACHE"]))
+    with c.phase("advisor warm") as ok:
+        from advisor.optimize import optimize
+
+        os.environ["TRITON_CACHE_DIR"] = str(root / "triton-advisor")
+        call = runner(w.model)
+        call()  # one eager call first, as the empty-cache run had before its optimize
+        sync()
+        t1 = time.perf_counter()
+        report = optimize(w.model, w.inputs, top=c.a.top, out=root / "advisor-warm-out")
+        call()
+        sync()
+        c.r["warm"] = {"cold_s": round(time.perf_counter() - t1, 2), "patched": len(report.applied),
+                       "cache_files_before": before,
+                       "cache_files_after": count_files(Path(os.environ["FUSION_ADVISOR_CACHE"])),
+                       "patterns": [{"candidate": p.get("candidate"), "title": p.get("title"),
+                                     "patched": bool(p.get("patched")), "status": p.get("status")}
+                                    for p in report.patterns]}
+    c.r["status"] = "ok" if ok["ok"] else "error in advisor warm"
+    c.r["phase"] = "done"
+    c.save()
+    return 0 if ok["ok"] else 1
+
+
+# ------------------------------------------------------------------------------------ measuring
+def process_warmup(device: str) -> None:
+    """One-time process costs, paid before anything is timed so neither cold start carries them: the
+    advisor's and Inductor's imports, CUDA/cuBLAS, Triton's driver, dynamo + AOTAutograd first use."""
+    import torch
+
+    import advisor.analyze.api  # noqa: F401
+    import advisor.optimize  # noqa: F401
+    import advisor.patch  # noqa: F401
+    import advisor.patch.verify  # noqa: F401
+    try:
+        import torch._inductor.compile_fx  # noqa: F401
+    except Exception:
+        pass
+    if device == "cuda":
+        x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+        (x @ x).sum().item()
+        try:
+            from triton.runtime.driver import driver
+            driver.active.get_current_device()
+            driver.active.utils  # noqa: B018  (builds/loads Triton's launcher utilities)
+        except Exception:
+            pass
+    f = torch.compile(lambda t: torch.relu(t) + 1, backend="aot_eager")
+    f(torch.randn(8, device=device))
+    torch._dynamo.reset()
+
+
+def _time(fn, device: str, warmup: int, iters: int) -> dict:
+    from advisor.bench.timing import time_call
+
+    t = time_call(fn, device, warmup=warmup, iters=iters)
+    return {"median_ms": round(t.median_ms, 4), "iters": t.iters, "method": t.method,
+            "min_ms": round(min(t.samples_ms), 4), "max_ms": round(max(t.samples_ms), 4)}
+
+
+def interleaved(fns: dict, device: str, iters: int, rounds: int, warmup_s: float) -> dict:
+    """Each callable warmed up (>= 3 calls and `warmup_s`), then timed in `rounds` interleaved rounds
+    (`advisor.bench.timing.time_call`: CUDA events on a GPU): median over all samples; spread = max - min
+    of the round medians."""
+    import torch
+
+    from advisor.bench.timing import time_call
+
+    for fn in fns.values():
+        t0, n = time.perf_counter(), 0
+        while n < (3 if warmup_s else 1) or time.perf_counter() - t0 < warmup_s:
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            n += 1
+    rounds = max(1, min(rounds, iters))
+    per = math.ceil(iters / rounds)
+    samples = {k: [] for k in fns}
+    medians = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t = time_call(fn, device, warmup=1, iters=per)
+            samples[k] += t.samples_ms
+            medians[k].append(t.median_ms)
+    out = {}
+    for k in fns:
+        s = sorted(samples[k])
+        out[k] = {"median_ms": round(statistics.median(s), 4), "spread_ms": round(max(medians[k]) - min(medians[k]), 4),
+                  "min_ms": round(s[0], 4), "max_ms": round(s[-1], 4),
+                  "p10_ms": round(s[int(0.1 * (len(s) - 1))], 4), "p90_ms": round(s[int(0.9 * (len(s) - 1))], 4),
+                  "round_medians_ms": [round(m, 4) for m in medians[k]], "iters": len(s), "rounds": rounds,
+                  "method": "cuda_events" if device == "cuda" else "perf_counter"}
+    return out
+
+
+def kernel_count(fn, device: str, root: Path) -> dict | None:
+    """GPU kernels (and memcpy/memset) one call launches: torch.profiler's `kernel` events."""
+    if device != "cuda":
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    path = Path(tempfile.mkstemp(dir=root, suffix=".json")[1])
+    try:
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    finally:
+        path.unlink(missing_ok=True)
+    cats = [e.get("cat") for e in events if isinstance(e, dict)]
+    return {"kernels": cats.count("kernel"), "memcpy": cats.count("gpu_memcpy"), "memset": cats.count("gpu_memset")}
+
+
+def errors_vs(ref, out) -> dict:
+    """Max error of `out` against the eager output, relative to max |eager| (finite elements), rel_l2,
+    and how many elements are non-finite in one but not (identically) the other."""
+    import torch
+
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        what = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return {"max_rel_err": None, "rel_l2": None, "error_note": f"output {what}, eager {tuple(ref.shape)}"}
+    r, o = ref.detach().float(), out.detach().float()
+    fr, fo = torch.isfinite(r), torch.isfinite(o)
+    both = fr & fo
+    same_nonfinite = (~fr & ~fo) & ((r == o) | (torch.isnan(r) & torch.isnan(o)))
+    mismatch = int((~both & ~same_nonfinite).sum())
+    d = (o - r).masked_fill_(~both, 0).abs_()
+    rb = r.masked_fill(~both, 0)
+    scale = float(rb.abs().max()) if rb.numel() else 0.0
+    max_abs = float(d.max()) if d.numel() else 0.0
+    nr = float(rb.double().norm()) if rb.numel() else 0.0
+    rel_l2 = float(d.double().norm()) / nr if nr else (0.0 if max_abs == 0 else float("inf"))
+    return {"max_abs_err": max_abs, "max_rel_err": max_abs / scale if scale else max_abs, "rel_l2": rel_l2,
+            "nonfinite_mismatch": mismatch, "bit_identical": bool(torch.equal(ref, out))}
+
+
+def count_files(d: Path) -> int:
+    return sum(1 for p in d.rglob("*") if p.is_file()) if d.exists() else 0
+
+
+def write_json(path: Path, doc: dict) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    tmp.replace(path)
+
+
+# ===================================================================================== summary
+def geomean(xs):
+    xs = [x for x in xs if isinstance(x, (int, float)) and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def summarise(results: list, meaningful: bool) -> dict:
+    """Geometric means over the workloads where eager, the advisor and torch.compile were all measured,
+    and the issue's targets, each with the numbers behind it."""
+    both = [r for r in results if (r.get("advisor") or {}).get("speedup") and (r.get("compile") or {}).get("speedup")]
+    s = {"timing_meaningful": meaningful, "geomean_over": [r["workload"] for r in both],
+         "geomean_advisor": geomean([r["advisor"]["speedup"] for r in both]),
+         "geomean_compile": geomean([r["compile"]["speedup"] for r in both]),
+         "missing": [r["workload"] for r in results if r not in both]}
+    if not meaningful:
+        s["note"] = NOT_MEANINGFUL
+        return s
+    targets = []
+    ga, gc_ = s["geomean_advisor"], s["geomean_compile"]
+    targets.append({"target": "geomean speedup of fusion-advisor >= torch.compile's",
+                    "met": (ga >= gc_) if ga and gc_ else None,
+                    "detail": f"{_x(ga)} vs {_x(gc_)} over {len(both)} workload(s)"})
+    slower = [r for r in results if ((r.get("advisor") or {}).get("speedup") or 1) < 1]
+    targets.append({"target": "no workload slower than eager", "met": not slower if results else None,
+                    "detail": "; ".join(f"{r['workload']} {_x(r['advisor']['speedup'])} (spread "
+                                        f"{_ms(r['advisor'].get('spread_ms'))}/{_ms(r['eager'].get('spread_ms'))} ms)"
+                                        for r in slower) or "none slower"})
+    llama = next((r for r in results if r["workload"] == "hf_llama"), None)
+    ls = ((llama or {}).get("advisor") or {}).get("speedup")
+    targets.append({"target": "Llama >= 1.5x over eager", "met": (ls >= 1.5) if ls else None,
+                    "detail": _x(ls) if ls else "not measured"})
+    warm = [(r["workload"], (r.get("advisor") or {}).get("cold_warm_s")) for r in results
+            if r.get("status") not in ("not installed", "skipped")]
+    over = [f"{w} {v:.1f} s" for w, v in warm if isinstance(v, (int, float)) and v > 2]
+    unmeasured = [w for w, v in warm if not isinstance(v, (int, float))]
+    targets.append({"target": "cold start with a warm kernel cache <= 2 s per workload",
+                    "met": (not over) if warm and not unmeasured else (False if over else None),
+                    "detail": ("over: " + ", ".join(over) if over else "all within")
+                              + (f"; not measured: {', '.join(unmeasured)}" if unmeasured else "")})
+    epi = [(r["workload"], p) for r in results for p in (r.get("advisor") or {}).get("patterns", [])
+           if p.get("matmul_epilogue") and p.get("patched")]
+    bad = [f"{w} {p['candidate']}" for w, p in epi if p.get("kept") and not ((p.get("measured_us") or 0) > 0)]
+    targets.append({"target": "a matmul-epilogue pattern is kept only if it beats cuBLAS + the separate epilogue",
+                    "met": not bad, "detail": f"{sum(1 for _, p in epi if p.get('kept'))} kept of {len(epi)} patched"
+                    + (f"; kept without a measured win: {', '.join(bad)}" if bad else "")})
+    meas = [(r["workload"], p) for r in results for p in (r.get("advisor") or {}).get("patterns", [])
+            if p.get("measured_over_est") is not None]
+    off = [f"{w} {p['candidate']} {p['measured_over_est']:.2f}x" for w, p in meas if not p.get("within_25pct")]
+    targets.append({"target": "analyzer estimate within ±25% of the measured saving, per applied pattern",
+                    "met": (not off) if meas else None,
+                    "detail": f"{len(meas) - len(off)} of {len(meas)} within" + (f"; off: {', '.join(off)}" if off else "")})
+    s["targets"] = targets
+    return s
+
+
+def _x(v):
+    return f"{v:.2f}×" if isinstance(v, (int, float)) else "—"
+
+
+def _ms(v, nd=3):
+    return f"{v:.{nd}f}" if isinstance(v, (int, float)) else "—"
+
+
+def _s(v):
+    return f"{v:.1f}" if isinstance(v, (int, float)) else "—"
+
+
+def _err(v):
+    return f"{v:.1e}" if isinstance(v, (int, float)) else "—"
+
+
+def _kern(d):
+    return str(d["kernels"]) if isinstance(d, dict) and d.get("kernels") is not None else "—"
+
+
+def _time_cell(part: dict | None, meaningful: bool) -> str:
+    part = part or {}
+    m, sp = part.get("median_ms"), part.get("spread_ms")
+    if m is None:
+        return "—"
+    cell = f"{m:.3f}" + (f" ±{sp / 2:.3f}" if isinstance(sp, (int, float)) else "")
+    return cell if meaningful else cell + "*"
+
+
+def status_of(r: dict) -> str:
+    st = r.get("status") or "?"
+    errs = [k for k in (r.get("errors") or {}) if not k.endswith("_traceback")]
+    if errs and st in ("ok", "partial"):
+        st = f"{st} (failed: {', '.join(errs)})"
+    return st
+
+
+def markdown(doc: dict) -> str:
+    host, s, meaningful = doc["host"], doc.get("summary") or {}, doc["timing_meaningful"]
+    res = doc["workloads"]
+    L = [f"# fusion-advisor vs eager vs torch.compile — {host.get('device_name')}", ""]
+    L.append(f"Generated {doc['generated']} by `{doc['command']}` (fusion-advisor {host.get('git', '?')}): "
+             f"torch {host.get('torch')}, triton {host.get('triton')}, transformers {host.get('transformers')}, "
+             f"timm {host.get('timm') or 'not installed'}, torchvision {host.get('torchvision') or 'not installed'}, "
+             f"Python {host.get('python')}. Budget {doc['budget_s']:.0f} s"
+             + (f", ran {doc['wall_s']:.0f} s" if doc.get("wall_s") else " (run in progress or cut short)")
+             + f"; advisor top {doc['top']} candidates; {doc['iters']} timed calls per configuration.")
+    L.append("")
+    if not meaningful:
+        L += [f"**Timing is not meaningful in this run** ({NOT_MEANINGFUL}). Times are marked `*`; "
+              "no speedup is claimed.", ""]
+    L += ["## Results (bf16 inference, random weights; every number measured in this run)" if not doc["quick"]
+          else "## Results (quick shapes)", ""]
+    L.append("| workload | shape | eager ms | fusion-advisor ms | torch.compile ms | advisor × eager | compile × eager "
+             "| max rel err advisor / compile | kernels/iter eager / advisor / compile | advisor cold s: empty cache "
+             "| advisor cold s: warm cache | compile s (first call) | patterns kept / patched | status |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in res:
+        e, ad, co = r.get("eager") or {}, r.get("advisor") or {}, r.get("compile") or {}
+        kept = ad.get("kept")
+        pk = f"{len(kept)} / {ad.get('patched')}" if isinstance(kept, list) else (
+            f"? / {ad['patched']}" if ad.get("patched") is not None else "—")
+        L.append(f"| {r.get('title') or r['workload']} | {r.get('shape') or '—'} | {_time_cell(e, meaningful)} "
+                 f"| {_time_cell(ad, meaningful)} | {_time_cell(co, meaningful)} "
+                 f"| {_x(ad.get('speedup'))} | {_x(co.get('speedup'))} "
+                 f"| {_err(ad.get('max_rel_err'))} / {_err(co.get('max_rel_err'))} "
+                 f"| {_kern(e.get('kernels_per_iter'))} / {_kern(ad.get('kernels_per_iter'))} / "
+                 f"{_kern(co.get('kernels_per_iter'))} "
+                 f"| {_s(ad.get('cold_empty_s'))} | {_s(ad.get('cold_warm_s'))} | {_s(co.get('first_call_s'))} "
+                 f"| {pk} | {status_of(r)} |")
+    if meaningful:
+        L.append(f"| **geometric mean** ({len(s.get('geomean_over', []))} workloads) | | | | | "
+                 f"**{_x(s.get('geomean_advisor'))}** | **{_x(s.get('geomean_compile'))}** | | | | | | | |")
+    L.append("")
+    if s.get("missing"):
+        L += [f"Not in the geometric means (a number is missing): {', '.join(s['missing'])}.", ""]
+    L += ["ms: median over the interleaved rounds, ± half the spread (max − min) of the round medians. "
+          "Speedups: eager ms / ms, same run. Max rel err: max |x − eager| / max |eager| over the main output "
+          "(logits, last hidden state, …). Kernels/iter: torch.profiler `kernel` events of one call. "
+          "Cold start: from the call of `advisor.optimize` (resp. the first call of the `torch.compile`d model) "
+          "to the end of the first optimised call, synchronised.", ""]
+    if meaningful and s.get("targets"):
+        L += ["## Targets (issue 7)", "", "| target | met | numbers |", "|---|---|---|"]
+        for t in s["targets"]:
+            met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+            L.append(f"| {t['target']} | {met} | {t['detail']} |")
+        L.append("")
+    L += ["## Per workload: what the advisor applied", ""]
+    for r in res:
+        L += _workload_section(r, meaningful)
+    L += ["## Method", "",
+          "- One child process per workload (`bench/suite.py --child`), a fresh kernel cache "
+          "(`FUSION_ADVISOR_CACHE`), Triton cache and Inductor cache each; the parent gives each workload a share "
+          "of the time budget and kills a child that overruns it (the report keeps what it had measured).",
+          "- Before anything is timed each child pays one-time process costs: imports (advisor, Inductor), CUDA "
+          "and cuBLAS set-up, Triton's driver, dynamo + AOTAutograd first use (a trivial function compiled with "
+          "`backend='aot_eager'`). Neither cold start includes them; both include everything else (tracing, "
+          "code generation, Triton compilation with empty caches).",
+          "- Order in the child: eager (reference output), torch.compile, `advisor.optimize` on a deep copy of "
+          "the model, selection, then the final interleaved timing of all three (each warmed up ≥ 0.5 s, then "
+          "rounds of eager / advisor / compile, CUDA events around each call).",
+          "- Selection: `advisor.optimize.time_patterns` times each patched pattern alone against the captured "
+          "model with every site on its original ops; a pattern is kept if it saves time alone (so a matmul "
+          "epilogue is kept only if it beats cuBLAS + the separate epilogue). The kept set is re-patched and kept "
+          "only if it is faster than eager end to end; otherwise the model is unpatched and the advisor's column "
+          "is eager again (reported as dropped).",
+          "- Warm cache: a second child process builds the model again and runs `advisor.optimize` with the "
+          "kernel cache and Triton cache the first child filled (a real second run; in the same process dynamo's "
+          "capture cache would make it look cheaper). The selection step is not part of either cold start.",
+          "- Estimated saving: the analyzer's `est_time_saved_us` per call for each pattern; measured: captured "
+          "model with only that pattern on vs none (`applied_alone`).", ""]
+    return "\n".join(L) + "\n"
+
+
+def _workload_section(r: dict, meaningful: bool) -> list:
+    L = [f"### {r.get('title') or r['workload']} (`{r['workload']}`)", ""]
+    st = status_of(r)
+    if r.get("status") in ("not installed", "skipped"):
+        return L + [f"{st}: {r.get('reason', '')}", ""]
+    ad = r.get("advisor") or {}
+    if r.get("shape"):
+        L.append(f"Shape: {r['shape']} ({r.get('dtype')}, {r.get('params', 0) / 1e6:.1f} M parameters). "
+                 f"Status: {st}; {r.get('wall_s', '?')} s of a {r.get('budget_s', '?')} s budget.")
+    if ad.get("decision"):
+        L.append(f"Decision: {ad['decision']}.")
+    ap = ad.get("all_patched") or {}
+    if ap.get("before_ms"):
+        L.append(f"All patched patterns together (selection timing): {ap['before_ms']:.3f} → {ap['after_ms']:.3f} ms "
+                 f"({_x(ap.get('speedup'))}); captured with every site on its original ops: "
+                 f"{_ms(ap.get('captured_only_ms'))} ms.")
+    e2e = ad.get("end_to_end")
+    if e2e:
+        L.append(f"End to end: measured saving {e2e['measured_saved_us']:.0f} µs per call vs "
+                 f"{e2e['est_saved_us_kept']:.0f} µs estimated for the kept patterns"
+                 + (f" ({e2e['ratio']:.2f}× the estimate)." if e2e.get("ratio") is not None else "."))
+    if r.get("warm_status") and r.get("warm_status") != "ok":
+        L.append(f"Warm-cache run: {r['warm_status']}.")
+    w = r.get("warm") or {}
+    if w.get("cache_files_before") is not None:
+        grew = w.get("cache_files_after", 0) - w["cache_files_before"]
+        L.append(f"Warm-cache run: {w.get('patched')} pattern(s) patched; kernel cache "
+                 f"{'unchanged' if grew == 0 else f'grew by {grew} file(s)'}.")
+    pats = ad.get("patterns") or []
+    if pats:
+        L += ["", "| candidate | pattern | sites | est. saving µs/call | measured alone µs/call (± spread) "
+                  "| measured / est. | kept | status |", "|---|---|---|---|---|---|---|---|"]
+        for p in pats:
+            meas = p.get("measured_us")
+            mcell = (f"{meas:.1f}" + (f" ±{p['measured_spread_us']:.1f}" if p.get("measured_spread_us") is not None
+                                       else "")) if isinstance(meas, (int, float)) else (
+                "—" if meaningful else "not meaningful")
+            ratio = p.get("measured_over_est")
+            rcell = "—" if ratio is None else (f"{ratio:.2f}" + ("" if p.get("within_25pct") else " (off)"))
+            L.append(f"| {p['candidate']} | {p.get('title')} | {p.get('sites') or 0} | {_s(p.get('est_us'))} "
+                     f"| {mcell} | {rcell} | {'yes' if p.get('kept') else 'no'} | {p.get('status') or ''} |")
+    errs = {k: v for k, v in (r.get("errors") or {}).items() if not k.endswith("_traceback")}
+    if errs or r.get("skipped"):
+        L.append("")
+    for k, v in errs.items():
+        L.append(f"- **{k} failed**: `{str(v)[:400]}`")
+    for k, v in (r.get("skipped") or {}).items():
+        L.append(f"- {k} skipped: {v}")
+    if r.get("log_tail") and r.get("status") not in ("ok",):
+        L += ["", "<details><summary>last lines of the child's log</summary>", "", "```"]
+        L += [ln.replace("```", "'''") for ln in r["log_tail"][-15:]]
+        L += ["```", "</details>"]
+    L.append("")
+    return L
+
+
+def one_line(r: dict, meaningful: bool) -> str:
+    e, ad, co = r.get("eager") or {}, r.get("advisor") or {}, r.get("compile") or {}
+    bits = [f"{r['workload']}: {status_of(r)}"]
+    if e.get("median_ms") is not None:
+        star = "" if meaningful else "*"
+        bits.append(f"eager {e['median_ms']:.3f}{star} ms")
+        if ad.get("median_ms") is not None:
+            bits.append(f"advisor {ad['median_ms']:.3f}{star} ms {_x(ad.get('speedup'))}")
+        if co.get("median_ms") is not None:
+            bits.append(f"compile {co['median_ms']:.3f}{star} ms {_x(co.get('speedup'))}")
+        bits.append(f"cold {_s(ad.get('cold_empty_s'))}/{_s(ad.get('cold_warm_s'))}/{_s(co.get('first_call_s'))} s")
+    if r.get("wall_s") is not None:
+        bits.append(f"({r['wall_s']:.0f} s)")
+    return ", ".join(bits)
+
+
+def tail_table(doc: dict) -> str:
+    meaningful, s = doc["timing_meaningful"], doc.get("summary") or {}
+    rows = [("workload", "eager ms", "advisor ms", "adv ×", "compile ms", "cmp ×", "cold s empty/warm/compile",
+             "kept", "status")]
+    for r in doc["workloads"]:
+        e, ad, co = r.get("eager") or {}, r.get("advisor") or {}, r.get("compile") or {}
+        kept = ad.get("kept")
+        rows.append((r["workload"], _ms(e.get("median_ms")), _ms(ad.get("median_ms")), _x(ad.get("speedup")),
+                     _ms(co.get("median_ms")), _x(co.get("speedup")),
+                     f"{_s(ad.get('cold_empty_s'))}/{_s(ad.get('cold_warm_s'))}/{_s(co.get('first_call_s'))}",
+                     f"{len(kept)}/{ad.get('patched')}" if isinstance(kept, list) else "—", status_of(r)[:60]))
+    if meaningful:
+        rows.append(("geomean", "", "", _x(s.get("geomean_advisor")), "", _x(s.get("geomean_compile")), "", "",
+                     f"over {len(s.get('geomean_over', []))}"))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    if not meaningful:
+        lines.append(f"* {NOT_MEANINGFUL}; no speedup claimed")
+    for t in s.get("targets", []):
+        met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        lines.append(f"target {met}: {t['target']} — {t['detail']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The benchmark suite's workloads (issue 7): model builders with random weights, nothing downloaded.
+
+`build(name, device, quick)` returns a `Workload`: the model (eval mode, on `device`), its example
+inputs (positional tuple or keyword dict; random, never all zeros) and a description of the shape.
+Full shapes are the issue's table (bf16 on cuda; the seed workload is fp32 by definition). `quick`
+shapes are tiny, for the CPU test run (fp32 on the CPU, bf16 on cuda). timm and torchvision are
+imported only when their workload is built; `NotInstalled` says which package is missing.
+
+Used by bench/suite.py only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+NAMES = ["seed", "mlp_block", "hf_llama", "hf_gpt2", "hf_bert", "timm_vit", "tv_resnet50"]
+
+# What the issue's table calls each workload, and the shape it names (for the report).
+TITLES = {
+    "seed": "seed example `log(relu(x + b))`",
+    "mlp_block": "LayerNorm→Linear→GELU→Linear→residual block",
+    "hf_llama": "HF `LlamaForCausalLM`",
+    "hf_gpt2": "HF `GPT2LMHeadModel`",
+    "hf_bert": "HF `BertModel`",
+    "timm_vit": "timm `vit_base_patch16_224`",
+    "tv_resnet50": "torchvision ResNet-50, channels_last",
+}
+
+# Eager / torch.compile ms and compile s measured on the H100 (issue 7's table, /work/shared/ANCHORS.md).
+# Shown beside this run's numbers for orientation only: speedups are always against this run's eager.
+ANCHORS = {
+    "seed": (2.524, 1.118, 2.6),
+    "mlp_block": (6.809, 6.858, 5.3),
+    "hf_llama": (12.525, 8.109, 16.5),
+    "hf_gpt2": (21.04, 9.047, 16.0),
+    "hf_bert": (8.40, 19.84, 17.7),
+    "timm_vit": (12.669, 12.03, 15.2),
+    "tv_resnet50": (10.41, 6.58, 17.6),
+}
+
+# Relative share of the suite's time budget (torch.compile alone takes 15-18 s on the large models).
+WEIGHTS = {"seed": 0.6, "mlp_block": 0.7, "hf_llama": 1.3, "hf_gpt2": 1.15, "hf_bert": 1.15, "timm_vit": 1.0,
+           "tv_resnet50": 1.3}
+
+
+class NotInstalled(RuntimeError):
+    """A workload's package (timm, torchvision) is not installed here."""
+
+
+@dataclass
+class Workload:
+    name: str
+    model: nn.Module
+    inputs: object  # tuple of positional args, or dict of keyword args
+    shape: str
+    dtype: torch.dtype
+    notes: list = field(default_factory=list)
+
+    def args_kwargs(self) -> tuple[tuple, dict]:
+        if isinstance(self.inputs, dict):
+            return (), dict(self.inputs)
+        return tuple(self.inputs), {}
+
+
+class Seed(nn.Module):
+    """`torch.log(torch.relu(x + b))` (examples/seed.py)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        return torch.log(torch.relu(x + self.b))
+
+
+class MLPBlock(nn.Module):
+    """LayerNorm -> Linear -> GELU -> Linear -> residual add (examples/mlp_block.py)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, inter)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(inter, hidden)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+def build(name: str, device: str, quick: bool = False, seed: int = 0) -> Workload:
+    if name not in NAMES:
+        raise ValueError(f"unknown workload {name!r} (known: {', '.join(NAMES)})")
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    w = globals()[f"_build_{name}"](device, quick, dtype)
+    w.model.eval()
+    for p in w.model.parameters():
+        p.requires_grad_(False)
+    return w
+
+
+def _build_seed(device, quick, dtype):
+    n = 1 << 16 if quick else 1 << 28
+    with torch.device(device):
+        model = Seed(n)  # fp32 on every device: the seed case is about fp32 vectors
+        x = torch.randn(n)
+    return Workload("seed", model, (x,), f"2^{n.bit_length() - 1} fp32 elements", torch.float32)
+
+
+def _build_mlp_block(device, quick, dtype):
+    batch, seq, hidden = (2, 32, 64) if quick else (8, 2048, 4096)
+    with torch.device(device):
+        model = MLPBlock(hidden, 4 * hidden).to(dtype)
+        x = torch.randn(batch, seq, hidden, dtype=dtype)
+    return Workload("mlp_block", model, (x,), f"batch {batch} × seq {seq} × d {hidden} (inter {4 * hidden})", dtype)
+
+
+def _hf_ids(vocab: int, batch: int, seq: int) -> torch.Tensor:
+    # Never all zeros; no pad token either (ids from 1 up), so no model masks anything away.
+    return torch.randint(1, vocab, (batch, seq))
+
+
+def _build_hf_llama(device, quick, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if quick:
+        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=256)
+        batch, seq = 2, 16
+    else:
+        dims = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, intermediate_size=5632,
+                    vocab_size=32000)
+        batch, seq = 4, 1024
+    config = LlamaConfig(max_position_embeddings=max(seq, 128), **dims)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+        ids = _hf_ids(config.vocab_size, batch, seq)
+    shape = (f"hidden {dims['hidden_size']}, {dims['num_hidden_layers']} layers, {dims['num_attention_heads']} heads, "
+             f"inter {dims['intermediate_size']}, vocab {dims['vocab_size']}, batch {batch} × seq {seq}")
+    return Workload("hf_llama", model, {"input_ids": ids, "use_cache": False}, shape, dtype, ["SDPA attention"])
+
+
+def _build_hf_gpt2(device, quick, dtype):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if quick:
+        dims = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128, bos_token_id=255,
+                    eos_token_id=255)
+        batch, seq = 2, 16
+    else:
+        dims = dict(n_embd=1024, n_layer=12, n_head=16, vocab_size=50257, n_positions=1024)
+        batch, seq = 8, 1024
+    config = GPT2Config(**dims)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = GPT2LMHeadModel(config).to(dtype)
+        ids = _hf_ids(config.vocab_size, batch, seq)
+    shape = (f"n_embd {dims['n_embd']}, {dims['n_layer']} layers, {dims['n_head']} heads, vocab {dims['vocab_size']}, "
+             f"batch {batch} × seq {seq}")
+    return Workload("hf_gpt2", model, {"input_ids": ids, "use_cache": False}, shape, dtype, ["SDPA attention"])
+
+
+def _build_hf_bert(device, quick, dtype):
+    from transformers import BertConfig, BertModel
+
+    if quick:
+        config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                            vocab_size=256, max_position_embeddings=128)
+        batch, seq = 2, 16
+    else:
+        config = BertConfig()  # bert-base: hidden 768, 12 layers, 12 heads, intermediate 3072, vocab 30522
+        batch, seq = 32, 512
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = BertModel(config).to(dtype)
+        ids = _hf_ids(config.vocab_size, batch, seq)
+        mask = torch.ones(batch, seq, dtype=torch.long)
+    shape = (f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_attention_heads} heads, "
+             f"batch {batch} × seq {seq}")
+    return Workload("hf_bert", model, {"input_ids": ids, "attention_mask": mask}, shape, dtype, ["SDPA attention"])
+
+
+def _build_timm_vit(device, quick, dtype):
+    try:
+        import timm
+    except ImportError as e:
+        raise NotInstalled("timm is not installed") from e
+    if quick:
+        model = timm.create_model("vit_base_patch16_224", pretrained=False, img_size=32, depth=2, embed_dim=64,
+                                  num_heads=4)
+        batch, side = 2, 32
+    else:
+        model = timm.create_model("vit_base_patch16_224", pretrained=False)
+        batch, side = 128, 224
+    model = model.to(device, dtype)
+    x = torch.randn(batch, 3, side, side, device=device, dtype=dtype)
+    return Workload("timm_vit", model, (x,), f"batch {batch} × 3 × {side} × {side}", dtype)
+
+
+def _build_tv_resnet50(device, quick, dtype):
+    try:
+        import torchvision
+    except ImportError as e:
+        raise NotInstalled("torchvision is not installed") from e
+    batch, side = (2, 64) if quick else (128, 224)
+    model = torchvision.models.resnet50(weights=None)
+    model = model.to(device, dtype, memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, side, side, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+    return Workload("tv_resnet50", model, (x,), f"batch {batch} × 3 × {side} × {side}, channels_last", dtype)
+
+
+def main_output(out) -> torch.Tensor | None:
+    """The tensor a workload's error is measured on: the output itself, or a model output's first field
+    (logits, last_hidden_state)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    try:
+        first = out[0]
+    except Exception:
+        return None
+    return first if isinstance(first, torch.Tensor) else main_output(first)
