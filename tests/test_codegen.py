@@ -144,12 +144,24 @@ def test_row_kernels(name, dtype, variant):
     assert_validates(gen, mod)
 
 
+@pytest.mark.parametrize("variant", ["persistent", "looped"])
+def test_row_max_propagates_nan(variant):
+    x = torch.randn(4, 50)
+    x[1, 7] = float("nan")
+    gen, mod = build(lambda x: (x.amax(-1), torch.amin(x, -1)), x)
+    if variant == "looped":
+        mod.MAX_PERSISTENT_N, mod.LOOP_BLOCK_N = 0, 16
+    for got, want in zip(mod.run(x), (x.amax(-1), x.amin(-1))):
+        torch.testing.assert_close(got, want, equal_nan=True)
+    assert got[1].isnan()
+
+
 def test_looped_kernel_passes():
     """Softmax loops three times over a wide row: max, sum of exp, then the outputs."""
     gen, mod = build(lambda x: torch.softmax(x, -1), torch.randn(2, 40))
     looped = gen.code.split("_looped(")[1]
     assert looped.count("for start in range(0,") == 3
-    assert "tl.sum(acc0, axis=0)" in looped and "tl.max(acc0, axis=0)" in looped
+    assert "tl.sum(acc0, axis=0)" in looped and "tl.reduce(acc0, 0, _max_nan)" in looped
 
 
 def test_row_op_over_non_last_dim_is_refused():

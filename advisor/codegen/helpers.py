@@ -95,6 +95,17 @@ def _div_floor_int(a, b):
     q = a // b  # truncates toward zero; step down when the signs differ and it was inexact
     return tl.where((a % b != 0) & ((a < 0) != (b < 0)), q - 1, q)
 ''',
+    "_max_nan": '''
+@triton.jit
+def _max_nan(a, b):
+    # torch's max/amax return NaN for a row holding one; tl.max would skip it
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+''',
+    "_min_nan": '''
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+''',
     "_mul_combine": '''
 @triton.jit
 def _mul_combine(a, b):

@@ -186,6 +186,8 @@ def _reduce_expr(kind: str, x: str, dtype: torch.dtype, mask: str = "col_mask") 
     masked = f"tl.where({mask}, {x}, {_neutral(kind, dtype)})"
     if kind == "prod":
         return f"tl.reduce({masked}, 0, _mul_combine)"
+    if kind in ("max", "min") and dtype.is_floating_point:
+        return f"tl.reduce({masked}, 0, _{kind}_nan)"
     fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min", "all": "tl.min", "any": "tl.max"}[kind]
     return f"{fn}({masked}, axis=0)" + (" != 0" if kind in ("all", "any") else "")
 
@@ -241,13 +243,14 @@ def _looped(plan: Plan, name: str, params: list, head: list) -> str:
             if kind in ("all", "any"):
                 x = f"{x}.to(tl.int32)"
             val = f"tl.where(col_mask, {x}, {_neutral(kind, r.dtype)})"
-            comb = {"sum": "acc{k} + {v}", "prod": "acc{k} * {v}", "max": "tl.maximum(acc{k}, {v})",
-                    "min": "tl.minimum(acc{k}, {v})", "all": "tl.minimum(acc{k}, {v})",
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if r.dtype.is_floating_point else ""
+            comb = {"sum": "acc{k} + {v}", "prod": "acc{k} * {v}", "max": "tl.maximum(acc{k}, {v}" + nan + ")",
+                    "min": "tl.minimum(acc{k}, {v}" + nan + ")", "all": "tl.minimum(acc{k}, {v})",
                     "any": "tl.maximum(acc{k}, {v})"}[kind]
             lines.append(f"{INDENT * 2}acc{k} = " + comb.format(k=k, v=val))
         for k, r in enumerate(mine):
             done.add(id(r))
-            lines.append(f"{INDENT}{pr.name(r)} = {_finish(r.meta['kind_'], f'acc{k}')}")
+            lines.append(f"{INDENT}{pr.name(r)} = {_finish(r.meta['kind_'], f'acc{k}', r.dtype)}")
     pr.emit(ready(passes), lines, 1, done)
     full_stores = [s for s in plan.stores if s.value.full or s.offset.full]
     if full_stores:
@@ -260,9 +263,11 @@ def _looped(plan: Plan, name: str, params: list, head: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _finish(kind: str, acc: str) -> str:
+def _finish(kind: str, acc: str, dtype: torch.dtype) -> str:
     if kind == "prod":
         return f"tl.reduce({acc}, 0, _mul_combine)"
+    if kind in ("max", "min") and dtype.is_floating_point:
+        return f"tl.reduce({acc}, 0, _{kind}_nan)"
     fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min", "all": "tl.min", "any": "tl.max"}[kind]
     return f"{fn}({acc}, axis=0)" + (" != 0" if kind in ("all", "any") else "")
 
