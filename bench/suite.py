@@ -578,13 +578,13 @@ class PhaseTimeout(Exception):
 
 
 @contextlib.contextmanager
-def time_limit(seconds: float, what: str):
+def time_limit(seconds: float, what: str, floor: float = 5.0):
     """Raise `PhaseTimeout` in this (main) thread after `seconds` (SIGALRM), so one slow phase cannot eat
     the time of the phases after it. No limit when `seconds` is infinite."""
     if seconds is None or math.isinf(seconds) or not hasattr(signal, "setitimer"):
         yield
         return
-    seconds = max(5.0, seconds)
+    seconds = max(floor, seconds)
 
     def on_alarm(signum, frame):
         raise PhaseTimeout(f"{what} did not finish within its {seconds:.0f} s")
@@ -906,7 +906,7 @@ def markdown(doc: dict) -> str:
         L.append(f"| **geometric mean** ({len(s.get('geomean_over', []))} workloads) | | | | | "
                  f"**{_x(s.get('geomean_advisor'))}** | **{_x(s.get('geomean_compile'))}** | | | | | | | |")
     L.append("")
-    if s.get("missing"):
+    if meaningful and s.get("missing"):
         L += [f"Not in the geometric means (a number is missing): {', '.join(s['missing'])}.", ""]
     L += ["ms: median over the interleaved rounds, ± half the spread (max − min) of the round medians. "
           "Speedups: eager ms / ms, same run. Max rel err: max |x − eager| / max |eager| over the main output "

@@ -1,0 +1,232 @@
+"""bench/suite.py (issue 7) end to end on the CPU with quick shapes, and its reporting on GPU-like results.
+
+The end-to-end run is the one the issue's CPU check asks for: `--quick --device cpu --workloads
+seed,mlp_block,hf_llama` in a subprocess (each workload in its own child process, generated kernels in
+Triton's interpreter, torch.compile's C++ backend); about 1.5-2 minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import suite  # noqa: E402
+from bench.workloads import NAMES, main_output  # noqa: E402
+
+WORKLOADS = ["seed", "mlp_block", "hf_llama"]
+COLUMNS = ["workload", "shape", "eager ms", "fusion-advisor ms", "torch.compile ms", "advisor × eager",
+           "compile × eager", "max rel err advisor / compile", "kernels/iter eager / advisor / compile",
+           "advisor cold s: empty cache", "advisor cold s: warm cache", "compile s (first call)",
+           "patterns kept / patched", "status"]
+
+
+def _run(tmp, *args, timeout=420):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("FUSION_ADVISOR_CACHE", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "suite.py"), "--quick", "--device", "cpu",
+                           "--out", str(tmp), "--logs", str(tmp / "logs"), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=str(tmp))
+    return proc
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("suite")
+    proc = _run(tmp, "--workloads", ",".join(WORKLOADS))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp, proc
+
+
+def test_quick_run_writes_json_lines_as_it_goes(quick_run):
+    tmp, proc = quick_run
+    lines = (tmp / "bench-cpu-quick.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["workload"] for ln in lines] == WORKLOADS
+
+
+def test_quick_run_json_has_sane_values(quick_run):
+    tmp, _ = quick_run
+    doc = json.loads((tmp / "bench-cpu-quick.json").read_text())
+    assert doc["timing_meaningful"] is False and doc["device"] == "cpu" and doc["quick"] is True
+    assert doc["host"]["torch"] and doc["wall_s"] > 0
+    by = {r["workload"]: r for r in doc["workloads"]}
+    assert list(by) == WORKLOADS
+    for name, r in by.items():
+        assert r["status"] == "ok", (name, r.get("errors"), r.get("log_tail"))
+        assert r["timing_meaningful"] is False and "interpreter" in r["timing_note"]
+        for part in ("eager", "advisor", "compile"):
+            t = r[part]
+            assert t["median_ms"] > 0 and t["spread_ms"] >= 0 and t["timing"]["method"] == "perf_counter", (name, part)
+            assert t["timing"]["iters"] >= 3
+            assert t["kernels_per_iter"] is None  # no GPU: nothing to count
+        # no speedup claims on the CPU
+        assert r["advisor"]["speedup"] is None and r["compile"]["speedup"] is None
+        assert "end_to_end" not in r["advisor"]
+        # cold starts: empty cache (this process), warm cache (a second process), torch.compile's first call
+        assert r["advisor"]["cold_empty_s"] > 0 and r["advisor"]["cold_warm_s"] > 0, name
+        assert r["compile"]["first_call_s"] > 0
+        assert r["warm_status"] == "ok" and r["warm"]["cache_files_after"] == r["warm"]["cache_files_before"]
+        # fp32 on the CPU: both agree with eager to rounding
+        for part in ("advisor", "compile"):
+            assert r[part]["max_rel_err"] is not None and r[part]["max_rel_err"] < 1e-4, (name, part, r[part])
+            assert r[part]["nonfinite_mismatch"] == 0
+        assert r["advisor"]["check"]["ok"]
+        assert isinstance(r["advisor"]["kept"], list)
+        for p in r["advisor"]["patterns"]:
+            assert {"candidate", "title", "est_us", "measured_us", "kept", "status"} <= set(p)
+            assert p["measured_us"] is None  # not timed alone on the CPU
+            assert p["kept"] == (p["patched"] and p["candidate"] in r["advisor"]["kept"])
+    # the seed chain is one generated kernel; Llama gets several patterns
+    assert [p["patched"] for p in by["seed"]["advisor"]["patterns"]] == [True]
+    assert by["seed"]["eager"]["output_all_finite"] is False  # log(relu(.)) of negatives: -inf, same in all three
+    assert sum(p["patched"] for p in by["hf_llama"]["advisor"]["patterns"]) >= 3
+    s = doc["summary"]
+    assert s["geomean_advisor"] is None and s["geomean_compile"] is None and "targets" not in s
+
+
+def test_quick_run_markdown_and_tail(quick_run):
+    tmp, proc = quick_run
+    md = (tmp / "bench-cpu-quick.md").read_text()
+    header = next(ln for ln in md.splitlines() if ln.startswith("| workload |"))
+    assert [c.strip() for c in header.strip("|").split("|")] == COLUMNS
+    assert "not meaningful" in md and "no speedup is claimed" in md
+    rows = _table_rows(md, "| workload |")
+    assert len(rows) == 3
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[5] == "—" and cells[6] == "—"  # no speedup columns filled
+        assert cells[2].endswith("*") and cells[3].endswith("*") and cells[4].endswith("*")
+        assert cells[-1] == "ok"
+    assert "geometric mean" not in md  # no speedups, no means of them
+    assert "### HF `LlamaForCausalLM` (`hf_llama`)" in md and "Residual add + RMSNorm" in md
+    out = proc.stdout
+    tail = out[out.index("workload  "):]
+    assert all(w in tail for w in WORKLOADS) and "no speedup claimed" in tail
+    assert "bench-cpu-quick.md" in tail
+
+
+def _table_rows(md: str, header: str) -> list[str]:
+    lines = md.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith(header))
+    rows = []
+    for ln in lines[i + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append(ln)
+    return rows
+
+
+@pytest.mark.skipif(find_spec("timm") is not None and find_spec("torchvision") is not None,
+                    reason="timm and torchvision are installed here")
+def test_missing_packages_are_reported_not_fatal(tmp_path):
+    proc = _run(tmp_path, "--workloads", "timm_vit,tv_resnet50", "--no-compile", timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "bench-cpu-quick.json").read_text())
+    for r in doc["workloads"]:
+        pkg = "timm" if r["workload"] == "timm_vit" else "torchvision"
+        if find_spec(pkg) is None:
+            assert r["status"] == "not installed" and pkg in r["reason"]
+    assert "not installed" in (tmp_path / "bench-cpu-quick.md").read_text()
+
+
+# ------------------------------------------------------------------ pieces, without child processes
+def test_gpu_slug():
+    assert suite.gpu_slug("cuda", "NVIDIA H100 80GB HBM3") == "h100"
+    assert suite.gpu_slug("cuda", "NVIDIA H200") == "h200"
+    assert suite.gpu_slug("cuda", "NVIDIA A100-SXM4-80GB") == "a100"
+    assert suite.gpu_slug("cuda", "NVIDIA GeForce RTX 4090") == "4090"
+    assert suite.gpu_slug("cpu", "x86_64") == "cpu"
+
+
+def test_errors_vs_handles_infinities_and_scale():
+    ref = torch.tensor([float("-inf"), 1.0, -4.0, 2.0])
+    assert suite.errors_vs(ref, ref.clone())["max_rel_err"] == 0.0
+    e = suite.errors_vs(ref, torch.tensor([float("-inf"), 1.0, -4.0, 2.04]))
+    assert math.isclose(e["max_rel_err"], 0.01, rel_tol=1e-4) and e["nonfinite_mismatch"] == 0
+    assert suite.errors_vs(ref, torch.tensor([0.0, 1.0, -4.0, 2.0]))["nonfinite_mismatch"] == 1
+    assert suite.errors_vs(ref, torch.zeros(3))["max_rel_err"] is None
+
+
+def test_interleaved_and_time_limit():
+    calls = []
+    t = suite.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, "cpu", 6, 3, 0.0)
+    assert t["a"]["iters"] == 6 and t["a"]["rounds"] == 3 and len(t["a"]["round_medians_ms"]) == 3
+    assert "ab" in "".join(calls)  # rounds alternate
+    import time
+
+    with pytest.raises(suite.PhaseTimeout):
+        with suite.time_limit(0.2, "x", floor=0.1):
+            time.sleep(3)
+    with suite.time_limit(float("inf"), "no limit"):
+        pass
+
+
+def test_main_output_picks_logits():
+    x = torch.ones(2)
+    assert main_output(x) is x
+    assert main_output((x, None)) is x
+    assert main_output({"a": 1}) is None and set(NAMES) >= set(WORKLOADS)
+
+
+def _gpu_result(name, eager, adv, comp, warm_s, patterns, status="ok"):
+    return {"workload": name, "title": name, "shape": "s", "status": status, "errors": {}, "skipped": {},
+            "eager": {"median_ms": eager, "spread_ms": 0.02, "kernels_per_iter": {"kernels": 300}},
+            "advisor": {"median_ms": adv, "spread_ms": 0.02, "speedup": eager / adv, "cold_empty_s": 9.0,
+                        "cold_warm_s": warm_s, "patched": len(patterns), "kept": [p["candidate"] for p in patterns
+                                                                                 if p["kept"]],
+                        "patterns": patterns, "max_rel_err": 0.004, "decision": "kept: ...",
+                        "end_to_end": {"measured_saved_us": 900.0, "est_saved_us_kept": 1000.0, "ratio": 0.9},
+                        "kernels_per_iter": {"kernels": 200}},
+            "compile": {"median_ms": comp, "spread_ms": 0.03, "speedup": eager / comp, "first_call_s": 16.0,
+                        "max_rel_err": 0.005, "kernels_per_iter": {"kernels": 100}},
+            "warm_status": "ok"}
+
+
+def _pat(cid, title, est, meas, kept):
+    p = {"candidate": cid, "title": title, "est_us": est, "measured_us": meas, "measured_spread_us": 3.0,
+         "patched": True, "kept": kept, "sites": 4, "status": "patched",
+         "matmul_epilogue": "epilogue" in title}
+    p["measured_over_est"] = meas / est
+    p["within_25pct"] = abs(meas / est - 1) <= 0.25
+    return p
+
+
+def test_summary_and_markdown_on_gpu_like_results():
+    results = [
+        _gpu_result("seed", 2.5, 1.1, 1.12, 0.8, [_pat("c1", "Pointwise chain: add → relu → log", 1400, 1390, True)]),
+        _gpu_result("hf_llama", 12.5, 9.0, 8.1, 2.5,
+                    [_pat("c1", "Rotary embedding: mul → neg", 230, 120, True),
+                     _pat("c4", "linear epilogue (SwiGLU): linear → silu → mul", 39, -15, False)]),
+        _gpu_result("hf_bert", 8.4, 8.5, 19.8, 1.0, []),
+        {"workload": "timm_vit", "status": "not installed", "reason": "timm is not installed"},
+    ]
+    s = suite.summarise(results, True)
+    assert s["geomean_over"] == ["seed", "hf_llama", "hf_bert"] and s["missing"] == ["timm_vit"]
+    expect = math.exp((math.log(2.5 / 1.1) + math.log(12.5 / 9.0) + math.log(8.4 / 8.5)) / 3)
+    assert math.isclose(s["geomean_advisor"], expect)
+    met = [x["met"] for x in s["targets"]]
+    assert met[0] is True  # advisor geomean above compile's here
+    assert met[1] is False and "hf_bert" in s["targets"][1]["detail"]  # slower than eager: said so
+    assert met[2] is False and "1.39" in s["targets"][2]["detail"]  # Llama below 1.5x
+    assert met[3] is False and "hf_llama 2.5 s" in s["targets"][3]["detail"]
+    assert met[4] is True and "0 kept of 1 patched" in s["targets"][4]["detail"]
+    assert met[5] is False and "hf_llama c1 0.52x" in s["targets"][5]["detail"]
+    doc = {"host": {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11"}, "summary": s, "timing_meaningful": True,
+           "workloads": results, "quick": False, "generated": "now", "command": "python bench/suite.py",
+           "budget_s": 560, "top": 8, "iters": 30, "wall_s": 500}
+    md = suite.markdown(doc)
+    assert "**geometric mean** (3 workloads)" in md and f"**{expect:.2f}×**" in md
+    assert "| no workload slower than eager | **no** |" in md
+    assert "2.27×" in md  # seed 2.5 / 1.1
+    assert "0.52 (off)" in md and "not installed" in md
+    tail = suite.tail_table(doc)
+    assert "geomean" in tail and "target MISSED: Llama >= 1.5x over eager" in tail
