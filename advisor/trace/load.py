@@ -120,13 +120,15 @@ def gc_paused():
             gc.enable()
 
 
-def load_trace(path: Path, et: Path | None = None) -> Trace:
+def load_trace(path: Path, et: Path | None = None, stream: bool = True) -> Trace:
+    """stream=False parses each file whole (json.load style) instead: the reference the tests hold the
+    streaming parser to."""
     files = resolve_files(path, et)
     meta = read_json(files.meta, "meta file") if files.meta else {}
     with gc_paused():
-        worker = _start_et_worker(files.et)
+        worker = _start_et_worker(files.et) if stream else None
         try:
-            ops, kernels, runtime, modules, props = _kineto(files.kineto)
+            ops, kernels, runtime, modules, props = _kineto(files.kineto, stream)
             if len(ops) == 0 and len(kernels) == 0:
                 raise AdvisorError(f"{files.kineto} has no cpu_op or kernel events: nothing to analyse")
         except BaseException:
@@ -137,16 +139,18 @@ def load_trace(path: Path, et: Path | None = None) -> Trace:
         if worker is not None:
             et_nodes, et_args = _finish_et_worker(worker, files.et)
         else:
-            et_nodes, et_args = _et(files.et) if files.et else (et_mod.node_table().frame(), et_mod.EtArgs())
+            et_nodes, et_args = _et(files.et, stream) if files.et else (et_mod.node_table().frame(), et_mod.EtArgs())
     return Trace(files, meta if isinstance(meta, dict) else {}, ops, kernels, runtime, modules, et_nodes, et_args,
                  props or [])
 
 
 # ----------------------------------------------------------------------------------------- Kineto
-def _kineto(path: Path):
+def _kineto(path: Path, stream: bool = True):
     what = "Kineto trace"
     tables = kineto.tables()
     try:
+        if not stream:
+            raise NotTorchLayout(what)
         chunks, rest = stream_array(path, what, "traceEvents", b"  ")
     except NotTorchLayout:
         doc = _parse(read_bytes(path, what), path, what)
@@ -219,11 +223,13 @@ def _finish_et_worker(worker: subprocess.Popen, path: Path) -> tuple[pd.DataFram
     return result
 
 
-def _et(path: Path) -> tuple[pd.DataFrame, et_mod.EtArgs]:
+def _et(path: Path, stream: bool = True) -> tuple[pd.DataFrame, et_mod.EtArgs]:
     what = "execution trace"
     table = et_mod.node_table()
     builder = et_mod.Builder(loads)
     try:
+        if not stream:
+            raise NotTorchLayout(what)
         chunks, _ = stream_array(path, what, "nodes", b"      ")
     except NotTorchLayout:
         doc = _parse(read_bytes(path, what), path, what)

@@ -37,8 +37,9 @@ def read_bytes(path: Path, what: str) -> bytes:
     return b"".join(raw_blocks(path, what))
 
 
-def raw_blocks(path: Path, what: str, size: int = BLOCK) -> Iterator[bytes]:
+def raw_blocks(path: Path, what: str, size: int | None = None) -> Iterator[bytes]:
     """The file's bytes in blocks, gunzipped on a background thread; AdvisorError for unreadable or corrupt files."""
+    size = size or BLOCK
     try:
         f = open(path, "rb", buffering=0)  # unbuffered: no buffer lock for a daemon thread to hold at exit
     except OSError as e:
