@@ -145,6 +145,8 @@ def apply(
     iters: int = typer.Option(20, "--iters", help="Timed iterations (after warm-up) of the steady state."),
     replacement: str = typer.Option("kernel", "--replacement", help="kernel (generated Triton) | program | "
                                     "subgraph (stand-ins that replay the original ops: checks the patcher)."),
+    granularity: str = typer.Option("pattern", "--granularity", help="Modules captured: pattern (the one "
+                                    "containing all of a pattern's occurrences) | occurrence (each) | root (the model)."),
 ):
     """Profile, analyse, generate, validate, patch and benchmark SCRIPT; writes OUT/apply.json.
 
@@ -155,7 +157,7 @@ def apply(
     from advisor.patch.apply import apply_script
 
     apply_script(script, list(ctx.args), out, top=top, device=device, region=region, replacement=replacement,
-                 iters=iters)
+                 iters=iters, granularity=granularity)
 
 
 def main(argv: List[str] | None = None) -> None:

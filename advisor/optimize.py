@@ -57,7 +57,7 @@ def describe_timing(e2e: dict) -> str:
 
 def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
-             granularity: str = "occurrence") -> OptimizeReport:
+             granularity: str = "pattern") -> OptimizeReport:
     from advisor.analyze.api import analyze
     from advisor.bench.trace import profile_calls
     from advisor.patch import build_plan, occurrence_modules, patch, unpatch

@@ -91,9 +91,9 @@ def launched(h, key: str) -> int:
     return sum(site.stats["launched"] for site in h.site_objects(key))
 
 
-def plan_for(analysis, titles, replacement, **kw):
+def plan_for(analysis, titles, replacement, granularity="occurrence", **kw):
     specs = [spec_from_candidate(c, replacement, **kw) for c in pick(analysis, titles)]
-    return build_plan(specs, analysis.doc, occurrence_modules(analysis)), specs
+    return build_plan(specs, analysis.doc, occurrence_modules(analysis), granularity), specs
 
 
 @pytest.mark.parametrize("replacement", ["subgraph", "program"])
@@ -114,6 +114,25 @@ def test_stand_in_replacement_is_bit_identical(analyses, name, group, replacemen
     assert torch.equal(out, ref)
     assert unpatch(model) == len(h.modules)
     assert torch.equal(run(model, kw, x), ref)
+
+
+@pytest.mark.parametrize("granularity, modules", [
+    ("occurrence", ["embeddings", "encoder.layer.0.attention.output", "encoder.layer.0.output",
+                    "encoder.layer.1.attention.output", "encoder.layer.1.output"]),
+    ("pattern", ["embeddings", "encoder"]),
+    ("root", [""]),
+])
+def test_granularity_chooses_the_captured_modules(analyses, granularity, modules):
+    model, kw = tiny("bert")
+    x = inputs("bert")
+    ref = run(model, kw, x)
+    plan, specs = plan_for(analyses["bert"], ["Residual add + LayerNorm"], "program", granularity)
+    h = patch(model, plan)
+    assert sorted(q for q, _ in patched_modules(model)) == modules
+    run(model, kw, x)
+    before = {s.key: launched(h, s.key) for s in specs}
+    assert torch.equal(run(model, kw, x), ref)
+    assert sum(launched(h, s.key) - before[s.key] for s in specs) == 5  # 4 in the layers, 1 in the embeddings
 
 
 def test_unpatch_restores_forward_and_state(analyses):

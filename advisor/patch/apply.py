@@ -76,7 +76,7 @@ class Handles:
 
 
 def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str = "auto", region: str | None = None,
-                 replacement: str = "kernel", iters: int = 20, console=None) -> dict:
+                 replacement: str = "kernel", iters: int = 20, granularity: str = "pattern", console=None) -> dict:
     from rich.console import Console
 
     from advisor.analyze.api import analyze
@@ -94,7 +94,7 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
         analysis.to_json(out / "analysis.json")
     with console.status(f"generating and validating kernels for the top {top} candidates …"):
         specs, records = kernel_specs(analysis.doc, top, replacement, out, dev)
-    plan = build_plan(specs, analysis.doc, occurrence_modules(analysis))
+    plan = build_plan(specs, analysis.doc, occurrence_modules(analysis), granularity)
     session = Session(plan)
     args = list(args)
     if args and args[0] == "--":
