@@ -798,7 +798,7 @@ def errors_vs(ref, out) -> dict:
     mismatch = int((~both & ~same_nonfinite).sum())
     del fr, fo, same_nonfinite
     d = (o.float() - r.float()).masked_fill_(~both, 0).abs_()
-    rb = r.float().masked_fill_(~both, 0)
+    rb = r.float().masked_fill(~both, 0)  # (not in place: .float() of a float32 tensor is that tensor)
     scale = float(rb.abs().max()) if rb.numel() else 0.0
     max_abs = float(d.max()) if d.numel() else 0.0
     nr = float(torch.linalg.vector_norm(rb, dtype=torch.float64)) if rb.numel() else 0.0

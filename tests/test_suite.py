@@ -158,6 +158,7 @@ def test_gpu_slug():
 def test_errors_vs_handles_infinities_and_scale():
     ref = torch.tensor([float("-inf"), 1.0, -4.0, 2.0])
     assert suite.errors_vs(ref, ref.clone())["max_rel_err"] == 0.0
+    assert ref[0] == float("-inf")  # the reference is never written to
     e = suite.errors_vs(ref, torch.tensor([float("-inf"), 1.0, -4.0, 2.04]))
     assert math.isclose(e["max_rel_err"], 0.01, rel_tol=1e-4) and e["nonfinite_mismatch"] == 0
     assert suite.errors_vs(ref, torch.tensor([0.0, 1.0, -4.0, 2.0]))["nonfinite_mismatch"] == 1
