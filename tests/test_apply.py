@@ -130,3 +130,20 @@ def test_apply_cli(tmp_path):
     assert doc["manifest"][0]["module"] == "Seed" and doc["manifest"][0]["class"] == "Seed"
     assert doc["checks"][0]["bit_identical"]
     assert "timing not meaningful" in r.stdout
+
+
+def test_region_timing_reruns_the_script(tmp_path):
+    """With an advisor.region steady state the script is re-run and each region occurrence timed."""
+    from advisor.patch.apply import _script_timing
+
+    script = tmp_path / "regions.py"
+    script.write_text("import torch, advisor\n"
+                      "x = torch.randn(256)\n"
+                      "for _ in range(4):\n"
+                      "    with advisor.region('step'):\n"
+                      "        torch.log(torch.relu(x) + 1)\n")
+    t = _script_timing(script, [], "cpu", {"source": "region", "name": "step"}, None, iters=6)
+    assert t["iters"] >= 6 and t["median_ms"] > 0 and t["method"] == "perf_counter per region"
+    import advisor
+
+    assert advisor.region.__module__ == "advisor.collect.region"  # put back

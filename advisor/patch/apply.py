@@ -145,12 +145,12 @@ def _script_timing(script, args, dev, steady, plan, iters: int, max_runs: int = 
     name = steady.get("name") if steady.get("source") == "region" else None
     samples: list[float] = []
     for _ in range(max_runs if name else 3):
-        timer = _RegionTimer(name) if name else None
+        timer = _RegionTimer(name, dev) if name else None
         session = Session(plan, compare_calls=0) if plan is not None else None
         t0 = time.perf_counter()
         with (intercept_roots(session) if session else contextlib.nullcontext()), (timer or contextlib.nullcontext()):
             run_script(script, args, dev)
-        torch.cuda.synchronize()
+        _sync(dev)
         wall = (time.perf_counter() - t0) * 1e3
         if session:
             session.close()
@@ -159,15 +159,27 @@ def _script_timing(script, args, dev, steady, plan, iters: int, max_runs: int = 
             break
     if not samples:
         return {"median_ms": None, "iters": 0, "method": "none"}
-    return {"median_ms": round(statistics.median(samples), 4), "iters": len(samples),
-            "method": "cuda_events per region" if name else "wall clock per script run"}
+    method = ("cuda_events" if dev == "cuda" else "perf_counter") + " per region" if name else "wall clock per script run"
+    return {"median_ms": round(statistics.median(samples), 4), "iters": len(samples), "method": method}
+
+
+def _sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
 
 
 class _RegionTimer:
-    """Times `advisor.region(NAME)` occurrences with CUDA events while installed."""
+    """Times `advisor.region(NAME)` occurrences (CUDA events on a GPU) while installed."""
 
-    def __init__(self, name: str):
-        self.name, self.events = name, []
+    def __init__(self, name: str, dev: str):
+        self.name, self.dev, self.spans = name, dev, []
+
+    def _mark(self):
+        if self.dev == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
 
     def __enter__(self):
         import advisor
@@ -182,12 +194,11 @@ class _RegionTimer:
                 with orig(name):
                     yield
                 return
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with orig(name):
-                start.record()
+                start = timer._mark()
                 yield
-                end.record()
-            timer.events.append((start, end))
+                end = timer._mark()
+            timer.spans.append((start, end))
 
         region_mod.region = advisor.region = region
         return self
@@ -200,8 +211,10 @@ class _RegionTimer:
         return False
 
     def samples(self) -> list[float]:
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in self.events]
+        _sync(self.dev)
+        if self.dev == "cuda":
+            return [s.elapsed_time(e) for s, e in self.spans]
+        return [(e - s) * 1e3 for s, e in self.spans]
 
 
 def print_summary(console, doc: dict, out: Path) -> None:
