@@ -143,3 +143,24 @@ def test_synthetic_copies_multiply_the_candidates(synthetic):
                 assert c[f] == copies * b[f], (c["title"], f)
             if base is one:  # the same iteration repeated: times add up too
                 assert c["measured_time_us"] == pytest.approx(3 * b["measured_time_us"], rel=1e-9)
+
+
+def test_profile_calls_stops_the_profiler_early(tmp_path):
+    # FUSION_ADVISOR_PROFILE_CALLS / profile_calls: only the first n outermost module calls are profiled.
+    from advisor.collect.runner import profile_script
+
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return torch.relu(x + 1).exp()\n"
+        "m, x = M(), torch.randn(256)\n"
+        "for _ in range(8):\n"
+        "    m(x)\n"
+    )
+    meta = profile_script(script, [], out_dir=tmp_path / "out", device="cpu", profile_calls=3)
+    assert meta["complete"] and meta["profile_calls"] == 3
+    assert meta["steady_state"]["found"] == 3 and len(meta["steady_state"]["iterations"]) == 2
+    (c,) = analyze(tmp_path / "out").doc["candidates"]
+    assert c["ops"] == ["aten::add", "aten::relu", "aten::exp"] and c["occurrences"] == 1
