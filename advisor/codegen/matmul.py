@@ -105,7 +105,7 @@ def read_anchored(program: dict) -> Anchored:
         elif name in REDUCE_KINDS and _leading_reduction(spec):
             op = _read_reduction(ctx, spec)
         else:
-            op = _read_op(p, spec)
+            op = _read_epilogue_op(ctx, spec)
         p.ops.append(op)
     p.outputs = [p.values[v] for v in program["outputs"]]
     p.returned = len(p.outputs)
@@ -118,6 +118,20 @@ def read_anchored(program: dict) -> Anchored:
     if not ctx.anchors:
         raise Unsupported("no matmul anchor in the program")
     return ctx
+
+
+def _read_epilogue_op(ctx: Anchored, spec: dict) -> Op:
+    """An op after the anchor, read by the generator's reader; a view of the matmul output it cannot
+    express (a slice or split of the columns: a rotary embedding's rotate-half) says so."""
+    try:
+        return _read_op(ctx.prog, spec)
+    except Unsupported as e:
+        outs = {a.op.outputs[0].id for a in ctx.anchors.values()}
+        refs = [r.get("ref") for arg in spec["args"] for r in ([arg] if "ref" in arg else arg.get("list", []))]
+        if any(r in outs for r in refs) and "view" in str(e):
+            raise Unsupported(f"the epilogue reads the matmul output through a view that is not elementwise "
+                              f"(a slice or split of its columns, e.g. rotary embeddings): {e}") from None
+        raise
 
 
 def _args(p: Program, spec: dict):
@@ -849,3 +863,20 @@ def saved_memory(ctx: Anchored, kind: str) -> tuple[int, str]:
             "epilogue": "the matmul output"}[kind]
     return total, (f"{what} ({big / 1e6:.2f} MB at the recorded shapes) and the other intermediates "
                    f"({(total - big) / 1e6:.2f} MB) are never allocated")
+
+
+def validate_alternatives(gen: AnchoredGenerated, module) -> dict:
+    """{name: {validated, reason, rel_l2}} for each `run_<name>` in the module, through the same validation."""
+    import types
+
+    from advisor.validate import validate
+
+    out = {}
+    for alt in gen.alternatives:
+        shim = types.SimpleNamespace(run=getattr(module, f"run_{alt}"), _empty=module._empty)
+        try:
+            v = validate(gen, shim)
+            out[alt] = {"validated": v.validated, "reason": v.reason, "rel_l2": (v.errors or {}).get("rel_l2")}
+        except Exception as e:  # an alternative failing must not cost the kernel its result
+            out[alt] = {"validated": False, "reason": f"{type(e).__name__}: {e}"[:300], "rel_l2": None}
+    return out
