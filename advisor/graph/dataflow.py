@@ -166,48 +166,47 @@ def build_graph(trace: Trace) -> Graph:
 
 def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels: KernelIndex):
     c = choose(trace, ops["iteration"].to_numpy(), kernels)
-    chosen = np.flatnonzero(c.node)
-    spans = _kernel_spans(c, chosen, kernels)
-    ts, dur, it = ops["ts"].to_numpy(), ops["dur"].to_numpy(), ops["iteration"].to_numpy()
+    spans = _kernel_spans(c, kernels)
+    rows_ = c.row
+    ts, dur, it = ops["ts"].to_numpy()[rows_].tolist(), ops["dur"].to_numpy()[rows_].tolist(), \
+        ops["iteration"].to_numpy()[rows_].tolist()
+    mods = modules[rows_].tolist()
     templates = [_static_rows(rows) for rows in trace.et.templates]
     tids, sids = trace.et.tensor_ids, trace.et.storage_ids
     nodes: list[Node] = []
     values: list[Value] = []
     last_writer: dict[int, int] = {}
-    for idx, (e, (names, k_ts, k_dur)) in enumerate(zip(chosen.tolist(), spans)):
-        r, code = int(c.row[e]), int(c.code[e])
-        info = c.info[code]
-        node = Node(idx, int(c.ids[e]), int(c.rf[e]), c.names[e], c.cls[code], c.schemas[e], float(ts[r]), float(dur[r]),
-                    int(it[r]), modules[r], inplace=bool(info and info.inplace))
+    ends: list[int] = []  # per value: offset + extent of what its producer wrote (what a later read must fit in)
+    for idx, (et_id, rf, op, cls, schema, inplace, tpl, t0) in enumerate(zip(
+            c.ids.tolist(), c.rf.tolist(), c.names, c.cls, c.schemas, c.inplace, c.tpl.tolist(), c.t0.tolist())):
+        node = Node(idx, et_id, rf, op, cls, schema, ts[idx], dur[idx], it[idx], mods[idx], inplace=inplace)
+        names, k_ts, k_dur = spans[idx]
         if names:
             node.kernels = names
             node.kernel_spans = list(zip(names, k_ts, k_dur))
             node.kernel_us = reduce(add, k_dur, 0.0)  # in charge order, like += one kernel at a time
         nodes.append(node)
-        rows = templates[c.tpl[e]]
+        rows = templates[tpl]
         if rows:
-            t0 = int(c.t0[e])
             n = rows[-1][0]  # tensor ids this node's template uses
-            _resolve_args(node, rows, tids[t0:t0 + n].tolist(), sids[t0:t0 + n].tolist(), values, last_writer)
+            _resolve_args(node, rows, tids[t0:t0 + n].tolist(), sids[t0:t0 + n].tolist(), values, last_writer, ends)
     return nodes, values
 
 
-def _kernel_spans(c, chosen: np.ndarray, kernels: KernelIndex) -> list[tuple[list, list, list]]:
+def _kernel_spans(c, kernels: KernelIndex) -> list[tuple[list, list, list]]:
     """(names, ts, durs) of the kernels each chosen node owns: its own op's, then those of the ops it
     swallowed in id order (each op's kernels in trace order)."""
-    charged = np.flatnonzero((c.owner >= 0) & (c.row >= 0))
-    empty = [([], [], [])] * len(chosen)
-    if not len(charged) or not len(kernels.rows):
-        return empty
-    lo, hi = kernels.bounds(c.ext[charged])
+    n_nodes = len(c.ids)
+    if not len(c.charged_ext) or not len(kernels.rows):
+        return [((), (), ())] * n_nodes
+    lo, hi = kernels.bounds(c.charged_ext)
     n = hi - lo
-    rep = np.repeat(np.arange(len(charged)), n)
+    rep = np.repeat(np.arange(len(n)), n)
     krow = kernels.rows[np.repeat(lo, n) + np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)]
-    owner = c.owner[charged][rep]
-    order = np.argsort(owner, kind="stable")  # by owning node; within it in id order, then trace order
-    owner, krow = owner[order], krow[order]
-    node_of = np.searchsorted(chosen, owner)
-    bounds = np.searchsorted(node_of, np.arange(len(chosen) + 1))
+    node_of = c.charged_owner[rep]
+    order = np.argsort(node_of, kind="stable")  # by owning node; within it in id order, then trace order
+    node_of, krow = node_of[order], krow[order]
+    bounds = np.searchsorted(node_of, np.arange(n_nodes + 1))
     names, ts, dur = kernels.names[krow].tolist(), kernels.ts[krow].tolist(), kernels.dur[krow].tolist()
     return [(names[a:b], ts[a:b], dur[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
@@ -228,7 +227,8 @@ def _static_rows(rows) -> list:
     return out
 
 
-def _resolve_args(node: Node, rows: list, tids: list, sids: list, values: list[Value], last_writer: dict) -> None:
+def _resolve_args(node: Node, rows: list, tids: list, sids: list, values: list[Value], last_writer: dict,
+                  ends: list) -> None:
     list_arg: tuple[int, list] | None = None  # (pos, value ids) of a tensor-list argument being read
     for is_in, slot, pos, sub, value, tid, sid, offset, shape, strides, dtype, nbytes, extent in rows[:-1]:
         if slot >= 0:
@@ -238,7 +238,7 @@ def _resolve_args(node: Node, rows: list, tids: list, sids: list, values: list[V
             if not is_tensor:
                 node.args.append(("s", value))
                 continue
-            vid = _read(values, last_writer, sid, tid, offset, shape, strides, dtype, nbytes, extent)
+            vid = _read(values, last_writer, ends, sid, tid, offset, shape, strides, dtype, nbytes, extent)
             node.reads.append(Use(vid, pos, nbytes, shape, strides, dtype, offset))
             if sub >= 0:
                 if list_arg is None or list_arg[0] != pos:
@@ -250,18 +250,21 @@ def _resolve_args(node: Node, rows: list, tids: list, sids: list, values: list[V
         elif is_tensor:
             vid = len(values)
             values.append(Value(vid, sid, node.idx, shape, strides, dtype, nbytes, offset=offset))
+            ends.append(offset + extent)
             last_writer[sid] = vid
             node.writes.append(Use(vid, pos, nbytes, shape, strides, dtype, offset))
 
 
-def _read(values: list[Value], last_writer: dict, sid, tid, offset, shape, strides, dtype, nbytes, extent) -> int:
+def _read(values: list[Value], last_writer: dict, ends: list, sid, tid, offset, shape, strides, dtype, nbytes,
+          extent) -> int:
     """The value a tensor argument reads: the storage's last writer, or a new outside tensor."""
     vid = last_writer.get(sid)
-    if vid is not None and not _fits(values[vid], tid, offset, shape, dtype, extent):
+    if vid is not None and not _fits(values[vid], ends[vid], tid, offset, shape, dtype, extent):
         vid = None  # a stale id: the address was freed and reused by an unrecorded allocation
     if vid is None:
         vid = len(values)
         values.append(Value(vid, sid, -1, shape, strides, dtype, nbytes, offset=offset, tensor_id=tid))
+        ends.append(0)  # not used: an outside tensor is matched by shape or tensor id, not by range
         last_writer[sid] = vid
     elif values[vid].producer < 0 and nbytes > values[vid].bytes:
         values[vid].bytes = nbytes  # several views of one outside tensor: read once, at its widest
@@ -275,7 +278,7 @@ def _extent(shape, strides) -> int:
     return 1 + sum((d - 1) * abs(st) for d, st in zip(shape, strides) if d > 0)
 
 
-def _fits(written: Value, tid: int, offset: int, shape: tuple, dtype: str, extent: int) -> bool:
+def _fits(written: Value, end: int, tid: int, offset: int, shape: tuple, dtype: str, extent: int) -> bool:
     if dtype != written.dtype:
         return False
     if written.producer < 0:
@@ -284,5 +287,4 @@ def _fits(written: Value, tid: int, offset: int, shape: tuple, dtype: str, exten
         return bool(shape) or tid == written.tensor_id
     if not shape and written.shape:
         return False
-    lo, hi = written.offset, written.offset + _extent(written.shape, written.strides)
-    return lo <= offset and offset + extent <= hi
+    return written.offset <= offset and offset + extent <= end

@@ -26,48 +26,48 @@ SCOPE, UNKNOWN_ATEN, UNKNOWN_OP, SEE_THROUGH, WORK = range(5)
 
 @dataclass
 class Choice:
-    """ET ops sorted by id; `node` marks graph nodes, `owner` the node that swallowed each op (or -1)."""
+    """The chosen graph nodes in id order (one entry each), and the ops whose kernels they own."""
 
     ids: np.ndarray
     rf: np.ndarray
-    row: np.ndarray  # Kineto op row of each ET op (-1: none recorded)
-    ext: np.ndarray  # its External id (the key of the kernels it launched)
-    names: np.ndarray
-    schemas: np.ndarray
+    row: np.ndarray  # Kineto op row of each node
+    names: list
+    schemas: list
     tpl: np.ndarray
     t0: np.ndarray
-    cls: list  # OpClass per distinct name code, for nodes
-    info: list  # OpInfo (or None) per distinct name code
-    code: np.ndarray  # name code per ET op
-    node: np.ndarray
-    owner: np.ndarray
+    cls: list  # OpClass per node
+    inplace: list  # bool per node
+    charged_owner: np.ndarray  # per op that charges kernels (in id order): index of its node in the lists above
+    charged_ext: np.ndarray  # ... and its External id
 
 
 def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
     en = trace.et_nodes
     order = np.argsort(en["id"].to_numpy(), kind="stable")
     ids, parents = en["id"].to_numpy()[order], en["parent"].to_numpy()[order]
-    rfs = en["rf_id"].to_numpy()[order]
     code = en["name"].cat.codes.to_numpy()[order]
     cats = [str(c) for c in en["name"].cat.categories]
-    row = _op_rows(trace.ops["rf_id"].to_numpy(), rfs)
+    row = _op_rows(trace.ops["rf_id"].to_numpy(), en["rf_id"].to_numpy()[order])
     ext = np.where(row >= 0, trace.ops["ext_id"].to_numpy()[np.maximum(row, 0)], -1)
     direct = kernels.count(ext) > 0 if trace.has_gpu else np.zeros(len(ids), dtype=bool)
     # A parent counts only if the id-order walk met it first (a smaller id): the root is its own parent.
     at = np.clip(np.searchsorted(ids, parents), 0, max(len(ids) - 1, 0))
     pidx = np.where((ids[at] == parents) & (parents < ids), at, -1) if len(ids) else at
+    del at
 
     infos = [lookup(c) for c in cats]
     verdict = np.array([_verdict(c, i) for c, i in zip(cats, infos)] + [SCOPE], dtype=np.int8)[code]
     has_child = np.isin(ids, parents)
-    work = ((verdict == WORK) | (verdict == UNKNOWN_OP) | ((verdict == SEE_THROUGH) & direct)
-            | ((verdict == UNKNOWN_ATEN) & ~(has_child & ~direct)))
-    in_window = row >= 0
-    in_window[in_window] = iteration[row[in_window]] >= 0
-    ok = in_window & work
+    ok = ((verdict == WORK) | (verdict == UNKNOWN_OP) | ((verdict == SEE_THROUGH) & direct)
+          | ((verdict == UNKNOWN_ATEN) & ~(has_child & ~direct)))
+    del has_child
+    ok &= row >= 0
+    ok[ok] = iteration[row[ok]] >= 0  # ran inside a steady-state window
     if trace.has_gpu:
         ok &= _launched(ids, parents, pidx, direct)
-    ok &= ~_aliases(ok, verdict, code, infos, en["tpl"].to_numpy()[order], en["t0"].to_numpy()[order], trace.et)
+    del direct, parents
+    tpl, t0 = en["tpl"].to_numpy()[order], en["t0"].to_numpy()[order]
+    ok &= ~_aliases(ok, verdict, code, infos, tpl, t0, trace.et)
 
     node = np.zeros(len(ids), dtype=bool)
     owner = np.full(len(ids), -1, dtype=np.int64)
@@ -77,11 +77,16 @@ def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
         mine = (inherited < 0) & ok[level]
         node[level] = mine
         owner[level] = np.where(inherited >= 0, inherited, np.where(mine, level, -1))
+    chosen = np.flatnonzero(node)
+    charged = np.flatnonzero((owner >= 0) & (row >= 0))  # a node's own op and every op it swallowed
     cls = [(i.cls if i.cls not in TRANSPARENT else OpClass.DATA_MOVEMENT) if i else OpClass.OTHER for i in infos]
-    schemas = as_strings(en["schema"])[order]
-    names = np.array(cats + [""], dtype=object)[code]
-    return Choice(ids, rfs, row, ext, names, schemas, en["tpl"].to_numpy()[order], en["t0"].to_numpy()[order], cls, infos,
-                  code, node, owner)
+    c = code[chosen]
+    schema = en["schema"].array
+    schemas = np.array([str(x) for x in schema.categories] + [""], dtype=object)[schema.codes[order[chosen]]]
+    return Choice(ids[chosen], en["rf_id"].to_numpy()[order[chosen]], row[chosen],
+                  [cats[i] for i in c], schemas.tolist(), tpl[chosen], t0[chosen], [cls[i] for i in c],
+                  [bool(infos[i] and infos[i].inplace) for i in c], np.searchsorted(chosen, owner[charged]),
+                  ext[charged])
 
 
 def _verdict(name: str, info) -> int:

@@ -5,6 +5,12 @@ import numpy as np
 import pandas as pd
 
 
+def objects(values) -> np.ndarray:
+    """A 1-d object array of these values, lists kept whole (plain assignment could broadcast them)."""
+    values = list(values)
+    return np.fromiter(values, dtype=object, count=len(values))
+
+
 class Interner:
     """str -> small int code, in order of first appearance; `categorical` sorts the categories like pandas."""
 
@@ -51,9 +57,7 @@ class Table:
             if kind == "cat":
                 v = v if isinstance(v, np.ndarray) else self.interners[c].codes(v)
             elif kind == "obj":
-                a = np.empty(len(v), dtype=object)
-                a[:] = v
-                v = a
+                v = v if isinstance(v, np.ndarray) else objects(v)
             else:
                 v = np.asarray(v, dtype={"f8": np.float64, "i8": np.int64, "i4": np.int32}[kind])
             self.parts[c].append(v)

@@ -17,7 +17,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from advisor.trace.columns import Table
+from advisor.trace.columns import Table, objects
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
@@ -34,6 +34,7 @@ EVENT = re.compile(
 OP_ARGS = re.compile(
     rb'^"External id": (-?\d+),(?:"Sequence number": (-?\d+), "Fwd thread id": -?\d+, )?'
     rb'(?:"Record function id": (-?\d+))?(?:, )?(?:(?:(.*), |)"Ev Idx": -?\d+|(.*))$', re.M)
+LAUNCH_ARGS = re.compile(rb'^(?:"External id": (-?\d+),)?(.*?)"correlation": (-?\d+)(.*)$', re.M)
 FRAME_OF = {**{c.encode(): "ops" for c in OP_CATS}, **{c.encode(): "kernels" for c in GPU_CATS},
             **{c.encode(): "runtime" for c in RUNTIME_CATS}, b"python_function": "modules"}
 ID_KEYS = {"External id", "Record function id", "Sequence number", "Fwd thread id", "Ev Idx"}
@@ -68,14 +69,16 @@ class FastParser:
         self.loads = loads
         self.sig_code: dict[bytes, int] = {}
         self.sigs: list[tuple] = []  # (dims, types, concrete) per signature
+        self.launch_code: dict[bytes, object] = {}  # kernel/runtime args less their ids -> stream
 
     def chunk(self, chunk: bytes, t: dict[str, Table]) -> None:
         """Add a chunk's events to the tables, or raise Mismatch having added nothing."""
         rows: dict[str, list] = {"ops": [], "kernels": [], "runtime": [], "modules": []}
+        append = {cat: rows[key].append for cat, key in FRAME_OF.items()}
         for m in EVENT.findall(chunk):
-            if not m[3]:
-                raise Mismatch("event not in torch's layout")
-            rows[FRAME_OF[m[0]]].append(m)
+            append[m[0]](m)
+        if any(not m[3] for r in rows.values() for m in r):
+            raise Mismatch("event not in torch's layout")
         staged = [(key, self._ops(r, t[key]) if key == "ops" else self._with_args(key, r, t[key]))
                   for key, r in rows.items() if r]
         for key, cols in staged:
@@ -102,12 +105,10 @@ class FastParser:
                 self._new_sig(s)
             sig = [code[a or b] for a, b in zip(sig_a, sig_b)]
         sig = np.array(sig, dtype=np.int64)
-        table = np.empty((len(self.sigs), 3), dtype=object)
-        table[:] = self.sigs
         cols.update(ext_id=np.fromiter(map(int, ext), np.int64, len(rows)),
                     rf_id=np.array([int(r) if r else 0 for r in rf], dtype=np.int64),
                     seq=np.array([int(s) if s else -1 for s in seq], dtype=np.int64),
-                    dims=table[sig, 0], types=table[sig, 1], concrete=table[sig, 2])
+                    **{c: objects(s[j] for s in self.sigs)[sig] for j, c in enumerate(("dims", "types", "concrete"))})
         return cols
 
     def _new_sig(self, s: bytes) -> None:
@@ -119,8 +120,28 @@ class FastParser:
 
     def _with_args(self, key: str, rows: list, table: Table) -> dict:
         cols, args = self._base(rows, table)
-        dicts = self.loads(b"[{" + b"},{".join(args) + b"}]")
-        cols.update(arg_columns(key, dicts))
+        if key == "modules":  # rare (nn.Module python frames): parse their args whole
+            cols.update(arg_columns(key, self.loads(b"[{" + b"},{".join(args) + b"}]")))
+            return cols
+        # Kernel and runtime args: External id and correlation change every event, the rest (stream,
+        # grid, block, ...) repeats per kernel: the rest is parsed once per distinct value.
+        parsed = LAUNCH_ARGS.findall(b"\n".join(args))
+        if len(parsed) != len(rows):
+            raise Mismatch("launch args not in torch's layout")
+        ext, mid, corr, tail = zip(*parsed)
+        keys = [a + b"\0" + b for a, b in zip(mid, tail)]
+        code = self.launch_code
+        if any(k not in code for k in keys):
+            for k in set(keys) - code.keys():
+                a, b = k.split(b"\0")
+                if b'"External id"' in k or b'"correlation"' in k:
+                    raise Mismatch("launch args repeat an id")
+                code[k] = self.loads(b"{" + a + b'"correlation": 0' + b + b"}").get("stream", -1)
+        n = len(rows)
+        cols.update(ext_id=np.array([int(e) if e else -1 for e in ext], dtype=np.int64),
+                    correlation=np.fromiter(map(int, corr), np.int64, n))
+        if key == "kernels":
+            cols["stream"] = _ints([{"stream": code[k]} for k in keys], "stream")
         return cols
 
     def decode(self, raw: bytes) -> str:

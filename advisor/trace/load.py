@@ -110,13 +110,17 @@ def _parse(raw: bytes, path: Path, what: str):
 @contextmanager
 def gc_paused():
     """No cyclic GC while millions of objects are made: each collection would walk them all, for nothing
-    (nothing here makes cycles), and re-walks grow with the heap: quadratic in the trace size."""
+    (nothing here makes cycles). On the way out they go straight to the oldest generation (freeze then
+    unfreeze), or the first young-generation collection after re-enabling would walk them all at once."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was:
+            if not gc.get_freeze_count():  # leave a caller's own frozen objects alone
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
