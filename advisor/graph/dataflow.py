@@ -64,6 +64,7 @@ class Node:
     # Positional inputs: ("t", value id) | ("tl", [value ids]) for tensor lists | ("s", scalar)
     args: list = field(default_factory=list)
     inplace: bool = False
+    _bytes: int = field(default=-1, repr=False, compare=False)  # `bytes`, once reads and writes are final
 
     @property
     def time_us(self) -> float:
@@ -72,7 +73,10 @@ class Node:
 
     @property
     def bytes(self) -> int:
-        return sum(u.bytes for u in self.reads) + sum(u.bytes for u in self.writes)
+        # Asked for again and again by the cost model; the graph never changes once built.
+        if self._bytes < 0:
+            self._bytes = sum(u.bytes for u in self.reads) + sum(u.bytes for u in self.writes)
+        return self._bytes
 
 
 @dataclass(slots=True)
@@ -99,12 +103,14 @@ class Graph:
     unknown_ops: pd.DataFrame  # name, count, time_us
 
     def node_frame(self) -> pd.DataFrame:
+        cls_value = {c: c.value for c in OpClass}  # (an Enum's .value is slow to ask a million times)
+        cols = list(zip(*[(n.idx, n.op, cls_value[n.cls], n.ts, n.time_us, len(n.kernels), n.bytes, n.module,
+                           n.iteration) for n in self.nodes])) or [[]] * 9
+        node, op, cls, ts, time_us, n_kernels, nbytes, module, iteration = cols
         return pd.DataFrame({
-            "node": [n.idx for n in self.nodes], "op": pd.Categorical([n.op for n in self.nodes]),
-            "cls": pd.Categorical([n.cls.value for n in self.nodes]), "ts": [n.ts for n in self.nodes],
-            "time_us": [n.time_us for n in self.nodes], "n_kernels": [len(n.kernels) for n in self.nodes],
-            "bytes": [n.bytes for n in self.nodes], "module": pd.Categorical([n.module for n in self.nodes]),
-            "iteration": [n.iteration for n in self.nodes],
+            "node": list(node), "op": pd.Categorical(op), "cls": pd.Categorical(cls), "ts": list(ts),
+            "time_us": list(time_us), "n_kernels": list(n_kernels), "bytes": list(nbytes),
+            "module": pd.Categorical(module), "iteration": list(iteration),
         })
 
 
