@@ -116,14 +116,15 @@ def attention_source(ctx: Anchored) -> str:
     b.axis_masks = {"rows": ({"i"}, dag.var("row_mask", full=True)), "cols": ({"j"}, dag.var("col_mask", full=True))}
     nb = len(qk.lead) - 1
     bidx = tuple(_unravel(b, pid_b, qk.lead[:nb], list(range(nb)), "b", ""))
-    tile = bidx + (i, j)
+    i_t, j_t = b.axis(i, qk.lead[-1]), b.axis(j, qk.n)  # a size-1 axis (one query: decoding) is index 0
+    tile = bidx + (i_t, j_t)
     b.set_tile(qk, "s", tile)
-    q_ptr, q_off = b.operand_offset(qk.a, bidx + (i, dq))
-    k_ptr, k_off = b.operand_offset(qk.b, tuple(bidx[d] for d in qk.b_batch) + (dk, j))
-    v_ptr, v_off = b.operand_offset(pv.b, tuple(bidx[d] for d in pv.b_batch) + (jv, dv))
+    q_ptr, q_off = b.operand_offset(qk.a, bidx + (i_t, b.axis(dq, qk.k)))
+    k_ptr, k_off = b.operand_offset(qk.b, tuple(bidx[d] for d in qk.b_batch) + (b.axis(dk, qk.k), j_t))
+    v_ptr, v_off = b.operand_offset(pv.b, tuple(bidx[d] for d in pv.b_batch) + (b.axis(jv, qk.n), b.axis(dv, pv.n)))
     score = b.value_at(parts.scores_id, tile)
     out_v = p.outputs[0]
-    out_off = dag.isum([dag.imul(x, b.stride("out0", d)) for d, x in enumerate(bidx + (i, dv))])
+    out_off = dag.isum([dag.imul(x, b.stride("out0", d)) for d, x in enumerate(bidx + (i_t, b.axis(dv, pv.n)))])
     plan = Plan("attention", p, dag, b, [])
     pr = TilePrinter(plan, [q_off, k_off, v_off, score, out_off])
     name = module_name(p).replace("_kernel", "_attention_kernel")
@@ -149,7 +150,7 @@ def attention_source(ctx: Anchored) -> str:
              f"{INDENT}dv = rdv[None, :]  # head dim along V's and the output's columns"]
     done: set = set()
     pr.scope([q_off, k_off, v_off, score], lines, 1, done, lambda x: not pr.depends(x, loop))
-    lines += [f"{INDENT}q = tl.load({q_ptr} + {pr.expr(q_off, 1)}, mask=(i < LQ) & (dq < D), other=0.0)",
+    lines += [f"{INDENT}q = tl.load({q_ptr} + {pr.offset(q_off, ['i', 'dq'])}, mask=(i < LQ) & (dq < D), other=0.0)",
               f"{INDENT}if UPCAST:",
               f"{INDENT * 2}q = q.to(tl.float32)",
               f"{INDENT}m_i = tl.full([BLOCK_M], -float(\"inf\"), tl.float32)  # running max of each row's scores",
@@ -161,7 +162,7 @@ def attention_source(ctx: Anchored) -> str:
               f"{INDENT * 2}j = rj[None, :]  # keys, as a row",
               f"{INDENT * 2}jv = rj[:, None]  # keys along V's rows"]
     pr.scope([k_off], lines, 2, done)
-    lines += [f"{INDENT * 2}kt = tl.load({k_ptr} + {pr.expr(k_off, 1)}, mask=(dk < D) & (j < LK), other=0.0)",
+    lines += [f"{INDENT * 2}kt = tl.load({k_ptr} + {pr.offset(k_off, ['dk', 'j'])}, mask=(dk < D) & (j < LK), other=0.0)",
               f"{INDENT * 2}if UPCAST:",
               f"{INDENT * 3}kt = kt.to(tl.float32)",
               f"{INDENT * 2}s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # q @ k^T for this block, fp32",
@@ -178,11 +179,12 @@ def attention_source(ctx: Anchored) -> str:
               f"{INDENT * 2}p = tl.exp(scores - m_safe[:, None])",
               f"{INDENT * 2}l_i = l_i * alpha + tl.sum(p, 1)"]
     pr.scope([v_off], lines, 2, done)
-    lines += [f"{INDENT * 2}v = tl.load({v_ptr} + {pr.expr(v_off, 1)}, mask=(jv < LK) & (dv < DV), other=0.0)",
-              f"{INDENT * 2}p_v = p.to(v.dtype)  # probabilities in V's dtype for the product, as eager's are",
-              f"{INDENT * 2}if UPCAST:",
-              f"{INDENT * 3}p_v = p_v.to(tl.float32)",
+    lines += [f"{INDENT * 2}v = tl.load({v_ptr} + {pr.offset(v_off, ['jv', 'dv'])}, mask=(jv < LK) & (dv < DV), other=0.0)",
+              f"{INDENT * 2}if UPCAST:  # the interpreter: bf16 rounding as the GPU does it, products in fp32",
+              f"{INDENT * 3}p_v = _round_bf16(p)",
               f"{INDENT * 3}v = v.to(tl.float32)",
+              f"{INDENT * 2}else:",
+              f"{INDENT * 3}p_v = p.to(v.dtype)  # probabilities in V's dtype for the product, as eager's are",
               f"{INDENT * 2}acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)",
               f"{INDENT * 2}m_i = m_new"]
     if parts.safe:
@@ -190,8 +192,11 @@ def attention_source(ctx: Anchored) -> str:
                      "all -inf rows give 0")
     else:
         lines.append(f"{INDENT}out = acc / l_i[:, None]  # a row whose scores are all -inf: 0 / 0 = NaN, as in torch")
+    if out_v.dtype == torch.bfloat16:
+        lines += [f"{INDENT}if UPCAST:  # the interpreter truncates fp32 -> bf16: round to nearest even, as the GPU does",
+                  f"{INDENT * 2}out = _round_bf16(out)"]
     pr.scope([out_off], lines, 1, done)
-    lines.append(f"{INDENT}tl.store(out0_ptr + {pr.expr(out_off, 1)}, out.to({tl_type(out_v.dtype)}), "
+    lines.append(f"{INDENT}tl.store(out0_ptr + {pr.offset(out_off, ['i', 'dv'])}, out.to({tl_type(out_v.dtype)}), "
                  f"mask=(i < LQ) & (dv < DV))")
     kernel = "\n".join(lines) + "\n"
     from advisor.codegen.module import _wrap

@@ -270,8 +270,6 @@ def _read_reshape(ctx: Anchored, spec: dict) -> Op:
     anchor_op = p.values[src.src].op
     anc = ctx.anchors[anchor_op.id]
     target = list(spec["args"][1]["value"])
-    if anc.b_batch:
-        raise Unsupported("a batched matmul's output is read through a reshape")
     m_val, n_val = math.prod(d.value for d in anc.lead), anc.n.value
     split = next((j for j in range(len(target) + 1) if math.prod(target[:j]) == m_val
                   and math.prod(target[j:]) == n_val), None)
@@ -354,27 +352,35 @@ class TileBuilder(Builder):
         self.own: dict = {}  # anchor op id -> the anchor output's own index at the tile's element
         self.axis_masks: dict = {}  # tile axis -> ({var names along it}, its mask var)
 
-    def set_tile(self, anc: Anchor, acc_name: str, idx: tuple) -> Node:
-        """The anchor's accumulator is `acc_name`; the tile's element is `idx` of its output."""
+    def set_tile(self, anc: Anchor, acc_name: str, idx: tuple, given: dict | None = None) -> Node:
+        """The anchor's accumulator is `acc_name`; the tile's element is `idx` of its output (and, for the
+        reshapes in `given`, that index of theirs; the others are derived from idx)."""
         acc = self.dag.add("var", acc_name, dtype=torch.float32, full=True, logical=anc.dtype)
         self.accs[anc.op.id] = acc
         self.own[anc.op.id] = idx
         self.tiles[anc.op.outputs[0].id] = idx
         for vid, (aid, split) in self.ctx.reshapes.items():
             if aid == anc.op.id:
-                self.tiles[vid] = self._reshaped(vid, idx, split)
+                self.tiles[vid] = (given or {}).get(vid) or self._reshaped(vid, idx, split)
         return acc
+
+    def axis(self, var: Node, d: Dim) -> Node:
+        """A tile axis walking dim d: the index 0 when d is a literal 1 (as operand_index reads it)."""
+        return self.dag.lit(0) if self.p.sizes.norm(d).literal and d.value == 1 else var
+
+    def flatten(self, idx: tuple, dims: list) -> Node:
+        """The row-major flat position of `idx` over `dims`."""
+        flat = self.dag.lit(0)
+        for d, i in zip(dims, idx):
+            flat = self.dag.iadd(self.dag.imul(flat, self.size(d)), i)
+        return flat
 
     def _reshaped(self, vid: str, idx: tuple, split: int) -> tuple:
         """The index of a reshape of the anchor output: its row dims from the flat row, its columns from n."""
         v = self.p.values[vid]
         anc = self.ctx.anchors[self.ctx.reshapes[vid][0]]
-        lead = [d for d in anc.lead]
-        m_flat = idx[0] if len(lead) == 1 else None
-        if m_flat is None:  # the rows' own index is several dims: flatten them back (sizes are pinned)
-            m_flat = self.dag.lit(0)
-            for d, i in zip(lead, idx[:-1]):
-                m_flat = self.dag.iadd(self.dag.imul(m_flat, self.size(d)), i)
+        # the rows' own index is several dims (batch, rows): flatten them back (their sizes are pinned)
+        m_flat = idx[0] if len(anc.lead) == 1 else self.flatten(idx[:-1], anc.lead)
         rows = _unravel(self, m_flat, v.shape[:split], list(range(split)), "row", "")
         cols = _unravel(self, idx[-1], v.shape[split:], list(range(len(v.shape) - split)), "col", "")
         return tuple(rows) + tuple(cols)
@@ -513,7 +519,7 @@ def stores_for(b: TileBuilder, mask: Node, outputs=None) -> list:
 
 # ------------------------------------------------------------------------------------------ printing
 RESERVED = {"pid", "pid_m", "pid_n", "pid_b", "rm", "rn", "m", "n", "ka", "kb", "acc", "a_tile", "b_tile", "k0",
-            "m0", "mask", "row_mask", "col_mask", "a_offs", "b_offs", "M", "N", "K", "red", "part", "i", "j", "jv", "ri", "rj", "rd", "rdv", "dq", "dk", "dv",
+            "m0", "y0", "y1", "y2", "y3", "mask", "row_mask", "col_mask", "a_offs", "b_offs", "M", "N", "K", "red", "part", "i", "j", "jv", "ri", "rj", "rd", "rdv", "dq", "dk", "dv",
             "q", "kt", "v", "s", "p", "p_v", "l_i", "m_i", "m_new", "m_safe", "alpha", "scores", "out", "start_n",
             "LQ", "LK", "D", "DV", "num_pid_m", "num_pid_n", "num_pid_in_group", "first_pid_m", "group_size_m"}
 
@@ -540,6 +546,24 @@ class TilePrinter(Printer):
             hit = (x.kind == "var" and x.fmt in names) or any(self.depends(i, names) for i in x.inputs)
             self.dep[key] = hit
         return hit
+
+    def offset(self, off: Node, axes: list) -> str:
+        """An offset expression with the tile's shape: `+ 0 * axis` for each axis it does not vary along
+        (a size-1 dim reads as index 0), so pointer and mask always broadcast to the same block."""
+        text = self.expr(off, 1) if not off.is_zero else "0"
+        return text + "".join(f" + 0 * {a}" for a in axes if not self.depends(off, {a}))
+
+    def store_lines(self, s, depth: int, axes: list) -> list:
+        ind = INDENT * depth
+        v, lines = self.expr(s.value), []
+        if s.dtype == torch.bfloat16:
+            lines = [f"{ind}y{s.out} = {v}",
+                     f"{ind}if UPCAST:  # the interpreter truncates fp32 -> bf16: round to nearest even, as the GPU does",
+                     f"{ind}{INDENT}y{s.out} = _round_bf16(y{s.out})"]
+            v = f"y{s.out}"
+        if s.value.dtype != s.dtype and s.dtype != torch.bool:
+            v = f"{v}.to({tl_type(s.dtype)})"
+        return lines + [f"{ind}tl.store(out{s.out}_ptr + {self.offset(s.offset, axes)}, {v}, mask={self.expr(s.mask)})"]
 
     def scope(self, roots: list, out: list, depth: int, done: set, inside=lambda x: True) -> None:
         """Lines for what `roots` need that is not done yet, restricted to nodes for which inside(x)."""
@@ -586,8 +610,21 @@ def module_name(prog: Program) -> str:
     return "_".join(names[:5]) + ("_etc" if len(names) > 5 else "") + "_kernel"
 
 
+ROUND_BF16 = '''
+@triton.jit
+def _round_bf16(x):
+    # fp32 -> bf16 precision, rounding to nearest even like the GPU's conversion (the interpreter's
+    # .to(tl.bfloat16) truncates): add half an ulp of bf16 (ties to even), drop the low 16 bits.
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+'''
+
+
 def assemble(plan: Plan, kernels: str, launch: list, config: str, extra: str = "") -> str:
     helpers = helper_source(h for h in HELPERS if f"{h}(" in kernels or f", {h})" in kernels)
+    if "_round_bf16(" in kernels:
+        helpers += ROUND_BF16
     parts = ["import os\n\nimport torch\nimport triton\nimport triton.language as tl\n",
              "\n" + helpers if helpers else "", "\n\n" + kernels, "\n\n" + _run(plan, launch),
              extra, COMMON, config]
@@ -634,8 +671,9 @@ def _dot_precision(dtype):
 
 
 def _upcast(dtype):
-    """The interpreter's bf16 tl.dot is wrong (triton 3.9); bf16 -> fp32 is exact, so upcasting there
-    computes the same products the GPU's bf16 tensor cores do."""
+    """bf16 under the interpreter, whose bf16 tl.dot is wrong and whose fp32 -> bf16 conversion truncates
+    (triton 3.9): the kernels then upcast the operands (bf16 -> fp32 is exact, so the products are the
+    GPU's) and round what they convert to bf16 to nearest even themselves."""
     return _INTERPRET and dtype == torch.bfloat16
 '''
 
@@ -660,20 +698,23 @@ def grid_split(anc: Anchor) -> tuple[list, list]:
     return grid, [d for d in range(len(anc.lead)) if d not in grid]
 
 
-def tile_index(b: TileBuilder, anc: Anchor, m: Node, n: Node, pid_b: Node, grid: list, rows: list) -> tuple:
-    """The anchor output's index at the tile element: grid dims from pid_b, row dims from m, then n."""
-    bidx = _unravel(b, pid_b, [anc.lead[d] for d in grid], list(range(len(grid))), "b", "")
-    midx = _unravel(b, m, [anc.lead[d] for d in rows], list(range(len(rows))), "row", "")
-    idx: list = [None] * len(anc.lead)
+def tile_index(b: TileBuilder, lead: list, n_dim: Dim, m: Node, n: Node, pid_b: Node, grid: list,
+               rows: list) -> tuple:
+    """The index at the tile element of an output with leading dims `lead`: grid dims from pid_b, row
+    dims from m, then n."""
+    bidx = _unravel(b, pid_b, [lead[d] for d in grid], list(range(len(grid))), "b", "")
+    midx = _unravel(b, m, [lead[d] for d in rows], list(range(len(rows))), "row", "")
+    idx: list = [None] * len(lead)
     for d, x in zip(grid, bidx):
         idx[d] = x
     for d, x in zip(rows, midx):
         idx[d] = x
-    return tuple(idx) + (n,)
+    return tuple(idx) + (b.axis(n, n_dim),)
 
 
 def operand_offsets(b: TileBuilder, anc: Anchor, idx: tuple, ka: Node, kb: Node, n: Node) -> tuple:
     """((A pointer, offset at (rows, ka)), (B pointer, offset at (kb, n))) for the tile at `idx`."""
+    ka, kb, n = b.axis(ka, anc.k), b.axis(kb, anc.k), b.axis(n, anc.n)
     a = b.operand_offset(anc.a, tuple(idx[:-1]) + (ka,))
     if anc.b_nk:
         bb = b.operand_offset(anc.b, (n, kb))
@@ -690,8 +731,8 @@ def k_loop(pr: TilePrinter, a: tuple, bb: tuple, depth: int, done: set, rows_mas
              f"{ind}{INDENT}ka = k0 + tl.arange(0, BLOCK_K)[None, :]  # columns of A",
              f"{ind}{INDENT}kb = k0 + tl.arange(0, BLOCK_K)[:, None]  # rows of B"]
     pr.scope([a[1], bb[1]], lines, depth + 1, done)
-    lines += [f"{ind}{INDENT}a_offs = {pr.expr(a[1], 1)}",
-              f"{ind}{INDENT}b_offs = {pr.expr(bb[1], 1)}",
+    lines += [f"{ind}{INDENT}a_offs = {pr.offset(a[1], ['m', 'ka'])}",
+              f"{ind}{INDENT}b_offs = {pr.offset(bb[1], ['kb', 'n'])}",
               f"{ind}{INDENT}a_tile = tl.load({a[0]} + a_offs, mask=({rows_mask}) & (ka < K), other=0.0)",
               f"{ind}{INDENT}b_tile = tl.load({bb[0]} + b_offs, mask=(kb < K) & (n < N), other=0.0)",
               f"{ind}{INDENT}if UPCAST:",
@@ -718,7 +759,7 @@ def epilogue_source(ctx: Anchored) -> str:
     b.mask = dag.var("mask", full=True)
     b.axis_masks = {"rows": ({"m"}, dag.var("row_mask", full=True)), "cols": ({"n"}, dag.var("col_mask", full=True))}
     grid, rows = grid_split(anc)
-    idx = tile_index(b, anc, m, n, pid_b, grid, rows)
+    idx = tile_index(b, anc.lead, anc.n, m, n, pid_b, grid, rows)
     b.set_tile(anc, "acc", idx)
     a_op, b_op = operand_offsets(b, anc, idx, ka, kb, n)
     stores = stores_for(b, b.mask)
@@ -761,21 +802,26 @@ def epilogue_source(ctx: Anchored) -> str:
               f"{INDENT}mask = row_mask & col_mask"]
     lines.append(f"{INDENT}# epilogue: the group's ops on the accumulator, in registers")
     pr.scope([s.value for s in stores] + [s.offset for s in stores], lines, 1, done)
-    lines += [pr.store(s, 1) for s in stores]
+    for s in stores:
+        lines += pr.store_lines(s, 1, ["m", "n"])
     kernel = "\n".join(lines) + "\n"
-    launch = matmul_launch(p, anc, name, call, grid, rows, tune=not p.inplace)
+    launch = matmul_launch(p, anc, name, call, [anc.lead[d] for d in grid], [anc.lead[d] for d in rows],
+                           tune=not p.inplace)
     return assemble(plan, kernel, launch, TUNE_TEXT + MATMUL_CONFIG)
 
 
-def matmul_launch(p: Program, anc: Anchor, name: str, call: list, grid: list, rows: list, tune: bool,
+def matmul_launch(p: Program, anc: Anchor, name: str, call: list, grid_dims: list, row_dims: list, tune: bool,
                   reduce_grid: bool = False) -> list:
+    """The launcher's body: sizes, arguments, and one launch at the (tuned) configuration."""
     from advisor.codegen.module import _wrap
 
     a_in = anc.a.src
-    lines = [f"    M = {product_expr(p, [anc.lead[d] for d in rows])}  # rows: the product's leading dims, flattened",
+    what = "the reduced dims" if reduce_grid else "the product's leading dims, flattened"
+    lines = [f"    M = {product_expr(p, row_dims)}  # rows: {what}",
              f"    N = {size_expr(p, anc.n)}  # columns",
              f"    K = {size_expr(p, anc.k)}  # contraction",
-             f"    BATCH = {product_expr(p, [anc.lead[d] for d in grid])}",
+             f"    BATCH = {product_expr(p, grid_dims)}  # grid axis: " + ("the kept dims" if reduce_grid else
+                                                                         "the dims B varies along"),
              "    args = (" + _wrap(call + ["M", "N", "K"], ", ", 12, first=12) + ")",
              f"    big = _int64_needed({tensors_expr(p)})",
              f"    precision, upcast = _dot_precision({a_in}.dtype), _upcast({a_in}.dtype)"]

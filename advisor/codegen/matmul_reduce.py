@@ -10,10 +10,12 @@ The grid puts the kept dims on the fast axis, so the programs in flight share a 
 """
 from __future__ import annotations
 
+import torch
+
 from advisor.codegen.dag import Dag
 from advisor.codegen.matmul import INDENT, REDUCE_KINDS, TUNE_TEXT, Anchored, TilePrinter, TileBuilder, assemble, \
     k_loop, kernel_params, matmul_launch, module_name, operand_offsets, out_index, the_anchor, tile_index
-from advisor.codegen.plan import Plan
+from advisor.codegen.plan import Plan, _unravel
 from advisor.codegen.printer import signature
 from advisor.ops.lowering import Unsupported, tl_type
 
@@ -39,20 +41,27 @@ def matmul_reduce_source(ctx: Anchored) -> str:
     reds = [o for o in p.ops if o.low.kind == "anchor_reduce"]
     if len(reds) != 1 or p.ops[-1] is not reds[0] or [v.id for v in p.outputs] != [reds[0].outputs[0].id]:
         raise Unsupported("a matmul_reduction group must end in its one reduction, its only output")
+    # The tile walks the chain's shape: the anchor output, or a reshape of it that only splits its rows
+    # (nn.Linear on a 3-d input, recorded as addmm on the flattened rows and a view).
+    tile_out, rid = anc.op.outputs[0], None
     if ctx.reshapes:
-        raise Unsupported("the reduction reads the matmul output through a reshape")
+        rid, (_, split) = next(iter(ctx.reshapes.items()))
+        if len(ctx.reshapes) > 1 or anc.b_batch or split != len(p.values[rid].shape) - 1:
+            raise Unsupported("the reduction reads the matmul output through a reshape of its columns")
+        tile_out = p.values[rid]
+    lead = list(tile_out.shape[:-1])
     red = reds[0]
     kind = REDUCE_KINDS[red.name]
     x = red.args["self"]
-    if not x.identity or [p.dim_key(d) for d in x.shape] != [p.dim_key(d) for d in anc.op.outputs[0].shape]:
+    if not x.identity or [p.dim_key(d) for d in x.shape] != [p.dim_key(d) for d in tile_out.shape]:
         raise Unsupported("the reduction reads the chain through a view")
     rank = len(x.shape)
     dims = red.args["dim"]
     reduced = sorted({int(d) % rank for d in ([dims] if isinstance(dims, int) else dims)})
-    if any(d in anc.b_batch for d in reduced):
+    if rid is None and any(d in anc.b_batch for d in reduced):
         raise Unsupported("the reduction runs along a dim the weight varies along")
     keep = bool(red.args.get("keepdim"))
-    grid = [d for d in range(len(anc.lead)) if d not in reduced]
+    grid = [d for d in range(len(lead)) if d not in reduced]
 
     dag = Dag()
     b = TileBuilder(ctx, dag)
@@ -61,14 +70,20 @@ def matmul_reduce_source(ctx: Anchored) -> str:
     pid_b = dag.var("pid_b", full=False)
     b.mask = dag.var("mask", full=True)
     b.axis_masks = {"rows": ({"m"}, dag.var("row_mask", full=True)), "cols": ({"n"}, dag.var("col_mask", full=True))}
-    idx = tile_index(b, anc, m, n, pid_b, grid, reduced)
-    b.set_tile(anc, "acc", idx)
-    a_op, b_op = operand_offsets(b, anc, idx, ka, kb, n)
+    idx = tile_index(b, lead, anc.n, m, n, pid_b, grid, reduced)
+    if rid is None:
+        own = idx
+        b.set_tile(anc, "acc", idx)
+    else:  # the anchor's own row: the reshape's rows flattened (their sizes are pinned), unravelled over its dims
+        flat = b.flatten(idx[:-1], lead)
+        own = tuple(_unravel(b, flat, anc.lead, list(range(len(anc.lead))), "arow", "")) + (idx[-1],)
+        b.set_tile(anc, "acc", own, given={rid: idx})
+    a_op, b_op = operand_offsets(b, anc, own, ka, kb, n)
     val = b.value_at(x.src, out_index(b, x.src))
     if not val.dtype or not val.dtype.is_floating_point:
         raise Unsupported(f"{red.qualname} of a {val.dtype} chain: only floating reductions are generated")
-    out_idx = [dag.lit(0) if d in reduced else idx[d] for d in range(len(anc.lead)) if keep or d not in reduced]
-    out_idx.append(rn)
+    out_idx = [dag.lit(0) if d in reduced else idx[d] for d in range(len(lead)) if keep or d not in reduced]
+    out_idx.append(b.axis(rn, anc.n))
     out_off = dag.isum([dag.imul(i, b.stride("out0", d)) for d, i in enumerate(out_idx)])
     plan = Plan("matmul_reduction", p, dag, b, [])
     pr = TilePrinter(plan, [a_op[1], b_op[1], val, out_off])
@@ -112,9 +127,13 @@ def matmul_reduce_source(ctx: Anchored) -> str:
         lines += [f"{INDENT * 2}red += tl.sum({masked}, axis=0)  # fp32 partial sums"]
     if kind == "mean":
         lines.append(f"{INDENT}red = red / M")
+    if out.dtype == torch.bfloat16:
+        lines += [f"{INDENT}if UPCAST:  # the interpreter truncates fp32 -> bf16: round to nearest even, as the GPU does",
+                  f"{INDENT * 2}red = _round_bf16(red)"]
     pr.scope([out_off], lines, 1, done)
-    lines.append(f"{INDENT}tl.store(out0_ptr + {pr.expr(out_off, 1)}, red.to({tl_type(out.dtype)}), mask=rn < N)")
+    lines.append(f"{INDENT}tl.store(out0_ptr + {pr.offset(out_off, ['rn'])}, red.to({tl_type(out.dtype)}), mask=rn < N)")
     kernel = "\n".join(lines) + "\n"
-    launch = matmul_launch(p, anc, name, call, grid, reduced, tune=True, reduce_grid=True)
+    launch = matmul_launch(p, anc, name, call, [lead[d] for d in grid], [lead[d] for d in reduced], tune=True,
+                           reduce_grid=True)
     return assemble(plan, kernel, launch, TUNE_TEXT + MREDUCE_CONFIG)
 
