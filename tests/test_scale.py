@@ -164,3 +164,15 @@ def test_profile_calls_stops_the_profiler_early(tmp_path):
     assert meta["steady_state"]["found"] == 3 and len(meta["steady_state"]["iterations"]) == 2
     (c,) = analyze(tmp_path / "out").doc["candidates"]
     assert c["ops"] == ["aten::add", "aten::relu", "aten::exp"] and c["occurrences"] == 1
+
+
+def test_et_worker_process_gives_the_same_trace(monkeypatch, tmp_path):
+    from advisor.errors import AdvisorError
+
+    monkeypatch.setattr(load_mod, "ET_WORKER_BYTES", 0)  # every ET goes to the second process
+    src = SAMPLES / "hf_gpt2"
+    assert_same_trace(load_trace(src), load_trace(src, stream=False))
+    bad = tmp_path / "et.json"
+    bad.write_text('{\n  "schema": "1.1.1-chakra.0.0.4",\n  "nodes": [\n      {\n        "id": 1,')
+    with pytest.raises(AdvisorError, match="truncated"):
+        load_trace(src / "trace" / "kineto.json.gz", et=bad)

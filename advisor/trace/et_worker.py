@@ -20,7 +20,7 @@ def main() -> None:
             result = _et(Path(sys.argv[1]))
     except AdvisorError as e:
         result = ("error", str(e))
-    sys.stdout.buffer.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+    pickle.dump(result, sys.stdout.buffer, protocol=pickle.HIGHEST_PROTOCOL)
     sys.stdout.buffer.flush()
 
 

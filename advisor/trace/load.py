@@ -138,7 +138,8 @@ def load_trace(path: Path, et: Path | None = None, stream: bool = True) -> Trace
         except BaseException:
             if worker is not None:
                 worker.kill()
-                worker.communicate()
+                worker.stdout.close()
+                worker.wait()
             raise
         if worker is not None:
             et_nodes, et_args = _finish_et_worker(worker, files.et)
@@ -210,17 +211,20 @@ def _start_et_worker(path: Path | None) -> subprocess.Popen | None:
         return None  # the in-process parse reports it
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.Popen([sys.executable, "-m", "advisor.trace.et_worker", str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
+    try:  # stderr is dropped: errors come back pickled, anything else means "parse it here"
+        return subprocess.Popen([sys.executable, "-m", "advisor.trace.et_worker", str(path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    except OSError:
+        return None
 
 
 def _finish_et_worker(worker: subprocess.Popen, path: Path) -> tuple[pd.DataFrame, et_mod.EtArgs]:
-    out, err = worker.communicate()
     try:
-        result = pickle.loads(out) if worker.returncode == 0 else None
-    except Exception:  # noqa: BLE001 - a half-written result: parse here instead
+        result = pickle.load(worker.stdout)  # straight from the pipe: no second copy of the bytes
+    except Exception:  # noqa: BLE001 - nothing or half a result: the worker died (out of memory, killed)
         result = None
-    if result is None:  # the worker died (out of memory, killed): do it here, slower but sure
+    worker.stdout.close()
+    if worker.wait() != 0 or result is None:  # parse it here instead, slower but sure
         return _et(path)
     if isinstance(result[0], str):  # ("error", message)
         raise AdvisorError(result[1])
