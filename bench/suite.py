@@ -49,8 +49,29 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SCHEMA_VERSION = 1
+
+
+def _workloads():
+    """bench/workloads.py (by path if some other `bench` package shadows this directory)."""
+    mine = Path(__file__).resolve().with_name("workloads.py")
+    try:
+        from bench import workloads as mod
+
+        if Path(mod.__file__).resolve() == mine:
+            return mod
+    except ImportError:
+        pass
+    import importlib.util
+
+    name = "fusion_advisor_suite_workloads"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, mine)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
 DEFAULT_BUDGET_S = 560.0  # all workloads; leaves room inside a 10-minute command limit
-FINAL_RESERVE_S = 12.0  # the final interleaved timing and the kernel counts
 NOT_MEANINGFUL = "CPU run: generated kernels run in Triton's interpreter, times say nothing about fusion"
 
 
@@ -63,7 +84,7 @@ def main(argv=None) -> int:
 
 
 def parse_args(argv=None):
-    from bench.workloads import NAMES
+    NAMES = _workloads().NAMES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,7 +173,7 @@ def gpu_slug(device: str, name: str | None) -> str:
 def parent_main(a) -> int:
     import torch
 
-    from bench.workloads import WEIGHTS
+    WEIGHTS = _workloads().WEIGHTS
 
     t_run = time.time()
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -184,7 +205,7 @@ def parent_main(a) -> int:
     print(f"suite: {len(a.names)} workload(s) on {host['device_name']} ({device}{', quick shapes' if a.quick else ''}), "
           f"budget {budget:.0f} s; child logs in {logs}", flush=True)
     deadline = t_run + budget
-    from bench.workloads import NAMES
+    NAMES = _workloads().NAMES
 
     def merged(done):
         rows = earlier + done
@@ -268,13 +289,16 @@ def run_child(a, name, device, root: Path, result: Path, timeout: float, log: Pa
             timed_out = True
             _kill_group(proc)
             rc = proc.returncode
+        _kill_group(proc, leftovers_only=True)  # compile workers the child left behind, if any
     try:
         res = json.loads(result.read_text())
     except Exception:
         res = {"workload": name}
     res["child_rc"] = rc
     res["child_s"] = round(time.time() - t0, 1)
-    if timed_out:
+    if timed_out and res.get("phase") == "done":
+        res["note"] = f"the child finished its work but not its exit within {timeout:.0f} s; stopped"
+    elif timed_out:
         res["status"] = f"timeout after {timeout:.0f} s (in {res.get('phase') or 'start-up'})"
     elif rc != 0 and res.get("status") in (None, "running"):
         res["status"] = f"crashed (exit {rc}) in {res.get('phase') or 'start-up'}"
@@ -283,8 +307,15 @@ def run_child(a, name, device, root: Path, result: Path, timeout: float, log: Pa
     return res
 
 
-def _kill_group(proc) -> None:
-    """Stop the child and what it started (Inductor's compile workers): its own process group."""
+def _kill_group(proc, leftovers_only: bool = False) -> None:
+    """Stop the child and what it started (Inductor's compile workers): its own process group (the
+    child was started in a new session, so the group id is its pid and holds nothing else)."""
+    if leftovers_only:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return
     for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
@@ -358,27 +389,28 @@ def child_main(a) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads it when first imported
     c = Child(a)
     try:
-        return run_child_phases(c, name, device, root)
+        rc = run_child_phases(c, name, device, root)
     except BaseException as e:  # record, then let the parent see a failure
         c.r["status"] = f"error in {c.r.get('phase')}: {type(e).__name__}: {e}"[:500]
         c.r["errors"]["fatal"] = traceback.format_exc().strip().splitlines()[-12:]
         c.save()
         raise
+    # The result is saved: skip the interpreter's teardown (Inductor's worker pool, CUDA) and its seconds.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int:
     import torch
 
-    from bench import workloads
-
+    workloads = _workloads()
     a = c.a
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     meaningful = device == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     c.r.update(device=device, timing_meaningful=meaningful, title=workloads.TITLES[name])
     if not meaningful:
         c.r["timing_note"] = NOT_MEANINGFUL
-    with c.phase("warm-up") as ok:
-        process_warmup(device, inductor=not a.warm)
     with c.phase("build") as ok:
         try:
             w = workloads.build(name, device, a.quick)
@@ -392,6 +424,8 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
         return 1
     c.r.update(shape=w.shape, dtype=str(w.dtype).replace("torch.", ""), notes=w.notes,
                params=sum(p.numel() for p in w.model.parameters()))
+    with c.phase("warm-up") as ok:
+        process_warmup(device, inductor=not a.warm)
     args, kwargs = w.args_kwargs()
 
     def runner(m):
@@ -427,10 +461,13 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
     # profit from a warmer dynamo, never the advisor); capped so torch.compile still gets its turn.
     adv = c.r["advisor"] = {"top": a.top}
     report = None
-    # What torch.compile needs after it: 1.5x its first call in the issue's table (C++ on the CPU: more).
-    compile_reserve = 0.0 if a.no_compile else (40.0 if device != "cuda" else 8.0 + 1.5 * workloads.ANCHORS[name][2])
-    with c.phase("advisor") as ok, time_limit(c.left() - compile_reserve - FINAL_RESERVE_S, "advisor.optimize",
-                                              floor=0.5 * c.left()):
+    # Time kept for what comes after: torch.compile 1.5x its first call in the issue's table (C++ on the
+    # CPU: more), then the final timing (3 configurations warmed up and timed) and the kernel counts.
+    compile_reserve = 0.0 if a.no_compile else (40.0 if device != "cuda" else 6.0 + 1.5 * workloads.ANCHORS[name][2])
+    eager_s = c.r["eager"]["prelim"]["median_ms"] / 1e3
+    final_reserve = 4.0 + 3 * (1.5 + 1.5 * (a.iters + 8) * eager_s) if not a.quick else 5.0
+    with c.phase("advisor") as ok, time_limit(c.left() - compile_reserve - final_reserve, "advisor.optimize",
+                                              floor=0.6 * c.left()):
         from advisor.optimize import optimize  # (`advisor.optimize` is the module once that is imported)
 
         os.environ["TRITON_CACHE_DIR"] = str(root / "triton-advisor")
@@ -458,9 +495,9 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
 
     # ---- keep only what is faster (GPU): each pattern alone, then the kept set end to end
     if report is not None:
-        with c.phase("select") as ok, time_limit(c.left() - compile_reserve - FINAL_RESERVE_S, "selection",
+        with c.phase("select") as ok, time_limit(c.left() - compile_reserve - final_reserve, "selection",
                                                  floor=min(30.0, 0.3 * c.left())):
-            select_patterns(c, report, m_adv, runner(m_adv), device, meaningful, compile_reserve)
+            select_patterns(c, report, m_adv, runner(m_adv), device, meaningful, compile_reserve + final_reserve)
         if not ok["ok"]:  # half-way through a re-patch: measure the advisor as it was left, say so
             adv["decision"] = f"selection failed, the model is measured as it was left: {c.r['errors'].get('select')}"
 
@@ -469,7 +506,7 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
     if a.no_compile:
         c.r["skipped"]["compile"] = "--no-compile"
     else:
-        with c.phase("compile") as ok, time_limit(c.left() - FINAL_RESERVE_S, "torch.compile"):
+        with c.phase("compile") as ok, time_limit(c.left() - final_reserve, "torch.compile", floor=0.5 * c.left()):
             os.environ["TRITON_CACHE_DIR"] = str(root / "triton-compile")
             compiled_mod = torch.compile(w.model)
             call = runner(compiled_mod)
@@ -562,7 +599,7 @@ def select_patterns(c: Child, report, model, call, device: str, meaningful: bool
         _mark(adv, set(adv["kept"]))
         return
     need = 4.0 + 1.2 * (3 + len(patched))
-    if c.left() - reserve - FINAL_RESERVE_S < need:
+    if c.left() - reserve < need:
         adv["decision"] = f"all patched patterns kept (no time left to time them alone: {c.left():.0f} s)"
         adv["kept"] = [p["candidate"] for p in patched]
         c.r["skipped"]["select"] = adv["decision"]
@@ -942,9 +979,11 @@ def markdown(doc: dict) -> str:
               "no speedup is claimed.", ""]
     L += ["## Results (bf16 inference, random weights; every number measured in this run)" if not doc["quick"]
           else "## Results (quick shapes)", ""]
-    L.append("| workload | shape | eager ms | fusion-advisor ms | torch.compile ms | advisor × eager | compile × eager "
-             "| max rel err advisor / compile | kernels/iter eager / advisor / compile | advisor cold s: empty cache "
-             "| advisor cold s: warm cache | compile s (first call) | patterns kept / patched | status |")
+    # The issue's five columns first, then this suite's.
+    L.append("| workload | shape | eager ms | torch.compile ms | compile s | fusion-advisor ms | advisor × eager "
+             "| compile × eager | advisor cold s: empty cache | advisor cold s: warm cache "
+             "| max rel err advisor / compile | kernels/iter eager / advisor / compile | patterns kept / patched "
+             "| status |")
     L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res:
         e, ad, co = r.get("eager") or {}, r.get("advisor") or {}, r.get("compile") or {}
@@ -952,16 +991,15 @@ def markdown(doc: dict) -> str:
         pk = f"{len(kept)} / {ad.get('patched')}" if isinstance(kept, list) else (
             f"? / {ad['patched']}" if ad.get("patched") is not None else "—")
         L.append(f"| {r.get('title') or r['workload']} | {r.get('shape') or '—'} | {_time_cell(e, meaningful)} "
-                 f"| {_time_cell(ad, meaningful)} | {_time_cell(co, meaningful)} "
+                 f"| {_time_cell(co, meaningful)} | {_s(co.get('first_call_s'))} | {_time_cell(ad, meaningful)} "
                  f"| {_x(ad.get('speedup'))} | {_x(co.get('speedup'))} "
+                 f"| {_s(ad.get('cold_empty_s'))} | {_s(ad.get('cold_warm_s'))} "
                  f"| {_err(ad.get('max_rel_err'))} / {_err(co.get('max_rel_err'))} "
                  f"| {_kern(e.get('kernels_per_iter'))} / {_kern(ad.get('kernels_per_iter'))} / "
-                 f"{_kern(co.get('kernels_per_iter'))} "
-                 f"| {_s(ad.get('cold_empty_s'))} | {_s(ad.get('cold_warm_s'))} | {_s(co.get('first_call_s'))} "
-                 f"| {pk} | {status_of(r)} |")
+                 f"{_kern(co.get('kernels_per_iter'))} | {pk} | {status_of(r)} |")
     if meaningful:
-        L.append(f"| **geometric mean** ({len(s.get('geomean_over', []))} workloads) | | | | | "
-                 f"**{_x(s.get('geomean_advisor'))}** | **{_x(s.get('geomean_compile'))}** | | | | | | | |")
+        L.append(f"| **geometric mean** ({len(s.get('geomean_over', []))} workloads) | | | | | | "
+                 f"**{_x(s.get('geomean_advisor'))}** | **{_x(s.get('geomean_compile'))}** | | | | | | |")
     L.append("")
     if meaningful and s.get("missing"):
         L += [f"Not in the geometric means (a number is missing): {', '.join(s['missing'])}.", ""]
@@ -977,7 +1015,7 @@ def markdown(doc: dict) -> str:
             L.append(f"| {t['target']} | {met} | {t['detail']} |")
         L.append("")
     if meaningful and not doc["quick"]:
-        from bench.workloads import ANCHORS
+        ANCHORS = _workloads().ANCHORS
 
         L += ["Issue 7's table, measured on an H100 earlier (orientation only: every ratio above is against "
               "this run's eager): " + "; ".join(f"{k} eager {v[0]} ms, torch.compile {v[1]} ms, {v[2]} s"
@@ -1055,7 +1093,8 @@ def _workload_section(r: dict, meaningful: bool) -> list:
     if errs or r.get("skipped"):
         L.append("")
     for k, v in errs.items():
-        L.append(f"- **{k} failed**: `{str(v)[:400]}`")
+        msg = " ".join(str(v).split())[:400].replace("`", "'")
+        L.append(f"- **{k} failed**: `{msg}`")
     for k, v in (r.get("skipped") or {}).items():
         L.append(f"- {k} skipped: {v}")
     if r.get("log_tail") and r.get("status") not in ("ok",):

@@ -24,10 +24,10 @@ from bench import suite  # noqa: E402
 from bench.workloads import NAMES, main_output  # noqa: E402
 
 WORKLOADS = ["seed", "mlp_block", "hf_llama"]
-COLUMNS = ["workload", "shape", "eager ms", "fusion-advisor ms", "torch.compile ms", "advisor × eager",
-           "compile × eager", "max rel err advisor / compile", "kernels/iter eager / advisor / compile",
-           "advisor cold s: empty cache", "advisor cold s: warm cache", "compile s (first call)",
-           "patterns kept / patched", "status"]
+COLUMNS = ["workload", "shape", "eager ms", "torch.compile ms", "compile s", "fusion-advisor ms", "advisor × eager",
+           "compile × eager", "advisor cold s: empty cache", "advisor cold s: warm cache",
+           "max rel err advisor / compile", "kernels/iter eager / advisor / compile", "patterns kept / patched",
+           "status"]
 
 
 def _run(tmp, *args, timeout=420):
@@ -74,7 +74,9 @@ def test_quick_run_json_has_sane_values(quick_run):
         # cold starts: empty cache (this process), warm cache (a second process), torch.compile's first call
         assert r["advisor"]["cold_empty_s"] > 0 and r["advisor"]["cold_warm_s"] > 0, name
         assert r["compile"]["first_call_s"] > 0
-        assert r["warm_status"] == "ok" and r["warm"]["cache_files_after"] == r["warm"]["cache_files_before"]
+        # (the analyzer ranks by measured times, so a second run may pick a candidate the first did not
+        # generate: the cache can grow, and the report says by how much)
+        assert r["warm_status"] == "ok" and r["warm"]["cache_files_after"] >= r["warm"]["cache_files_before"]
         # fp32 on the CPU: both agree with eager to rounding
         for part in ("advisor", "compile"):
             assert r[part]["max_rel_err"] is not None and r[part]["max_rel_err"] < 1e-4, (name, part, r[part])
@@ -87,6 +89,7 @@ def test_quick_run_json_has_sane_values(quick_run):
             assert p["kept"] == (p["patched"] and p["candidate"] in r["advisor"]["kept"])
     # the seed chain is one generated kernel; Llama gets several patterns
     assert [p["patched"] for p in by["seed"]["advisor"]["patterns"]] == [True]
+    assert by["seed"]["advisor"]["cache_files"] > 0 and by["seed"]["warm"]["cache_files_before"] > 0
     assert by["seed"]["eager"]["output_all_finite"] is False  # log(relu(.)) of negatives: -inf, same in all three
     assert sum(p["patched"] for p in by["hf_llama"]["advisor"]["patterns"]) >= 3
     s = doc["summary"]
@@ -103,8 +106,9 @@ def test_quick_run_markdown_and_tail(quick_run):
     assert len(rows) == 3
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[5] == "—" and cells[6] == "—"  # no speedup columns filled
-        assert cells[2].endswith("*") and cells[3].endswith("*") and cells[4].endswith("*")
+        assert cells[6] == "—" and cells[7] == "—"  # no speedup columns filled
+        assert cells[2].endswith("*") and cells[3].endswith("*") and cells[5].endswith("*")
+        assert float(cells[4]) > 0 and float(cells[8]) > 0 and float(cells[9]) > 0  # cold starts
         assert cells[-1] == "ok"
     assert "geometric mean" not in md  # no speedups, no means of them
     assert "### HF `LlamaForCausalLM` (`hf_llama`)" in md and "Residual add + RMSNorm" in md
