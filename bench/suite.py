@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU benchmark suite (issue 7): fusion-advisor against eager PyTorch and torch.compile, in one run.
 
-    python bench/suite.py                                  # all seven workloads, ~10 min on an H100
+    python bench/suite.py                                  # all seven, within --budget (540 s) on an H100
     python bench/suite.py --workloads hf_llama,hf_gpt2     # a subset
     python bench/suite.py --quick --device cpu             # tiny shapes on the CPU (what the tests run)
 
@@ -15,6 +15,7 @@ one child process (a crash or OOM loses one workload, not the run) measures, in 
   only the patterns that are faster alone are kept, and only if the kept set is faster than eager end
   to end (otherwise the model is unpatched and the report says so); steady state, kernels, max error;
 - all three timed again in interleaved rounds (the numbers reported: drift hits all alike).
+Order in the child: eager, the advisor (cold), selection, torch.compile, final timing, kernel counts.
 A second child process re-runs `advisor.optimize` on a fresh copy of the model with the kernel cache
 (and Triton's cache) the first one filled: the cold start with a warm cache, paid in a new process as
 a real second run would (in-process, dynamo's capture cache would make it look cheaper).
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
 import json
 import math
 import os
@@ -71,7 +71,7 @@ def _workloads():
         spec.loader.exec_module(mod)
     return sys.modules[name]
 
-DEFAULT_BUDGET_S = 560.0  # all workloads; leaves room inside a 10-minute command limit
+DEFAULT_BUDGET_S = 540.0  # all workloads; leaves room inside a 10-minute command limit (start-up, overruns)
 NOT_MEANINGFUL = "CPU run: generated kernels run in Triton's interpreter, times say nothing about fusion"
 
 
@@ -425,7 +425,7 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
     c.r.update(shape=w.shape, dtype=str(w.dtype).replace("torch.", ""), notes=w.notes,
                params=sum(p.numel() for p in w.model.parameters()))
     with c.phase("warm-up") as ok:
-        process_warmup(device, inductor=not a.warm)
+        process_warmup(device)
     args, kwargs = w.args_kwargs()
 
     def runner(m):
@@ -725,7 +725,7 @@ def warm_run(c: Child, w, device: str, root: Path, runner) -> int:
 
 
 # ------------------------------------------------------------------------------------ measuring
-def process_warmup(device: str, inductor: bool = True) -> None:
+def process_warmup(device: str) -> None:
     """One-time process costs, paid before anything is timed so neither cold start carries them: the
     advisor's and Inductor's imports, CUDA/cuBLAS, Triton's driver, dynamo + AOTAutograd first use."""
     import torch
@@ -734,11 +734,10 @@ def process_warmup(device: str, inductor: bool = True) -> None:
     import advisor.optimize  # noqa: F401
     import advisor.patch  # noqa: F401
     import advisor.patch.verify  # noqa: F401
-    if inductor:
-        try:
-            import torch._inductor.compile_fx  # noqa: F401
-        except Exception:
-            pass
+    try:
+        import torch._inductor.compile_fx  # noqa: F401  (also in the warm-cache process: same start for both)
+    except Exception:
+        pass
     if device == "cuda":
         x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
         (x @ x).sum().item()
@@ -1032,9 +1031,12 @@ def markdown(doc: dict) -> str:
           "and cuBLAS set-up, Triton's driver, dynamo + AOTAutograd first use (a trivial function compiled with "
           "`backend='aot_eager'`). Neither cold start includes them; both include everything else (tracing, "
           "code generation, Triton compilation with empty caches).",
-          "- Order in the child: eager (reference output), torch.compile, `advisor.optimize` on a deep copy of "
-          "the model, selection, then the final interleaved timing of all three (each warmed up ≥ 0.5 s, then "
-          "rounds of eager / advisor / compile, CUDA events around each call).",
+          "- Order in the child: eager (reference output), `advisor.optimize` on a deep copy of the model (the "
+          "process's first real dynamo capture, as in the warm-cache process), selection, torch.compile of the "
+          "original model (it may profit from the warmer dynamo, the advisor never does), then the final "
+          "interleaved timing of all three (each warmed up ≥ 0.5 s, then 3 rounds of eager / advisor / compile, "
+          "CUDA events around each call), then outputs and kernel counts. Each phase is time-capped (SIGALRM) so "
+          "one slow phase cannot take the others' time; a phase that fails or overruns is reported, not hidden.",
           "- Selection: `advisor.optimize.time_patterns` times each patched pattern alone against the captured "
           "model with every site on its original ops; a pattern is kept if it saves time alone (so a matmul "
           "epilogue is kept only if it beats cuBLAS + the separate epilogue). The kept set is re-patched and kept "
