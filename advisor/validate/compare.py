@@ -30,6 +30,12 @@ TOLERANCES = {
     torch.bfloat16: Tol(1e-2, 3e-2),
 }
 EXACT = Tol(0.0, 0.0)
+# Programs with a matmul anchor (issue 10: epilogues, attention, matmul + reduction) in bf16/fp16: a dot
+# product rounds its operands (attention's probabilities) and its result, and where a K-term sum cancels
+# the result is small next to its terms; eager's own bf16 error then reaches ~1.5e-2 on small outputs
+# (one query, head dim 1). Twice the elementwise tolerances; fp32 keeps its own (exact fp32 products,
+# or TF32 where eager uses it too, which the "2 x eager" rule covers).
+MATMUL_TOLERANCES = {torch.float16: Tol(2e-3, 8e-3), torch.bfloat16: Tol(2e-2, 6e-2)}
 
 
 @dataclass
@@ -55,7 +61,8 @@ def _nonfinite(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([t.isnan(), t == float("inf"), t == -float("inf")])
 
 
-def compare(out: torch.Tensor, ref64: torch.Tensor, native: torch.Tensor, name: str) -> Check:
+def compare(out: torch.Tensor, ref64: torch.Tensor, native: torch.Tensor, name: str, matmul: bool = False) -> Check:
+    """`matmul`: the program has a matmul anchor, so MATMUL_TOLERANCES apply to bf16/fp16."""
     dtype = out.dtype
     if out.shape != ref64.shape:
         return Check(False, f"{name}: shape {tuple(out.shape)}, expected {tuple(ref64.shape)}", *(float("nan"),) * 4)
@@ -73,7 +80,7 @@ def compare(out: torch.Tensor, ref64: torch.Tensor, native: torch.Tensor, name: 
     finite = x.isfinite() & r.isfinite()
     rel, mx = _errors(x, r, finite)
     erel, emx = _errors(e, r, e.isfinite() & r.isfinite())
-    tol = TOLERANCES.get(dtype, EXACT)
+    tol = (MATMUL_TOLERANCES.get(dtype) if matmul else None) or TOLERANCES.get(dtype, EXACT)
     scale = max(1.0, r[finite].abs().max().item()) if finite.any() else 1.0
     lim_rel, lim_abs = max(tol.rel_l2, 2 * erel), max(tol.max_abs * scale, 2 * emx)
     if rel > lim_rel:

@@ -1,0 +1,291 @@
+"""Matmul-anchored kernels (issue 10): tiled matmul + generated epilogue, flash-style attention, and
+matmul + reduction over leading dims, each validated like every generated kernel (fp64 reference,
+dtype tolerances, recorded / odd / all-ones shapes). Shapes here are small and odd (M, N, K never a
+multiple of a block) so CI runs them in Triton's interpreter; planted wrong kernels must be rejected,
+and the committed CPU sample traces' anchored candidates must validate or say why not."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from advisor.codegen import load_module
+from advisor.codegen.cache import atomic_write
+from advisor.codegen.matmul import CONV_REASON, detect_kind, generate_anchored, validate_alternatives
+from advisor.codegen.record import record_program
+from advisor.ops import lowering
+from advisor.ops.lowering import Unsupported
+from advisor.validate import validate
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_SAMPLES = ROOT / "sample_traces" / "cpu"
+DEV = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+    torch.set_default_device(DEV)  # tensors made in a test live where kernels run
+    yield
+    torch.set_default_device(None)
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def generated(fn, *args, kind=None, use_cache=True):
+    gen = generate_anchored(record_program(fn, *args), kind, use_cache=use_cache)
+    return gen, load_module(gen.path)
+
+
+def check(gen, mod):
+    v = validate(gen, mod)
+    assert v.validated, v.reason
+    assert [s["case"] for s in v.errors["shapes"]] == ["recorded", "odd", "ones"]
+    return v
+
+
+def planted(gen, tmp_path, old, new):
+    """The generated module with one line changed: a wrong kernel for validation to catch."""
+    assert old in gen.code, old
+    return load_module(atomic_write(tmp_path / f"planted_{abs(hash(new))}.py", gen.code.replace(old, new)))
+
+
+# ------------------------------------------------------------------------------------------ epilogues
+def _conv1d_gelu(x, w, b):
+    """GPT-2's Conv1D + tanh GELU: addmm on the flattened rows, viewed back to (B, L, N)."""
+    h = torch.addmm(b, x.view(-1, x.shape[-1]), w).view(x.shape[0], x.shape[1], -1)
+    return 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
+
+
+EPILOGUES = {
+    # name: (function, argument shapes)
+    "linear+gelu": (lambda x, w, b: F.gelu(F.linear(x, w, b)), [(3, 37, 45), (29, 45), (29,)]),
+    "mm*scale+residual": (lambda h, w, x: x + torch.mm(h, w) * 0.5, [(37, 45), (45, 29), (37, 29)]),
+    "conv1d+gelu_tanh": (_conv1d_gelu, [(2, 19, 45), (45, 29), (29,)]),
+    "bmm+relu": (lambda q, k: torch.matmul(q, k.transpose(-1, -2)).relu(), [(2, 3, 17, 20), (2, 3, 19, 20)]),
+    "swiglu": (lambda x, w, u: F.silu(F.linear(x, w)) * u, [(2, 19, 45), (29, 45), (2, 19, 29)]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_epilogue_validates(name, dtype):
+    fn, shapes = EPILOGUES[name]
+    gen, mod = generated(fn, *[rand(*s, dtype=dtype) for s in shapes])
+    assert gen.kind == "epilogue" and "tl.dot(" in gen.code
+    assert gen.code.count("tl.store(") == 1  # the matmul output is never written, only the epilogue's
+    check(gen, mod)
+    assert gen.memory_saved_bytes > 0
+
+
+def test_epilogue_reads_the_bias_once_per_column():
+    gen, _ = generated(*(lambda f, s: (f, *[rand(*x) for x in s]))(*EPILOGUES["linear+gelu"]))
+    assert "mask=col_mask)" in gen.code  # a [1, BLOCK_N] load, not one per tile element
+
+
+def test_planted_wrong_epilogue_is_rejected(monkeypatch):
+    good = lowering.TABLE["aten::gelu"]
+    monkeypatch.setitem(lowering.TABLE, "aten::gelu", lowering.Lowering(
+        good.op, good.kind, lambda a: f"0.5 * {a.self} * (1.0 + tl.erf({a.self} * 0.7))", good.promote, good.operands))
+    fn, shapes = EPILOGUES["linear+gelu"]
+    gen, mod = generated(fn, *[rand(*s) for s in shapes], use_cache=False)
+    v = validate(gen, mod)
+    assert not v.validated and "exceeds" in v.reason, v.reason
+
+
+def test_matmul_skipping_the_last_k_block_is_rejected(tmp_path):
+    fn, shapes = EPILOGUES["mm*scale+residual"]
+    gen, _ = generated(fn, *[rand(*s) for s in shapes])
+    v = validate(gen, planted(gen, tmp_path, "for k0 in range(0, K, BLOCK_K):", "for k0 in range(0, K - BLOCK_K, BLOCK_K):"))
+    assert not v.validated, "a matmul missing its K tail validated"
+
+
+def test_epilogue_skipping_the_last_row_is_caught_by_poisoning(tmp_path):
+    fn, shapes = EPILOGUES["swiglu"]
+    gen, _ = generated(fn, *[rand(*s) for s in shapes])
+    v = validate(gen, planted(gen, tmp_path, "row_mask = m < M", "row_mask = m < M - 1"))
+    assert not v.validated and "NaN/Inf" in v.reason, v.reason
+
+
+def test_conv_epilogue_is_refused_with_reason():
+    prog = record_program(lambda x, w: torch.relu(F.conv2d(x, w)), rand(1, 3, 8, 8), rand(4, 3, 3, 3))
+    with pytest.raises(Unsupported, match=CONV_REASON):
+        generate_anchored(prog, "epilogue")
+
+
+def test_epilogue_that_is_not_elementwise_is_refused():
+    # rotate-half (rotary embeddings) reads the matmul output at another column
+    def rotary(x, w, cos, sin):
+        h = F.linear(x, w).view(2, 9, 4, 8)
+        rot = torch.cat([-h[..., 4:], h[..., :4]], -1)
+        return h * cos + rot * sin
+    prog = record_program(rotary, rand(2, 9, 16), rand(32, 16), rand(9, 1, 8), rand(9, 1, 8))
+    with pytest.raises(Unsupported, match="matmul output"):
+        generate_anchored(prog, "epilogue")
+
+
+# ------------------------------------------------------------------------------------------ attention
+def _causal(n: int, dtype) -> torch.Tensor:
+    return torch.zeros(1, n, n, dtype=dtype).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1),
+                                                         torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_attention_with_causal_mask_validates(dtype):
+    def attn(q, k, v, mask):  # eager GPT-2 style: scores * scale + additive mask, softmax, @ v
+        return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * 0.25 + mask, -1) @ v
+    gen, mod = generated(attn, rand(6, 37, 16, dtype=dtype), rand(6, 37, 16, dtype=dtype),
+                         rand(6, 37, 16, dtype=dtype), _causal(37, dtype))
+    assert gen.kind == "attention" and gen.alternatives == ("sdpa",)
+    assert gen.code.count("tl.store(") == 1  # neither the scores nor the probabilities are written
+    check(gen, mod)
+    assert validate_alternatives(gen, mod)["sdpa"]["validated"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_attention_without_mask_keys_and_value_dims_differ(dtype):
+    def attn(q, k, v):  # BERT style without a mask: / sqrt(d); Lk != Lq and dv != d
+        return torch.softmax(torch.bmm(q, k.transpose(-1, -2)) / 4.0, -1) @ v
+    gen, mod = generated(attn, rand(6, 21, 16, dtype=dtype), rand(6, 41, 16, dtype=dtype), rand(6, 41, 24, dtype=dtype))
+    check(gen, mod)
+    assert validate_alternatives(gen, mod)["sdpa"]["validated"]
+
+
+def test_decode_step_attention_one_query():
+    def attn(q, k, v):
+        return torch.softmax(torch.bmm(q, k.transpose(-1, -2)) * 0.125, -1) @ v
+    gen, mod = generated(attn, rand(4, 1, 16), rand(4, 33, 16), rand(4, 33, 16))
+    check(gen, mod)
+
+
+def test_attention_skipping_the_last_key_block_is_rejected(tmp_path):
+    def attn(q, k, v, mask):
+        return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * 0.25 + mask, -1) @ v
+    gen, _ = generated(attn, rand(2, 37, 16), rand(2, 37, 16), rand(2, 37, 16), _causal(37, torch.float32))
+    bad = planted(gen, tmp_path, "for start_n in range(0, LK, BLOCK_N):", "for start_n in range(0, LK - BLOCK_N, BLOCK_N):")
+    assert not validate(gen, bad).validated
+
+
+def test_attention_chain_that_sdpa_cannot_express_has_no_alternative():
+    def attn(q, k, v, bias):  # mask added before the scale: (s + m) * c is not SDPA's s * c + m
+        return torch.softmax((torch.bmm(q, k.transpose(-1, -2)) + bias) * 0.25, -1) @ v
+    gen, mod = generated(attn, rand(3, 17, 8), rand(3, 17, 8), rand(3, 17, 8), rand(3, 17, 17))
+    assert gen.alternatives == ()
+    check(gen, mod)
+
+
+def _as_dtype(program: dict, dtype: str) -> dict:
+    """A trace's program with its float32 tensors in another dtype (0-dim float64 scalars stay)."""
+    conv = lambda spec: dict(spec, dtype=dtype) if spec.get("dtype") == "float32" else spec  # noqa: E731
+    return dict(program, inputs=[conv(i) for i in program["inputs"]],
+                nodes=[dict(n, outputs=[conv(o) for o in n["outputs"]]) for n in program["nodes"]])
+
+
+# ------------------------------------------------------------------------------------- matmul + reduction
+def _splade(h, w, b, mask):
+    return torch.amax(torch.log1p(torch.relu(F.linear(h, w, b))) * mask.unsqueeze(-1), dim=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_splade_matmul_reduction_validates(dtype):
+    h, w, b = rand(3, 37, 45, dtype=dtype), rand(203, 45, dtype=dtype), rand(203, dtype=dtype)
+    mask = (torch.rand(3, 37) > 0.3).to(dtype)
+    gen, mod = generated(_splade, h, w, b, mask)
+    assert gen.kind == "matmul_reduction"
+    assert gen.code.count("tl.store(") == 1  # only the B x V result: the logits are never written
+    check(gen, mod)
+    logits = 3 * 37 * 203 * dtype.itemsize
+    assert gen.memory_saved_bytes >= logits and "never allocated" in gen.note
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum_keepdim", "amin"])
+def test_other_leading_reductions(reduce):
+    fns = {"mean": lambda x, w: torch.mean(torch.tanh(torch.matmul(x, w)), dim=1),
+           "sum_keepdim": lambda x, w: torch.sum(F.linear(x, w) * 2.0, dim=1, keepdim=True),
+           "amin": lambda x, w: torch.amin(torch.sigmoid(F.linear(x, w)), dim=1)}
+    shapes = {"mean": [(2, 21, 13), (13, 27)]}.get(reduce, [(2, 21, 13), (27, 13)])
+    gen, mod = generated(fns[reduce], *[rand(*s) for s in shapes])
+    assert gen.kind == "matmul_reduction"
+    check(gen, mod)
+
+
+def test_matmul_reduction_skipping_a_row_is_rejected(tmp_path):
+    gen, _ = generated(_splade, rand(2, 21, 13), rand(27, 13), rand(27), torch.ones(2, 21))
+    bad = planted(gen, tmp_path, "row_mask = m < M", "row_mask = m < M // 2")  # a max over half the rows
+    assert not validate(gen, bad).validated
+
+
+def test_kind_is_detected_from_the_program():
+    prog = record_program(_splade, rand(2, 5, 7), rand(11, 7), rand(11), torch.ones(2, 5))
+    assert detect_kind(prog) == "matmul_reduction"
+    prog = record_program(lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2), -1) @ v, *[rand(2, 5, 4)] * 3)
+    assert detect_kind(prog) == "attention"
+
+
+# ------------------------------------------------------------------------------------------ sample traces
+# CPU sample traces: the anchored candidates that must validate, and the stated reasons for the others.
+VALIDATE = {
+    "hf_gpt2_eager": ["attention", "addmm epilogue (GELU)", "matmul epilogue (clone)"],
+    "hf_bert_eager": ["attention", "linear epilogue (GELU)", "matmul epilogue (clone)", "linear epilogue (tanh)"],
+    "splade": ["matmul_reduction", "linear epilogue (Pointwise chain)"],
+    "mlp_block": ["linear epilogue (GELU)", "linear epilogue (bias/residual add)"],
+    "hf_llama": ["linear epilogue (SwiGLU)"],
+    "timm_vit": ["linear epilogue (GELU)"],
+}
+REFUSED = {"hf_llama": ["linear epilogue (Rotary embedding)"], "tv_resnet50": ["conv2d epilogue"]}
+
+
+@pytest.fixture(scope="module")
+def sample_results(tmp_path_factory):
+    from advisor.analyze.api import analyze
+    from advisor.codegen.pipeline import ANCHORED, generate_candidates
+
+    out = {}
+    for w in sorted(set(VALIDATE) | set(REFUSED)):
+        doc = analyze(CPU_SAMPLES / w).doc
+        doc = dict(doc, candidates=[c for c in doc["candidates"] if c["kind"] in ANCHORED])
+        res = generate_candidates(doc, tmp_path_factory.mktemp(w))
+        kinds = {c["id"]: c["kind"] for c in doc["candidates"]}
+        out[w] = [dict(p, kind=kinds[p["candidate"]]) for p in res["patterns"]]
+    return out
+
+
+@pytest.mark.parametrize("workload", sorted(set(VALIDATE) | set(REFUSED)))
+def test_sample_trace_anchored_candidates(sample_results, workload):
+    pats = sample_results[workload]
+    for want in VALIDATE.get(workload, []):
+        hits = [p for p in pats if p["kind"] == want or (p["title"] or "").startswith(want)]
+        assert hits and all(p["validated"] for p in hits), [(p["title"], p["reason"]) for p in hits]
+    for want in REFUSED.get(workload, []):
+        hits = [p for p in pats if (p["title"] or "").startswith(want)]
+        assert hits and all(not p["validated"] and p["kernel_file"] is None for p in hits)
+        assert all(p["reason"] == CONV_REASON or "not elementwise" in p["reason"] for p in hits), \
+            [p["reason"] for p in hits]
+    for p in pats:  # every anchored candidate: validated, or refused with a reason (never a failed kernel)
+        assert p["validated"] or (p["kernel_file"] is None and p["reason"]
+                                  and not p["reason"].startswith("generator error")), (p["title"], p["reason"])
+        if p["validated"]:
+            assert p["memory_saved_bytes"] > 0
+        if p["kind"] == "attention":
+            assert p["alternatives"]["sdpa"]["validated"]
+
+
+@pytest.mark.parametrize("workload", ["hf_gpt2_eager", "hf_bert_eager", "splade"])
+def test_sample_trace_programs_in_bf16(workload):
+    """The recorded attention and SPLADE programs (4-d, the trace's own strides and offsets) in bf16."""
+    from advisor.analyze.api import analyze
+
+    doc = analyze(CPU_SAMPLES / workload).doc
+    (c,) = [c for c in doc["candidates"] if c["kind"] in ("attention", "matmul_reduction")]
+    gen = generate_anchored(_as_dtype(c["program"], "bfloat16"), c["kind"])
+    mod = load_module(gen.path)
+    v = check(gen, mod)
+    assert v.errors["dtype"] == "bfloat16"
+    if c["kind"] == "attention":
+        assert validate_alternatives(gen, mod)["sdpa"]["validated"]
