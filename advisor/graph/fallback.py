@@ -31,7 +31,8 @@ def nodes_from_kineto(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kern
     recent: list[tuple[tuple, str, int, str]] = []  # (shape, dtype, value id, module) of the last output
     stack: list[tuple[float, int]] = []  # (end, owning node idx or -1) of enclosing ops
     cur_tid = None
-    for idx, r in zip(rows.index, rows.itertuples(index=False)):
+    leaf = _leaves(rows) if not trace.has_gpu else None
+    for i, (idx, r) in enumerate(zip(rows.index, rows.itertuples(index=False))):
         if r.tid != cur_tid:
             cur_tid, stack = r.tid, []
         while stack and stack[-1][0] <= r.ts:
@@ -45,7 +46,7 @@ def nodes_from_kineto(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kern
         info = lookup(name)
         direct = kernels_by_ext.get(int(r.ext_id), ())
         is_node = (info is not None and info.cls not in TRANSPARENT) or (info is None and is_aten(name) and direct)
-        if not is_node and info is None and is_aten(name) and not trace.has_gpu and _is_leaf(rows, r):
+        if not is_node and info is None and is_aten(name) and not trace.has_gpu and leaf[i]:
             is_node = True  # an unknown aten leaf on a CPU trace: a barrier
         if not is_node:
             stack.append((r.end, -1))
@@ -67,9 +68,18 @@ def nodes_from_kineto(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kern
     return nodes, values
 
 
-def _is_leaf(rows: pd.DataFrame, r) -> bool:
-    inner = rows[(rows["tid"] == r.tid) & (rows["ts"] > r.ts) & (rows["ts"] < r.end)]
-    return len(inner) == 0
+def _leaves(rows: pd.DataFrame) -> np.ndarray:
+    """Per row (sorted by tid, ts): no other op of its thread starts strictly inside it. The first op of
+    the thread that starts later is the one to check: it starts inside iff any does."""
+    tid, ts, end = rows["tid"].to_numpy(), rows["ts"].to_numpy(), rows["end"].to_numpy()
+    leaf = np.ones(len(rows), dtype=bool)
+    for t in np.unique(tid):
+        lo, hi = np.searchsorted(tid, t, "left"), np.searchsorted(tid, t, "right")
+        nxt = lo + np.searchsorted(ts[lo:hi], ts[lo:hi], "right")
+        inside = nxt < hi
+        inside[inside] = ts[nxt[inside]] < end[lo:hi][inside]
+        leaf[lo:hi] = ~inside
+    return leaf
 
 
 def _charge(node: Node, kernels) -> None:
