@@ -130,7 +130,6 @@ def attention_source(ctx: Anchored) -> str:
     name = module_name(p).replace("_kernel", "_attention_kernel")
     params, call = kernel_params(plan, pr.needed, {q_ptr, k_ptr, v_ptr})
     loop = {"j", "jv", "s", "mask", "row_mask", "col_mask"}
-    q_dt = p.source(qk.a.src).dtype
     lines = ["@triton.jit",
              signature(name, params + ["LQ", "LK", "D", "DV", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
                                        "BLOCK_D: tl.constexpr", "BLOCK_DV: tl.constexpr",
@@ -219,7 +218,6 @@ def attention_source(ctx: Anchored) -> str:
               "",
               "    if LQ and BATCH:",
               f"        launch(_config((LQ, LK, D, {qk.a.src}.dtype), launch, tune=True))"]
-    del q_dt
     return assemble(plan, kernel, launch, TUNE_TEXT + ATTENTION_CONFIG, sdpa_source(p, parts))
 
 

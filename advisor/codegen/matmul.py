@@ -29,8 +29,8 @@ from advisor.codegen import GENERATOR_VERSION, Generated, cache
 from advisor.codegen.build import Builder
 from advisor.codegen.dag import Dag, Node
 from advisor.codegen.helpers import HELPERS, helper_source
-from advisor.codegen.ir import NONE, Dim, Op, Program, Sizes, Value, View, _read_op, _schema, _track_inplace, \
-    _view, torch_dtype, Input
+from advisor.codegen.ir import NONE, Dim, Input, Op, Program, Sizes, Value, View, _read_op, _schema, _view, \
+    torch_dtype
 from advisor.codegen.module import COMMON, _run
 from advisor.codegen.plan import Plan, Store, _unravel, size_expr
 from advisor.codegen.printer import INDENT, Printer, _ancestors, _closure, signature
@@ -666,8 +666,9 @@ def _tuned(key, launch, tune, configs, default):
 
 
 def _dot_precision(dtype):
-    """fp32 operands: exact fp32 products, unless torch allows TF32 for matmuls (then eager uses it too)."""
-    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    """fp32 operands: exact fp32 products ("ieee"), unless torch allows TF32 for matmuls (then eager uses it
+    too). bf16/fp16 operands always use the tensor cores; Triton's default ("tf32") leaves them alone."""
+    return "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
 
 
 def _upcast(dtype):
