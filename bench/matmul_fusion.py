@@ -1,13 +1,15 @@
 """GPU benchmark of matmul-anchored kernels (issue 10): GEMM epilogues, eager attention, the SPLADE head.
 
-    python bench/matmul_fusion.py --out reports/matmul_fusion_h100   # writes .md and .json; ~3-4 min on an H100
+    python bench/matmul_fusion.py --out reports/matmul_fusion_h100   # writes .md and .json; ~4 min on an H100
     python bench/matmul_fusion.py --out /tmp/smoke --smoke           # tiny shapes in Triton's interpreter (CPU)
 
 Every kernel is made by the generator (`advisor.codegen.matmul.generate_anchored`) from the program a
 profiler trace of the model gives the advisor (top-level `aten::linear` / `addmm` / `matmul`, then the
 chain), validated (`advisor.validate`: fp64 reference, odd and all-ones shapes) and compared with eager
 at the benchmark size before it is timed. Times are `triton.testing.do_bench` medians (L2 cleared
-before each call); the fused kernels tune their tile once per shape, before timing.
+before each call); the fused kernels tune their tile once per shape, before timing. Cases run in
+priority order; past --budget-s the rest are skipped (and listed), and STEM.md / STEM.json are
+rewritten after every case, so a run stopped by an outer timeout keeps what it finished.
 
 - Epilogues at the suite's Linear shapes (bf16): eager (cuBLAS + the epilogue's eager kernels), cuBLAS +
   the generator's one fused pointwise kernel for the epilogue, cuBLAS alone (the floor), and the fused
@@ -427,10 +429,22 @@ def main():
         sys.exit("bench/matmul_fusion.py needs a CUDA GPU (or --smoke)")
     torch.manual_seed(0)
     t_start = time.time()
-    # the order is the priority when the budget runs out
-    plan = [("epilogue", EPILOGUES[0]), ("epilogue", EPILOGUES[1]), ("attention", ATTENTION[0]),
-            ("attention", ATTENTION[1]), ("splade", None)] + [("epilogue", c) for c in EPILOGUES[2:]]
+    stem = Path(a.out)
+    stem = stem.with_suffix("") if stem.suffix in (".md", ".json") else stem
+    stem.parent.mkdir(parents=True, exist_ok=True)
     results = []
+
+    def save():  # after every case: a run killed by an outer timeout keeps what it finished
+        result = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "CPU (Triton interpreter, smoke test)",
+                  "torch": torch.__version__, "triton": triton.__version__, "smoke": SMOKE,
+                  "wall_s": time.time() - t_start, "cases": results}
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+        stem.with_suffix(".md").write_text(markdown(result))
+        return result
+
+    # the order is the priority when the budget runs out
+    plan = [("epilogue", EPILOGUES[0]), ("attention", ATTENTION[0]), ("splade", None), ("epilogue", EPILOGUES[1]),
+            ("attention", ATTENTION[1])] + [("epilogue", c) for c in EPILOGUES[2:]]
     for kind, case in plan:
         name = case[0] if case else "SPLADE head"
         if a.only and a.only.lower() not in name.lower():
@@ -450,17 +464,10 @@ def main():
         r["case_s"] = round(time.time() - t0, 1)
         print(json.dumps(r, default=str), flush=True)
         results.append(r)
+        save()
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "CPU (Triton interpreter, smoke test)",
-              "torch": torch.__version__, "triton": triton.__version__, "smoke": SMOKE,
-              "wall_s": time.time() - t_start, "cases": results}
-    stem = Path(a.out)
-    stem = stem.with_suffix("") if stem.suffix in (".md", ".json") else stem
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    stem.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    print(markdown(save()))
 
 
 if __name__ == "__main__":
