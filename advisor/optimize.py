@@ -84,7 +84,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     handle = patch(model, plan)
     chk = check(call, handle, float32_reference(model, args, kwargs))
     handle = chk.handle
-    records = pattern_status(records, specs, handle, chk.dropped)
+    records = pattern_status(records, specs, handle, chk.dropped, analysis.doc)
     e2e = time_patterns(call, handle, device, iters, records) if benchmark else None
     doc = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e}
@@ -92,7 +92,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     return OptimizeReport(out_dir, records, doc["manifest"], doc["check"], e2e, handle)
 
 
-def pattern_status(records: list, specs: list, handle, dropped: dict) -> list:
+def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict | None = None) -> list:
     """Each apply.json pattern record plus whether it is patched, where, and if not why."""
     by_cand = {s.candidate: s for s in specs}
     out = []
@@ -117,6 +117,13 @@ def pattern_status(records: list, specs: list, handle, dropped: dict) -> list:
         else:
             r["status"] = "patched"
         out.append(r)
+    # Overlapping patterns: the first in plan order takes the ops (an epilogue extends a pointwise group).
+    extends = {c["id"]: c.get("extends") for c in (doc or {}).get("candidates", [])}
+    patched = {r["candidate"]: r for r in out if r["patched"]}
+    for r in out:
+        base = patched.get(extends.get(r["candidate"]) or "")
+        if not r["patched"] and r["status"].startswith("not found") and base is not None:
+            r["status"] = f"not patched: {base['candidate']} ({base['title'].split(':')[0]}) took its ops first"
     return out
 
 

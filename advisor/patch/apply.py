@@ -104,7 +104,7 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
             with intercept_roots(session):
                 run_script(script, args, dev)
         handles = Handles(session)
-        records = pattern_status(records, specs, handles, session.dropped)
+        records = pattern_status(records, specs, handles, session.dropped, analysis.doc)
         steady = meta.get("steady_state") or {}
         with console.status("timing the steady state before and after …"):
             e2e = _benchmark(script, args, dev, steady, session, handles, records, iters)
