@@ -181,6 +181,11 @@ class Builder:
         if op.outputs[slot].shape and len(op.outputs[slot].shape) == nlead + 1 and \
                 op.outputs[slot].shape[-1].value != 1 and idx[-1] is not self.cols:
             raise Unsupported(f"{op.qualname}'s output is read at a shifted column")
+        if any(i.full for i in lead):
+            # A per-row result broadcast along the row (x - x.sum(-1) on a square x: element (r, c) needs
+            # row c's sum). One program computes one row's reductions only; decomposing at a
+            # column-dependent row index would reduce over a diagonal instead (found by tests/test_fuzz.py).
+            raise Unsupported(f"{op.qualname}'s output is read across rows (a per-row value broadcast along the row)")
         key = ("row", op.id, tuple(id(i) for i in lead))
         outs = self.memo.get(key)
         if outs is None:

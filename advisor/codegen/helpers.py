@@ -106,6 +106,15 @@ def _max_nan(a, b):
 def _min_nan(a, b):
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 ''',
+    "_round_bf16": '''
+@triton.jit
+def _round_bf16(x):
+    # fp32 -> bf16 -> fp32 with ties to even, as torch rounds. x.to(tl.bfloat16) does that on the GPU,
+    # but Triton's interpreter truncates, so the rounding is spelled out in bits (NaN stays NaN).
+    b = x.to(tl.uint32, bitcast=True)
+    b = b + 0x7FFF + ((b >> 16) & 1)
+    return tl.where(x != x, x, ((b >> 16) << 16).to(tl.float32, bitcast=True))
+''',
     "_mul_combine": '''
 @triton.jit
 def _mul_combine(a, b):

@@ -210,6 +210,9 @@ def read_program(prog: dict) -> Program:
                               list(spec["strides"]), int(spec.get("storage_offset") or 0)))
     for spec in prog["nodes"]:
         p.ops.append(_read_op(p, spec))
+    missing = [v for v in prog["outputs"] if v not in p.values]
+    if missing:  # e.g. an op that returned its own input (torch.positive): a KeyError here used to escape as a crash
+        raise Unsupported(f"output {missing[0]} is not computed by the program (an input returned as it is)")
     p.outputs = [p.values[v] for v in prog["outputs"]]
     p.returned = len(p.outputs)
     # A mutated input must end up mutated even when nothing in the group reads it afterwards.
