@@ -610,21 +610,9 @@ def module_name(prog: Program) -> str:
     return "_".join(names[:5]) + ("_etc" if len(names) > 5 else "") + "_kernel"
 
 
-ROUND_BF16 = '''
-@triton.jit
-def _round_bf16(x):
-    # fp32 -> bf16 precision, rounding to nearest even like the GPU's conversion (the interpreter's
-    # .to(tl.bfloat16) truncates): add half an ulp of bf16 (ties to even), drop the low 16 bits.
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-'''
-
-
 def assemble(plan: Plan, kernels: str, launch: list, config: str, extra: str = "") -> str:
+    # the table's helpers the kernel calls (incl. _round_bf16: bf16 rounding as the GPU does, in the interpreter)
     helpers = helper_source(h for h in HELPERS if f"{h}(" in kernels or f", {h})" in kernels)
-    if "_round_bf16(" in kernels:
-        helpers += ROUND_BF16
     parts = ["import os\n\nimport torch\nimport triton\nimport triton.language as tl\n",
              "\n" + helpers if helpers else "", "\n\n" + kernels, "\n\n" + _run(plan, launch),
              extra, COMMON, config]
