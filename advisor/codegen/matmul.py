@@ -36,6 +36,7 @@ from advisor.codegen.plan import Plan, Store, _unravel, size_expr
 from advisor.codegen.printer import INDENT, Printer, _ancestors, _closure, signature
 from advisor.codegen.shapes import broadcast
 from advisor.ops.lowering import Lowering, Unsupported, tl_type
+from advisor.ops.registry import OpClass, op_class
 
 ANCHOR_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
 REDUCE_KINDS = {"aten::amax": "max", "aten::amin": "min", "aten::sum": "sum", "aten::mean": "mean"}
@@ -100,6 +101,8 @@ def read_anchored(program: dict) -> Anchored:
             raise Unsupported(CONV_REASON)
         if name in ANCHOR_OPS:
             op = _read_anchor(ctx, spec)
+        elif op_class(name) == OpClass.MATMUL:
+            raise Unsupported(f"{name}: only mm, addmm, linear, matmul and bmm anchors are generated")
         elif spec.get("synthetic") == "reshape":
             op = _read_reshape(ctx, spec)
         elif name in REDUCE_KINDS and _leading_reduction(spec):
