@@ -21,6 +21,7 @@ Numerics are kept well-posed so that any mismatch is the generator's fault, not 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -167,8 +168,10 @@ class _Builder:
         self.ops: list[str] = []
         self.n = 0
         self.required: str | None = None  # planted-bug programs: the value that must be returned
+        self.used: set[str] = set()  # names read by some line
 
     def new(self, expr: str, shape, dtype, bound, exact, op: str, row=False) -> Val:
+        self.used.update(re.findall(r"\b(?:v|in)\d+\b", expr))
         name = f"v{self.n}"
         self.n += 1
         self.lines.append(f"{name} = {expr}")
@@ -465,7 +468,7 @@ def _bool(p: _Builder) -> None:
     a = p.pick(lambda v: v.cat != "bool", "compared operand")
     if a is None:
         return
-    if not a.exact:  # inexact values: only tests that cannot flip (finite bounded values)
+    if not a.exact and a.cat == "float":  # inexact values: only tests that cannot flip (finite bounded values)
         name = p.num(["isnan", "isinf", "isfinite"], "finite test")
         p.new(f"torch.{name}({a.name})", a.shape, torch.bool, 1, True, name)
         return
@@ -568,6 +571,7 @@ def _row(p: _Builder) -> None:
             return _unary(p)
         a, m = f"v{p.n}", f"v{p.n + 1}"
         p.lines.append(f"{a}, {m} = torch.{name}({x.name}, -1, keepdim={k})")
+        p.used.add(x.name)
         p.n += 2
         p.vals += [Val(a, lead, dt, b * b * n, False, True), Val(m, lead, dt, b, False, True)]
         p.ops.append(name)
@@ -613,9 +617,10 @@ def _inplace(p: _Builder) -> None:
     ops = [o for o in ops if o[2] <= MAX_BOUND]
     name, expr, bound = p.draw(st.sampled_from(ops), label="in-place op")
     p.lines.append(expr)
+    p.used.update(re.findall(r"\b(?:v|in)\d+\b", expr))
     p.ops.append("inplace")
     # the input's name now stands for its new value
-    a.bound, a.exact = bound, a.exact and name in ("relu_", "clamp_", "neg_")
+    a.bound, a.exact = bound, a.exact and (name in ("relu_", "clamp_", "neg_") or a.cat == "int")
     a.layout_ok = False  # once is enough per input (keeps the aliasing simple to read)
 
 
@@ -657,9 +662,11 @@ def _layout(draw, shape: tuple, dtype) -> InputSpec:
 
 
 @st.composite
-def programs(draw, kind: str | None = None, require: str | None = None, min_ops: int = 1, max_ops: int = 7):
+def programs(draw, kind: str | None = None, require: str | None = None, min_ops: int = 1, max_ops: int = 7,
+             sinks: bool = False):
     """A random FuzzProgram. kind: "pointwise" | "rows" | None (either); require: a fuzz op that must appear
-    with an input as its operand and its result returned (see `planted_programs`)."""
+    with an input as its operand and its result returned (see `planted_programs`); sinks: return every
+    value nothing reads (no dead code, as in a model: a compiler would drop dead ops before patching)."""
     kind = kind or draw(st.sampled_from(["pointwise", "pointwise", "rows"]), label="program kind")
     rank = draw(st.integers(1, 3), label="rank")
     while True:
@@ -718,6 +725,8 @@ def programs(draw, kind: str | None = None, require: str | None = None, min_ops:
     last = produced[-1]
     extra = draw(st.lists(st.sampled_from(produced), max_size=2, unique_by=lambda v: v.name), label="extra outputs")
     outs = list(dict.fromkeys([last.name] + [v.name for v in extra] + ([p.required] if require else [])))
+    if sinks:
+        outs = list(dict.fromkeys(outs + [v.name for v in produced if v.name not in p.used]))
     looped = kind == "rows" and draw(st.integers(0, 3)) == 0
     seed = draw(st.integers(0, 2 ** 16), label="seed")
     return FuzzProgram(specs, p.lines, outs, kind, seed, p.ops, looped, require)

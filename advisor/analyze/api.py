@@ -98,6 +98,7 @@ def analyze(path, et=None) -> Analysis:
         "unknown_ops": graph.unknown_ops.assign(count=lambda d: d["count"] / iters,
                                                 time_us=lambda d: d["time_us"] / iters).to_dict("records"),
         "low_confidence": graph.confidence == "low",
+        "warnings": list(graph.warnings),  # e.g. an ET that cannot be joined (issue 8)
         "timeline": _timeline(graph, groups_by_id),
         "candidates": [{k: v for k, v in r.items() if k != "extends_pattern"} for r in records],
     }
@@ -122,7 +123,9 @@ def analyze_cli(trace, et=None, out=None, top: int = 10) -> Analysis:
         render_terminal(result.doc, None, console, top=top)
     else:
         _fallback_summary(result.doc, console, top)
-    if result.doc["low_confidence"]:
+    for w in result.doc.get("warnings") or []:
+        console.print(f"[yellow]warning:[/] {w}")
+    if result.doc["low_confidence"] and not result.doc.get("warnings"):
         console.print("[yellow]no execution trace: dataflow guessed from shapes and order; "
                       "every candidate is low-confidence[/]")
     console.print(f"analysis written to [bold]{path}[/]")

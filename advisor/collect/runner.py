@@ -187,6 +187,18 @@ def _run_as_main(script: Path, outcome: _Outcome) -> None:
         outcome.wall_s = time.perf_counter() - t0
 
 
+def _all_threads() -> Dict[str, Any]:
+    """Kineto records cpu ops of the profiling thread only, while the ET observer records every thread: a
+    script that runs its model in worker threads left the analyzer ET ops without Kineto ops, and so no
+    candidates (issue 8, tests/test_reliability.py). torch >= 2.8 can profile all threads."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except (ImportError, TypeError):  # older torch: the analyzer warns about the ops it cannot join
+        return {}
+
+
 @contextlib.contextmanager
 def _stop_after_calls(n: Optional[int], prof):
     """Stop the profiler (Kineto and the ET observer) once n outermost nn.Module calls have completed.
@@ -321,7 +333,7 @@ def profile_script(
                     # torch 2.11 warns about schedule cycles, which a single profile() never has
                     warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle.*")
                     with profile(activities=activities, record_shapes=True, with_stack=True,
-                                 execution_trace_observer=et) as prof:
+                                 execution_trace_observer=et, **_all_threads()) as prof:
                         with ranges_as_regions(), module_scopes(), _stop_after_calls(profile_calls, prof):
                             _run_as_main(script, outcome)
                         if dev == "cuda":

@@ -101,6 +101,7 @@ class Graph:
     confidence: str  # "high" (ET dataflow) or "low" (shapes and order)
     device_type: str  # "cuda" or "cpu"
     unknown_ops: pd.DataFrame  # name, count, time_us
+    warnings: list = field(default_factory=list)  # why the analysis is weaker than it could be (one line each)
 
     def node_frame(self) -> pd.DataFrame:
         cls_value = {c: c.value for c in OpClass}  # (an Enum's .value is slow to ask a million times)
@@ -150,7 +151,8 @@ def build_graph(trace: Trace) -> Graph:
         modules = module_paths(trace, ops)
         kernels = KernelIndex(trace)
         device_type = "cuda" if trace.has_gpu else "cpu"
-        if len(trace.et_nodes):
+        warnings = check_joins(trace, kernels)
+        if len(trace.et_nodes) and not any("Record function id" in w for w in warnings):
             nodes, values = _nodes_from_et(trace, ops, modules, kernels)
             confidence = "high"
         else:
@@ -167,7 +169,56 @@ def build_graph(trace: Trace) -> Graph:
     udf = pd.DataFrame(unknown, columns=["name", "time_us"])
     udf = (udf.groupby("name", observed=True).agg(count=("time_us", "size"), time_us=("time_us", "sum")).reset_index()
            if len(udf) else pd.DataFrame({"name": [], "count": [], "time_us": []}))
-    return Graph(nodes, values, max(len(wins), 1), confidence, device_type, udf)
+    return Graph(nodes, values, max(len(wins), 1), confidence, device_type, udf, warnings)
+
+
+def check_joins(trace: Trace, kernels: KernelIndex) -> list[str]:
+    """The joins the analysis rests on, checked before anything is built on them (issue 8: a trace whose parts
+    do not fit together must say so, not silently yield nothing, or another workload's candidates).
+
+    Raises AdvisorError when nothing can be analysed: GPU kernels but no cpu ops, or kernels none of which
+    joins a cpu op (`External id` / `correlation` missing or renamed), or an execution trace recorded with
+    another run (its record-function ids meet Kineto ops of other names). Returns warnings, one line each,
+    when the ET cannot be used (Kineto without `Record function id`: the shape-and-order fallback runs)."""
+    from advisor.errors import AdvisorError
+
+    k, et = trace.files.kineto, trace.files.et
+    n_kernels = len(trace.kernels)
+    cpu = trace.ops[trace.ops["cat"].astype(str) == "cpu_op"] if len(trace.ops) else trace.ops
+    if n_kernels and not len(cpu):
+        raise AdvisorError(f"{k} has {n_kernels} GPU kernels but no cpu_op events: nothing says which ops launched "
+                           "them (profile with ProfilerActivity.CPU and record_shapes=True, as `fusion-advisor "
+                           "profile` does)")
+    if n_kernels and not len(kernels.rows):
+        raise AdvisorError(f"none of the {n_kernels} GPU kernels in {k} joins a cpu op: its 'External id' / "
+                           "'correlation' fields are missing or renamed (a trace from another torch version?)")
+    warnings = []
+    if not n_kernels and len(cpu) and (trace.meta.get("device") or {}).get("type") == "cuda":
+        warnings.append(f"{k} was recorded on a GPU machine but holds no GPU kernels: the script ran no GPU work "
+                        "(its tensors stayed on the CPU?), so these are CPU op times")
+    if not len(trace.et_nodes) or not len(cpu):
+        return warnings
+    names = np.asarray(trace.et_nodes["name"].astype(str), dtype=object)
+    is_op = np.array(["::" in n for n in names], dtype=bool)
+    rf = cpu["rf_id"].to_numpy()
+    if not (rf > 0).any():
+        return warnings + [f"{k} carries no 'Record function id' (a trace from another torch version?), so the execution "
+                f"trace {et} cannot be joined to it: dataflow guessed from shapes and order"]
+    from advisor.graph.etnodes import _op_rows
+
+    row = _op_rows(rf, trace.et_nodes["rf_id"].to_numpy())
+    joined = is_op & (row >= 0)
+    cpu_names = np.asarray(cpu["name"].astype(str), dtype=object)
+    same = joined & (cpu_names[np.maximum(row, 0)] == names)
+    if is_op.any() and same.sum() < 0.9 * max(joined.sum(), 1):
+        raise AdvisorError(f"the execution trace {et} does not belong to {k}: only {int(same.sum())} of its "
+                           f"{int(is_op.sum())} ops meet a Kineto op of the same name by record-function id "
+                           "(pass the ET recorded with this trace, or none)")
+    lost = int(is_op.sum() - joined.sum())
+    if lost > 0.2 * is_op.sum():
+        return warnings + [f"{lost} of the {int(is_op.sum())} ops in the execution trace have no Kineto op (ops run in threads "
+                "the profiler did not record?): those ops are not analysed"]
+    return warnings
 
 
 def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels: KernelIndex):
