@@ -203,9 +203,9 @@ def _all_threads() -> Dict[str, Any]:
 def _stop_after_calls(n: Optional[int], prof):
     """Stop the profiler (Kineto and the ET observer) once n outermost nn.Module calls have completed.
 
-    Why: stacks, shapes and the execution trace make every profiled op many times slower (about 20x per
-    iteration for the CPU Llama example), so a script that runs many iterations would spend most of its
-    time being profiled for nothing: the analyzer wants a warm-up call and a few steady ones. With
+    Why: stacks, shapes and the execution trace make every profiled op slower, so a script that runs
+    many iterations would spend much of its time being profiled for nothing: the analyzer wants a
+    warm-up call and a few steady ones (bench/profile_overhead.py measures the cost). With
     FUSION_ADVISOR_PROFILE_CALLS=n (or profile_calls=n) the rest of the script runs at full speed.
     Off by default. The hooks go in after module_scopes' ones, so the last call's scope is closed first.
     """
