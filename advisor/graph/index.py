@@ -23,6 +23,14 @@ def starts_with(col: pd.Series, prefix: str) -> np.ndarray:
     return np.array([str(x).startswith(prefix) for x in col], dtype=bool)
 
 
+def equals(col: pd.Series, value: str) -> np.ndarray:
+    """Boolean mask col == value (tested once per category when categorical)."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        flags = np.array([str(c) == value for c in col.cat.categories] + [False], dtype=bool)
+        return flags[col.cat.codes.to_numpy()]
+    return np.array([str(x) == value for x in col], dtype=bool)
+
+
 class KernelIndex:
     """External id of the innermost cpu op -> its kernels, joined through the launch's correlation when a
     kernel carries no External id of its own. Kernels of one op keep their trace order."""
