@@ -5,7 +5,8 @@ keep -- the with_stack python frames, most of a big trace, are skipped without b
 captures their fields as bytes. A cpu op's args line is its ids (which differ every time) followed by
 its input shapes, types and concrete values (which repeat every layer and iteration): the ids are cut
 off and the rest becomes a categorical "signature", parsed once per distinct value. Kernel and runtime
-args are small and parsed with orjson a chunk at a time.
+args get the same treatment: External id and correlation cut out, the rest (stream, grid, ...) parsed
+once per distinct value.
 
 Anything the fast path does not recognise in a chunk (a missing field, other spacing) sends that chunk
 down the generic path: parse it whole and pick fields from dicts, as a plain json.load would.
