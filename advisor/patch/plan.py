@@ -152,10 +152,17 @@ def load_plan(out_dir: Path) -> Plan:
     manifest = applied.get("manifest") or []
     if manifest:
         targets: dict[str, Target] = {}
+        records = {p.get("pattern_id"): p for p in applied.get("patterns") or []}
         for e in manifest:
             c = by_pid.get(e["pattern_id"])
             if c is None:
                 raise AdvisorError(f"{apply_p}: pattern {e['pattern_id']} is not in {analysis_p}")
+            rec = records.get(e["pattern_id"])
+            if e.get("replacement", "kernel") == "kernel" and rec is not None and not rec.get("validated"):
+                # Never patch a kernel that failed validation, even one a hand-edited manifest names
+                # (issue 8, tests/test_reliability.py).
+                raise AdvisorError(f"{apply_p}: the manifest names pattern {e['pattern_id']}, whose kernel was not "
+                                   f"validated ({rec.get('reason') or 'no reason recorded'}): refusing to patch it")
             s = spec_from_candidate(c, e.get("replacement", "kernel"), e.get("kernel_file"),
                                     (e.get("guard_spec") or {}).get("device_type"))
             specs.setdefault(s.key, s)
