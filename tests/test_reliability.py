@@ -291,10 +291,11 @@ class Chains(torch.nn.Module):
 def _inputs(dtype, shape=(6, 33)):
     g = torch.Generator().manual_seed(0)
     if dtype == torch.bool:
-        return torch.rand(shape, generator=g) < 0.5, torch.rand(shape[-1:], generator=g) < 0.5
+        return (torch.rand(shape, generator=g) < 0.5).to(DEV), (torch.rand(shape[-1:], generator=g) < 0.5).to(DEV)
     if not dtype.is_floating_point:
-        return torch.randint(-9, 9, shape, generator=g).to(dtype), torch.randint(-9, 9, shape[-1:], generator=g).to(dtype)
-    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape[-1:], generator=g).to(dtype)
+        return (torch.randint(-9, 9, shape, generator=g).to(DEV, dtype),
+                torch.randint(-9, 9, shape[-1:], generator=g).to(DEV, dtype))
+    return torch.randn(shape, generator=g).to(DEV, dtype), torch.randn(shape[-1:], generator=g).to(DEV, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool],
@@ -349,9 +350,9 @@ class Strided(torch.nn.Module):
 
 def _strided(rows=6, cols=10):
     g = torch.Generator().manual_seed(1)
-    xt = torch.randn(cols, rows, generator=g).t()  # transposed
-    bias = torch.randn(rows, 1, generator=g).expand(rows, cols)  # stride 0
-    s = torch.randn(rows, cols + 3, generator=g)[:, 2:cols + 2]  # a slice: padded rows, an offset
+    xt = torch.randn(cols, rows, generator=g).to(DEV).t()  # transposed
+    bias = torch.randn(rows, 1, generator=g).to(DEV).expand(rows, cols)  # stride 0
+    s = torch.randn(rows, cols + 3, generator=g).to(DEV)[:, 2:cols + 2]  # a slice: padded rows, an offset
     return xt, bias, s
 
 
@@ -391,8 +392,8 @@ def test_inplace_ops_and_aliasing_views_keep_mutation_semantics(tmp_path):
     """Through generate + validate and through patching: outputs, the mutated input and the buffer all
     end as eager leaves them."""
     g = torch.Generator().manual_seed(2)
-    x0, b = torch.randn(6, 16, generator=g), torch.randn(16, generator=g)
-    model = InPlace()
+    x0, b = torch.randn(6, 16, generator=g).to(DEV), torch.randn(16, generator=g).to(DEV)
+    model = InPlace().to(DEV)
     twin = copy.deepcopy(model)
     _, specs, records, h = fuse(model, lambda: (x0.clone(), b), tmp_path)
     assert specs, [(r["title"], r["reason"]) for r in records]
@@ -478,7 +479,7 @@ def test_a_kernel_that_failed_validation_is_never_applied(tmp_path, monkeypatch,
     monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path / "cache"))
     monkeypatch.setitem(lowering.TABLE, "aten::relu", _planted_relu())
     model = Seed()
-    x, b = torch.randn(4, 300), torch.randn(300)
+    x, b = torch.randn(4, 300, device=DEV), torch.randn(300, device=DEV)
     want = run(model, x, b)
     report = advisor.optimize(model, (x, b), out=tmp_path / "opt")
     assert report.patterns and not report.applied, report.patterns
@@ -542,7 +543,7 @@ def _user_dir(tmp_path: Path) -> Path:
 
 def _apply(user: Path, out: Path, cache: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "FUSION_ADVISOR_CACHE": str(cache)}
+           "FUSION_ADVISOR_CACHE": str(cache), "TRITON_INTERPRET": "1"}  # the script runs on the CPU (--device cpu)
     return subprocess.Popen([sys.executable, "-m", "advisor", "apply", "train.py", "--out", str(out), "--device", "cpu",
                              *extra], cwd=user, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -660,8 +661,8 @@ def launched(model) -> int:
 @pytest.fixture(scope="module")
 def optimized_small(tmp_path_factory):
     torch.manual_seed(0)
-    model = Small().eval()
-    x = torch.randn(4, 7, 32)
+    model = Small().eval().to(DEV)
+    x = torch.randn(4, 7, 32, device=DEV)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     params = {n: (id(p), p.requires_grad) for n, p in model.named_parameters()}
     ref = run(model, x)[0]
@@ -694,7 +695,7 @@ def test_patched_model_with_kernels_survives_weights_save_to_copy_and_modes(opti
     model, x, ref, state, _, report = optimized_small
     model = copy.deepcopy(model)  # a patched copy (the fixture's model stays as it is)
     assert report.applied
-    twin = Small().eval()
+    twin = Small().eval().to(DEV)
 
     # new weights: the capture must read them, not the ones it was made with
     new = {k: v + 0.1 * torch.randn_like(v) for k, v in state.items()}
