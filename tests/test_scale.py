@@ -98,6 +98,9 @@ def test_truncated_stream_is_an_error(tmp_path):
     f.write_bytes(raw[: len(raw) * 2 // 3])
     with pytest.raises(AdvisorError, match="not valid JSON"):
         load_trace(f)
+    f.write_bytes(raw.replace(b'"dur": ', b'"dur": ,', 1))  # broken inside an event, layout intact
+    with pytest.raises(AdvisorError, match="not valid JSON"):
+        load_trace(f)
 
 
 @pytest.fixture(scope="module")

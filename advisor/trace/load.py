@@ -167,7 +167,7 @@ def _kineto(path: Path, stream: bool = True):
     for i, chunk in enumerate(chunks):
         if fast is not None:
             try:
-                if i == 0 and not _fast_agrees(chunk, fast):
+                if i == 0 and not _fast_agrees(chunk, fast, path, what):
                     fast = None  # a layout the regexes misread: be safe, parse every chunk whole
                 else:
                     fast.chunk(chunk, tables)
@@ -178,14 +178,17 @@ def _kineto(path: Path, stream: bool = True):
     return (*kineto.frames(tables), rest.get("deviceProperties"))
 
 
-def _fast_agrees(chunk: bytes, fast: kineto.FastParser) -> bool:
+def _fast_agrees(chunk: bytes, fast: kineto.FastParser, path: Path, what: str) -> bool:
     """On the first chunk, the fast path must keep as many events of each kind as the generic one."""
     a, b = kineto.tables(), kineto.tables()
     try:
         fast.chunk(chunk, a)
     except kineto.Mismatch:
         return True  # this chunk goes the generic way anyway
-    kineto.add_dicts(loads(b"[" + chunk + b"]"), b)
+    try:
+        kineto.add_dicts(loads(b"[" + chunk + b"]"), b)
+    except ValueError as e:
+        raise AdvisorError(f"{what} {path} is not valid JSON: {str(e).splitlines()[0][:120]}")
     return kineto.counts(a) == kineto.counts(b)
 
 
