@@ -197,8 +197,11 @@ def test_fuzz_generator():
     table = {op for op, low in lowering.TABLE.items() if low.kind in ("pointwise", "row")}
     hit = {op for op in table if any(c == op or c.rstrip("_") == op for c in covered)}
     print(f"fuzz: {len(hit)} of {len(table)} lowering entries exercised")
+    drawn = {k[5:] for k in stats if k.startswith("fuzz:")}
+    print(f"fuzz: {len(drawn & FUZZ_OPS)} of the strategy's {len(FUZZ_OPS)} ops drawn")
     if EXAMPLES >= 1000:
         assert len(hit) >= 80, sorted(table - hit)
+        assert len(FUZZ_OPS - drawn) <= 0.1 * len(FUZZ_OPS), sorted(FUZZ_OPS - drawn)
 
 
 # ---------------------------------------------------------------------------------- planted bugs
