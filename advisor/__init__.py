@@ -7,6 +7,10 @@ The op registry (`advisor.ops`) is the only place that knows what an aten op is.
 
 __version__ = "0.1.0"
 
+from advisor.interpreter import use_interpreter_without_gpu as _use_interpreter
+
+_use_interpreter()  # before anything imports triton: see advisor.interpreter
+
 from advisor.collect.region import region  # noqa: E402,F401
 
 

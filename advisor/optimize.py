@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +33,7 @@ class OptimizeReport:
     check: dict
     end_to_end: dict | None = None
     handle: object = field(default=None, repr=False)
+    phases_s: dict = field(default_factory=dict)  # wall seconds per step of the cold path
 
     @property
     def applied(self) -> list:
@@ -57,14 +60,13 @@ def describe_timing(e2e: dict) -> str:
 
 def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
-             granularity: str = "pattern") -> OptimizeReport:
+             granularity: str = "pattern", reuse: bool = True) -> OptimizeReport:
     from advisor.analyze.api import analyze
     from advisor.bench.trace import profile_calls
-    from advisor.patch import build_plan, occurrence_modules, patch, unpatch
+    from advisor.patch import build_plan, load_plan, occurrence_modules, patch, plan_cache, unpatch
     from advisor.patch.kernels import kernel_specs
     from advisor.patch.verify import check, float32_reference
-
-    from advisor.patch.apply import use_interpreter_without_gpu
+    from advisor.interpreter import use_interpreter_without_gpu
 
     use_interpreter_without_gpu()
     args, kwargs = split_inputs(example_inputs)
@@ -77,19 +79,59 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         with torch.inference_mode():
             return model(*args, **kwargs)
 
-    analysis = analyze(profile_calls(call, out_dir, device, calls))
-    analysis.to_json(out_dir / "analysis.json")
-    specs, records = kernel_specs(analysis.doc, top, replacement, out_dir, device)
-    plan = build_plan(specs, analysis.doc, occurrence_modules(analysis), granularity)
-    handle = patch(model, plan)
-    chk = check(call, handle, float32_reference(model, args, kwargs))
+    phases = Phases(device)
+    key = plan_cache.fingerprint(model, args, kwargs, device, {"top": top, "replacement": replacement,
+                                 "granularity": granularity}) if reuse else None
+    with phases("reuse"):
+        reused = bool(key) and plan_cache.fetch(key, out_dir)
+    if reused:  # the same model and inputs were optimised before: its plan, re-checked below
+        doc = json.loads((out_dir / "analysis.json").read_text())
+        records = json.loads((out_dir / "apply.json").read_text())["patterns"]
+        with phases("patch"):
+            plan = load_plan(out_dir)
+            specs = plan.patterns
+            handle = patch(model, plan)
+    else:
+        with phases("profile"):
+            trace_dir = profile_calls(call, out_dir, device, calls)
+        with phases("analyze"):
+            analysis = analyze(trace_dir)
+            analysis.to_json(out_dir / "analysis.json")
+            doc = analysis.doc
+        with phases("generate"):
+            specs, records = kernel_specs(doc, top, replacement, out_dir, device)
+        with phases("patch"):
+            plan = build_plan(specs, doc, occurrence_modules(analysis), granularity)
+            handle = patch(model, plan)
+    with phases("check"):  # the first patched call captures the modules (dynamo) and runs the kernels
+        chk = check(call, handle, float32_reference(model, args, kwargs))
     handle = chk.handle
-    records = pattern_status(records, specs, handle, chk.dropped, analysis.doc)
+    records = pattern_status(records, specs, handle, chk.dropped, doc)
     e2e = time_patterns(call, handle, device, iters, records) if benchmark else None
-    doc = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": device,
-           "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e}
-    write_json(out_dir / "apply.json", doc)
-    return OptimizeReport(out_dir, records, doc["manifest"], doc["check"], e2e, handle)
+    out = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": device,
+           "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e,
+           "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key}
+    write_json(out_dir / "apply.json", out)
+    if key and not reused and out["manifest"]:
+        plan_cache.store(out_dir, key)
+    return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds)
+
+
+class Phases:
+    """Wall seconds per named step (synchronised on a GPU, so queued work is charged to its step)."""
+
+    def __init__(self, device: str):
+        self.device, self.seconds = device, {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - t0, 3)
 
 
 def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict | None = None) -> list:

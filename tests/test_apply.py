@@ -149,3 +149,48 @@ def test_region_timing_reruns_the_script(tmp_path):
     import advisor
 
     assert advisor.region.__module__ == "advisor.collect.region"  # put back
+
+
+def test_a_second_optimize_reuses_the_plan_and_checks_it_again(tmp_path, monkeypatch):
+    """Same model class, weights' shapes and inputs in a new model object: the stored plan is patched in
+    without profiling, re-checked against the unpatched outputs; other inputs or reuse=False start cold."""
+    monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path / "cache"))
+    x = inputs("llama")
+    first_model, kw = tiny("llama", layers=1)
+    first = advisor.optimize(first_model, {**x, **kw}, top=4, out=tmp_path / "first")
+    assert "profile" in first.phases_s and first.applied
+    model, kw = tiny("llama", layers=1)
+    ref = run(model, kw, x)
+    second = advisor.optimize(model, {**x, **kw}, top=4, out=tmp_path / "second")
+    doc = json.loads((tmp_path / "second" / "apply.json").read_text())
+    assert doc["plan_reused"] and "profile" not in second.phases_s and "check" in second.phases_s
+    assert [r["pattern_id"] for r in second.applied] == [r["pattern_id"] for r in first.applied]
+    assert second.check["ok"] and torch.allclose(run(model, kw, x), ref, rtol=1e-5, atol=1e-5)
+    assert all(e["kernel_file"].startswith(str(tmp_path / "second" / "kernels")) for e in doc["manifest"])
+    assert all(Path(e["kernel_file"]).is_file() for e in doc["manifest"])
+    advisor.unpatch(model)
+    assert torch.equal(run(model, kw, x), ref)
+    other = advisor.optimize(model, {**inputs("llama", seq=12), **kw}, top=4, out=tmp_path / "other")
+    assert "profile" in other.phases_s  # another input shape: another plan
+    cold = advisor.optimize(model, {**x, **kw}, top=4, out=tmp_path / "cold", reuse=False)
+    assert "profile" in cold.phases_s
+    advisor.unpatch(model)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, kernels do not run in the interpreter")
+def test_kernels_need_triton_imported_in_interpreter_mode(tmp_path):
+    """transformers imports triton; imported before TRITON_INTERPRET=1, triton's reductions cannot run in
+    the interpreter: validation says so in one line instead of a cryptic interpreter error."""
+    code = ("import os, sys, torch\n"
+            "os.environ.pop('TRITON_INTERPRET', None)\n"
+            "import triton.language\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from advisor.interpreter import interpreter_problem\n"
+            "print('PROBLEM', interpreter_problem())\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert "PROBLEM triton was imported before TRITON_INTERPRET=1" in r.stdout, r.stderr[-2000:]
+    ok = subprocess.run([sys.executable, "-c", "import advisor, triton.language\n"
+                         "from advisor.interpreter import interpreter_problem\nprint('PROBLEM', interpreter_problem())"],
+                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert "PROBLEM None" in ok.stdout, ok.stderr[-2000:]  # `import advisor` first: the interpreter is on

@@ -148,3 +148,17 @@ def test_sample_trace_candidates(trace, tmp_path):
     assert on_disk["schema_version"] == 1 and len(on_disk["patterns"]) == len(applied["patterns"])
     again = generate_candidates(doc, tmp_path)  # a second run generates nothing new
     assert all(p["cached"] for p in again["patterns"] if p["kernel_file"])
+
+
+def test_validation_memo_reuses_successes_only_for_the_same_source(tmp_path):
+    gen = generate(seed())
+    mod = load_module(gen.path)
+    first = validate(gen, mod, memo=True)
+    again = validate(gen, mod, memo=True)
+    assert first.validated and not first.errors.get("reused")
+    assert again.validated and again.errors["reused"] and "validation reused" in again.errors["note"]
+    assert again.errors["rel_l2"] == first.errors["rel_l2"]
+    wrong = planted(gen, tmp_path, "mask = offs < numel", "mask = offs < numel - 1")  # same gen, other source
+    assert not validate(gen, wrong, memo=True).validated
+    assert not validate(gen, wrong, memo=True).validated  # failures are never recorded
+    assert not validate(gen, mod, memo=True, seed=3).errors.get("reused")  # another seed: other inputs

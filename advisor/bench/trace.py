@@ -53,12 +53,22 @@ def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: i
     _gzip(kineto_tmp, trace_dir / "kineto.json.gz")
     if et_tmp.exists():
         _gzip(et_tmp, trace_dir / "et.json.gz")
-    measured = measure(device)
+    measured = _measured(device, measure)
     meta = {"device": device_info(device), "script": None, "in_process": True,
             "steady_state": steady.steady_state(events, REGION), "complete": True, "error": None,
             **{k: measured.get(k) for k in ("bandwidth_Bps", "launch_us", "dispatch_us")}}
     (trace_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return trace_dir
+
+
+_MEASURED: dict = {}
+
+
+def _measured(device: str, measure) -> dict:
+    """Device facts once per process: `optimize` may profile many models, the device does not change."""
+    if device not in _MEASURED or _MEASURED[device].get("measure_error"):
+        _MEASURED[device] = measure(device)
+    return _MEASURED[device]
 
 
 def _gzip(src: Path, dst: Path) -> None:

@@ -23,15 +23,8 @@ import torch
 
 from advisor.optimize import SCHEMA_VERSION, pattern_status, time_patterns, write_json
 from advisor.patch.modules import root_class
+from advisor.interpreter import use_interpreter_without_gpu
 from advisor.patch.script import Session, intercept_roots, run_script
-
-
-def use_interpreter_without_gpu() -> None:
-    """No GPU: generated kernels must run in Triton's interpreter, which triton reads from the environment."""
-    import os
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 class Handles:

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from advisor.interpreter import interpreter_problem
 from advisor.validate.compare import TOLERANCES, compare, poison
 from advisor.validate.inputs import draw
+from advisor.validate.memo import memo_key, recall, remember
 from advisor.validate.reference import run_reference
 from advisor.validate.shapes import cases
 
@@ -32,12 +34,28 @@ class Validation:
     errors: dict = field(default_factory=dict)
 
 
-def validate(gen, module, seed: int = 0) -> Validation:
-    """Check `module.run` against the program it was generated from (`gen`: a codegen.Generated)."""
-    prog = gen.program
+def validate(gen, module, seed: int = 0, memo: bool | None = None) -> Validation:
+    """Check `module.run` against the program it was generated from (`gen`: a codegen.Generated).
+
+    `memo` (default: on a GPU) reuses a success recorded for the same kernel source, runner, shapes,
+    device and versions (`advisor.validate.memo`): the cold start of a second run pays no validation."""
     interp = interpreted()
+    if interp and (problem := interpreter_problem()):
+        return Validation(False, problem)
+    use_memo = (not interp) if memo is None else memo
+    key = memo_key(gen, module, seed, interp) if use_memo else None
+    if key and (hit := recall(key)):
+        return Validation(True, None, hit)
+    result = _validate(gen, module, seed, interp)
+    if key and result.validated:
+        remember(key, result.errors)
+    return result
+
+
+def _validate(gen, module, seed: int, interp: bool) -> Validation:
+    prog = gen.program
     device = "cpu" if interp else "cuda"
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     worst = {"rel_l2": 0.0, "max_abs": 0.0, "eager_rel_l2": 0.0, "eager_max_abs": 0.0}
     shapes, notes = [], []
     dtypes = sorted({str(v.dtype)[6:] for v in prog.outputs})

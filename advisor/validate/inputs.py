@@ -66,7 +66,7 @@ def draw(prog: Program, case: Case, device, generator: torch.Generator) -> dict:
         strides = layout(inp, shape)
         lo, hi = _extent(prog, case, inp, shape, strides)
         storage = _values(inp, hi - lo + 1, inp.id in positive, generator)
-        t = torch.as_strided(storage.to(device), shape, strides, -lo)
+        t = torch.as_strided(storage.to(device), shape, strides, -lo)  # drawn on the generator's device
         out[inp.id] = t
     return out
 
@@ -91,16 +91,16 @@ def _extent(prog: Program, case: Case, inp: Input, shape, strides) -> tuple[int,
 
 def _values(inp: Input, n: int, positive: bool, g: torch.Generator) -> torch.Tensor:
     dt = inp.dtype
-    cpu = {"generator": g, "device": "cpu"}  # drawn on the CPU (the generator's device), then moved
+    on = {"generator": g, "device": g.device}  # a CUDA generator draws on the GPU: no host copy of big inputs
     if dt == torch.bool:
-        return torch.rand(n, **cpu) < 0.5
+        return torch.rand(n, **on) < 0.5
     if not dt.is_floating_point:
-        mag = torch.randint(1, 10, (n,), **cpu)
-        sign = torch.where(torch.rand(n, **cpu) < 0.5, -1, 1) if not positive else torch.ones(n, dtype=torch.int64, device="cpu")
+        mag = torch.randint(1, 10, (n,), **on)
+        sign = torch.where(torch.rand(n, **on) < 0.5, -1, 1) if not positive else torch.ones(n, dtype=torch.int64, device=g.device)
         return (mag * sign).to(dt)
     if not inp.shape:
-        return (0.5 + torch.rand(n, dtype=torch.float64, **cpu)).to(dt)
-    x = torch.randn(n, dtype=torch.float64, **cpu)
+        return (0.5 + torch.rand(n, dtype=torch.float64, **on)).to(dt)
+    x = torch.randn(n, dtype=torch.float64, **on)
     if positive:
         x = x.abs() + 0.05
     x = x.to(dt)

@@ -2,8 +2,11 @@
 
 Sizes are chosen per class of unified size symbols (see `advisor.codegen.ir`); classes pinned by the
 pattern (broadcast 1s, sizes fixed by slices) keep their recorded value, so the program's broadcast
-structure is the same in every case. Under Triton's interpreter the recorded case is capped (fewer
-rows, same row width; fewer elements for pointwise kernels) so CI stays fast; the result says so.
+structure is the same in every case. The recorded case is capped (fewer rows, same row width; fewer
+elements for pointwise kernels) so validation stays cheap: hard under Triton's interpreter (CI), and
+on a GPU at 16 M elements, where a kernel's masks and index arithmetic are exercised as at full size
+(offsets stay 32-bit below 2^31 elements either way) and a full-size fp64 reference of a 1 GB
+activation would cost seconds of the cold start. The result says when a case was capped.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ from advisor.codegen.ir import Dim, Program
 
 INTERPRETER_MAX_ROWS = 24
 INTERPRETER_MAX_NUMEL = 1 << 13
+GPU_MAX_ROWS = 1 << 14
+GPU_MAX_NUMEL = 1 << 24
 ODD = [3, 5, 7, 11, 13, 17, 19, 23]
 
 
@@ -65,9 +70,8 @@ def cases(prog: Program, interpreter: bool) -> list:
     free = free_classes(prog)
     n_cls = row_class(prog)
     recorded = dict(free)
-    note = ""
-    if interpreter:
-        recorded, note = _cap(prog, recorded, n_cls)
+    limits = (INTERPRETER_MAX_ROWS, INTERPRETER_MAX_NUMEL) if interpreter else (GPU_MAX_ROWS, GPU_MAX_NUMEL)
+    recorded, note = _cap(prog, recorded, n_cls, *limits, "interpreter" if interpreter else "GPU")
     odd = {}
     for k, (rep, v) in enumerate(sorted(free.items())):
         if rep == n_cls:  # row width: not a power of two, so the block has a masked tail
@@ -83,13 +87,14 @@ def cases(prog: Program, interpreter: bool) -> list:
     return out
 
 
-def _cap(prog: Program, chosen: dict, n_cls: str | None) -> tuple[dict, str]:
-    """Shrink the biggest resizable classes (never the row width) until the interpreter case is small."""
+def _cap(prog: Program, chosen: dict, n_cls: str | None, max_rows: int, max_numel: int,
+         where: str) -> tuple[dict, str]:
+    """Shrink the biggest resizable classes (never the row width) until the recorded case is small."""
     chosen = dict(chosen)
     shrunk = False
     for _ in range(64):
         rows, numel = domain_numel(prog, _case(prog, "cap", chosen))
-        too_big = rows > INTERPRETER_MAX_ROWS if prog.row_ops else numel > INTERPRETER_MAX_NUMEL
+        too_big = (rows > max_rows or numel > max_numel) if prog.row_ops else numel > max_numel
         cands = [r for r, v in chosen.items() if r != n_cls and v > 1]
         if not too_big or not cands:
             break
@@ -100,4 +105,4 @@ def _cap(prog: Program, chosen: dict, n_cls: str | None) -> tuple[dict, str]:
     if not shrunk:
         return chosen, ""
     what = "rows" if prog.row_ops else "elements"
-    return chosen, f"interpreter: recorded shape capped to fewer {what}" + (" (same row width)" if prog.row_ops else "")
+    return chosen, f"{where}: recorded shape capped to fewer {what}" + (" (same row width)" if prog.row_ops else "")

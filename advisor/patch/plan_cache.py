@@ -1,0 +1,105 @@
+"""Plans kept on disk per model and inputs, so a second `optimize` of the same model starts warm.
+
+`optimize` stores its finished plan (analysis.json, apply.json, the validated kernels) under the
+kernel cache's sibling `plans/<fingerprint>/`. The fingerprint covers what the plan depends on: the
+model's module tree (classes and qualified names), its parameters' and buffers' names, shapes,
+dtypes and devices, the inputs' shapes, dtypes, strides and non-tensor values, the device's name,
+the options, and the digest of fusion-advisor's own source. Weights' values are not in it: a plan
+is about shapes, and every reuse is checked against the unpatched model's outputs again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+FILES = ("analysis.json", "apply.json")
+_SOURCE = None
+
+
+def _source_digest() -> str:
+    global _SOURCE
+    if _SOURCE is None:
+        root = Path(__file__).resolve().parents[1]
+        h = hashlib.sha256()
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+        _SOURCE = h.hexdigest()[:16]
+    return _SOURCE
+
+
+def fingerprint(model: torch.nn.Module, args: tuple, kwargs: dict, device: str, options: dict) -> str:
+    h = hashlib.sha256()
+
+    def put(*parts):
+        h.update(repr(parts).encode())
+
+    put("advisor", _source_digest(), torch.__version__, sorted(options.items()))
+    put("device", torch.cuda.get_device_name() if device == "cuda" else "cpu")
+    for name, mod in model.named_modules():
+        put("module", name, type(mod).__module__, type(mod).__qualname__, mod.training)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        put("tensor", name, tuple(t.shape), str(t.dtype), t.device.type)
+    leaves, spec = tree_flatten((args, kwargs))
+    put("inputs", str(spec))
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            put("t", tuple(x.shape), tuple(x.stride()), str(x.dtype), x.device.type)
+        else:
+            put("v", repr(x)[:200])
+    return h.hexdigest()[:24]
+
+
+def plan_dir(key: str) -> Path:
+    from advisor.codegen.cache import cache_dir
+
+    return cache_dir().parent / "plans" / key
+
+
+def store(out_dir: Path, key: str) -> Path:
+    """Copy OUT's plan into the cache (kernel paths rewritten to the copy); returns the copy's folder."""
+    return _copy(Path(out_dir), plan_dir(key))
+
+
+def fetch(key: str, out_dir: Path) -> bool:
+    """Copy a stored plan into OUT (kernel paths rewritten to OUT); False when there is none."""
+    src = plan_dir(key)
+    if not all((src / f).is_file() for f in FILES):
+        return False
+    _copy(src, Path(out_dir))
+    return True
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if (src / "kernels").is_dir():
+        shutil.copytree(src / "kernels", tmp / "kernels")
+    old, new = str(src.resolve() / "kernels"), str(dst.resolve() / "kernels")
+    for name in FILES:
+        doc = json.loads((src / name).read_text())
+        (tmp / name).write_text(json.dumps(_rebase(doc, old, new), indent=1))
+    for name in ("kernels", *FILES):  # into place: a concurrent reader sees the old plan or the new one
+        target = dst / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        if (tmp / name).exists():
+            (tmp / name).replace(target)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def _rebase(doc, old: str, new: str):
+    if isinstance(doc, dict):
+        return {k: (new + v[len(old):] if k == "kernel_file" and isinstance(v, str) and v.startswith(old)
+                    else _rebase(v, old, new)) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_rebase(v, old, new) for v in doc]
+    return doc
