@@ -145,8 +145,8 @@ def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict 
         broken = [x.broken for x in handle.site_objects(s.key) if x.broken] if s is not None and handle else []
         r["sites"] = sites
         r["patched"] = bool(s is not None and sites and s.key not in dropped and not broken)
-        if s is None:
-            r["status"] = r.get("reason") or "no kernel"
+        if s is None:  # (a reused plan's record keeps the status its first run found)
+            r["status"] = r.get("reason") or r.get("status") or "no kernel"
         elif s.key in dropped:
             r["status"] = f"unpatched: {dropped[s.key]}"
         elif broken:

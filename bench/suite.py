@@ -480,6 +480,7 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
         sync()
         adv["cold_empty_s"] = round(time.perf_counter() - t1, 2)
         adv["optimize_s"] = round(t2 - t1, 2)
+        adv["phases_s"] = report.phases_s
         adv["cache_files"] = count_files(Path(os.environ["FUSION_ADVISOR_CACHE"]))
         adv["check"] = report.check
         adv["patterns"] = [slim_pattern(p) for p in report.patterns]
@@ -713,6 +714,7 @@ def warm_run(c: Child, w, device: str, root: Path, runner) -> int:
         call()
         sync()
         c.r["warm"] = {"cold_s": round(time.perf_counter() - t1, 2), "patched": len(report.applied),
+                       "phases_s": report.phases_s,
                        "cache_files_before": before,
                        "cache_files_after": count_files(Path(os.environ["FUSION_ADVISOR_CACHE"])),
                        "patterns": [{"candidate": p.get("candidate"), "title": p.get("title"),
