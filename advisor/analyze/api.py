@@ -6,15 +6,16 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from advisor.analyze.cost import DeviceModel, est_time_saved_us, group_cost, intermediate_bytes
+from advisor.analyze.cost import DeviceModel, GroupCost, est_time_saved_us, group_costs
 from advisor.analyze.fusion import Group, find_groups
-from advisor.analyze.patterns import op_label, pattern_id, signature, title
+from advisor.analyze.patterns import op_label, pattern_id, signature, signatures, title
 from advisor.graph.dataflow import Graph, build_graph
 from advisor.graph.dtypes import torch_dtype_name
 from advisor.ops.registry import MEMORY_BOUND
-from advisor.trace.load import load_trace
+from advisor.trace.load import gc_paused, load_trace
 
 SCHEMA_VERSION = 1
 CLASS_ORDER = ["matmul", "attention", "pointwise", "reduction", "norm", "data_movement", "view", "other"]
@@ -45,38 +46,48 @@ def analyze(path, et=None) -> Analysis:
     trace = load_trace(Path(path), Path(et) if et else None)
     graph = build_graph(trace)
     device = DeviceModel.from_meta(trace.meta, graph.device_type)
+    with gc_paused():  # millions of small objects, no cycles: see gc_paused
+        return _analysis(trace, graph, device)
+
+
+def _analysis(trace, graph: Graph, device: DeviceModel) -> Analysis:
     groups = find_groups(graph)
-    by_pattern: dict[str, list[tuple[Group, str]]] = defaultdict(list)
-    for g in groups:
-        sig = signature(graph, g)
-        by_pattern[pattern_id(sig)].append((g, sig))
+    sigs = signatures(graph, groups)
+    costs = group_costs(graph, groups, device)
+    sig_of = {id(g): sig for g, sig in zip(groups, sigs)}
+    pid_of: dict[str, str] = {}
+    by_pattern: dict[str, list[tuple[Group, str, GroupCost]]] = defaultdict(list)
+    for g, sig, cost in zip(groups, sigs, costs):
+        pid = pid_of.get(sig) or pid_of.setdefault(sig, pattern_id(sig))
+        by_pattern[pid].append((g, sig, cost))
     iters = graph.iterations
     records, group_map = [], {}
     totals = _totals(graph)
     for pid, occ in by_pattern.items():
-        costs = [group_cost(graph, g, device) for g, _ in occ]
-        first, sig = occ[0]
+        first, sig, _ = occ[0]
+        costs = [c for _, _, c in occ]
+        extends = first.extends
         rec = {
             "pattern_id": pid, "pattern": sig, "title": title(graph, first),
             "kind": _kind(graph, first, title(graph, first)),
             "ops": [graph.nodes[m].op for m in first.members],
             "kernels": _uniq(k for m in first.members for k in graph.nodes[m].kernels),
-            "modules": _uniq(graph.nodes[m].module for g, _ in occ for m in g.members if graph.nodes[m].module),
+            "modules": _uniq(graph.nodes[m].module for g, _, _ in occ for m in g.members if graph.nodes[m].module),
             "occurrences": _per_iter(len(occ), iters),
             "kernels_saved": _per_iter(sum(c.kernels - 1 for c in costs), iters),
             "bytes_unfused": _per_iter(sum(c.bytes_unfused for c in costs), iters),
             "bytes_fused": _per_iter(sum(c.bytes_fused for c in costs), iters),
             "bytes_saved": _per_iter(sum(c.bytes_saved for c in costs), iters),
-            "est_time_saved_us": sum(est_time_saved_us(c, g, device) for c, (g, _) in zip(costs, occ)) / iters,
+            "est_time_saved_us": sum(est_time_saved_us(c, g, device) for g, _, c in occ) / iters,
             "measured_time_us": sum(c.measured_us for c in costs) / iters,
-            "intermediate_bytes": _per_iter(sum(intermediate_bytes(graph, g.members) for g, _ in occ), iters),
+            "intermediate_bytes": _per_iter(sum(c.intermediate_bytes for c in costs), iters),
             "confidence": graph.confidence,
-            "extends_pattern": pattern_id(signature(graph, first.extends)) if first.extends else None,
+            "extends_pattern": pattern_id(sig_of.get(id(extends)) or signature(graph, extends)) if extends else None,
             "graph": _graph_view(graph, first),
             "program": program_of(graph, first),
         }
         records.append(rec)
-        group_map[pid] = [g for g, _ in occ]
+        group_map[pid] = [g for g, _, _ in occ]
     records.sort(key=lambda r: (-r["est_time_saved_us"], -r["bytes_saved"]))
     for rank, r in enumerate(records, 1):
         r["id"] = f"c{rank}"
@@ -169,25 +180,38 @@ def _totals(graph: Graph) -> dict:
             "memory_bound_share": mem / total if total else 0.0}
 
 
-def _timeline(graph: Graph, groups_by_id: dict) -> list:
+def _timeline(graph: Graph, groups_by_id: dict, keep: int = 5000) -> list:
+    """The first iteration's kernels (ops, on CPU traces) in time order, the first `keep` of them. Rows are
+    made only for those: at a million kernels, sorting start times is cheap, a dict per kernel is not."""
+    first = [n for n in graph.nodes if n.iteration == 0] or graph.nodes
+    owner, span, start = [], [], []
+    for i, n in enumerate(first):
+        if n.kernel_spans:
+            k = len(n.kernel_spans)
+            owner += [i] * k
+            span += range(k)
+            start += [s[1] for s in n.kernel_spans]
+        else:
+            owner.append(i)
+            span.append(-1)
+            start.append(n.ts)
+    if not start:
+        return []
+    ts = np.array(start, dtype=np.float64)
+    ts -= ts.min()
+    kept = np.argsort(ts, kind="stable")[:keep].tolist()  # stable: ties stay in node order, as a list sort keeps them
     cand_of = {}
     for cid, groups in groups_by_id.items():
         for g in groups:
             for m in g.members:
                 cand_of.setdefault(m, cid)
-    first = [n for n in graph.nodes if n.iteration == 0] or graph.nodes
     rows = []
-    for n in first:
-        spans = n.kernel_spans or [(n.op, n.ts, n.dur)]
-        for name, ts, dur in spans:
-            rows.append({"name": name, "ts_us": ts, "dur_us": dur, "op": n.op, "class": n.cls.value,
-                         "module": n.module, "candidate": cand_of.get(n.idx)})
-    if rows:
-        t0 = min(r["ts_us"] for r in rows)
-        for r in rows:
-            r["ts_us"] -= t0
-    rows.sort(key=lambda r: r["ts_us"])
-    return rows[:5000]
+    for k in kept:
+        n = first[owner[k]]
+        name, _, dur = n.kernel_spans[span[k]] if span[k] >= 0 else (n.op, n.ts, n.dur)
+        rows.append({"name": name, "ts_us": float(ts[k]), "dur_us": dur, "op": n.op, "class": n.cls.value,
+                     "module": n.module, "candidate": cand_of.get(n.idx)})
+    return rows
 
 
 def _graph_view(graph: Graph, g: Group) -> dict:

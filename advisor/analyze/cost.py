@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from advisor.analyze.fusion import Group
-from advisor.graph.dataflow import Graph
+from advisor.graph.dataflow import Graph, per_template
 
 # When meta.json has no measured figures: sustained copy bandwidth (read + write) and launch cost.
 DEFAULT_DEVICE = {
@@ -49,6 +49,7 @@ class GroupCost:
     kernels: int
     measured_us: float
     predicted_fused_us: float
+    intermediate_bytes: int = 0  # made and consumed inside the group: memory the fused kernel never allocates
 
     @property
     def bytes_saved(self) -> int:
@@ -58,48 +59,52 @@ class GroupCost:
 def external_io(graph: Graph, members: list[int]) -> tuple[dict[int, int], dict[int, int]]:
     """Values read from outside the group (value id -> bytes, widest view) and values that escape it."""
     inside = set(members)
+    values = graph.values
     reads: dict[int, int] = {}
     escapes: dict[int, int] = {}
     for m in members:
         node = graph.nodes[m]
         for u in node.reads:
-            if graph.values[u.value].producer not in inside:
+            if values[u.value].producer not in inside:
                 reads[u.value] = max(reads.get(u.value, 0), u.bytes)
         for u in node.writes:
-            consumers = graph.values[u.value].consumers
+            consumers = values[u.value].consumers
             if not consumers or any(c not in inside for c in consumers):
                 escapes[u.value] = max(escapes.get(u.value, 0), u.bytes)
     return reads, escapes
 
 
 def group_cost(graph: Graph, group: Group, device: DeviceModel) -> GroupCost:
-    nodes = [graph.nodes[m] for m in group.members]
-    reads, escapes = external_io(graph, group.members)
-    fused = sum(reads.values()) + sum(escapes.values())
-    if group.kind == "epilogue":
-        # An epilogue is counted on top of its pointwise group already being fused.
-        base = group.extends.members if group.extends else [m for m in group.members if m != group.anchor]
-        unfused = graph.nodes[group.anchor].bytes + sum(external_io_bytes(graph, base))
-        kernels = 2
-    else:
-        unfused = sum(n.bytes for n in nodes)
-        kernels = sum(max(len(n.kernels), 1) for n in nodes)
-    measured = sum(n.time_us for n in nodes)
-    flops = sum(_flops(graph, n) for n in nodes)
-    rate = device.matmul_flops if any(n.cls.value == "matmul" for n in nodes) else device.flops
-    predicted = max(fused / device.bandwidth_Bps * 1e6, flops / rate * 1e6) + device.launch_us
-    return GroupCost(int(unfused), int(fused), kernels, measured, predicted)
+    return group_costs(graph, [group], device)[0]
 
 
-def intermediate_bytes(graph: Graph, members: list[int]) -> int:
-    """Bytes of tensors made and consumed inside the group: memory the fused kernel never allocates."""
-    _, escapes = external_io(graph, members)
-    return sum(u.bytes for m in members for u in graph.nodes[m].writes if u.value not in escapes)
-
-
-def external_io_bytes(graph: Graph, members: list[int]) -> tuple[int, int]:
-    reads, escapes = external_io(graph, members)
-    return sum(reads.values()), sum(escapes.values())
+def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> list[GroupCost]:
+    """The cost of each group. Each group's outside reads and escapes are worked out once (an epilogue's
+    base group too, when it is among `groups`), each node template's flops once."""
+    flops_of = per_template(_flops)
+    io = {id(g): external_io(graph, g.members) for g in groups}
+    out = []
+    for group in groups:
+        nodes = [graph.nodes[m] for m in group.members]
+        reads, escapes = io[id(group)]
+        fused = sum(reads.values()) + sum(escapes.values())
+        if group.kind == "epilogue":
+            # An epilogue is counted on top of its pointwise group already being fused.
+            base = group.extends
+            b_reads, b_escapes = io[id(base)] if id(base) in io else \
+                external_io(graph, base.members if base else [m for m in group.members if m != group.anchor])
+            unfused = graph.nodes[group.anchor].bytes + sum(b_reads.values()) + sum(b_escapes.values())
+            kernels = 2
+        else:
+            unfused = sum(n.bytes for n in nodes)
+            kernels = sum(max(len(n.kernels), 1) for n in nodes)
+        measured = sum(n.time_us for n in nodes)
+        flops = sum(flops_of(n) for n in nodes)
+        rate = device.matmul_flops if any(n.cls.value == "matmul" for n in nodes) else device.flops
+        predicted = max(fused / device.bandwidth_Bps * 1e6, flops / rate * 1e6) + device.launch_us
+        between = sum(u.bytes for n in nodes for u in n.writes if u.value not in escapes)
+        out.append(GroupCost(int(unfused), int(fused), kernels, measured, predicted, between))
+    return out
 
 
 def est_time_saved_us(cost: GroupCost, group: Group, device: DeviceModel) -> float:
@@ -109,7 +114,7 @@ def est_time_saved_us(cost: GroupCost, group: Group, device: DeviceModel) -> flo
     return max(cost.measured_us - cost.predicted_fused_us, 0.0)
 
 
-def _flops(graph: Graph, node) -> float:
+def _flops(node) -> float:
     if node.cls.value == "matmul" and len(node.reads) >= 2 and node.writes:
         out = math.prod(node.writes[0].shape or (1,))
         shapes = [u.shape for u in node.reads if len(u.shape) >= 2]

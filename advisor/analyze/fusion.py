@@ -28,7 +28,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from advisor.graph.dataflow import Graph, Node
+from advisor.graph.dataflow import Graph, Node, per_template
 from advisor.ops.registry import OpClass, lookup
 
 
@@ -76,10 +76,11 @@ def node_domain(graph: Graph, n: Node) -> Domain | None:
 
 
 def find_groups(graph: Graph) -> list[Group]:
-    domains = [node_domain(graph, n) for n in graph.nodes]
+    domain_of = per_template(lambda n: node_domain(graph, n))
+    domains = [domain_of(n) for n in graph.nodes]
     group_of: dict[int, Group] = {}
     producers = [_producers(graph, n) for n in graph.nodes]
-    shared = [shared_by_sibling_modules(graph, v.consumers) for v in graph.values]
+    shared = _SharedValues(graph)
     for n in graph.nodes:
         d = domains[n.idx]
         if d is None:
@@ -105,6 +106,23 @@ def find_groups(graph: Graph) -> list[Group]:
         g.members.sort()
     return (fused + _epilogues(graph, domains, group_of) + _attention(graph, fused, group_of)
             + _matmul_reductions(graph, domains, group_of))
+
+
+class _SharedValues:
+    """shared[value id]: `shared_by_sibling_modules` of the value's readers, asked only of the values a
+    fusible node reads from a grouped producer, and once per distinct set of reader modules."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.by_modules: dict[frozenset, bool] = {}
+
+    def __getitem__(self, vid: int) -> bool:
+        nodes = self.graph.nodes
+        paths = frozenset([nodes[c].module for c in self.graph.values[vid].consumers])
+        shared = self.by_modules.get(paths)
+        if shared is None:
+            shared = self.by_modules[paths] = _sibling_subtrees(paths)
+        return shared
 
 
 def _join(g: Group, h: Group) -> Group | None:
@@ -237,7 +255,10 @@ def _is_softmax(n: Node) -> bool:
 
 def shared_by_sibling_modules(graph: Graph, consumers: list[int]) -> bool:
     """True when a value's readers sit in two or more sibling module subtrees (e.g. every layer)."""
-    paths = {graph.nodes[c].module for c in consumers}
+    return _sibling_subtrees({graph.nodes[c].module for c in consumers})
+
+
+def _sibling_subtrees(paths) -> bool:
     if len(paths) < 2 or "" in paths:
         return False
     split = [tuple(re.split(r"[/.]", p)) for p in paths]

@@ -4,33 +4,51 @@ from __future__ import annotations
 import hashlib
 
 from advisor.analyze.fusion import Group
-from advisor.graph.dataflow import Graph, Node
+from advisor.graph.dataflow import Graph, Node, per_template
 from advisor.graph.dtypes import short as short_dtype
 from advisor.ops.registry import lookup
 
 
 def signature(graph: Graph, group: Group) -> str:
     """Op kinds + dataflow shape + dtypes + shape classes; exact sizes left out except the row width class."""
-    local = {m: i for i, m in enumerate(group.members)}
-    ext: dict[int, int] = {}
-    parts = []
-    for m in group.members:
-        n = graph.nodes[m]
-        srcs = []
-        for u in n.reads:
-            p = graph.values[u.value].producer
-            if p in local:
-                srcs.append(f"%{local[p]}")
-            else:
-                k = ext.setdefault(u.value, len(ext))
-                srcs.append(f"in{k}:{short_dtype(u.dtype)}{_shape_class(u.shape, u.strides)}")
-        scalars = [repr(v) for kind, v in n.args if kind == "s" and isinstance(v, (int, float, str, bool))]
-        out = n.writes[0] if n.writes else None
-        out_s = f"{short_dtype(out.dtype)}{_shape_class(out.shape, out.strides)}" if out else "-"
-        parts.append(f"{op_label(n)}({','.join(srcs + scalars)})->{out_s}")
-    rows = f"|rows:N{_bucket(group.rows[1])}" if group.rows else ""
-    kind = f"|{group.kind}" if group.kind != "fusion" else ""
-    return "; ".join(parts) + rows + kind
+    return signatures(graph, [group])[0]
+
+
+def signatures(graph: Graph, groups: list[Group]) -> list[str]:
+    """`signature` of each group. What a node contributes apart from its dataflow (label, operand dtypes and
+    shape classes, scalars, output) is worked out once per node template: the layers repeat."""
+    node_part = per_template(_node_part)
+    values = graph.values
+    out = []
+    for group in groups:
+        local = {m: i for i, m in enumerate(group.members)}
+        ext: dict[int, int] = {}
+        parts = []
+        for m in group.members:
+            n = graph.nodes[m]
+            label, operands, scalars, out_s = node_part(n)
+            srcs = []
+            for u, operand in zip(n.reads, operands):
+                p = values[u.value].producer
+                if p in local:
+                    srcs.append(f"%{local[p]}")
+                else:
+                    k = ext.setdefault(u.value, len(ext))
+                    srcs.append(f"in{k}:{operand}")
+            parts.append(f"{label}({','.join(srcs + scalars)})->{out_s}")
+        rows = f"|rows:N{_bucket(group.rows[1])}" if group.rows else ""
+        kind = f"|{group.kind}" if group.kind != "fusion" else ""
+        out.append("; ".join(parts) + rows + kind)
+    return out
+
+
+def _node_part(n: Node) -> tuple[str, list[str], list[str], str]:
+    """(label, dtype + shape class of each tensor read, scalar arguments, output dtype + shape class)."""
+    operands = [f"{short_dtype(u.dtype)}{_shape_class(u.shape, u.strides)}" for u in n.reads]
+    scalars = [repr(v) for kind, v in n.args if kind == "s" and isinstance(v, (int, float, str, bool))]
+    out = n.writes[0] if n.writes else None
+    out_s = f"{short_dtype(out.dtype)}{_shape_class(out.shape, out.strides)}" if out else "-"
+    return op_label(n), operands, scalars, out_s
 
 
 def pattern_id(sig: str) -> str:

@@ -64,6 +64,10 @@ class Node:
     # Positional inputs: ("t", value id) | ("tl", [value ids]) for tensor lists | ("s", scalar)
     args: list = field(default_factory=list)
     inplace: bool = False
+    # Nodes of one template ran the same op on arguments of the same shapes, dtypes and scalar values: they
+    # differ only in which tensors they touched (value ids). The analysis computes what depends on those
+    # alone once per template (`per_template`). -1: no template (each node its own).
+    template: int = -1
     _bytes: int = field(default=-1, repr=False, compare=False)  # `bytes`, once reads and writes are final
 
     @property
@@ -113,6 +117,22 @@ class Graph:
             "time_us": list(time_us), "n_kernels": list(n_kernels), "bytes": list(nbytes),
             "module": pd.Categorical(module), "iteration": list(iteration),
         })
+
+
+def per_template(fn):
+    """fn(node), computed once per node template (see Node.template) and once per node without one."""
+    cache: dict = {}
+
+    def get(n: Node):
+        if n.template < 0:
+            return fn(n)
+        try:
+            return cache[n.template]
+        except KeyError:
+            value = cache[n.template] = fn(n)
+            return value
+
+    return get
 
 
 def true_bytes(shape, strides, itemsize) -> int:
@@ -234,13 +254,15 @@ def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels
     mods = modules[rows_].tolist()
     templates = [_static_rows(rows) for rows in trace.et.templates]
     tids, sids = trace.et.tensor_ids, trace.et.storage_ids
+    template_of: dict[tuple, int] = {}  # (op, schema, argument template) -> Node.template
     nodes: list[Node] = []
     values: list[Value] = []
     last_writer: dict[int, int] = {}
     ends: list[int] = []  # per value: offset + extent of what its producer wrote (what a later read must fit in)
     for idx, (et_id, rf, op, cls, schema, inplace, tpl, t0) in enumerate(zip(
             c.ids.tolist(), c.rf.tolist(), c.names, c.cls, c.schemas, c.inplace, c.tpl.tolist(), c.t0.tolist())):
-        node = Node(idx, et_id, rf, op, cls, schema, ts[idx], dur[idx], it[idx], mods[idx], inplace=inplace)
+        node = Node(idx, et_id, rf, op, cls, schema, ts[idx], dur[idx], it[idx], mods[idx], inplace=inplace,
+                    template=template_of.setdefault((op, schema, tpl), len(template_of)))
         names, k_ts, k_dur = spans[idx]
         if names:
             node.kernels = names
