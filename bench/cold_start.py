@@ -7,7 +7,9 @@
 Each run is a child process (as a user's second run would be): build the workload (bench/workloads.py),
 one eager call, then `advisor.optimize(model, inputs, top=N)` and the first optimised call, under
 cProfile. Prints and writes OUT/cold_start.jsonl (one line per run: wall seconds, `phases_s`, what
-was patched) and OUT/<workload>-<empty|warm>.txt (the 30 costliest functions by cumulative time).
+was patched), OUT/<workload>-<empty|warm>.txt (the costliest functions by cumulative and own time) and
+.err (the child's output; the stacks of all threads if it overruns). As in bench/suite.py the process's
+one-time costs (imports, CUDA and dynamo first use) are paid before the clock starts.
 """
 from __future__ import annotations
 
@@ -46,9 +48,12 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--child", name, label, "--out", str(a.out), "--top", str(a.top),
                    *(["--quick"] if a.quick else []), *(["--device", a.device] if a.device else [])]
             t0 = time.time()
+            err = a.out / f"{name}-{label}.err"
             try:
-                r = subprocess.run(cmd, env=env, timeout=a.timeout, capture_output=True, text=True)
-                status = "ok" if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}"
+                with open(err, "w") as f:
+                    r = subprocess.run(cmd, env=env, timeout=a.timeout, stdout=f, stderr=subprocess.STDOUT, text=True)
+                last = err.read_text().strip().splitlines()[-1:]
+                status = "ok" if r.returncode == 0 else f"exit {r.returncode}: {last}"
             except subprocess.TimeoutExpired:
                 status = f"timeout after {a.timeout:.0f} s"
             if status != "ok":
@@ -62,13 +67,18 @@ def main() -> int:
 
 
 def child(a, name: str, label: str) -> int:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(max(5.0, a.timeout - 10), exit=False)  # where a run that overruns is
     sys.path.insert(0, str(ROOT))
     import torch
 
     import advisor  # noqa: F401  (before triton: the interpreter on a machine without a GPU)
     from bench import workloads
+    from bench.suite import process_warmup
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    process_warmup(device)  # imports and first-use costs of the process, paid before timing as in the suite
     w = workloads.build(name, device, a.quick)
     args, kwargs = w.args_kwargs()
     with torch.inference_mode():
@@ -89,6 +99,7 @@ def child(a, name: str, label: str) -> int:
     wall = time.perf_counter() - t0
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
     (a.out / f"{name}-{label}.txt").write_text(text.getvalue())
     rec = {"workload": name, "cache": label, "status": "ok", "device": device, "wall_s": round(wall, 2),
            "phases_s": report.phases_s, "patched": [p["title"] for p in report.applied],

@@ -75,17 +75,16 @@ def _compare_one(r, o, name: str, x=None) -> Comparison:
         return Comparison(True)
     if not r.is_floating_point() and not r.is_complex():
         return Comparison(False, f"{name}: {int((r != o).sum())} elements differ", exact=False)
-    rd, od = r.detach().double().cpu(), o.detach().double().cpu()
-    if not torch.equal(rd.isfinite(), od.isfinite()):
+    if not _same_finite(r, o):
         return Comparison(False, f"{name}: NaN/Inf at different positions", exact=False)
     tol_rel, tol_abs = tolerance(r.dtype)
-    rel, mx, scale = _errors(od, rd)
+    rel, mx, scale = _errors(o, r)
     lim_rel, lim_abs, against = tol_rel, tol_abs * scale, "unpatched"
     if isinstance(x, torch.Tensor) and x.shape == r.shape and (rel > lim_rel or mx > lim_abs):
         # Validation's rule against the exact answer: within tolerance, or no worse than 2x eager's error.
-        xd = x.detach().double().cpu()
-        e_rel, e_mx, scale = _errors(rd, xd)
-        rel, mx, _ = _errors(od, xd)
+        x = x.to(r.device)
+        e_rel, e_mx, scale = _errors(r, x)
+        rel, mx, _ = _errors(o, x)
         lim_rel, lim_abs, against = max(tol_rel, 2 * e_rel), max(tol_abs * scale, 2 * e_mx), "float32 reference"
     dt = str(r.dtype)[6:]
     if rel > lim_rel:
@@ -97,12 +96,34 @@ def _compare_one(r, o, name: str, x=None) -> Comparison:
     return Comparison(True, None, rel, mx, False)
 
 
+CHUNK = 1 << 24  # elements per step: float64 copies of a chunk, never of a whole 1 GB logits tensor
+
+
+def _chunks(*ts: torch.Tensor):
+    """Matching flat float64 chunks of same-shaped tensors, on their own device (a GPU does this in
+    milliseconds; copying logits to the host took most of a GPT-2 cold start)."""
+    flat = [t.detach().reshape(-1) for t in ts]
+    for i in range(0, flat[0].numel(), CHUNK):
+        yield [f[i:i + CHUNK].double() for f in flat]
+
+
+def _same_finite(r: torch.Tensor, o: torch.Tensor) -> bool:
+    return all(bool(torch.equal(a.isfinite(), b.isfinite())) for a, b in _chunks(r, o))
+
+
 def _errors(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
     """(rel_l2, max_abs, max(1, max|ref|)) over the elements finite in both."""
-    finite = x.isfinite() & ref.isfinite()
-    d = (x - ref)[finite]
-    r = ref[finite]
-    if d.numel() == 0:
+    d_sq = r_sq = d_max = r_max = 0.0
+    n = 0
+    for xc, rc in _chunks(x, ref):
+        finite = xc.isfinite() & rc.isfinite()
+        d, r = (xc - rc)[finite], rc[finite]
+        if d.numel():
+            n += d.numel()
+            d_sq += float(d.square().sum())
+            r_sq += float(r.square().sum())
+            d_max, r_max = max(d_max, float(d.abs().max())), max(r_max, float(r.abs().max()))
+    if n == 0:
         return 0.0, 0.0, 1.0
-    norm = r.norm().item()
-    return d.norm().item() / (norm if norm > 0 else 1.0), d.abs().max().item(), max(1.0, r.abs().max().item())
+    norm = r_sq ** 0.5
+    return d_sq ** 0.5 / (norm if norm > 0 else 1.0), d_max, max(1.0, r_max)
