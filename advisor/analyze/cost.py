@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from advisor.analyze.fusion import Group
 from advisor.graph.dataflow import Graph, per_template
+from advisor.ops.registry import OpClass
 
 # When meta.json has no measured figures: sustained copy bandwidth (read + write) and launch cost.
 DEFAULT_DEVICE = {
@@ -80,14 +81,28 @@ def group_cost(graph: Graph, group: Group, device: DeviceModel) -> GroupCost:
 
 def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> list[GroupCost]:
     """The cost of each group. Each group's outside reads and escapes are worked out once (an epilogue's
-    base group too, when it is among `groups`), each node template's flops once."""
+    base group's too, when it comes first in `groups`), each node template's flops once."""
     flops_of = per_template(_flops)
-    io = {id(g): external_io(graph, g.members) for g in groups}
+    bases = {id(g.extends) for g in groups if g.kind == "epilogue" and g.extends is not None}
+    io: dict[int, tuple] = {}  # id(group) -> external_io, kept for epilogue bases only
     out = []
     for group in groups:
-        nodes = [graph.nodes[m] for m in group.members]
-        reads, escapes = io[id(group)]
+        reads, escapes = external_io(graph, group.members)
+        if id(group) in bases:
+            io[id(group)] = reads, escapes
         fused = sum(reads.values()) + sum(escapes.values())
+        # One pass over the members, each sum in member order (so the floats add up as they always did).
+        unfused, kernels, measured, flops, between, matmul = 0, 0, 0, 0, 0, False
+        for m in group.members:
+            n = graph.nodes[m]
+            unfused += n.bytes
+            kernels += max(len(n.kernels), 1)
+            measured += n.time_us
+            flops += flops_of(n)
+            matmul = matmul or n.cls is OpClass.MATMUL
+            for u in n.writes:
+                if u.value not in escapes:
+                    between += u.bytes
         if group.kind == "epilogue":
             # An epilogue is counted on top of its pointwise group already being fused.
             base = group.extends
@@ -95,14 +110,8 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> list[
                 external_io(graph, base.members if base else [m for m in group.members if m != group.anchor])
             unfused = graph.nodes[group.anchor].bytes + sum(b_reads.values()) + sum(b_escapes.values())
             kernels = 2
-        else:
-            unfused = sum(n.bytes for n in nodes)
-            kernels = sum(max(len(n.kernels), 1) for n in nodes)
-        measured = sum(n.time_us for n in nodes)
-        flops = sum(flops_of(n) for n in nodes)
-        rate = device.matmul_flops if any(n.cls.value == "matmul" for n in nodes) else device.flops
+        rate = device.matmul_flops if matmul else device.flops
         predicted = max(fused / device.bandwidth_Bps * 1e6, flops / rate * 1e6) + device.launch_us
-        between = sum(u.bytes for n in nodes for u in n.writes if u.value not in escapes)
         out.append(GroupCost(int(unfused), int(fused), kernels, measured, predicted, between))
     return out
 

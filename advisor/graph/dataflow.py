@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import reduce
-from operator import add
+from operator import add, attrgetter
 
 import numpy as np
 import pandas as pd
@@ -109,13 +109,16 @@ class Graph:
 
     def node_frame(self) -> pd.DataFrame:
         cls_value = {c: c.value for c in OpClass}  # (an Enum's .value is slow to ask a million times)
-        cols = list(zip(*[(n.idx, n.op, cls_value[n.cls], n.ts, n.time_us, len(n.kernels), n.bytes, n.module,
-                           n.iteration) for n in self.nodes])) or [[]] * 9
-        node, op, cls, ts, time_us, n_kernels, nbytes, module, iteration = cols
+        nodes = self.nodes
+
+        def column(name: str) -> list:  # one attribute of every node, fetched in C (no tuple per node)
+            return list(map(attrgetter(name), nodes))
+
         return pd.DataFrame({
-            "node": list(node), "op": pd.Categorical(op), "cls": pd.Categorical(cls), "ts": list(ts),
-            "time_us": list(time_us), "n_kernels": list(n_kernels), "bytes": list(nbytes),
-            "module": pd.Categorical(module), "iteration": list(iteration),
+            "node": column("idx"), "op": pd.Categorical(column("op")),
+            "cls": pd.Categorical(list(map(cls_value.__getitem__, map(attrgetter("cls"), nodes)))),
+            "ts": column("ts"), "time_us": column("time_us"), "n_kernels": list(map(len, map(attrgetter("kernels"), nodes))),
+            "bytes": column("bytes"), "module": pd.Categorical(column("module")), "iteration": column("iteration"),
         })
 
 
