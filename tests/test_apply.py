@@ -194,3 +194,16 @@ def test_kernels_need_triton_imported_in_interpreter_mode(tmp_path):
                          "from advisor.interpreter import interpreter_problem\nprint('PROBLEM', interpreter_problem())"],
                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert "PROBLEM None" in ok.stdout, ok.stderr[-2000:]  # `import advisor` first: the interpreter is on
+
+
+def test_patterns_worth_under_half_a_percent_of_the_best_are_not_patched():
+    from advisor.patch.kernels import worth_patching
+
+    cands = [{"id": f"c{i}", "pattern_id": f"p{i}", "title": t, "est_time_saved_us": us}
+             for i, (t, us) in enumerate([("GELU", 716.0), ("Residual add + LayerNorm", 40.7), ("mask: sub → ne", 0.6),
+                                           ("add → sub", 0.0)], 1)]
+    keep, rest = worth_patching(cands)
+    assert [c["id"] for c in keep] == ["c1", "c2"]
+    assert [r["candidate"] for r in rest] == ["c3", "c4"] and not any(r["validated"] for r in rest)
+    assert rest[0]["reason"].startswith("not worth patching: estimated saving 0.6 µs")
+    assert worth_patching([{**cands[3]}])[0]  # nothing estimated at all: nothing to compare with, all kept

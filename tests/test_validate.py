@@ -162,3 +162,18 @@ def test_validation_memo_reuses_successes_only_for_the_same_source(tmp_path):
     assert not validate(gen, wrong, memo=True).validated
     assert not validate(gen, wrong, memo=True).validated  # failures are never recorded
     assert not validate(gen, mod, memo=True, seed=3).errors.get("reused")  # another seed: other inputs
+
+
+def test_gpu_cap_keeps_the_recorded_sizes_divisibility():
+    """Capped for a GPU, a recorded multiple of 16 stays one (the variant Triton compiles for the real
+    shape is the one validated); other sizes become odd (a masked tail)."""
+    from advisor.codegen.ir import read_program
+    from advisor.validate.shapes import GPU_MAX_NUMEL, cases, domain_numel
+
+    for n, mult16 in ((1 << 26, True), ((1 << 26) + 3, False)):
+        prog = read_program(record_program(lambda x, b: torch.log(torch.relu(x + b)),
+                                           torch.empty(n, device="meta"), torch.empty(n, device="meta")))
+        rec = cases(prog, interpreter=False)[0]
+        _, numel = domain_numel(prog, rec)
+        assert numel <= GPU_MAX_NUMEL and "GPU: recorded shape capped" in rec.note
+        assert (numel % 16 == 0) == mult16 and (mult16 or numel % 2 == 1)

@@ -13,13 +13,17 @@ from pathlib import Path
 from advisor.patch.plan import PatternSpec, spec_from_candidate
 
 
+MIN_SHARE = 0.005  # of the best candidate's estimated saving
+
+
 def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
                  device_type: str) -> tuple[list[PatternSpec], list[dict]]:
-    chosen = doc["candidates"][:max(0, top)]
+    top_candidates = doc["candidates"][:max(0, top)]
+    chosen, negligible = worth_patching(top_candidates)
     if replacement == "kernel":
         from advisor.codegen.pipeline import generate_candidates
 
-        records = generate_candidates(doc, Path(out_dir), top=max(0, top))["patterns"]
+        records = generate_candidates({**doc, "candidates": chosen}, Path(out_dir))["patterns"]
     else:
         records = [{"candidate": c["id"], "pattern_id": c["pattern_id"], "title": c["title"], "kernel_file": None,
                     "validated": True, "reason": f"stand-in replacement ({replacement}), not a generated kernel",
@@ -33,4 +37,25 @@ def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
             specs.append(spec_from_candidate(c, replacement))
         elif r.get("validated") and r.get("kernel_file"):
             specs.append(spec_from_candidate(c, "kernel", r["kernel_file"], r.get("device_type") or device_type))
-    return specs, records
+    rank = {c["id"]: i for i, c in enumerate(top_candidates)}
+    return specs, sorted(records + negligible, key=lambda r: rank[r["candidate"]])
+
+
+def worth_patching(candidates: list) -> tuple[list, list]:
+    """(candidates to patch, apply.json records of the rest). A pattern saving under 0.5% of the best
+    one's estimate is not worth its patch: each patched module is captured by dynamo and run from a
+    graph, and a tiny pattern in a model's root (a mask computation) would make the whole model one
+    capture, tracing every layer, for a microsecond."""
+    best = max((c.get("est_time_saved_us") or 0.0 for c in candidates), default=0.0)
+    keep, rest = [], []
+    for c in candidates:
+        est = c.get("est_time_saved_us") or 0.0
+        if best > 0 and est < MIN_SHARE * best:
+            rest.append({"candidate": c["id"], "pattern_id": c["pattern_id"], "title": c["title"], "kernel_file": None,
+                         "validated": False, "errors": {}, "measured": None, "source": "",
+                         "est_time_saved_us": est, "occurrences": c.get("occurrences"),
+                         "reason": f"not worth patching: estimated saving {est:.2g} µs per iteration is under "
+                                   f"{MIN_SHARE:.1%} of the best pattern's ({best:.3g} µs)"})
+        else:
+            keep.append(c)
+    return keep, rest

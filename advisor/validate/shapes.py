@@ -99,10 +99,19 @@ def _cap(prog: Program, chosen: dict, n_cls: str | None, max_rows: int, max_nume
         if not too_big or not cands:
             break
         big = max(cands, key=lambda r: chosen[r])
-        half = chosen[big] // 2
-        chosen[big] = max(1, half - 1 if half % 2 == 0 else half)  # odd: not a multiple of any block
+        chosen[big] = _halve(chosen[big], free_value=prog.sizes.value.get(big, 0))
         shrunk = True
     if not shrunk:
         return chosen, ""
     what = "rows" if prog.row_ops else "elements"
     return chosen, f"{where}: recorded shape capped to fewer {what}" + (" (same row width)" if prog.row_ops else "")
+
+
+def _halve(v: int, free_value: int) -> int:
+    """About half of `v`, in the recorded size's divisibility class: a multiple of 16 stays one (Triton
+    specialises on it, so the capped case compiles and checks the variant the real shape runs), any
+    other size becomes odd (not a multiple of any block: the masked tail is exercised)."""
+    half = v // 2
+    if free_value % 16 == 0 and half >= 16:
+        return half - half % 16
+    return max(1, half - 1 if half % 2 == 0 else half)
