@@ -36,42 +36,64 @@ def skip_reason(c: dict) -> str | None:
 
 
 def generate_candidates(doc: dict, out_dir: Path, top: int | None = None, on_result=None) -> dict:
-    """Generate + validate the top `top` candidates of an analysis.json document; write apply.json."""
-    from advisor.validate import interpreted, validate
+    """Generate + validate the top `top` candidates of an analysis.json document; write apply.json.
+
+    On a GPU the candidates are worked on in threads: most of a cold start is Triton compiling
+    (ptxas runs as a subprocess, outside the GIL), and candidates share nothing but the caches, whose
+    writes are atomic. Under the interpreter (pure Python) they run one after another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from advisor.validate import interpreted
 
     out_dir = Path(out_dir)
-    patterns = []
-    for c in doc.get("candidates", [])[: top or None]:
-        entry = {"candidate": c["id"], "pattern_id": c["pattern_id"], "title": c.get("title"),
-                 "kernel_file": None, "validated": False, "reason": None, "errors": None, "measured": None,
-                 "source": None, "cached": None, "device_type": None}
-        entry["reason"] = skip_reason(c)
-        if entry["reason"] is None:
-            try:
-                anchored = c.get("kind") in ANCHORED
-                if anchored:
-                    from advisor.codegen.matmul import generate_anchored, validate_alternatives
-
-                gen = generate_anchored(c["program"], c["kind"]) if anchored else generate(c["program"])
-                entry["cached"] = gen.cached
-                module = load_module(gen.path)
-                check = validate(gen, module)
-                entry.update(validated=check.validated, reason=check.reason, errors=check.errors,
-                             device_type="cpu" if interpreted() else "cuda")
-                if anchored:
-                    entry.update(memory_saved_bytes=gen.memory_saved_bytes,
-                                 alternatives=validate_alternatives(gen, module))
-                source = header(c, check, interpreted()) + gen.code
-                path = atomic_write(out_dir / "kernels" / f"{c['id']}_{slug(c.get('title') or '')}.py", source)
-                entry.update(kernel_file=str(path), source=source)
-            except Unsupported as e:
-                entry["reason"] = str(e)
-            except Exception as e:  # a generator bug must not stop the other candidates
-                entry["reason"] = f"generator error: {type(e).__name__}: {e}"[:500]
-        patterns.append(entry)
-        if on_result:
-            on_result(entry)
+    chosen = doc.get("candidates", [])[: top or None]
+    workers = 1 if interpreted() else min(8, len(chosen))
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="fusion-advisor-generate") as pool:
+            results = pool.map(lambda c: one_candidate(c, out_dir), chosen)
+            patterns = [_report(e, on_result) for e in results]
+    else:
+        patterns = [_report(one_candidate(c, out_dir), on_result) for c in chosen]
     return write_apply(out_dir, patterns)
+
+
+def _report(entry: dict, on_result) -> dict:
+    if on_result:
+        on_result(entry)
+    return entry
+
+
+def one_candidate(c: dict, out_dir: Path) -> dict:
+    """One candidate's apply.json entry: its kernel generated, validated and written, or why not."""
+    from advisor.validate import interpreted, validate
+
+    entry = {"candidate": c["id"], "pattern_id": c["pattern_id"], "title": c.get("title"),
+             "kernel_file": None, "validated": False, "reason": None, "errors": None, "measured": None,
+             "source": None, "cached": None, "device_type": None}
+    entry["reason"] = skip_reason(c)
+    if entry["reason"] is not None:
+        return entry
+    try:
+        anchored = c.get("kind") in ANCHORED
+        if anchored:
+            from advisor.codegen.matmul import generate_anchored, validate_alternatives
+
+        gen = generate_anchored(c["program"], c["kind"]) if anchored else generate(c["program"])
+        entry["cached"] = gen.cached
+        module = load_module(gen.path)
+        check = validate(gen, module)
+        entry.update(validated=check.validated, reason=check.reason, errors=check.errors,
+                     device_type="cpu" if interpreted() else "cuda")
+        if anchored:
+            entry.update(memory_saved_bytes=gen.memory_saved_bytes, alternatives=validate_alternatives(gen, module))
+        source = header(c, check, interpreted()) + gen.code
+        path = atomic_write(out_dir / "kernels" / f"{c['id']}_{slug(c.get('title') or '')}.py", source)
+        entry.update(kernel_file=str(path), source=source)
+    except Unsupported as e:
+        entry["reason"] = str(e)
+    except Exception as e:  # a generator bug must not stop the other candidates
+        entry["reason"] = f"generator error: {type(e).__name__}: {e}"[:500]
+    return entry
 
 
 def write_apply(out_dir: Path, patterns: list) -> dict:
