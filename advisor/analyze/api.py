@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +17,7 @@ from advisor.analyze.fusion import Group, find_groups
 from advisor.analyze.patterns import op_label, pattern_id, signature, signatures, title
 from advisor.graph.dataflow import Graph, build_graph
 from advisor.graph.dtypes import torch_dtype_name
-from advisor.ops.registry import MEMORY_BOUND
+from advisor.ops.registry import MEMORY_BOUND, OpClass
 from advisor.trace.load import gc_paused, load_trace
 
 SCHEMA_VERSION = 1
@@ -27,11 +30,16 @@ class Analysis:
 
     graph: Graph
     device: DeviceModel
-    ops: pd.DataFrame  # one row per graph node (op that did work)
     kernels: pd.DataFrame  # the trace's GPU activity (empty for CPU traces)
     candidates: pd.DataFrame  # one row per pattern, ranked
     groups: dict  # candidate id -> [Group] (every occurrence)
     doc: dict
+
+    @cached_property
+    def ops(self) -> pd.DataFrame:
+        """One row per graph node (op that did work). Made when first asked for: analysis.json does not need
+        it, and at a million nodes it costs seconds."""
+        return self.graph.node_frame()
 
     def to_json(self, path: Path) -> Path:
         path = Path(path)
@@ -72,7 +80,7 @@ def _analysis(trace, graph: Graph, device: DeviceModel) -> Analysis:
             "kind": _kind(graph, first, title(graph, first)),
             "ops": [graph.nodes[m].op for m in first.members],
             "kernels": _uniq(k for m in first.members for k in graph.nodes[m].kernels),
-            "modules": _uniq(graph.nodes[m].module for g, _, _ in occ for m in g.members if graph.nodes[m].module),
+            "modules": _uniq(module for g, _, _ in occ for m in g.members if (module := graph.nodes[m].module)),
             "occurrences": _per_iter(len(occ), iters),
             "kernels_saved": _per_iter(sum(c.kernels - 1 for c in costs), iters),
             "bytes_unfused": _per_iter(sum(c.bytes_unfused for c in costs), iters),
@@ -114,7 +122,7 @@ def _analysis(trace, graph: Graph, device: DeviceModel) -> Analysis:
         "candidates": [{k: v for k, v in r.items() if k != "extends_pattern"} for r in records],
     }
     cand_df = pd.DataFrame([{k: v for k, v in r.items() if k not in ("graph", "program")} for r in records])
-    return Analysis(graph, device, graph.node_frame(), trace.kernels, cand_df, groups_by_id, doc)
+    return Analysis(graph, device, trace.kernels, cand_df, groups_by_id, doc)
 
 
 def analyze_cli(trace, et=None, out=None, top: int = 10) -> Analysis:
@@ -150,10 +158,7 @@ def _per_iter(total: float, iters: int):
 
 
 def _uniq(items) -> list:
-    seen = {}
-    for i in items:
-        seen.setdefault(i, None)
-    return list(seen)
+    return list(dict.fromkeys(items))
 
 
 def _kind(graph: Graph, g: Group, name: str) -> str:
@@ -167,15 +172,17 @@ def _kind(graph: Graph, g: Group, name: str) -> str:
 def _totals(graph: Graph) -> dict:
     iters = graph.iterations
     by_class = {c: 0.0 for c in CLASS_ORDER}
-    kernels = 0
-    for n in graph.nodes:
-        key = n.cls.value if n.cls.value in by_class else "other"
-        by_class[key] += n.time_us
-        kernels += len(n.kernels) if graph.device_type == "cuda" else 1
+    key = {c: c.value if c.value in by_class else "other" for c in OpClass}  # (Enum .value is slow)
+    kernels, mem, cuda = 0, 0, graph.device_type == "cuda"
+    for n in graph.nodes:  # one pass; each sum in node order, as ever
+        t = n.time_us
+        by_class[key[n.cls]] += t
+        kernels += len(n.kernels) if cuda else 1
+        if n.cls in MEMORY_BOUND:
+            mem += t
     total = sum(by_class.values())
-    mem = sum(n.time_us for n in graph.nodes if n.cls in MEMORY_BOUND)
     return {"kernels": _per_iter(kernels, iters), "time_us": total / iters,
-            "time_kind": "gpu" if graph.device_type == "cuda" else "cpu",
+            "time_kind": "gpu" if cuda else "cpu",
             "by_class": {k: v / iters for k, v in by_class.items()},
             "memory_bound_share": mem / total if total else 0.0}
 
@@ -184,20 +191,12 @@ def _timeline(graph: Graph, groups_by_id: dict, keep: int = 5000) -> list:
     """The first iteration's kernels (ops, on CPU traces) in time order, the first `keep` of them. Rows are
     made only for those: at a million kernels, sorting start times is cheap, a dict per kernel is not."""
     first = [n for n in graph.nodes if n.iteration == 0] or graph.nodes
-    owner, span, start = [], [], []
-    for i, n in enumerate(first):
-        if n.kernel_spans:
-            k = len(n.kernel_spans)
-            owner += [i] * k
-            span += range(k)
-            start += [s[1] for s in n.kernel_spans]
-        else:
-            owner.append(i)
-            span.append(-1)
-            start.append(n.ts)
-    if not start:
+    spans = [n.kernel_spans or ((n.op, n.ts, n.dur),) for n in first]  # an op without kernels: its own span
+    owner = np.repeat(np.arange(len(first)), np.fromiter(map(len, spans), np.int64, len(spans)))
+    flat = list(chain.from_iterable(spans))
+    if not flat:
         return []
-    ts = np.array(start, dtype=np.float64)
+    ts = np.fromiter(map(itemgetter(1), flat), np.float64, len(flat))
     ts -= ts.min()
     kept = np.argsort(ts, kind="stable")[:keep].tolist()  # stable: ties stay in node order, as a list sort keeps them
     cand_of = {}
@@ -208,7 +207,7 @@ def _timeline(graph: Graph, groups_by_id: dict, keep: int = 5000) -> list:
     rows = []
     for k in kept:
         n = first[owner[k]]
-        name, _, dur = n.kernel_spans[span[k]] if span[k] >= 0 else (n.op, n.ts, n.dur)
+        name, _, dur = flat[k]
         rows.append({"name": name, "ts_us": float(ts[k]), "dur_us": dur, "op": n.op, "class": n.cls.value,
                      "module": n.module, "candidate": cand_of.get(n.idx)})
     return rows
