@@ -77,20 +77,20 @@ def node_domain(graph: Graph, n: Node) -> Domain | None:
 
 def find_groups(graph: Graph) -> list[Group]:
     domain_of = per_template(lambda n: node_domain(graph, n))
-    domains = [domain_of(n) for n in graph.nodes]
+    nodes, values = graph.nodes, graph.values
+    domains = list(map(domain_of, nodes))
     group_of: dict[int, Group] = {}
-    producers = [_producers(graph, n) for n in graph.nodes]
+    producers = [_producers(graph, n) for n in nodes]
     shared = _SharedValues(graph)
-    for n in graph.nodes:
-        d = domains[n.idx]
+    for n, d in zip(nodes, domains):
         if d is None:
             continue
         cands = []
         for p in producers[n.idx]:
             g = group_of.get(p)
-            if g is None or g in cands or graph.nodes[p].iteration != n.iteration:
+            if g is None or g in cands or nodes[p].iteration != n.iteration:
                 continue
-            if any(shared[u.value] for u in n.reads if graph.values[u.value].producer == p):
+            if any(values[u.value].producer == p and shared[u.value] for u in n.reads):
                 continue
             cands.append(g)
         merged = Group([n.idx], d.numel, d.rows)
@@ -110,18 +110,22 @@ def find_groups(graph: Graph) -> list[Group]:
 
 class _SharedValues:
     """shared[value id]: `shared_by_sibling_modules` of the value's readers, asked only of the values a
-    fusible node reads from a grouped producer, and once per distinct set of reader modules."""
+    fusible node reads from a grouped producer, once per value and once per distinct set of reader modules."""
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
+        self.by_value: dict[int, bool] = {}
         self.by_modules: dict[frozenset, bool] = {}
 
     def __getitem__(self, vid: int) -> bool:
-        nodes = self.graph.nodes
-        paths = frozenset([nodes[c].module for c in self.graph.values[vid].consumers])
-        shared = self.by_modules.get(paths)
+        shared = self.by_value.get(vid)
         if shared is None:
-            shared = self.by_modules[paths] = _sibling_subtrees(paths)
+            nodes = self.graph.nodes
+            paths = frozenset([nodes[c].module for c in self.graph.values[vid].consumers])
+            shared = self.by_modules.get(paths)
+            if shared is None:
+                shared = self.by_modules[paths] = _sibling_subtrees(paths)
+            self.by_value[vid] = shared
         return shared
 
 
