@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +60,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "pattern", reuse: bool = True) -> OptimizeReport:
     from advisor.analyze.api import analyze
+    from advisor.bench.timing import Stopwatch
     from advisor.bench.trace import profile_calls
     from advisor.patch import build_plan, load_plan, occurrence_modules, patch, plan_cache, unpatch
     from advisor.patch.kernels import kernel_specs
@@ -79,7 +78,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         with torch.inference_mode():
             return model(*args, **kwargs)
 
-    phases = Phases(device)
+    phases = Stopwatch()
     key = plan_cache.fingerprint(model, args, kwargs, device, {"top": top, "replacement": replacement,
                                  "granularity": granularity}) if reuse else None
     with phases("reuse"):
@@ -115,23 +114,6 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     if key and not reused and out["manifest"]:
         plan_cache.store(out_dir, key)
     return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds)
-
-
-class Phases:
-    """Wall seconds per named step (synchronised on a GPU, so queued work is charged to its step)."""
-
-    def __init__(self, device: str):
-        self.device, self.seconds = device, {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.device == "cuda":
-                torch.cuda.synchronize()
-            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - t0, 3)
 
 
 def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict | None = None) -> list:

@@ -102,7 +102,7 @@ def child(a, name: str, label: str) -> int:
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
     (a.out / f"{name}-{label}.txt").write_text(text.getvalue())
     rec = {"workload": name, "cache": label, "status": "ok", "device": device, "wall_s": round(wall, 2),
-           "phases_s": report.phases_s, "patched": [p["title"] for p in report.applied],
+           "phases_s": report.phases_s, "check_s": report.check.get("seconds"), "patched": [p["title"] for p in report.applied],
            "not_patched": {p["title"]: p.get("status") for p in report.patterns if not p.get("patched")}}
     with open(a.out / "cold_start.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")

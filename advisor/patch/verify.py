@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from advisor.bench.compare import Comparison, compare_outputs
+from advisor.bench.timing import Stopwatch
 from advisor.patch import Patched, only, patch, patches_off
 
 
@@ -25,25 +26,31 @@ class Check:
     dropped: dict = field(default_factory=dict)  # pattern key -> reason
     handle: Patched | None = None  # the (re-)patched model
     output: object = None  # the output to hand back (the reference when anything was dropped)
+    seconds: dict = field(default_factory=dict)  # wall time of its steps (the first patched call captures)
 
     def as_dict(self) -> dict:
-        return {**self.comparison.as_dict(), "dropped": dict(self.dropped)}
+        return {**self.comparison.as_dict(), "dropped": dict(self.dropped), "seconds": dict(self.seconds)}
 
 
 def check(call: Callable[[], object], handle: Patched, exact: Callable[[], object] | None = None) -> Check:
     """`exact()`, when given, computes the same call in float32 (see `float32_reference`); it is only run
     when the patched output is not within the dtype tolerance of the unpatched one."""
-    with patches_off():
+    clock = Stopwatch()
+    with clock("unpatched call"), patches_off():
         ref = call()
-    out = call()
-    cmp = compare_outputs(ref, out)
+    with clock("first patched call"):
+        out = call()
+    with clock("compare"):
+        cmp = compare_outputs(ref, out)
     exact_out = None
     if not cmp.ok and exact is not None:
-        exact_out = exact()
+        with clock("float32 reference"):
+            exact_out = exact()
         if exact_out is not None:
-            cmp = compare_outputs(ref, out, exact_out)
+            with clock("compare"):
+                cmp = compare_outputs(ref, out, exact_out)
     if cmp.ok:
-        return Check(cmp, {}, handle, out)
+        return Check(cmp, {}, handle, out, clock.seconds)
     live = [s.key for s in handle.plan.patterns if handle.sites(s.key)]
     dropped = {}
     for key in live:
@@ -54,7 +61,7 @@ def check(call: Callable[[], object], handle: Patched, exact: Callable[[], objec
     if not dropped:
         dropped = {k: f"outputs differ with all patterns applied together: {cmp.reason}" for k in live}
     new = patch(handle.model, handle.plan.without(dropped))
-    return Check(cmp, dropped, new, ref)
+    return Check(cmp, dropped, new, ref, clock.seconds)
 
 
 def float32_reference(module: torch.nn.Module, args: tuple, kwargs: dict) -> Callable[[], object] | None:
