@@ -100,6 +100,13 @@ def child(a, name: str, label: str) -> int:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+    try:  # what dynamo did: cProfile does not see inside its frame evaluation
+        from torch._dynamo.utils import compile_times, counters
+
+        text.write("\n" + compile_times(repr="str") + "\n")
+        text.write(json.dumps({k: dict(v) for k, v in counters.items() if v}, default=str)[:4000] + "\n")
+    except Exception as e:  # pragma: no cover - a torch without these helpers
+        text.write(f"dynamo stats unavailable: {e}\n")
     (a.out / f"{name}-{label}.txt").write_text(text.getvalue())
     rec = {"workload": name, "cache": label, "status": "ok", "device": device, "wall_s": round(wall, 2),
            "phases_s": report.phases_s, "check_s": report.check.get("seconds"), "patched": [p["title"] for p in report.applied],

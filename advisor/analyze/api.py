@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
@@ -54,48 +53,76 @@ def analyze(path, et=None) -> Analysis:
     trace = load_trace(Path(path), Path(et) if et else None)
     graph = build_graph(trace)
     device = DeviceModel.from_meta(trace.meta, graph.device_type)
+    files, meta, kernels = trace.files, trace.meta, trace.kernels
+    del trace  # the graph has what the rest needs: let the op and ET frames go before it runs
     with gc_paused():  # millions of small objects, no cycles: see gc_paused
-        return _analysis(trace, graph, device)
+        return _analysis(graph, device, files, meta, kernels)
 
 
-def _analysis(trace, graph: Graph, device: DeviceModel) -> Analysis:
+@dataclass
+class _Pattern:
+    """One pattern's occurrences, their costs summed in group order as they come (sums start at int 0,
+    as sum() does, so the floats come out as they always did) and then dropped."""
+
+    first: Group
+    sig: str
+    groups: list
+    kernels_saved: int = 0
+    bytes_unfused: int = 0
+    bytes_fused: int = 0
+    bytes_saved: int = 0
+    est_time_saved_us: float = 0
+    measured_us: float = 0
+    intermediate_bytes: int = 0
+
+    def add(self, g: Group, c: GroupCost, device: DeviceModel) -> None:
+        self.groups.append(g)
+        self.kernels_saved += c.kernels - 1
+        self.bytes_unfused += c.bytes_unfused
+        self.bytes_fused += c.bytes_fused
+        self.bytes_saved += c.bytes_saved
+        self.est_time_saved_us += est_time_saved_us(c, g, device)
+        self.measured_us += c.measured_us
+        self.intermediate_bytes += c.intermediate_bytes
+
+
+def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.DataFrame) -> Analysis:
     groups = find_groups(graph)
-    sigs = signatures(graph, groups)
-    costs = group_costs(graph, groups, device)
-    sig_of = {id(g): sig for g, sig in zip(groups, sigs)}
-    pid_of: dict[str, str] = {}
-    by_pattern: dict[str, list[tuple[Group, str, GroupCost]]] = defaultdict(list)
-    for g, sig, cost in zip(groups, sigs, costs):
+    pid_of: dict[str, str] = {}  # signature -> pattern id
+    pattern_of: dict[int, str] = {}  # id(group) -> pattern id
+    by_pattern: dict[str, _Pattern] = {}
+    for g, sig, cost in zip(groups, signatures(graph, groups), group_costs(graph, groups, device)):
         pid = pid_of.get(sig) or pid_of.setdefault(sig, pattern_id(sig))
-        by_pattern[pid].append((g, sig, cost))
+        pattern_of[id(g)] = pid
+        if pid not in by_pattern:
+            by_pattern[pid] = _Pattern(g, sig, [])
+        by_pattern[pid].add(g, cost, device)
     iters = graph.iterations
     records, group_map = [], {}
     totals = _totals(graph)
-    for pid, occ in by_pattern.items():
-        first, sig, _ = occ[0]
-        costs = [c for _, _, c in occ]
-        extends = first.extends
+    for pid, pat in by_pattern.items():
+        first, extends = pat.first, pat.first.extends
         rec = {
-            "pattern_id": pid, "pattern": sig, "title": title(graph, first),
+            "pattern_id": pid, "pattern": pat.sig, "title": title(graph, first),
             "kind": _kind(graph, first, title(graph, first)),
             "ops": [graph.nodes[m].op for m in first.members],
             "kernels": _uniq(k for m in first.members for k in graph.nodes[m].kernels),
-            "modules": _uniq(module for g, _, _ in occ for m in g.members if (module := graph.nodes[m].module)),
-            "occurrences": _per_iter(len(occ), iters),
-            "kernels_saved": _per_iter(sum(c.kernels - 1 for c in costs), iters),
-            "bytes_unfused": _per_iter(sum(c.bytes_unfused for c in costs), iters),
-            "bytes_fused": _per_iter(sum(c.bytes_fused for c in costs), iters),
-            "bytes_saved": _per_iter(sum(c.bytes_saved for c in costs), iters),
-            "est_time_saved_us": sum(est_time_saved_us(c, g, device) for g, _, c in occ) / iters,
-            "measured_time_us": sum(c.measured_us for c in costs) / iters,
-            "intermediate_bytes": _per_iter(sum(c.intermediate_bytes for c in costs), iters),
+            "modules": _uniq(module for g in pat.groups for m in g.members if (module := graph.nodes[m].module)),
+            "occurrences": _per_iter(len(pat.groups), iters),
+            "kernels_saved": _per_iter(pat.kernels_saved, iters),
+            "bytes_unfused": _per_iter(pat.bytes_unfused, iters),
+            "bytes_fused": _per_iter(pat.bytes_fused, iters),
+            "bytes_saved": _per_iter(pat.bytes_saved, iters),
+            "est_time_saved_us": pat.est_time_saved_us / iters,
+            "measured_time_us": pat.measured_us / iters,
+            "intermediate_bytes": _per_iter(pat.intermediate_bytes, iters),
             "confidence": graph.confidence,
-            "extends_pattern": pattern_id(sig_of.get(id(extends)) or signature(graph, extends)) if extends else None,
+            "extends_pattern": (pattern_of.get(id(extends)) or pattern_id(signature(graph, extends))) if extends else None,
             "graph": _graph_view(graph, first),
             "program": program_of(graph, first),
         }
         records.append(rec)
-        group_map[pid] = [g for g, _, _ in occ]
+        group_map[pid] = pat.groups
     records.sort(key=lambda r: (-r["est_time_saved_us"], -r["bytes_saved"]))
     for rank, r in enumerate(records, 1):
         r["id"] = f"c{rank}"
@@ -107,12 +134,12 @@ def _analysis(trace, graph: Graph, device: DeviceModel) -> Analysis:
     groups_by_id = {r["id"]: group_map[r["pattern_id"]] for r in records}
     doc = {
         "schema_version": SCHEMA_VERSION,
-        "source": {"kineto": str(trace.files.kineto), "et": str(trace.files.et) if trace.files.et else None,
-                   "meta": str(trace.files.meta) if trace.files.meta else None},
+        "source": {"kineto": str(files.kineto), "et": str(files.et) if files.et else None,
+                   "meta": str(files.meta) if files.meta else None},
         "device": {"type": device.type, "name": device.name, "bandwidth_Bps": device.bandwidth_Bps,
                    "launch_us": device.launch_us, "bandwidth_source": device.source},
         "steady_state": {"iterations": iters,
-                         "source": (trace.meta.get("steady_state") or {}).get("source", "whole")},
+                         "source": (meta.get("steady_state") or {}).get("source", "whole")},
         "totals": totals,
         "unknown_ops": graph.unknown_ops.assign(count=lambda d: d["count"] / iters,
                                                 time_us=lambda d: d["time_us"] / iters).to_dict("records"),
@@ -122,7 +149,7 @@ def _analysis(trace, graph: Graph, device: DeviceModel) -> Analysis:
         "candidates": [{k: v for k, v in r.items() if k != "extends_pattern"} for r in records],
     }
     cand_df = pd.DataFrame([{k: v for k, v in r.items() if k not in ("graph", "program")} for r in records])
-    return Analysis(graph, device, trace.kernels, cand_df, groups_by_id, doc)
+    return Analysis(graph, device, kernels, cand_df, groups_by_id, doc)
 
 
 def analyze_cli(trace, et=None, out=None, top: int = 10) -> Analysis:

@@ -9,6 +9,7 @@ max(bytes / bandwidth, flops / peak) + one launch.
 from __future__ import annotations
 
 import math
+from typing import Iterator
 from dataclasses import dataclass
 
 from advisor.analyze.fusion import Group
@@ -76,16 +77,15 @@ def external_io(graph: Graph, members: list[int]) -> tuple[dict[int, int], dict[
 
 
 def group_cost(graph: Graph, group: Group, device: DeviceModel) -> GroupCost:
-    return group_costs(graph, [group], device)[0]
+    return next(group_costs(graph, [group], device))
 
 
-def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> list[GroupCost]:
-    """The cost of each group. Each group's outside reads and escapes are worked out once (an epilogue's
+def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Iterator[GroupCost]:
+    """The cost of each group, one at a time. Each group's outside reads and escapes are worked out once (an epilogue's
     base group's too, when it comes first in `groups`), each node template's flops once."""
     flops_of = per_template(_flops)
     bases = {id(g.extends) for g in groups if g.kind == "epilogue" and g.extends is not None}
     io: dict[int, tuple] = {}  # id(group) -> external_io, kept for epilogue bases only
-    out = []
     for group in groups:
         reads, escapes = external_io(graph, group.members)
         if id(group) in bases:
@@ -112,8 +112,7 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> list[
             kernels = 2
         rate = device.matmul_flops if matmul else device.flops
         predicted = max(fused / device.bandwidth_Bps * 1e6, flops / rate * 1e6) + device.launch_us
-        out.append(GroupCost(int(unfused), int(fused), kernels, measured, predicted, between))
-    return out
+        yield GroupCost(int(unfused), int(fused), kernels, measured, predicted, between)
 
 
 def est_time_saved_us(cost: GroupCost, group: Group, device: DeviceModel) -> float:

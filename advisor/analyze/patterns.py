@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Iterator
 
 from advisor.analyze.fusion import Group
 from advisor.graph.dataflow import Graph, Node, per_template
@@ -11,15 +12,14 @@ from advisor.ops.registry import lookup
 
 def signature(graph: Graph, group: Group) -> str:
     """Op kinds + dataflow shape + dtypes + shape classes; exact sizes left out except the row width class."""
-    return signatures(graph, [group])[0]
+    return next(signatures(graph, [group]))
 
 
-def signatures(graph: Graph, groups: list[Group]) -> list[str]:
-    """`signature` of each group. What a node contributes apart from its dataflow (label, operand dtypes and
-    shape classes, scalars, output) is worked out once per node template: the layers repeat."""
+def signatures(graph: Graph, groups: list[Group]) -> Iterator[str]:
+    """`signature` of each group, one at a time. What a node contributes apart from its dataflow (label,
+    operand dtypes and shape classes, scalars, output) is worked out once per node template: layers repeat."""
     node_part = per_template(_node_part)
     values = graph.values
-    out = []
     for group in groups:
         local = {m: i for i, m in enumerate(group.members)}
         ext: dict[int, int] = {}
@@ -38,8 +38,7 @@ def signatures(graph: Graph, groups: list[Group]) -> list[str]:
             parts.append(f"{label}({','.join(srcs + scalars)})->{out_s}")
         rows = f"|rows:N{_bucket(group.rows[1])}" if group.rows else ""
         kind = f"|{group.kind}" if group.kind != "fusion" else ""
-        out.append("; ".join(parts) + rows + kind)
-    return out
+        yield "; ".join(parts) + rows + kind
 
 
 def _node_part(n: Node) -> tuple[str, list[str], list[str], str]:
