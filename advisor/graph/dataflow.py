@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import reduce
+from typing import Iterator
 from operator import add, attrgetter
 
 import numpy as np
@@ -256,35 +257,61 @@ def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels
         ops["iteration"].to_numpy()[rows_].tolist()
     mods = modules[rows_].tolist()
     templates = [_static_rows(rows) for rows in trace.et.templates]
-    tids, sids = trace.et.tensor_ids, trace.et.storage_ids
+    n_ids = np.array([n for n, _ in templates] or [0], dtype=np.int64)[c.tpl]  # tensor ids each node's template uses
+    ids = _TensorIds(trace.et.tensor_ids, trace.et.storage_ids, c.t0, n_ids)
     template_of: dict[tuple, int] = {}  # (op, schema, argument template) -> Node.template
     nodes: list[Node] = []
     values: list[Value] = []
     last_writer: dict[int, int] = {}
     ends: list[int] = []  # per value: offset + extent of what its producer wrote (what a later read must fit in)
-    for idx, (et_id, rf, op, cls, schema, inplace, tpl, t0) in enumerate(zip(
-            c.ids.tolist(), c.rf.tolist(), c.names, c.cls, c.schemas, c.inplace, c.tpl.tolist(), c.t0.tolist())):
+    for idx, (et_id, rf, op, cls, schema, inplace, tpl, (names, k_ts, k_dur)) in enumerate(zip(
+            c.ids.tolist(), c.rf.tolist(), c.names, c.cls, c.schemas, c.inplace, c.tpl.tolist(), spans)):
         node = Node(idx, et_id, rf, op, cls, schema, ts[idx], dur[idx], it[idx], mods[idx], inplace=inplace,
                     template=template_of.setdefault((op, schema, tpl), len(template_of)))
-        names, k_ts, k_dur = spans[idx]
         if names:
             node.kernels = names
             node.kernel_spans = list(zip(names, k_ts, k_dur))
             node.kernel_us = reduce(add, k_dur, 0.0)  # in charge order, like += one kernel at a time
         nodes.append(node)
-        rows = templates[tpl]
+        rows = templates[tpl][1]
         if rows:
-            n = rows[-1][0]  # tensor ids this node's template uses
-            _resolve_args(node, rows, tids[t0:t0 + n].tolist(), sids[t0:t0 + n].tolist(), values, last_writer, ends)
+            tids, sids, at = ids.of(idx)
+            _resolve_args(node, rows, tids, sids, at, values, last_writer, ends)
     return nodes, values
 
 
-def _kernel_spans(c, kernels: KernelIndex) -> list[tuple[list, list, list]]:
-    """(names, ts, durs) of the kernels each chosen node owns: its own op's, then those of the ops it
-    swallowed in id order (each op's kernels in trace order)."""
+class _TensorIds:
+    """The tensor and storage ids of node after node, fetched from the flat arrays a block of nodes at a time
+    (one numpy gather per block instead of two slices and two tolist() per node)."""
+
+    BLOCK = 4096
+
+    def __init__(self, tids: np.ndarray, sids: np.ndarray, t0: np.ndarray, n: np.ndarray) -> None:
+        self.all_tids, self.all_sids, self.t0, self.n = tids, sids, t0, n
+        self.start = np.cumsum(n) - n  # where each node's ids begin in its block's lists, block-relative below
+        self.block, self.base = -1, 0
+        self.tids: list = []
+        self.sids: list = []
+
+    def of(self, idx: int) -> tuple[list, list, int]:
+        """(tensor ids, storage ids, offset of node idx's first one in those lists)."""
+        block = idx // self.BLOCK
+        if block != self.block:
+            lo, hi = block * self.BLOCK, min((block + 1) * self.BLOCK, len(self.n))
+            n, t0 = self.n[lo:hi], self.t0[lo:hi]
+            at = np.repeat(t0 - (np.cumsum(n) - n), n) + np.arange(n.sum())
+            self.tids, self.sids = self.all_tids[at].tolist(), self.all_sids[at].tolist()
+            self.block, self.base = block, self.start[lo]
+        return self.tids, self.sids, int(self.start[idx] - self.base)
+
+
+def _kernel_spans(c, kernels: KernelIndex) -> Iterator[tuple[list, list, list]]:
+    """(names, ts, durs) of the kernels each chosen node owns, node by node: its own op's, then those of the ops
+    it swallowed in id order (each op's kernels in trace order). Yielded, so each node's lists go once used."""
     n_nodes = len(c.ids)
     if not len(c.charged_ext) or not len(kernels.rows):
-        return [((), (), ())] * n_nodes
+        yield from [((), (), ())] * n_nodes
+        return
     lo, hi = kernels.bounds(c.charged_ext)
     n = hi - lo
     rep = np.repeat(np.arange(len(n)), n)
@@ -292,37 +319,36 @@ def _kernel_spans(c, kernels: KernelIndex) -> list[tuple[list, list, list]]:
     node_of = c.charged_owner[rep]
     order = np.argsort(node_of, kind="stable")  # by owning node; within it in id order, then trace order
     node_of, krow = node_of[order], krow[order]
-    bounds = np.searchsorted(node_of, np.arange(n_nodes + 1))
+    bounds = np.searchsorted(node_of, np.arange(n_nodes + 1)).tolist()
     names, ts, dur = kernels.names[krow].tolist(), kernels.ts[krow].tolist(), kernels.dur[krow].tolist()
-    return [(names[a:b], ts[a:b], dur[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        yield names[a:b], ts[a:b], dur[a:b]
 
 
-def _static_rows(rows) -> list:
-    """A template's rows with what the dataflow needs precomputed; the last entry's first field is the
-    number of tensor ids the template uses (max slot + 1)."""
+def _static_rows(rows) -> tuple[int, list]:
+    """(number of tensor ids the template uses (max slot + 1), its rows with what the dataflow needs
+    precomputed). A scalar argument's ("s", value) is made here once, shared by every node of the template."""
     out = []
     for r in rows:
         shape = tuple(r.shape) if r.shape is not None else None
         strides = tuple(r.strides) if r.strides is not None else None
         nbytes = true_bytes(shape, strides, r.itemsize) if shape is not None else 0
         extent = _extent(shape, strides) if shape is not None else 0
-        out.append((r.io == "i", r.slot, r.pos, r.sub, r.value, r.tensor_id, r.storage_id, r.offset, shape, strides,
-                    str(r.dtype), nbytes, extent))
-    if out:
-        out.append((max([r.slot for r in rows] + [-1]) + 1,))
-    return out
+        out.append((r.io == "i", r.slot, r.pos, r.sub, ("s", r.value), r.tensor_id, r.storage_id, r.offset, shape,
+                    strides, str(r.dtype), nbytes, extent))
+    return max([r.slot for r in rows] + [-1]) + 1, out
 
 
-def _resolve_args(node: Node, rows: list, tids: list, sids: list, values: list[Value], last_writer: dict,
+def _resolve_args(node: Node, rows: list, tids: list, sids: list, at: int, values: list[Value], last_writer: dict,
                   ends: list) -> None:
     list_arg: tuple[int, list] | None = None  # (pos, value ids) of a tensor-list argument being read
-    for is_in, slot, pos, sub, value, tid, sid, offset, shape, strides, dtype, nbytes, extent in rows[:-1]:
+    for is_in, slot, pos, sub, scalar, tid, sid, offset, shape, strides, dtype, nbytes, extent in rows:
         if slot >= 0:
-            tid, sid = tids[slot], sids[slot]
+            tid, sid = tids[at + slot], sids[at + slot]
         is_tensor = sid >= 0 and shape is not None
         if is_in:
             if not is_tensor:
-                node.args.append(("s", value))
+                node.args.append(scalar)
                 continue
             vid = _read(values, last_writer, ends, sid, tid, offset, shape, strides, dtype, nbytes, extent)
             node.reads.append(Use(vid, pos, nbytes, shape, strides, dtype, offset))
