@@ -21,16 +21,16 @@ class Interner:
     def raw_codes(self, raws, decode) -> np.ndarray:
         """Codes of raw JSON string bodies; `decode` turns a new one into its str (once per distinct body)."""
         raw = self.raw
-        out = [raw.get(r) for r in raws]
+        out = list(map(raw.get, raws))
         if None in out:
             for r in set(raws) - raw.keys():
                 raw[r] = self.code.setdefault(decode(r), len(self.code))
-            out = [raw[r] for r in raws]
+            out = list(map(raw.__getitem__, raws))
         return np.array(out, dtype=np.int32)
 
     def codes(self, strings) -> np.ndarray:
         code = self.code
-        out = [code.get(s) for s in strings]
+        out = list(map(code.get, strings))
         if None in out:
             out = [code.setdefault(s, len(code)) for s in strings]
         return np.array(out, dtype=np.int32)

@@ -78,8 +78,6 @@ class FastParser:
         append = {cat: rows[key].append for cat, key in FRAME_OF.items()}
         for m in EVENT.findall(chunk):
             append[m[0]](m)
-        if any(not m[3] for r in rows.values() for m in r):
-            raise Mismatch("event not in torch's layout")
         staged = [(key, self._ops(r, t[key]) if key == "ops" else self._with_args(key, r, t[key]))
                   for key, r in rows.items() if r]
         for key, cols in staged:
@@ -87,6 +85,8 @@ class FastParser:
 
     def _base(self, rows: list, table: Table) -> tuple[dict, tuple]:
         cats, names, tids, ts, dur, args = zip(*rows)
+        if b"" in ts:  # the event's cat matched but the rest of it did not
+            raise Mismatch("event not in torch's layout")
         n = len(rows)
         return {"name": table.interners["name"].raw_codes(names, self.decode),
                 "cat": table.interners["cat"].raw_codes(cats, bytes.decode),
@@ -100,15 +100,15 @@ class FastParser:
             raise Mismatch("cpu op args not in torch's layout")
         ext, seq, rf, sig_a, sig_b = zip(*parsed)
         code = self.sig_code
-        sig = [code.get(a or b) for a, b in zip(sig_a, sig_b)]
+        keys = list(map(bytes.__add__, sig_a, sig_b))  # one of the two alternatives is empty: a + b is a or b
+        sig = list(map(code.get, keys))
         if None in sig:
-            for s in {a or b for a, b in zip(sig_a, sig_b)} - code.keys():
+            for s in set(keys) - code.keys():
                 self._new_sig(s)
-            sig = [code[a or b] for a, b in zip(sig_a, sig_b)]
+            sig = list(map(code.__getitem__, keys))
         sig = np.array(sig, dtype=np.int64)
-        cols.update(ext_id=np.fromiter(map(int, ext), np.int64, len(rows)),
-                    rf_id=np.array([int(r) if r else 0 for r in rf], dtype=np.int64),
-                    seq=np.array([int(s) if s else -1 for s in seq], dtype=np.int64),
+        cols.update(ext_id=np.fromiter(map(int, ext), np.int64, len(rows)), rf_id=_optional_ints(rf, 0),
+                    seq=_optional_ints(seq, -1),
                     **{c: objects(s[j] for s in self.sigs)[sig] for j, c in enumerate(("dims", "types", "concrete"))})
         return cols
 
@@ -130,19 +130,17 @@ class FastParser:
         if len(parsed) != len(rows):
             raise Mismatch("launch args not in torch's layout")
         ext, mid, corr, tail = zip(*parsed)
-        keys = [a + b"\0" + b for a, b in zip(mid, tail)]
+        keys = list(map(b"\0".join, zip(mid, tail)))
         code = self.launch_code
-        if any(k not in code for k in keys):
-            for k in set(keys) - code.keys():
-                a, b = k.split(b"\0")
-                if b'"External id"' in k or b'"correlation"' in k:
-                    raise Mismatch("launch args repeat an id")
-                code[k] = self.loads(b"{" + a + b'"correlation": 0' + b + b"}").get("stream", -1)
+        for k in set(keys) - code.keys():
+            a, b = k.split(b"\0")
+            if b'"External id"' in k or b'"correlation"' in k:
+                raise Mismatch("launch args repeat an id")
+            code[k] = self.loads(b"{" + a + b'"correlation": 0' + b + b"}").get("stream", -1)
         n = len(rows)
-        cols.update(ext_id=np.array([int(e) if e else -1 for e in ext], dtype=np.int64),
-                    correlation=np.fromiter(map(int, corr), np.int64, n))
+        cols.update(ext_id=_optional_ints(ext, -1), correlation=np.fromiter(map(int, corr), np.int64, n))
         if key == "kernels":
-            cols["stream"] = _ints([{"stream": code[k]} for k in keys], "stream")
+            cols["stream"] = _int_values(list(map(code.__getitem__, keys)), -1)
         return cols
 
     def decode(self, raw: bytes) -> str:
@@ -163,8 +161,21 @@ def arg_columns(key: str, args: list[dict]) -> dict:
             "types": [a.get("Input type") for a in args], "concrete": [a.get("Concrete Inputs") for a in args]}
 
 
+def _optional_ints(raw: tuple, default: int) -> np.ndarray:
+    """Captured integers, `default` where the field was absent (captured empty)."""
+    if b"" not in raw:
+        return np.fromiter(map(int, raw), np.int64, len(raw))
+    if not any(raw):
+        return np.full(len(raw), default, dtype=np.int64)
+    return np.array([int(r) if r else default for r in raw], dtype=np.int64)
+
+
 def _ints(args: list[dict], key: str, default: int = -1) -> np.ndarray:
-    values = [a.get(key, default) for a in args]
+    return _int_values([a.get(key, default) for a in args], default)
+
+
+def _int_values(values: list, default: int = -1) -> np.ndarray:
+    """Values as int64 (None -> default; strings, floats, bools coerced as pandas would)."""
     try:
         return np.array([default if v is None else v for v in values], dtype=np.int64)
     except (TypeError, ValueError, OverflowError):  # strings, floats, bools: as pandas would coerce them
