@@ -134,16 +134,16 @@ class Builder:
         parts = TENSOR.split(b"\n".join(x for pair in zip(ins, outs) for x in pair))
         blank = b"[0,0,".join(parts[0::3]).split(b"\n")
         tid, sid = parts[1::3], parts[2::3]
-        keys = [a + b"\n" + b for a, b in zip(blank[0::2], blank[1::2])]
+        keys = list(map(b"\n".join, zip(blank[0::2], blank[1::2])))
         get = self.tpl_code.get
-        codes = [get(k) for k in keys]
+        codes = list(map(get, keys))
         if None in codes:
             for k in set(keys) - self.tpl_code.keys():
                 a, b = k.split(b"\n")
                 code = self.template(k, self.loads(a), self.loads(b))
                 if self.tpl_ntensors[code] != len(TENSOR.findall(k)):
                     return False  # (never in torch's output) a tensor-like value the walker reads otherwise
-            codes = [get(k) for k in keys]
+            codes = list(map(get, keys))
         codes = np.array(codes, dtype=np.int32)
         n_t = np.array(self.tpl_ntensors, dtype=np.int64)[codes]
         if n_t.sum() != len(tid):

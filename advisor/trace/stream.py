@@ -126,11 +126,13 @@ def _chunks(blocks, buf: bytes, head: bytes, indent: bytes, rest: dict, path: Pa
     sep = b"\n" + indent + b"},\n" + indent + b"{"
     keep = len(b"\n" + indent + b"}")
     for b in blocks:
-        buf += b
-        cut = buf.rfind(sep)
+        # Cut at the block's last separator, copying the block once: buf (the part element left over from the
+        # last cut) holds no separator, so if the block has one, the last one in buf + block is the block's.
+        cut = b.rfind(sep)
         if cut < 0:
+            buf += b
             continue
-        chunk, buf = buf[:cut + keep], buf[cut + keep + 2:]
+        chunk, buf = b"".join((buf, memoryview(b)[:cut + keep])), b[cut + keep + 2:]
         yield chunk
     end = buf.rfind(b"\n" + indent + b"}\n")
     close = buf.find(b"]", end + keep + 1) if end >= 0 else -1
