@@ -90,6 +90,24 @@ def test_chunks_cut_only_between_elements(tmp_path, monkeypatch):
     assert_same_trace(load_trace(src), load_trace(src, stream=False))
 
 
+@pytest.mark.parametrize("name", ["hf_llama", "tv_resnet50"])
+def test_nodes_of_one_template_differ_only_in_their_tensors(name, synthetic):
+    # The downstream works out per Node.template what depends on the op and its argument shapes, dtypes and
+    # scalars alone (signature parts, fusion domains, flops): that must be all two such nodes can differ in.
+    from advisor.graph.dataflow import build_graph
+
+    def static(n):
+        uses = [(u.pos, u.bytes, u.shape, u.strides, u.dtype, u.offset) for u in n.reads + n.writes]
+        return (n.op, n.schema, n.cls, n.inplace, len(n.reads), uses, [a if k == "s" else k for k, a in n.args])
+
+    for path in [SAMPLES / name] + ([synthetic[3]] if name == "hf_llama" else []):
+        nodes, seen = build_graph(load_trace(path)).nodes, {}
+        for n in nodes:
+            assert n.template >= 0
+            assert seen.setdefault(n.template, static(n)) == static(n), (path, n.op)
+        assert len(seen) < len(nodes)  # layers repeat: templates are shared
+
+
 def test_truncated_stream_is_an_error(tmp_path):
     from advisor.errors import AdvisorError
 
