@@ -145,8 +145,9 @@ def apply(
     iters: int = typer.Option(20, "--iters", help="Timed iterations (after warm-up) of the steady state."),
     replacement: str = typer.Option("kernel", "--replacement", help="kernel (generated Triton) | program | "
                                     "subgraph (stand-ins that replay the original ops: checks the patcher)."),
-    granularity: str = typer.Option("pattern", "--granularity", help="Modules captured: pattern (the one "
-                                    "containing all of a pattern's occurrences) | occurrence (each) | root (the model)."),
+    granularity: str = typer.Option("layer", "--granularity", help="Modules captured: layer (pattern, but never "
+                                    "one holding several repeated layers) | pattern (the one containing all of a "
+                                    "pattern's occurrences) | occurrence (each) | root (the model)."),
 ):
     """Profile, analyse, generate, validate, patch and benchmark SCRIPT; writes OUT/apply.json.
 

@@ -58,7 +58,7 @@ def describe_timing(e2e: dict) -> str:
 
 def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
-             granularity: str = "pattern", reuse: bool = True) -> OptimizeReport:
+             granularity: str = "layer", reuse: bool = True) -> OptimizeReport:
     from advisor.analyze.api import analyze
     from advisor.bench.timing import Stopwatch
     from advisor.bench.trace import profile_calls
@@ -109,7 +109,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     e2e = time_patterns(call, handle, device, iters, records) if benchmark else None
     out = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e,
-           "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key}
+           "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
+           "skipped_targets": getattr(plan, "skipped", {})}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
         plan_cache.store(out_dir, key)

@@ -263,3 +263,24 @@ def test_package_is_callable_like_the_function(analyses):
     assert patched_modules(model)
     advisor.unpatch(model)
     assert not patched_modules(model) and h.plan is plan
+
+
+def test_layer_granularity_never_captures_several_layers(analyses):
+    """`layer` (optimize's and apply's default): per-layer captures; the occurrences straddling two layers
+    (a layer's last residual add + the next one's input RMSNorm) and the model-level mask/rotary math stay
+    unfused, and the plan says which module it did not capture and why."""
+    from advisor.patch.plan import spans_layers
+
+    assert spans_layers("M.model", ["M.model.layers.0.mlp", "M.model.layers.1"])
+    assert not spans_layers("M.model.layers.0", ["M.model.layers.0.mlp", "M.model.layers.0.self_attn", "M.model.layers.1"])
+    model, kw = tiny("llama")
+    x = inputs("llama")
+    ref = run(model, kw, x)
+    plan, specs = plan_for(analyses["llama"], WANTED["llama"][0], "program", "layer")
+    assert plan.skipped and all("repeated layers" in why for why in plan.skipped.values())
+    h = patch(model, plan)
+    mods = sorted(q for q, _ in patched_modules(model))
+    assert mods and all(q.startswith("model.layers.") or q in ("model.norm", "model.rotary_emb") for q in mods), mods
+    assert torch.equal(run(model, kw, x), ref)
+    assert sum(h.sites(s.key) for s in specs) > 0
+    unpatch(model)

@@ -69,7 +69,7 @@ class Handles:
 
 
 def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str = "auto", region: str | None = None,
-                 replacement: str = "kernel", iters: int = 20, granularity: str = "pattern", console=None) -> dict:
+                 replacement: str = "kernel", iters: int = 20, granularity: str = "layer", console=None) -> dict:
     from rich.console import Console
 
     from advisor.analyze.api import analyze
@@ -103,7 +103,8 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
             e2e = _benchmark(script, args, dev, steady, session, handles, records, iters)
         doc = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": dev,
                "script": str(script), "args": args, "patterns": records, "manifest": handles.manifest(),
-               "checks": session.checks, "errors": session.errors, "end_to_end": e2e}
+               "checks": session.checks, "errors": session.errors, "end_to_end": e2e,
+               "skipped_targets": plan.skipped}
         if not session.handles:
             doc["errors"] = doc["errors"] + [f"no instance of {', '.join(sorted(session.roots)) or 'a planned module'} "
                                              "was called while the script ran: nothing was patched"]
