@@ -115,7 +115,8 @@ def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[
     layer), at the price of a bigger graph for dynamo to capture.
 
     `layer` (what `optimize` and `apply` use) is `pattern` where that stays inside one repeated layer,
-    else `occurrence`, and never captures a module that holds several repeated layers: occurrences
+    else `occurrence` widened to the repeated layer it is in (`layer_of`), and never captures a module
+    that holds several repeated layers: occurrences
     whose ops straddle two layers (layer N's last residual add and layer N+1's first norm) stay
     unfused. Capturing a whole model costs seconds of dynamo and AOTAutograd per process, and changes
     what the model runs: transformers builds its attention masks differently under dynamo (an H100
@@ -132,6 +133,8 @@ def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[
         if granularity in ("pattern", "layer") and lca(mods):
             if granularity == "pattern" or not spans_layers(lca(mods), mods):
                 mods = [lca(mods)]
+            if granularity == "layer":
+                mods = list(dict.fromkeys(layer_of(m) for m in mods))
         elif granularity == "root":
             mods = list(dict.fromkeys(root_path(m) for m in mods))
         for m in mods:
@@ -144,6 +147,15 @@ def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[
             skipped[m] = "holds several repeated layers: a capture would trace them all (these occurrences stay unfused)"
             del targets[m]
     return Plan(list(specs), list(targets.values()), skipped)
+
+
+def layer_of(module: str) -> str:
+    """The repeated layer a module is in (`m.layers.3.mlp.act` -> `m.layers.3`), else the module itself:
+    one capture per layer, not one per submodule, since each captured call costs a guard check and
+    AOTAutograd's runtime wrapper on the host (36 captured submodules made BERT host-bound)."""
+    parts = module.split(".")
+    i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return module if i is None else ".".join(parts[:i + 1])
 
 
 def spans_layers(outer: str, names: list[str]) -> bool:
