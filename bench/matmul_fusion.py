@@ -418,7 +418,7 @@ def markdown(result: dict) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="path stem: writes STEM.md and STEM.json")
-    ap.add_argument("--only", default=None, help="run only cases whose name contains this")
+    ap.add_argument("--only", default=None, help="run only cases whose name contains one of these (comma-separated)")
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip the cases left once this much time has passed")
     ap.add_argument("--tune-top", type=int, default=5, help="tile configs timed per fused kernel (the first N)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in Triton's interpreter, to test the script")
@@ -447,7 +447,7 @@ def main():
             ("attention", ATTENTION[1])] + [("epilogue", c) for c in EPILOGUES[2:]]
     for kind, case in plan:
         name = case[0] if case else "SPLADE head"
-        if a.only and a.only.lower() not in name.lower():
+        if a.only and not any(o.strip().lower() in name.lower() for o in a.only.split(",") if o.strip()):
             continue
         if time.time() - t_start > a.budget_s:
             results.append({"case": name, "kind": kind if kind != "splade" else "matmul_reduction", "skipped": True,
