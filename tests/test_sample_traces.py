@@ -13,7 +13,8 @@ from advisor.graph.dataflow import build_graph, steady_windows
 from advisor.trace.load import load_trace
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
-WORKLOADS = ["seed", "mlp_block", "hf_llama", "hf_gpt2", "hf_bert", "timm_vit", "tv_resnet50"]
+WORKLOADS = ["seed", "mlp_block", "hf_llama", "hf_gpt2", "hf_bert", "timm_vit", "tv_resnet50", "hf_gpt2_eager",
+             "hf_bert_eager", "splade"]
 TRACES = [(f"{d}/{w}", SAMPLES / d / w) for d in ("", "cpu") for w in WORKLOADS]
 TRACES = [(name.lstrip("/"), path) for name, path in TRACES]
 
