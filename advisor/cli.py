@@ -161,9 +161,21 @@ def apply(
                  iters=iters, granularity=granularity)
 
 
+# Commands that run no user code: once their files are written, the process ends without tearing down
+# the analysis (freeing the graph of a 1M-kernel trace object by object took ~20 s at exit).
+FAST_EXIT = {"analyze", "generate", "report"}
+
+
 def main(argv: List[str] | None = None) -> None:
     try:
         app(args=argv, standalone_mode=False)
+        command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
+        if command in FAST_EXIT and argv is None:
+            import os
+
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     except AdvisorError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
