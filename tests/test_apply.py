@@ -207,3 +207,34 @@ def test_patterns_worth_under_half_a_percent_of_the_best_are_not_patched():
     assert [r["candidate"] for r in rest] == ["c3", "c4"] and not any(r["validated"] for r in rest)
     assert rest[0]["reason"].startswith("not worth patching: estimated saving 0.6 µs")
     assert worth_patching([{**cands[3]}])[0]  # nothing estimated at all: nothing to compare with, all kept
+
+
+def test_optimize_with_the_kv_cache_on(tmp_path, monkeypatch):
+    """HF's default call returns a DynamicCache: its keys and values are compared, not its identity (that
+    unpatched every pattern), and the rotary group ending in the cache's first `cat` (a legacy empty 1-d
+    tensor and the keys) is generated and patched."""
+    monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path / "cache"))
+    model, _ = tiny("llama", layers=1)
+    x = inputs("llama")
+    with torch.inference_mode():
+        ref = model(**x).logits
+    report = advisor.optimize(model, x, top=3, out=tmp_path / "opt")
+    assert report.check["ok"], report.check
+    assert {"Residual add + RMSNorm", "Rotary embedding"} <= _titles(report.patterns), \
+        [(p["title"], p["status"]) for p in report.patterns]
+    with torch.inference_mode():
+        assert torch.allclose(model(**x).logits, ref, rtol=1e-5, atol=1e-5)
+    advisor.unpatch(model)
+
+
+def test_compare_opens_objects_pytree_does_not_know():
+    from advisor.bench.compare import compare_outputs
+
+    class Cache:
+        def __init__(self, k):
+            self.layers = [{"keys": k}]
+
+    k = torch.randn(2, 3)
+    assert compare_outputs((k, Cache(k)), (k.clone(), Cache(k.clone()))).ok
+    bad = compare_outputs((k, Cache(k)), (k, Cache(k + 1)))
+    assert not bad.ok and "output 2" in bad.reason

@@ -48,9 +48,8 @@ class Comparison:
 def compare_outputs(ref, out, exact=None) -> Comparison:
     """`out` (patched) against `ref` (unpatched eager) by the dtype's tolerance; with `exact` (the same call
     in a higher precision) also validation's second rule: no worse than twice eager's own error."""
-    ref_leaves, _ = tree_flatten(ref)
-    out_leaves, _ = tree_flatten(out)
-    exact_leaves = tree_flatten(exact)[0] if exact is not None else [None] * len(ref_leaves)
+    ref_leaves, out_leaves = leaves(ref), leaves(out)
+    exact_leaves = leaves(exact) if exact is not None else [None] * len(ref_leaves)
     if len(ref_leaves) != len(out_leaves) or len(exact_leaves) != len(ref_leaves):
         return Comparison(False, f"{len(out_leaves)} outputs, expected {len(ref_leaves)}", exact=False)
     worst = Comparison(True)
@@ -62,6 +61,27 @@ def compare_outputs(ref, out, exact=None) -> Comparison:
             worst.ok, worst.reason = False, c.reason
             break
     return worst
+
+
+PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device)
+
+
+def leaves(x, depth: int = 4) -> list:
+    """Pytree leaves, with objects pytree does not know (a transformers `DynamicCache` of keys and values)
+    opened up through their attributes, so their tensors are compared and not the objects' identities."""
+    out = []
+    for leaf in tree_flatten(x)[0]:
+        if isinstance(leaf, (torch.Tensor, *PLAIN)) or depth == 0:
+            out.append(leaf)
+        elif isinstance(leaf, (list, tuple)):
+            out.extend(leaves(list(leaf), depth - 1))
+        elif hasattr(leaf, "__dict__"):
+            state = {k: v for k, v in sorted(vars(leaf).items()) if not k.startswith("__")}
+            out.append(type(leaf).__qualname__)
+            out.extend(leaves(state, depth - 1))
+        else:
+            out.append(type(leaf).__qualname__)  # opaque: only its type can be compared
+    return out
 
 
 def _compare_one(r, o, name: str, x=None) -> Comparison:

@@ -244,6 +244,9 @@ def _read_op(p: Program, spec: dict) -> Op:
             args[a.name] = None if v == NONE else v
     for a in schema.arguments[len(spec["args"]):]:
         args[a.name] = a.default_value if a.has_default_value() else None
+    if low.shape == "cat" and any(len(v.shape) > 1 for v in args["tensors"]):
+        # torch.cat skips 1-d empty tensors next to others (a legacy rule): transformers' KV cache starts as one.
+        args["tensors"] = [v for v in args["tensors"] if [d.value for d in v.shape] != [0]]
     op = Op(spec["id"], name, overload, low, args, [], bool(spec.get("inplace")))
     from advisor.codegen.shapes import infer_shapes
 
