@@ -289,3 +289,18 @@ def test_sample_trace_programs_in_bf16(workload):
     assert v.errors["dtype"] == "bfloat16"
     if c["kind"] == "attention":
         assert validate_alternatives(gen, mod)["sdpa"]["validated"]
+
+
+def test_the_faster_validated_alternative_becomes_run(sample_results, tmp_path):
+    """On a GPU attention's kernel and SDPA are timed alone after validation; the faster one is what the
+    written module's `run` is, so the patcher needs no other path. (Here: the choice with given times.)"""
+    from advisor.codegen.pipeline import choose_launcher
+
+    (att,) = [p for p in sample_results["hf_gpt2_eager"] if p["kind"] == "attention"]
+    entry = dict(att, kernel_file=str(atomic_write(tmp_path / "att.py", att["source"])))
+    slow = choose_launcher(dict(entry), {"kernel": 0.15, "sdpa": 0.2})
+    assert slow["launcher"] == "run" and load_module(Path(slow["kernel_file"]), "att_keep").run.__name__ == "run"
+    fast = choose_launcher(dict(entry), {"kernel": 0.2, "sdpa": 0.15})
+    mod = load_module(Path(fast["kernel_file"]), "att_sdpa")
+    assert fast["launcher"] == "run_sdpa" and mod.run is mod.run_sdpa and mod.run_kernel.__name__ == "run"
+    assert fast["launcher_ms"] == {"kernel": 0.2, "sdpa": 0.15} and "Measured faster" in fast["source"]

@@ -903,6 +903,23 @@ def saved_memory(ctx: Anchored, kind: str) -> tuple[int, str]:
                    f"({(total - big) / 1e6:.2f} MB) are never allocated")
 
 
+def time_alternatives(gen: AnchoredGenerated, module, validated: dict) -> dict:
+    """{name: median ms} of `run` ("kernel") and each validated alternative, on a GPU, at the recorded
+    validation shape (`triton.testing.do_bench`, fresh random inputs)."""
+    import triton.testing
+
+    from advisor.validate.inputs import draw
+    from advisor.validate.shapes import cases
+
+    prog = gen.program
+    inputs = draw(prog, cases(prog, interpreter=False)[0], "cuda", torch.Generator(device="cuda").manual_seed(0))
+    args = [inputs[i.id] for i in prog.inputs]
+    runners = {"kernel": module.run, **{a: getattr(module, f"run_{a}") for a in gen.alternatives
+                                        if (validated.get(a) or {}).get("validated")}}
+    return {name: float(triton.testing.do_bench(lambda f=f: f(*args), return_mode="median"))
+            for name, f in runners.items()}
+
+
 def validate_alternatives(gen: AnchoredGenerated, module) -> dict:
     """{name: {validated, reason, rel_l2}} for each `run_<name>` in the module, through the same validation."""
     import types

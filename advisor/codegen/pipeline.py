@@ -40,7 +40,9 @@ def generate_candidates(doc: dict, out_dir: Path, top: int | None = None, on_res
 
     On a GPU the candidates are worked on in threads: most of a cold start is Triton compiling
     (ptxas runs as a subprocess, outside the GIL), and candidates share nothing but the caches, whose
-    writes are atomic. Under the interpreter (pure Python) they run one after another."""
+    writes are atomic. Under the interpreter (pure Python) they run one after another. Kernels with
+    validated alternatives (attention's SDPA) are then timed one at a time, alone on the GPU, and the
+    faster one becomes the module's `run` (`choose_launcher`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from advisor.validate import interpreted
@@ -50,11 +52,34 @@ def generate_candidates(doc: dict, out_dir: Path, top: int | None = None, on_res
     workers = 1 if interpreted() else min(8, len(chosen))
     if workers > 1:
         with ThreadPoolExecutor(workers, thread_name_prefix="fusion-advisor-generate") as pool:
-            results = pool.map(lambda c: one_candidate(c, out_dir), chosen)
-            patterns = [_report(e, on_result) for e in results]
+            done = list(pool.map(lambda c: _work(c, out_dir), chosen))
     else:
-        patterns = [_report(one_candidate(c, out_dir), on_result) for c in chosen]
+        done = [_work(c, out_dir) for c in chosen]
+    patterns = []
+    for entry, gen, module in done:
+        if gen is not None and not interpreted() and any(a.get("validated") for a in entry["alternatives"].values()):
+            from advisor.codegen.matmul import time_alternatives
+
+            try:
+                choose_launcher(entry, time_alternatives(gen, module, entry["alternatives"]))
+            except Exception as e:  # timing is an optimisation: the validated kernel stays `run`
+                entry["launcher_note"] = f"alternatives not timed: {type(e).__name__}: {e}"[:300]
+        patterns.append(_report(entry, on_result))
     return write_apply(out_dir, patterns)
+
+
+def choose_launcher(entry: dict, times_ms: dict) -> dict:
+    """Make the fastest of the kernel and its validated alternatives the written module's `run`."""
+    entry["launcher_ms"] = {k: round(v, 4) for k, v in times_ms.items()}
+    best = min(times_ms, key=times_ms.get)
+    entry["launcher"] = "run" if best == "kernel" else f"run_{best}"
+    if best != "kernel":
+        line = (f"\n\n# Measured faster on this GPU ({times_ms[best]:.4f} ms vs the generated kernel's "
+                f"{times_ms['kernel']:.4f} ms) and validated the same way: it is what gets patched in.\n"
+                f"run_kernel = run\nrun = run_{best}\n")
+        entry["source"] += line
+        atomic_write(Path(entry["kernel_file"]), entry["source"])
+    return entry
 
 
 def _report(entry: dict, on_result) -> dict:
@@ -63,8 +88,9 @@ def _report(entry: dict, on_result) -> dict:
     return entry
 
 
-def one_candidate(c: dict, out_dir: Path) -> dict:
-    """One candidate's apply.json entry: its kernel generated, validated and written, or why not."""
+def _work(c: dict, out_dir: Path) -> tuple[dict, object, object]:
+    """(apply.json entry, the generated module's record, the module) — the last two None unless a
+    matmul-anchored kernel validated."""
     from advisor.validate import interpreted, validate
 
     entry = {"candidate": c["id"], "pattern_id": c["pattern_id"], "title": c.get("title"),
@@ -72,7 +98,7 @@ def one_candidate(c: dict, out_dir: Path) -> dict:
              "source": None, "cached": None, "device_type": None}
     entry["reason"] = skip_reason(c)
     if entry["reason"] is not None:
-        return entry
+        return entry, None, None
     try:
         anchored = c.get("kind") in ANCHORED
         if anchored:
@@ -89,11 +115,13 @@ def one_candidate(c: dict, out_dir: Path) -> dict:
         source = header(c, check, interpreted()) + gen.code
         path = atomic_write(out_dir / "kernels" / f"{c['id']}_{slug(c.get('title') or '')}.py", source)
         entry.update(kernel_file=str(path), source=source)
+        if anchored and check.validated:
+            return entry, gen, module
     except Unsupported as e:
         entry["reason"] = str(e)
     except Exception as e:  # a generator bug must not stop the other candidates
         entry["reason"] = f"generator error: {type(e).__name__}: {e}"[:500]
-    return entry
+    return entry, None, None
 
 
 def write_apply(out_dir: Path, patterns: list) -> dict:
