@@ -88,7 +88,8 @@ def parse_args(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default="all", help=f"comma-separated subset of: {', '.join(NAMES)} (default all)")
+    ap.add_argument("--workloads", default="all", help=f"comma-separated subset of: {', '.join(NAMES)} (default all: "
+                    "issue 7's seven; `anchored` is issue 10's three)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (the CPU test run); reports get a -quick suffix")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--out", default=str(ROOT / "reports"), help="directory for bench-<gpu>.{md,json,jsonl}")
@@ -110,7 +111,9 @@ def parse_args(argv=None):
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.workloads in ("all", ""):
-        a.names = list(NAMES)
+        a.names = list(_workloads().SUITE)
+    elif a.workloads == "anchored":
+        a.names = list(_workloads().ANCHORED)
     else:
         a.names = [w.strip() for w in a.workloads.split(",") if w.strip()]
         bad = [w for w in a.names if w not in NAMES]
@@ -465,7 +468,7 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
     report = None
     # Time kept for what comes after: torch.compile 1.5x its first call in the issue's table (C++ on the
     # CPU: more), then the final timing (3 configurations warmed up and timed) and the kernel counts.
-    compile_reserve = 0.0 if a.no_compile else (40.0 if device != "cuda" else 6.0 + 1.5 * workloads.ANCHORS[name][2])
+    compile_reserve = 0.0 if a.no_compile else (40.0 if device != "cuda" else 6.0 + 1.5 * workloads.ANCHORS.get(name, (0, 0, workloads.COMPILE_S))[2])
     eager_s = c.r["eager"]["prelim"]["median_ms"] / 1e3
     final_reserve = 4.0 + 3 * (1.5 + 1.5 * (a.iters + 8) * eager_s) if not a.quick else 5.0
     with c.phase("advisor") as ok, time_limit(c.left() - compile_reserve - final_reserve, "advisor.optimize",

@@ -13,6 +13,8 @@ result is bit for bit what the unpatched graph computes.
 """
 from __future__ import annotations
 
+import math
+
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -134,6 +136,11 @@ class Site:
             raise RuntimeError(f"launcher returned {len(outs)} outputs, the program has {len(self.outputs)}")
         fixed = []
         for o, (shape, strides, dtype) in zip(outs, self.outputs):
+            if isinstance(o, torch.Tensor) and tuple(o.shape) != shape and o.dtype == dtype \
+                    and o.numel() == math.prod(shape):
+                # The graph holds the output flattened (AOTAutograd decomposes a 4-d matmul into a 3-d bmm
+                # between views): the same elements in the same row-major order.
+                o = o.reshape(shape)
             if not isinstance(o, torch.Tensor) or tuple(o.shape) != shape or o.dtype != dtype:
                 got = f"{tuple(o.shape)} {o.dtype}" if isinstance(o, torch.Tensor) else type(o).__name__
                 raise RuntimeError(f"launcher output is {got}, expected {shape} {dtype}")
