@@ -421,7 +421,9 @@ def _binary(p: _Builder) -> None:
         return _unary(p)
     name = p.num(sorted(names), "binary op")
     fmt, fn, _ = BINARY[name]
-    dt = torch.promote_types(a.dtype, b.dtype) if b.cat == "float" else a.dtype
+    # torch's own rule: a 0-dim operand does not promote a dimensioned one of its category (bf16 + fp32 0-dim is bf16)
+    dt = torch.result_type(torch.empty(a.shape, dtype=a.dtype, device="meta"),
+                           torch.empty(b.shape, dtype=b.dtype, device="meta")) if b.cat == "float" else a.dtype
     exact = a.exact and b.exact and name in EXACT_BINARY and a.dtype == b.dtype
     p.new(fmt.format(a.name, b.name), bshape(a.shape, b.shape), dt, fn(a.bound, b.bound), exact, name)
 

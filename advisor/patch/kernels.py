@@ -19,7 +19,9 @@ MIN_SHARE = 0.005  # of the best candidate's estimated saving
 def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
                  device_type: str) -> tuple[list[PatternSpec], list[dict]]:
     top_candidates = doc["candidates"][:max(0, top)]
-    chosen, negligible = worth_patching(top_candidates)
+    # Estimates from a CPU trace are CPU times, noisy at tiny sizes and unrelated to what a GPU saves: the
+    # cut-off (a guard against captures that cost more than they save) applies to GPU traces only.
+    chosen, negligible = worth_patching(top_candidates) if device_type == "cuda" else (top_candidates, [])
     if replacement == "kernel":
         from advisor.codegen.pipeline import generate_candidates
 
