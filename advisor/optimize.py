@@ -35,15 +35,15 @@ class OptimizeReport:
 
     @property
     def applied(self) -> list:
-        return [p for p in self.patterns if p.get("patched")]
+        return [p for p in self.patterns if p.get("patched") and p.get("kept", True)]
 
     def __str__(self) -> str:
         lines = [f"fusion-advisor: {len(self.applied)} of {len(self.patterns)} patterns patched "
                  f"(plan in {self.out_dir})"]
         for p in self.patterns:
-            mark = "patched" if p.get("patched") else "not patched"
+            mark = "patched" if p in self.applied else "not patched"
             sites = f", {p['sites']} site(s)" if p.get("sites") else ""
-            why = f" — {p['status']}" if not p.get("patched") else ""
+            why = f" — {p['status']}" if p not in self.applied else ""
             lines.append(f"  {p['candidate']:>4} {p['title']}: {mark}{sites}{why}")
         if self.end_to_end:
             lines.append("  " + describe_timing(self.end_to_end))
@@ -58,7 +58,7 @@ def describe_timing(e2e: dict) -> str:
 
 def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
-             granularity: str = "layer", reuse: bool = True) -> OptimizeReport:
+             granularity: str = "layer", reuse: bool = True, select: bool | None = None) -> OptimizeReport:
     from advisor.analyze.api import analyze
     from advisor.bench.timing import Stopwatch
     from advisor.bench.trace import profile_calls
@@ -106,10 +106,14 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         chk = check(call, handle, float32_reference(model, args, kwargs))
     handle = chk.handle
     records = pattern_status(records, specs, handle, chk.dropped, doc)
+    selection = None
+    if (select is None or select) and not reused:  # a reused plan was selected when it was stored
+        with phases("select"):
+            handle, selection = keep_faster(call, handle, device, records, iters)
     e2e = time_patterns(call, handle, device, iters, records) if benchmark else None
     out = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e,
-           "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
+           "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key, "selection": selection,
            "skipped_targets": getattr(plan, "skipped", {})}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
@@ -150,6 +154,56 @@ def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict 
         if not r["patched"] and r["status"].startswith("not found") and base is not None:
             r["status"] = f"not patched: {base['candidate']} ({base['title'].split(':')[0]}) took its ops first"
     return out
+
+
+def keep_faster(call, handle, device: str, records: list, iters: int = 20) -> tuple:
+    """On a GPU, never leave the model slower: time each patched pattern alone (`time_patterns`), keep
+    those that save time alone, and keep them only if they beat the unpatched model end to end;
+    otherwise every site runs its original ops again. Marks `kept` (and why not) on the records;
+    returns (the handle now in force, the decision). Without meaningful timing nothing is dropped."""
+    from advisor.bench.timing import time_configs, timing_meaningful
+    from advisor.patch import patch, patches_off
+
+    patched = [r for r in records if r.get("patched")]
+    key_of = {s.candidate: s.key for s in handle.plan.patterns}
+    if not patched:
+        return handle, {"decision": "nothing patched", "kept": []}
+    if not timing_meaningful(device):
+        return handle, {"decision": "all patched patterns kept (timing not meaningful here: no selection)",
+                        "kept": [r["candidate"] for r in patched]}
+    e2e = time_patterns(call, handle, device, iters, records)
+    out = {"all_patched": {k: e2e.get(k) for k in ("before_ms", "after_ms", "captured_only_ms", "speedup", "noise_ms")}}
+    kept = [r for r in patched if ((r.get("applied_alone") or {}).get("saved_us_per_iter") or 0) > 0]
+    before = after = None
+    if kept and len(kept) == len(patched):
+        before, after, how = e2e["before_ms"], e2e["after_ms"], "all patched patterns save time alone"
+    elif kept:
+        handle = patch(handle.model, handle.plan.only({key_of[r["candidate"]] for r in kept}))
+        call()  # capture with the kept set
+        t = time_configs(call, {"before": patches_off, "after": None}, device, iters=iters)
+        before, after = t["before"].median_ms, t["after"].median_ms
+        how = f"{len(kept)} of {len(patched)} patterns save time alone; re-patched with those"
+        out["kept_set"] = {"before_ms": round(before, 4), "after_ms": round(after, 4)}
+    else:
+        how = "no pattern saves time alone"
+    if kept and after < before:
+        out["decision"] = f"kept: {how}, {before:.3f} -> {after:.3f} ms end to end"
+    else:
+        kept = []
+        handle = patch(handle.model, handle.plan.only(set()))  # every forward as it was
+        tail = f" and the kept set is not faster than the unpatched model ({before:.3f} -> {after:.3f} ms)" \
+            if before is not None else ""
+        out["decision"] = f"nothing kept (the model runs unpatched): {how}{tail}"
+    out["kept"] = [r["candidate"] for r in kept]
+    for r in patched:
+        r["kept"] = r["candidate"] in out["kept"]
+        if r["kept"]:
+            r["status"] = "patched"
+        else:
+            alone = (r.get("applied_alone") or {}).get("saved_us_per_iter")
+            r["status"] = (f"not kept: {alone:+.0f} µs per call alone" if alone is not None else "not kept") \
+                + ("" if alone is None or alone <= 0 else ", but the kept set was not faster end to end")
+    return handle, out
 
 
 def time_patterns(call, handle, device: str, iters: int, records: list) -> dict:

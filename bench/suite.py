@@ -479,7 +479,7 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
         call = runner(m_adv)
         sync()
         t1 = time.perf_counter()
-        report = optimize(m_adv, w.inputs, top=a.top, out=root / "advisor-out")
+        report = optimize(m_adv, w.inputs, top=a.top, out=root / "advisor-out", select=False)  # selected below
         t2 = time.perf_counter()
         out = call()
         sync()
@@ -587,65 +587,27 @@ def finish(c: Child, meaningful: bool) -> None:
 
 
 def select_patterns(c: Child, report, model, call, device: str, meaningful: bool, reserve: float = 0.0) -> None:
-    """Time each patched pattern alone (`advisor.optimize.time_patterns`); keep the ones that save time
-    alone; keep the kept set only if it beats eager end to end, else unpatch the model."""
-    import advisor
-    from advisor.bench.timing import time_configs
-    from advisor.optimize import time_patterns
-    from advisor.patch import patches_off
+    """`advisor.optimize.keep_faster`: each patched pattern timed alone, the ones that save time kept, and
+    the kept set only if it beats eager end to end (else the model runs unpatched); what it decided goes
+    into the workload's record. Skipped (all kept) when the budget has no time left for it."""
+    from advisor.optimize import keep_faster
 
     adv = c.r["advisor"]
-    handle = report.handle
-    records = report.patterns
-    patched = [p for p in records if p.get("patched")]
-    key_of = {s.candidate: s.key for s in handle.plan.patterns} if handle is not None else {}
-    if not patched:
-        adv["decision"] = "nothing patched"
-        adv["kept"] = []
-        _mark(adv, set())
-        return
-    if not meaningful:
-        adv["decision"] = "all patched patterns kept (timing not meaningful here: no selection)"
-        adv["kept"] = [p["candidate"] for p in patched]
-        _mark(adv, set(adv["kept"]))
-        return
+    patched = [p for p in report.patterns if p.get("patched")]
     need = 4.0 + 1.2 * (3 + len(patched))
-    if c.left() - reserve < need:
+    if patched and meaningful and c.left() - reserve < need:
         adv["decision"] = f"all patched patterns kept (no time left to time them alone: {c.left():.0f} s)"
         adv["kept"] = [p["candidate"] for p in patched]
         c.r["skipped"]["select"] = adv["decision"]
         _mark(adv, set(adv["kept"]))
         return
-    e2e = time_patterns(call, handle, device, 20, records)  # adds `applied_alone` to the records
-    if not e2e.get("timing_meaningful", True) or e2e.get("before_ms") is None:
-        adv["decision"] = f"all patched patterns kept (not timed alone: {e2e.get('reason')})"
-        adv["kept"] = [p["candidate"] for p in patched]
-        _mark(adv, set(adv["kept"]))
-        return
-    adv["all_patched"] = {k: e2e.get(k) for k in ("before_ms", "after_ms", "captured_only_ms", "speedup", "noise_ms")}
-    adv["patterns"] = [slim_pattern(p) for p in records]
-    kept = [p for p in patched if ((p.get("applied_alone") or {}).get("saved_us_per_iter") or 0) > 0]
-    if kept and len(kept) == len(patched):
-        before, after = e2e["before_ms"], e2e["after_ms"]
-        how = "all patched patterns save time alone"
-    elif kept:
-        advisor.patch(model, handle.plan.only({key_of[p["candidate"]] for p in kept if p["candidate"] in key_of}))
-        call()  # capture with the kept set
-        t = time_configs(call, {"before": patches_off, "after": None}, device, iters=20)
-        before, after = t["before"].median_ms, t["after"].median_ms
-        how = f"{len(kept)} of {len(patched)} patterns save time alone; re-patched with those"
-        adv["kept_set_tuning"] = {"before_ms": round(before, 4), "after_ms": round(after, 4)}
-    else:
-        before = after = None
-        how = "no pattern saves time alone"
-    if kept and after < before:
-        adv["decision"] = f"kept: {how}, {before:.3f} -> {after:.3f} ms end to end"
-        adv["kept"] = [p["candidate"] for p in kept]
-    else:
-        advisor.unpatch(model)
-        tail = f" and the kept set is not faster than eager ({before:.3f} -> {after:.3f} ms)" if kept else ""
-        adv["decision"] = f"dropped (model unpatched: runs eager): {how}{tail}"
-        adv["kept"] = []
+    _, sel = keep_faster(call, report.handle, device, report.patterns, iters=20)
+    adv.update(decision=sel["decision"], kept=sel["kept"])
+    if sel.get("all_patched"):
+        adv["all_patched"] = sel["all_patched"]
+    if sel.get("kept_set"):
+        adv["kept_set_tuning"] = sel["kept_set"]
+    adv["patterns"] = [slim_pattern(p) for p in report.patterns]
     _mark(adv, set(adv["kept"]))
 
 

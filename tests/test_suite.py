@@ -303,6 +303,7 @@ def _fake_timings(monkeypatch, saves: dict, before: float, after: float):
             self.median_ms = ms
 
     monkeypatch.setattr(opt, "time_patterns", time_patterns)
+    monkeypatch.setattr(timing, "timing_meaningful", lambda device: device == "cuda")
     monkeypatch.setattr(timing, "time_configs", lambda call, configs, device, iters=20: {
         "before": T(before), "after": T(after)})
 
@@ -311,7 +312,7 @@ def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkey
     from advisor.patch import patched_modules
 
     w, call, report = optimized_llama
-    first = report.applied[0]["candidate"]
+    first = next(p["candidate"] for p in report.patterns if p.get("patched"))
     _fake_timings(monkeypatch, {first: 20.0}, before=10.0, after=9.0)
     c = _FakeChild()
     suite.select_patterns(c, report, w.model, call, "cuda", True)
@@ -326,7 +327,8 @@ def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkey
     _fake_timings(monkeypatch, {}, before=10.0, after=9.0)
     c = _FakeChild()
     suite.select_patterns(c, report, w.model, call, "cuda", True)
-    assert c.r["advisor"]["kept"] == [] and c.r["advisor"]["decision"].startswith("dropped")
+    assert c.r["advisor"]["kept"] == [] and c.r["advisor"]["decision"].startswith("nothing kept")
+    assert all(p["status"].startswith("not kept") for p in report.patterns if p.get("patched"))
     assert not patched_modules(w.model)
 
 
@@ -335,13 +337,14 @@ def test_select_drops_a_kept_set_slower_than_eager(optimized_llama, monkeypatch)
 
     w, call, report = optimized_llama
     # every pattern saves time alone, but together they are slower than eager end to end
-    _fake_timings(monkeypatch, {p["candidate"]: 10.0 for p in report.applied}, before=10.0, after=10.5)
+    patched = {p["candidate"] for p in report.patterns if p.get("patched")}
+    _fake_timings(monkeypatch, {cand: 10.0 for cand in patched}, before=10.0, after=10.5)
     c = _FakeChild()
     suite.select_patterns(c, report, w.model, call, "cuda", True)
-    assert c.r["advisor"]["kept"] == [] and "not faster than eager" in c.r["advisor"]["decision"]
+    assert c.r["advisor"]["kept"] == [] and "not faster than the unpatched model" in c.r["advisor"]["decision"]
     assert not patched_modules(w.model)
     # on the CPU nothing is selected: every patched pattern is kept, and said so
     c = _FakeChild()
     suite.select_patterns(c, report, w.model, call, "cpu", False)
-    assert set(c.r["advisor"]["kept"]) == {p["candidate"] for p in report.applied}
+    assert patched and set(c.r["advisor"]["kept"]) == patched
     assert "not meaningful" in c.r["advisor"]["decision"]
