@@ -7,9 +7,11 @@
 Steps: profile a few calls (inference mode) into OUT/trace, analyse (OUT/analysis.json), generate and
 validate kernels for the top candidates (the generator's on-disk cache makes repeats cheap), patch
 the model in place, run it patched and unpatched on the example inputs and unpatch any pattern whose
-outputs differ, write OUT/apply.json (patterns, manifest) so `advisor.patch(other_model, OUT)` can
-re-apply the same plan later. With `benchmark=True` (meaningful on a GPU) also times the call before
-and after, and each pattern applied alone.
+outputs differ, on a GPU keep only the patterns that make the call faster (`keep_faster`), write
+OUT/apply.json (patterns, manifest) so `advisor.patch(other_model, OUT)` can re-apply the same plan
+later, and store the plan in the cache: a second `optimize` of the same model and input shapes
+re-patches and re-checks it without profiling (`advisor.patch.plan_cache`). With `benchmark=True`
+(meaningful on a GPU) also times the call before and after, and each pattern applied alone.
 """
 from __future__ import annotations
 
@@ -79,8 +81,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
             return model(*args, **kwargs)
 
     phases = Stopwatch()
-    key = plan_cache.fingerprint(model, args, kwargs, device, {"top": top, "replacement": replacement,
-                                 "granularity": granularity}) if reuse else None
+    options = {"top": top, "replacement": replacement, "granularity": granularity, "select": select is not False}
+    key = plan_cache.fingerprint(model, args, kwargs, device, options) if reuse else None
     with phases("reuse"):
         reused = bool(key) and plan_cache.fetch(key, out_dir)
     if reused:  # the same model and inputs were optimised before: its plan, re-checked below
@@ -107,7 +109,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     handle = chk.handle
     records = pattern_status(records, specs, handle, chk.dropped, doc)
     selection = None
-    if (select is None or select) and not reused:  # a reused plan was selected when it was stored
+    if select is not False and not reused:  # a reused plan was selected when it was stored
         with phases("select"):
             handle, selection = keep_faster(call, handle, device, records, iters)
     e2e = time_patterns(call, handle, device, iters, records) if benchmark else None
