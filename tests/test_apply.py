@@ -179,6 +179,7 @@ def test_a_second_optimize_reuses_the_plan_and_checks_it_again(tmp_path, monkeyp
     assert second.check["ok"] and torch.allclose(run(model, kw, x), ref, rtol=1e-5, atol=1e-5)
     assert all(e["kernel_file"].startswith(str(tmp_path / "second" / "kernels")) for e in doc["manifest"])
     assert all(Path(e["kernel_file"]).is_file() for e in doc["manifest"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "first", "second"]  # nothing beside OUT
     advisor.unpatch(model)
     assert torch.equal(run(model, kw, x), ref)
     other = advisor.optimize(model, {**inputs("llama", seq=12), **kw}, top=4, out=tmp_path / "other")

@@ -77,15 +77,16 @@ def fetch(key: str, out_dir: Path) -> bool:
 
 def _copy(src: Path, dst: Path) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp = dst / ".plan.tmp"  # inside the destination: nothing is written next to a user's OUT
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if (src / "kernels").is_dir():
+    tmp.mkdir()
+    kernels = sorted(p.name for p in (src / "kernels").glob("*.py")) if (src / "kernels").is_dir() else []
+    if kernels:
         shutil.copytree(src / "kernels", tmp / "kernels")
-    old, new = str(src.resolve() / "kernels"), str(dst.resolve() / "kernels")
+    new = str(dst.resolve() / "kernels")
     for name in FILES:
         doc = json.loads((src / name).read_text())
-        (tmp / name).write_text(json.dumps(_rebase(doc, old, new), indent=1))
+        (tmp / name).write_text(json.dumps(_rebase(doc, set(kernels), new), indent=1))
     for name in ("kernels", *FILES):  # into place: a concurrent reader sees the old plan or the new one
         target = dst / name
         if target.is_dir():
@@ -96,10 +97,11 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _rebase(doc, old: str, new: str):
+def _rebase(doc, kernels: set, new: str):
+    """Every `kernel_file` naming one of the copied kernels, pointed at the copy."""
     if isinstance(doc, dict):
-        return {k: (new + v[len(old):] if k == "kernel_file" and isinstance(v, str) and v.startswith(old)
-                    else _rebase(v, old, new)) for k, v in doc.items()}
+        return {k: (f"{new}/{Path(v).name}" if k == "kernel_file" and isinstance(v, str) and Path(v).name in kernels
+                    else _rebase(v, kernels, new)) for k, v in doc.items()}
     if isinstance(doc, list):
-        return [_rebase(v, old, new) for v in doc]
+        return [_rebase(v, kernels, new) for v in doc]
     return doc
