@@ -24,7 +24,7 @@ def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: i
     from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile
 
     from advisor.collect import steady
-    from advisor.collect.measure import device_info, measure
+    from advisor.collect.measure import device_info
     from advisor.collect.module_scopes import module_scopes
     from advisor.collect.region import region
 
@@ -53,7 +53,7 @@ def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: i
     _gzip(kineto_tmp, trace_dir / "kineto.json.gz")
     if et_tmp.exists():
         _gzip(et_tmp, trace_dir / "et.json.gz")
-    measured = _measured(device, measure)
+    measured = _measured(device)
     meta = {"device": device_info(device), "script": None, "in_process": True,
             "steady_state": steady.steady_state(events, REGION), "complete": True, "error": None,
             **{k: measured.get(k) for k in ("bandwidth_Bps", "launch_us", "dispatch_us")}}
@@ -64,8 +64,10 @@ def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: i
 _MEASURED: dict = {}
 
 
-def _measured(device: str, measure) -> dict:
+def _measured(device: str) -> dict:
     """Device facts once per process: `optimize` may profile many models, the device does not change."""
+    from advisor.collect.measure import measure
+
     if device not in _MEASURED or _MEASURED[device].get("measure_error"):
         _MEASURED[device] = measure(device)
     return _MEASURED[device]

@@ -88,15 +88,19 @@ def _report(entry: dict, on_result) -> dict:
     return entry
 
 
+def pattern_record(c: dict, **fields) -> dict:
+    """An apply.json `patterns` entry for candidate `c`, as it stands before (or without) a kernel."""
+    return {"candidate": c["id"], "pattern_id": c["pattern_id"], "title": c.get("title"), "kernel_file": None,
+            "validated": False, "reason": None, "errors": None, "measured": None, "source": None, "cached": None,
+            "device_type": None, **fields}
+
+
 def _work(c: dict, out_dir: Path) -> tuple[dict, object, object]:
     """(apply.json entry, the generated module's record, the module) — the last two None unless a
     matmul-anchored kernel validated."""
     from advisor.validate import interpreted, validate
 
-    entry = {"candidate": c["id"], "pattern_id": c["pattern_id"], "title": c.get("title"),
-             "kernel_file": None, "validated": False, "reason": None, "errors": None, "measured": None,
-             "source": None, "cached": None, "device_type": None}
-    entry["reason"] = skip_reason(c)
+    entry = pattern_record(c, reason=skip_reason(c))
     if entry["reason"] is not None:
         return entry, None, None
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from advisor.codegen.pipeline import pattern_record
 from advisor.patch.plan import PatternSpec, spec_from_candidate
 
 
@@ -27,9 +28,9 @@ def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
 
         records = generate_candidates({**doc, "candidates": chosen}, Path(out_dir))["patterns"]
     else:
-        records = [{"candidate": c["id"], "pattern_id": c["pattern_id"], "title": c["title"], "kernel_file": None,
-                    "validated": True, "reason": f"stand-in replacement ({replacement}), not a generated kernel",
-                    "errors": {}, "measured": None, "source": ""} for c in chosen]
+        records = [pattern_record(c, validated=True, errors={}, source="",
+                                  reason=f"stand-in replacement ({replacement}), not a generated kernel")
+                   for c in chosen]
     by_id = {c["id"]: c for c in chosen}
     specs = []
     for r in records:
@@ -53,11 +54,10 @@ def worth_patching(candidates: list) -> tuple[list, list]:
     for c in candidates:
         est = c.get("est_time_saved_us") or 0.0
         if best > 0 and est < MIN_SHARE * best:
-            rest.append({"candidate": c["id"], "pattern_id": c["pattern_id"], "title": c["title"], "kernel_file": None,
-                         "validated": False, "errors": {}, "measured": None, "source": "",
-                         "est_time_saved_us": est, "occurrences": c.get("occurrences"),
-                         "reason": f"not worth patching: estimated saving {est:.2g} µs per iteration is under "
-                                   f"{MIN_SHARE:.1%} of the best pattern's ({best:.3g} µs)"})
+            rest.append(pattern_record(c, errors={}, source="", est_time_saved_us=est,
+                                       occurrences=c.get("occurrences"),
+                                       reason=f"not worth patching: estimated saving {est:.2g} µs per iteration "
+                                              f"is under {MIN_SHARE:.1%} of the best pattern's ({best:.3g} µs)"))
         else:
             keep.append(c)
     return keep, rest

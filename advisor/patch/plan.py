@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from advisor.errors import AdvisorError
-from advisor.patch.modules import lca, root_path
+from advisor.patch.modules import contains, lca, root_path
 from advisor.patch.program import is_scalar_slot, program_text
 
 REPLACEMENTS = ("kernel", "program", "subgraph")
@@ -153,22 +153,20 @@ def layer_of(module: str) -> str:
     """The repeated layer a module is in (`m.layers.3.mlp.act` -> `m.layers.3`), else the module itself:
     one capture per layer, not one per submodule, since each captured call costs a guard check and
     AOTAutograd's runtime wrapper on the host (36 captured submodules made BERT host-bound)."""
-    parts = module.split(".")
-    i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-    return module if i is None else ".".join(parts[:i + 1])
+    return _numbered_prefix(module) or module
 
 
 def spans_layers(outer: str, names: list[str]) -> bool:
     """Whether `names` has modules inside two different numbered children of `outer` (`layers.0`, `layers.1`)."""
-    layers = set()
-    for q in names:
-        if q == outer or not (outer == "" or q.startswith(outer + ".")):
-            continue
-        parts = (q[len(outer) + 1:] if outer else q).split(".")
-        i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-        if i is not None:
-            layers.add(".".join(parts[:i + 1]))
-    return len(layers) >= 2
+    inside = [q[len(outer) + 1:] if outer else q for q in names if q != outer and contains(outer, q)]
+    return len({p for p in map(_numbered_prefix, inside) if p}) >= 2
+
+
+def _numbered_prefix(path: str) -> str | None:
+    """`path` up to its first numbered component (a ModuleList entry), or None without one."""
+    parts = path.split(".")
+    i = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return None if i is None else ".".join(parts[:i + 1])
 
 
 # ------------------------------------------------------------------------------------ on disk
