@@ -268,3 +268,20 @@ def test_eager_attention_is_patched_end_to_end(name, tmp_path, monkeypatch):
     assert torch.allclose(run(model, kw, x), ref, rtol=1e-4, atol=1e-5)
     advisor.unpatch(model)
     assert torch.equal(run(model, kw, x), ref)
+
+
+def test_the_plan_fingerprint_covers_settings_that_change_the_forward():
+    """Two GPT-2s of one shape, one with eager attention: different forwards, different plans (an sdpa plan
+    reused for the eager model had no attention pattern). The same settings in a new object: same key."""
+    from advisor.patch import plan_cache
+
+    x = inputs("gpt2")
+    keys = []
+    for attn in ("sdpa", "sdpa", "eager"):
+        model, kw = tiny("gpt2", layers=1)
+        model.config._attn_implementation = attn
+        keys.append(plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}))
+    assert keys[0] == keys[1] != keys[2]
+    model, kw = tiny("gpt2", layers=1)
+    model.transformer.ln_f.eps = 1e-3  # a module's own setting
+    assert plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}) != keys[0]

@@ -2,8 +2,9 @@
 
 `optimize` stores its finished plan (analysis.json, apply.json, the validated kernels) under the
 kernel cache's sibling `plans/<fingerprint>/`. The fingerprint covers what the plan depends on: the
-model's module tree (classes and qualified names), its parameters' and buffers' names, shapes,
-dtypes and devices, the inputs' shapes, dtypes, strides and non-tensor values, the device's name,
+model's module tree (classes and qualified names), each module's plain settings and those of the
+configuration objects it holds (an HF config's `_attn_implementation` changes the forward, not the
+shapes), its parameters' and buffers' names, shapes, dtypes and devices, the inputs' shapes, dtypes, strides and non-tensor values, the device's name,
 the options, and the digest of fusion-advisor's own source. Weights' values are not in it: a plan
 is about shapes, and every reuse is checked against the unpatched model's outputs again.
 """
@@ -41,8 +42,14 @@ def fingerprint(model: torch.nn.Module, args: tuple, kwargs: dict, device: str, 
 
     put("advisor", _source_digest(), torch.__version__, sorted(options.items()))
     put("device", torch.cuda.get_device_name() if device == "cuda" else "cpu")
+    configs: dict = {}
     for name, mod in model.named_modules():
-        put("module", name, type(mod).__module__, type(mod).__qualname__, mod.training)
+        put("module", name, type(mod).__module__, type(mod).__qualname__, mod.training, settings(mod))
+        for v in vars(mod).values():
+            if hasattr(v, "to_dict") and not isinstance(v, (torch.nn.Module, torch.Tensor, dict)):
+                configs.setdefault(id(v), v)
+    for cfg in configs.values():
+        put("config", type(cfg).__qualname__, settings(cfg))
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         put("tensor", name, tuple(t.shape), str(t.dtype), t.device.type)
     leaves, spec = tree_flatten((args, kwargs))
@@ -53,6 +60,18 @@ def fingerprint(model: torch.nn.Module, args: tuple, kwargs: dict, device: str, 
         else:
             put("v", repr(x)[:200])
     return h.hexdigest()[:24]
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def settings(obj) -> list:
+    """An object's plain attributes (numbers, strings, flags, and tuples of them), sorted by name."""
+    out = []
+    for k, v in sorted(vars(obj).items()):
+        if isinstance(v, _PLAIN) or (isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v)):
+            out.append((k, repr(v)[:200]))
+    return out
 
 
 def plan_dir(key: str) -> Path:
