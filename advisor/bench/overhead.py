@@ -96,6 +96,7 @@ def main(argv=None) -> dict:
     import advisor
     from advisor.bench.timing import time_configs
     from advisor.patch import only, patches_off
+    from advisor.patch.graphs import replay_off
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: a smoke run, times say nothing)
     model, inputs = build(a.model, a.layers, device, a.seq, a.attn)
@@ -108,7 +109,8 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     report = advisor.optimize(model, inputs, top=a.top, out=a.out, select=False, **kw)  # every pattern patched
     setup_s = time.perf_counter() - t0
-    configs = {"eager": patches_off, "captured_only": lambda: only(set()), "patched": contextlib.nullcontext}
+    configs = {"eager": patches_off, "captured_only": lambda: only(set()), "patched": contextlib.nullcontext,
+               "patched_op_by_op": replay_off}
     for spec in report.handle.plan.patterns:
         if report.handle.sites(spec.key):
             configs[spec.candidate] = (lambda k: lambda: only({k}))(spec.key)
@@ -127,6 +129,7 @@ def main(argv=None) -> dict:
            "patched_modules": [e["module"] for e in report.manifest],
            "patterns": [(p["candidate"], p["title"].split(":")[0], p.get("sites"), p.get("est_time_saved_us"),
                          p["status"][:60]) for p in report.patterns],
+           "check": {k: report.check.get(k) for k in ("ok", "reason", "rel_l2", "dropped")},
            "device_ms": {k: round(v.median_ms, 3) for k, v in dev.items()},
            "spread_ms": {k: round(v.spread_ms, 3) for k, v in dev.items()},
            "host_ms": {k: round(v, 3) for k, v in host.items()}}

@@ -4,7 +4,8 @@
 (with its guards on shapes, dtypes, devices, strides and module attributes: a call outside them
 recompiles, and the new graph is matched afresh), AOTAutograd lowers it to functional aten ops, and
 `Backend` rewrites the *inference* graph only; the returned code runs the graph's aten ops one by one
-(no TorchInductor). Training graphs are never rewritten, and a patched forward runs the original
+(no TorchInductor), on a GPU replayed from CUDA graphs (`graphs.Graphed`: one launch instead of one
+Python call per op). Training graphs are never rewritten, and a patched forward runs the original
 code whenever autograd needs it (grad enabled and a parameter or input requiring grad).
 
 The compiled function is cached per (forward function, pattern keys), not per module: all 32
@@ -26,6 +27,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from advisor.patch import rewrite
+from advisor.patch.graphs import Graphed
 from advisor.patch.match import Pattern, find
 from advisor.patch.plan import PatternSpec
 from advisor.patch.program import program_graph, run_program
@@ -95,7 +97,7 @@ class Backend:
 
         def inference(g, _):
             self.rewrite(g)
-            return make_boxed_func(g.forward)
+            return make_boxed_func(Graphed(g.forward) if self.device.type == "cuda" else g.forward)
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=plain, bw_compiler=plain,
                                      inference_compiler=inference)

@@ -1,0 +1,183 @@
+"""Replay a rewritten inference graph as CUDA graphs: one launch per layer call instead of one per op.
+
+Why: a captured layer runs its aten ops and Triton launchers one at a time from Python. On the H100's
+host that cost 1.3 ms per GPT-2 layer call, more than the 0.9 ms the GPU needs for the layer, so the
+GPU idled and the kernels' savings never reached the wall clock (`python -m advisor.bench.overhead`:
+GELU fused, device busy 19.0 -> 14.6 ms, call 25.8 -> 25.3 ms). A CUDA graph replays them all at once.
+
+The contract of a CUDA graph is fixed addresses, so:
+- parameters are read in place: a graph is recorded per set of parameter addresses (twelve layers that
+  share one captured function get twelve graphs);
+- every other tensor input is copied into a static buffer with the input's storage size, offset and
+  strides (the graph may read through `as_strided` views relative to the storage), before each replay;
+- every output is copied out after the replay: nothing handed to the caller is overwritten later;
+- which patterns run their launchers (`only`) is decided at recording, so it is part of the key.
+All graphs share one memory pool: they run one at a time on one stream and their static outputs stay
+alive, so the scratch one frees at the end of its recording is safe for the next to reuse.
+Not replayed (the plain function runs): inputs off the GPU, autograd, a storage far larger than the
+view the graph reads (copying it would cost more than the launches), `FUSION_ADVISOR_CUDA_GRAPHS=0`
+or `replay_off()`, and a function whose recording failed (said once).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from advisor.patch import rewrite
+
+MAX_GRAPHS = 64  # per captured function: layers x `only` states seen while timing patterns
+MAX_STORAGE_RATIO = 4  # copy a view's whole storage only when it is at most this much larger
+_STATE = threading.local()
+
+
+def replay_enabled() -> bool:
+    on = getattr(_STATE, "on", None)
+    return os.environ.get("FUSION_ADVISOR_CUDA_GRAPHS", "1") != "0" if on is None else on
+
+
+@contextlib.contextmanager
+def replay_off():
+    """Inside this block captured functions run op by op (the comparison for the graphs' benefit)."""
+    old = getattr(_STATE, "on", None)
+    _STATE.on = False
+    try:
+        yield
+    finally:
+        _STATE.on = old
+
+
+@dataclass
+class Recording:
+    """One recorded graph: the static inputs it reads and the outputs it writes."""
+
+    replay: Callable[[], None]
+    inputs: list  # per argument: a static buffer to copy into, or None (read in place / not a tensor)
+    outputs: list
+
+
+class CudaRecorder:
+    """Records with `torch.cuda.graph` (warm-up on a side stream first, as the CUDA graph docs ask)."""
+
+    device_type = "cuda"
+    _pools: dict = {}
+
+    def record(self, fn: Callable, args: list) -> tuple[Callable[[], None], list]:
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn(*args)  # first launches compile / autotune / allocate workspaces, none of which may be recorded
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            outs = fn(*args)
+        return graph.replay, list(outs)
+
+
+class Graphed:
+    """`fn(*args)` (a rewritten graph's forward) replayed from CUDA graphs where it can be."""
+
+    def __init__(self, fn: Callable, recorder=None):
+        self.fn = fn
+        self.recorder = recorder or CudaRecorder()
+        self.recordings: OrderedDict = OrderedDict()
+        self.failed: str | None = None
+
+    def __call__(self, *args):
+        if self.failed or not replay_enabled():
+            return self.fn(*args)
+        key = self._key(args)
+        if key is None:
+            return self.fn(*args)
+        rec = self.recordings.get(key)
+        if rec is None:
+            try:
+                rec = self._record(args)
+            except Exception as e:  # an op that cannot be recorded: this function runs op by op from now on
+                self.failed = f"{type(e).__name__}: {e}"
+                warnings.warn(f"fusion-advisor: CUDA graph of a patched forward not used ({self.failed})",
+                              RuntimeWarning, stacklevel=2)
+                return self.fn(*args)
+            self.recordings[key] = rec
+            if len(self.recordings) > MAX_GRAPHS:
+                self.recordings.popitem(last=False)
+        return self._run(rec, args)
+
+    def _key(self, args) -> tuple | None:
+        """What a recording depends on beyond the capture's guards, or None when it cannot be replayed."""
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return None
+        parts = [rewrite.enabled_keys()]
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                parts.append(("v", a))
+            elif a.device.type != self.recorder.device_type:
+                return None
+            elif isinstance(a, torch.nn.Parameter):
+                parts.append(a.data_ptr())
+            else:
+                nbytes = a.untyped_storage().nbytes()
+                if nbytes > MAX_STORAGE_RATIO * max(1, a.numel() * a.element_size()) and nbytes > 1 << 20:
+                    return None
+                parts.append((nbytes, a.storage_offset()))
+        return tuple(parts)
+
+    def _record(self, args) -> Recording:
+        inputs = [_static_like(a) if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) else None
+                  for a in args]
+        static_args = [a if s is None else s for a, s in zip(args, inputs)]
+        _copy_in(inputs, args)
+        replay, outs = self.recorder.record(self.fn, static_args)
+        return Recording(replay, inputs, outs)
+
+    @staticmethod
+    def _run(rec: Recording, args) -> list:
+        _copy_in(rec.inputs, args)
+        rec.replay()
+        return _copy_out(rec.outputs)
+
+
+def _static_like(a: torch.Tensor) -> torch.Tensor:
+    """A tensor laid out like `a` (size, strides, storage offset) on a storage of its own, as large."""
+    with torch.inference_mode(False):  # a normal tensor: copied into inside or outside inference mode
+        storage = torch.empty(a.untyped_storage().nbytes(), dtype=torch.uint8, device=a.device).untyped_storage()
+        return torch.empty(0, dtype=a.dtype, device=a.device).set_(storage, a.storage_offset(), a.size(), a.stride())
+
+
+def _copy_in(statics: list, args) -> None:
+    """Each static buffer gets its input's whole storage (reads may reach outside the view)."""
+    for s, a in zip(statics, args):
+        if s is not None:
+            _bytes(s).copy_(_bytes(a))
+
+
+def _copy_out(outs: list) -> list:
+    """Fresh copies of the static outputs that keep their layout and their aliasing: outputs sharing a
+    storage share one copy of it (AOTAutograd rebuilds an output's views from it by offset and strides)."""
+    copies: dict = {}
+    fresh = []
+    for o in outs:
+        if not isinstance(o, torch.Tensor):
+            fresh.append(o)
+            continue
+        storage = o.untyped_storage()
+        copy = copies.get(storage.data_ptr())
+        if copy is None:
+            copy = copies[storage.data_ptr()] = _bytes(o).clone().untyped_storage()
+        fresh.append(torch.empty(0, dtype=o.dtype, device=o.device).set_(copy, o.storage_offset(), o.size(), o.stride()))
+    return fresh
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))

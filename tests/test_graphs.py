@@ -1,0 +1,125 @@
+"""`advisor.patch.graphs.Graphed`: what a CUDA graph replay reads and writes, checked on the CPU.
+
+`ReplayOnCpu` stands in for `torch.cuda.graph` with the same contract: recording runs the function on
+the static arguments once and keeps its outputs; a replay reads only those static arguments (whatever
+the caller passes later) and writes into the same output tensors. So every test here fails if the
+wrapper forgets to copy an input in, hands out a buffer a later replay overwrites, or replays a
+graph recorded for other parameters or another set of enabled patterns.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from advisor.patch import only
+from advisor.patch.graphs import Graphed, replay_off
+
+
+class ReplayOnCpu:
+    device_type = "cpu"
+
+    def __init__(self, fail: bool = False):
+        self.records = 0
+        self.fail = fail
+
+    def record(self, fn, args):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.records += 1
+        outs = list(fn(*args))
+
+        def replay():
+            with torch.inference_mode():  # a graph writes memory, whatever mode recorded the outputs
+                for o, new in zip(outs, fn(*args)):
+                    o.copy_(new)
+        return replay, outs
+
+
+def affine(w, x):
+    return [x * w + 1]
+
+
+def test_replays_read_the_new_inputs_and_return_fresh_outputs():
+    w = torch.nn.Parameter(torch.tensor([2.0, 3.0]), requires_grad=False)
+    g = Graphed(affine, ReplayOnCpu())
+    x1, x2 = torch.tensor([1.0, 1.0]), torch.tensor([5.0, -1.0])
+    (y1,) = g(w, x1)
+    (y2,) = g(w, x2)
+    assert g.recorder.records == 1
+    assert torch.equal(y2, x2 * w + 1)
+    assert torch.equal(y1, x1 * w + 1)  # not overwritten by the second replay
+    x2.add_(100)  # the caller's tensor is not the graph's: later changes do not leak into old outputs
+    assert torch.equal(y2, torch.tensor([11.0, -2.0]))
+
+
+def test_one_recording_per_parameter_set_and_per_enabled_patterns():
+    g = Graphed(affine, ReplayOnCpu())
+    x = torch.arange(4.0)
+    w1, w2 = (torch.nn.Parameter(torch.full((4,), v), requires_grad=False) for v in (2.0, 3.0))
+    for _ in range(2):
+        assert torch.equal(g(w1, x)[0], x * 2 + 1)
+        assert torch.equal(g(w2, x)[0], x * 3 + 1)
+    assert g.recorder.records == 2
+    with only({"some-pattern"}):
+        assert torch.equal(g(w1, x)[0], x * 2 + 1)
+    assert g.recorder.records == 3
+
+
+def test_views_keep_their_storage_offset_and_what_lies_outside_them():
+    """The rewritten graph may read an input through as_strided relative to its storage (below its own
+    offset): the static buffer carries the whole storage at the same offset."""
+    def reads_before(x):
+        return [x.as_strided((3,), (1,), x.storage_offset() - 1) * 10]
+
+    g = Graphed(reads_before, ReplayOnCpu())
+    for start in (0.0, 100.0):
+        base = torch.arange(start, start + 6)
+        x = base[2:5]
+        assert torch.equal(g(x)[0], base[1:4] * 10)
+    assert g.recorder.records == 1
+
+
+def test_not_replayed_when_it_cannot_be():
+    g = Graphed(affine, ReplayOnCpu())
+    w = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+    big = torch.zeros(1 << 20)
+    assert torch.equal(g(w, big[:4] + 0)[0], torch.ones(4))  # a dense input is recorded
+    assert torch.equal(g(w, big[:4])[0], torch.ones(4))  # a tiny view of a 4 MB storage is not copied
+    with replay_off():
+        g(w, torch.zeros(4))
+    with torch.enable_grad():
+        g(w, torch.zeros(4, requires_grad=True))
+    assert g.recorder.records == 1 and len(g.recordings) == 1
+
+
+def test_a_failed_recording_runs_op_by_op_from_then_on():
+    g = Graphed(affine, ReplayOnCpu(fail=True))
+    w = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    with pytest.warns(RuntimeWarning, match="CUDA graph of a patched forward not used"):
+        assert torch.equal(g(w, torch.ones(2))[0], torch.full((2,), 2.0))
+    assert g.failed and "capturing" in g.failed
+    assert torch.equal(g(w, torch.zeros(2))[0], torch.ones(2))
+
+
+def test_inference_tensors_inside_and_outside_inference_mode():
+    g = Graphed(affine, ReplayOnCpu())
+    w = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    with torch.inference_mode():
+        x = torch.ones(2)
+        assert torch.equal(g(w, x)[0], torch.full((2,), 2.0))
+    with torch.no_grad():
+        assert torch.equal(g(w, torch.zeros(2))[0], torch.ones(2))
+    assert g.recorder.records == 1
+
+
+def test_outputs_sharing_a_storage_still_share_one_after_the_copy():
+    def split(x):
+        base = x * 2
+        return [base, base[1:3]]
+
+    g = Graphed(split, ReplayOnCpu())
+    x = torch.arange(4.0)
+    g(x)
+    base, view = g(x + 1)
+    assert torch.equal(base, (x + 1) * 2) and torch.equal(view, base[1:3])
+    assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() and view.storage_offset() == 1
