@@ -250,6 +250,13 @@ def test_summary_and_markdown_on_gpu_like_results():
     assert "0.52 (off)" in md and "not installed" in md
     tail = suite.tail_table(doc)
     assert "geomean" in tail and "target MISSED: Llama >= 1.5x over eager" in tail
+    doc["workloads"] = results + [_gpu_result("hf_bert_eager", 15.2, 8.8, 10.0, 1.5, [])]
+    doc["summary"] = s = suite.summarise(doc["workloads"], True)
+    assert s["geomean_over"] == ["seed", "hf_llama", "hf_bert"]  # issue 7's mean is not moved by issue 10's
+    assert s["anchored"]["geomean_over"] == ["hf_bert_eager"] and math.isclose(s["anchored"]["geomean_advisor"], 15.2 / 8.8)
+    md = suite.markdown(doc)
+    assert "**geometric mean** (1 workloads, matmul-anchored (issue 10))" in md and "**1.73×**" in md
+    assert "anchored" in suite.tail_table(doc)
 
 
 # ------------------------------------------------------------------ selection, with timings made up
