@@ -82,7 +82,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
 
     phases = Stopwatch()
     options = {"top": top, "replacement": replacement, "granularity": granularity, "select": select is not False}
-    key = plan_cache.fingerprint(model, args, kwargs, device, options) if reuse else None
+    key_parts: dict = {}
+    key = plan_cache.fingerprint(model, args, kwargs, device, options, key_parts) if reuse else None
     with phases("reuse"):
         reused = bool(key) and plan_cache.fetch(key, out_dir)
     if reused:  # the same model and inputs were optimised before: its plan, re-checked below
@@ -115,7 +116,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     e2e = time_patterns(call, handle, device, iters, records) if benchmark else None
     out = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e,
-           "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key, "selection": selection,
+           "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
+           "plan_key_parts": key_parts, "selection": selection,
            "skipped_targets": getattr(plan, "skipped", {})}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:

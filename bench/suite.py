@@ -486,6 +486,7 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
         adv["cold_empty_s"] = round(time.perf_counter() - t1, 2)
         adv["optimize_s"] = round(t2 - t1, 2)
         adv["phases_s"] = report.phases_s
+        adv["plan_key_parts"] = _key_parts(report.out_dir)
         adv["cache_files"] = count_files(Path(os.environ["FUSION_ADVISOR_CACHE"]))
         adv["check"] = report.check
         adv["patterns"] = [slim_pattern(p) for p in report.patterns]
@@ -686,7 +687,7 @@ def warm_run(c: Child, w, device: str, root: Path, runner) -> int:
         call()
         sync()
         c.r["warm"] = {"cold_s": round(time.perf_counter() - t1, 2), "patched": len(report.applied),
-                       "phases_s": report.phases_s,
+                       "phases_s": report.phases_s, "plan_key_parts": _key_parts(report.out_dir),
                        "cache_files_before": before,
                        "cache_files_after": count_files(Path(os.environ["FUSION_ADVISOR_CACHE"])),
                        "patterns": [{"candidate": p.get("candidate"), "title": p.get("title"),
@@ -696,6 +697,14 @@ def warm_run(c: Child, w, device: str, root: Path, runner) -> int:
     c.r["phase"] = "done"
     c.save()
     return 0 if ok["ok"] else 1
+
+
+def _key_parts(out_dir: Path) -> dict | None:
+    """The plan key's per-section digests (apply.json): which section differs when a warm run misses."""
+    try:
+        return json.loads((Path(out_dir) / "apply.json").read_text()).get("plan_key_parts")
+    except (OSError, ValueError):
+        return None
 
 
 # ------------------------------------------------------------------------------------ measuring

@@ -157,6 +157,33 @@ def test_attention_without_mask_keys_and_value_dims_differ(dtype):
     assert validate_alternatives(gen, mod)["sdpa"]["validated"]
 
 
+class _DeviceScalar(torch.Tensor):
+    """A 0-dim tensor that says it lives on a GPU and refuses to be read on the host (a sync there cannot
+    be recorded in a CUDA graph: `float()` of it failed a patched BERT's capture on the H100)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def device(self):
+        return torch.device("cuda")
+
+    def __float__(self):
+        raise AssertionError("a device scalar was read on the host")
+
+
+def test_sdpa_alternative_never_reads_a_device_scale_on_the_host():
+    def attn(q, k, v, mask, scale):
+        return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale + mask, -1) @ v
+    q, k, v = (rand(6, 19, 16) for _ in range(3))
+    mask, scale = _causal(19, torch.float32), torch.tensor(0.25, dtype=torch.float64)
+    gen, mod = generated(attn, q, k, v, mask, scale)
+    assert "scale=scale)" in gen.code and "float(" in gen.code  # the scale is an input here, not a literal
+    ref = attn(q, k, v, mask, scale)
+    host = mod.run_sdpa(*[q, k, v, mask, scale])[0]
+    dev = mod.run_sdpa(*[q, k, v, mask, scale.as_subclass(_DeviceScalar)])[0]
+    assert torch.allclose(host, ref, atol=1e-5) and torch.allclose(dev, ref, atol=1e-5)
+
+
 def test_decode_step_attention_one_query():
     def attn(q, k, v):
         return torch.softmax(torch.bmm(q, k.transpose(-1, -2)) * 0.125, -1) @ v

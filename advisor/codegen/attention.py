@@ -223,7 +223,8 @@ def attention_source(ctx: Anchored) -> str:
 
 # ------------------------------------------------------------------------------------------ SDPA
 def sdpa_args(p: Program, parts: Parts):
-    """(scale expression, mask view or None) when the chain is `* scale` / `/ scale` then `+ mask`, else None."""
+    """((op, scale literal or 0-dim input), mask view or None) when the chain is `* scale` / `/ scale` then
+    `+ mask`, else None."""
     cur = parts.qk.op.outputs[0].id
     scale, mask = None, None
     for o in parts.chain:
@@ -238,17 +239,17 @@ def sdpa_args(p: Program, parts: Parts):
             if isinstance(other, (int, float)) and not isinstance(other, bool):
                 x = repr(float(other))
             elif isinstance(other, View) and isinstance(p.source(other.src), Input) and not other.shape:
-                x = f"float({other.src})"
+                x = other.src  # a 0-dim tensor input: read on the CPU, applied to q on a device
             else:
                 return None
-            scale = x if o.name == "aten::mul" else f"1.0 / {x}"
+            scale = (o.name, x)
         elif o.name == "aten::add" and mask is None and o.args.get("alpha", 1) == 1 and isinstance(other, View) \
                 and isinstance(p.source(other.src), Input) and other.shape:
             mask = other
         else:
             return None
         cur = o.outputs[0].id
-    return scale or "1.0", mask
+    return scale or ("aten::mul", "1.0"), mask
 
 
 def view_expr(p: Program, view: View) -> str:
@@ -278,7 +279,15 @@ def sdpa_source(p: Program, parts: Parts) -> str:
              f"    v = {view_expr(p, parts.pv.b)}"]
     if mask is not None:
         lines.append(f"    mask = {view_expr(p, mask)}.to(q.dtype)")
+    op, x = scale
+    if x in {i.id for i in p.inputs}:
+        lines += [f"    if {x}.device.type == \"cpu\":",
+                  f"        scale = {'float(x)' if op == 'aten::mul' else '1.0 / float(x)'}".replace("x)", f"{x})"),
+                  "    else:  # reading a device scalar would synchronise, which a CUDA graph cannot record",
+                  f"        q, scale = q {'*' if op == 'aten::mul' else '/'} {x}, 1.0"]
+    else:
+        lines.append(f"    scale = {x if op == 'aten::mul' else f'1.0 / {x}'}")
     lines.append("    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask="
-                 f"{'mask' if mask is not None else 'None'}, scale={scale})")
+                 f"{'mask' if mask is not None else 'None'}, scale=scale)")
     lines.append("    return out,")
     return "\n".join(lines) + "\n"

@@ -34,11 +34,16 @@ def _source_digest() -> str:
     return _SOURCE
 
 
-def fingerprint(model: torch.nn.Module, args: tuple, kwargs: dict, device: str, options: dict) -> str:
+def fingerprint(model: torch.nn.Module, args: tuple, kwargs: dict, device: str, options: dict,
+                parts: dict | None = None) -> str:
+    """The plan's key. `parts` (if given) receives a short digest per section, to tell why two keys differ."""
     h = hashlib.sha256()
+    section = {}
 
-    def put(*parts):
-        h.update(repr(parts).encode())
+    def put(kind, *rest):
+        text = repr((kind, *rest)).encode()
+        h.update(text)
+        section.setdefault(kind, hashlib.sha256()).update(text)
 
     put("advisor", _source_digest(), torch.__version__, sorted(options.items()))
     put("device", torch.cuda.get_device_name() if device == "cuda" else "cpu")
@@ -56,9 +61,11 @@ def fingerprint(model: torch.nn.Module, args: tuple, kwargs: dict, device: str, 
     put("inputs", str(spec))
     for x in leaves:
         if isinstance(x, torch.Tensor):
-            put("t", tuple(x.shape), tuple(x.stride()), str(x.dtype), x.device.type)
+            put("inputs", tuple(x.shape), tuple(x.stride()), str(x.dtype), x.device.type)
         else:
-            put("v", repr(x)[:200])
+            put("inputs", repr(x)[:200])
+    if parts is not None:
+        parts.update({k: v.hexdigest()[:8] for k, v in section.items()})
     return h.hexdigest()[:24]
 
 

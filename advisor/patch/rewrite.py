@@ -101,6 +101,8 @@ class Site:
                 self.stats["launched"] += 1
                 return outs
             except Exception as e:  # a launcher that fails must not take the model down with it
+                if _capturing():
+                    raise  # fails the CUDA graph's recording (the forward then runs op by op), not the launcher
                 self.broken = f"{type(e).__name__}: {e}"
                 warnings.warn(f"fusion-advisor: {self.label}: launcher failed ({self.broken}); "
                               "running the original ops from now on", RuntimeWarning, stacklevel=2)
@@ -149,6 +151,10 @@ class Site:
                 o = torch.empty_strided(shape, strides, dtype=dtype, device=o.device).copy_(o)
             fixed.append(o)
         return tuple(fixed)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def make_fallback(match: Match, specs: list[dict]) -> Callable:
