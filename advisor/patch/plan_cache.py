@@ -77,6 +77,8 @@ def settings(obj) -> list:
     """An object's plain attributes (numbers, strings, flags, and tuples of them), sorted by name."""
     out = []
     for k, v in sorted(vars(obj).items()):
+        if "hash" in k:  # e.g. GenerationConfig._original_object_hash: Python's salted hash, new per process
+            continue
         if isinstance(v, _PLAIN) or (isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v)):
             out.append((k, repr(v)[:200]))
     return out
