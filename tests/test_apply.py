@@ -283,5 +283,7 @@ def test_the_plan_fingerprint_covers_settings_that_change_the_forward():
         keys.append(plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}))
     assert keys[0] == keys[1] != keys[2]
     model, kw = tiny("gpt2", layers=1)
+    model.generation_config._original_object_hash = 12345  # Python's salted hash: new in every process
+    assert plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}) == keys[0]
     model.transformer.ln_f.eps = 1e-3  # a module's own setting
     assert plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}) != keys[0]

@@ -123,3 +123,30 @@ def test_outputs_sharing_a_storage_still_share_one_after_the_copy():
     base, view = g(x + 1)
     assert torch.equal(base, (x + 1) * 2) and torch.equal(view, base[1:3])
     assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() and view.storage_offset() == 1
+
+
+def test_not_replayed_when_the_copies_cost_more_than_the_launches():
+    """One op on 64 MB: copying it in and out costs the GPU more than one launch costs the host."""
+    from advisor.patch.graphs import COPY_BYTES_PER_S, HOST_S_PER_OP
+
+    w = torch.nn.Parameter(torch.ones(()), requires_grad=False)
+    x = torch.ones(1 << 24)
+    few = Graphed(affine, ReplayOnCpu(), ops=2, out_bytes=x.nbytes)
+    assert 2 * 2 * x.nbytes / COPY_BYTES_PER_S > 2 * HOST_S_PER_OP
+    few(w, x)
+    assert few.recorder.records == 0
+    many = Graphed(affine, ReplayOnCpu(), ops=100_000, out_bytes=x.nbytes)
+    many(w, x)
+    assert many.recorder.records == 1
+
+
+def test_a_captured_graph_says_how_many_ops_it_runs_and_what_it_returns():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from advisor.patch.capture import _ops, _output_bytes
+
+    with FakeTensorMode():
+        x = torch.empty(8, 4)
+        gm = make_fx(lambda x: ((x + 1).relu(), x.sum(0)), tracing_mode="real")(x)
+    assert _ops(gm.graph) == 3 and _output_bytes(gm.graph) == (32 + 4) * 4

@@ -97,7 +97,9 @@ class Backend:
 
         def inference(g, _):
             self.rewrite(g)
-            return make_boxed_func(Graphed(g.forward) if self.device.type == "cuda" else g.forward)
+            if self.device.type != "cuda":
+                return make_boxed_func(g.forward)
+            return make_boxed_func(Graphed(g.forward, ops=_ops(g.graph), out_bytes=_output_bytes(g.graph)))
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=plain, bw_compiler=plain,
                                      inference_compiler=inference)
@@ -147,6 +149,16 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     out = new.graph_copy(graph, {}, return_output_node=True)
     new.output(out[0] if isinstance(out, tuple) else out)
     return new
+
+
+def _ops(graph: torch.fx.Graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def _output_bytes(graph: torch.fx.Graph) -> int:
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    vals = [a.meta.get("val") for a in out.all_input_nodes]
+    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
 def _graph_device(graph: torch.fx.Graph) -> torch.device:

@@ -14,9 +14,11 @@ The contract of a CUDA graph is fixed addresses, so:
 - which patterns run their launchers (`only`) is decided at recording, so it is part of the key.
 All graphs share one memory pool: they run one at a time on one stream and their static outputs stay
 alive, so the scratch one frees at the end of its recording is safe for the next to reuse.
-Not replayed (the plain function runs): inputs off the GPU, autograd, a storage far larger than the
-view the graph reads (copying it would cost more than the launches), `FUSION_ADVISOR_CUDA_GRAPHS=0`
-or `replay_off()`, and a function whose recording failed (said once).
+Not replayed (the plain function runs): when copying the inputs in and the outputs out would cost the
+GPU more than the graph saves the host (a few large memory-bound kernels: the seed's one fused kernel
+on 1 GB ran 2.35x faster than eager op by op and no faster replayed), inputs off the GPU, autograd, a
+storage far larger than the view the graph reads, `FUSION_ADVISOR_CUDA_GRAPHS=0` or `replay_off()`,
+and a function whose recording failed (said once).
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ from advisor.patch import rewrite
 
 MAX_GRAPHS = 64  # per captured function: layers x `only` states seen while timing patterns
 MAX_STORAGE_RATIO = 4  # copy a view's whole storage only when it is at most this much larger
+HOST_S_PER_OP = 5e-6  # host time an op costs when run from Python (dispatch + launch), a low estimate
+COPY_BYTES_PER_S = 2.5e12  # device-to-device copy: read + write, about an H100's measured copy rate
 _STATE = threading.local()
 
 
@@ -96,9 +100,11 @@ class CudaRecorder:
 class Graphed:
     """`fn(*args)` (a rewritten graph's forward) replayed from CUDA graphs where it can be."""
 
-    def __init__(self, fn: Callable, recorder=None):
+    def __init__(self, fn: Callable, recorder=None, ops: int | None = None, out_bytes: int = 0):
         self.fn = fn
         self.recorder = recorder or CudaRecorder()
+        self.ops = ops  # ops the function runs one by one (None: unknown, always worth replaying)
+        self.out_bytes = out_bytes
         self.recordings: OrderedDict = OrderedDict()
         self.failed: str | None = None
 
@@ -127,6 +133,7 @@ class Graphed:
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return None
         parts = [rewrite.enabled_keys()]
+        copied = self.out_bytes
         for a in args:
             if not isinstance(a, torch.Tensor):
                 parts.append(("v", a))
@@ -139,6 +146,9 @@ class Graphed:
                 if nbytes > MAX_STORAGE_RATIO * max(1, a.numel() * a.element_size()) and nbytes > 1 << 20:
                     return None
                 parts.append((nbytes, a.storage_offset()))
+                copied += nbytes
+        if self.ops is not None and 2 * copied / COPY_BYTES_PER_S > self.ops * HOST_S_PER_OP:
+            return None  # the copies would cost the GPU more than the launches cost the host
         return tuple(parts)
 
     def _record(self, args) -> Recording:
