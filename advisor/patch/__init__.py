@@ -6,7 +6,8 @@
 
 Each target module's `forward` becomes a `PatchedForward` (an instance attribute; the class is never
 touched): it runs the module's captured, rewritten forward (see `capture`), or the original forward
-when patches are off or autograd needs it. `unpatch` deletes the attribute again (or puts back an
+when patches are off or autograd needs it; on a GPU the captured forward is replayed from CUDA
+graphs (`graphs`). `unpatch` deletes the attribute again (or puts back an
 instance-level forward that was there before), so the module is exactly as it was. Patched models
 survive `state_dict` save/load, `.to()`, `eval()/train()` (dynamo guards recompile, and sites whose
 guard no longer holds run the original ops), `copy.deepcopy` and pickling.
