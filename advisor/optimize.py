@@ -65,6 +65,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     from advisor.bench.timing import Stopwatch
     from advisor.bench.trace import profile_calls
     from advisor.patch import build_plan, load_plan, occurrence_modules, patch, plan_cache, unpatch
+    from advisor.patch.graphs import clear_recordings
     from advisor.patch.kernels import kernel_specs
     from advisor.patch.verify import check, float32_reference
     from advisor.interpreter import use_interpreter_without_gpu
@@ -114,6 +115,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         with phases("select"):
             handle, selection = keep_faster(call, handle, device, records, iters)
     e2e = time_patterns(call, handle, device, iters, records) if benchmark else None
+    if selection is not None or e2e is not None:
+        clear_recordings()  # graphs recorded for the states timed above (each pattern alone, ...)
     out = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e,
            "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,

@@ -150,3 +150,14 @@ def test_a_captured_graph_says_how_many_ops_it_runs_and_what_it_returns():
         x = torch.empty(8, 4)
         gm = make_fx(lambda x: ((x + 1).relu(), x.sum(0)), tracing_mode="real")(x)
     assert _ops(gm.graph) == 3 and _output_bytes(gm.graph) == (32 + 4) * 4
+
+
+def test_clear_recordings_frees_them_and_the_next_call_records_again():
+    from advisor.patch.graphs import clear_recordings
+
+    g = Graphed(affine, ReplayOnCpu())
+    w = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    g(w, torch.ones(2))
+    clear_recordings()
+    assert not g.recordings
+    assert torch.equal(g(w, torch.zeros(2))[0], torch.ones(2)) and g.recorder.records == 2

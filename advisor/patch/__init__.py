@@ -23,6 +23,7 @@ import torch
 from advisor.errors import AdvisorError
 from advisor.patch import rewrite
 from advisor.patch.capture import PatchedForward
+from advisor.patch.graphs import clear_recordings
 from advisor.patch.modules import called_ancestor, contains, outermost, qualified, resolve
 from advisor.patch.plan import Plan, PatternSpec, Target, build_plan, load_plan, manifest_entry, \
     occurrence_modules, spec_from_candidate
@@ -118,6 +119,8 @@ def unpatch(model: torch.nn.Module) -> int:
             else:
                 del mod.forward
             n += 1
+    if n:
+        clear_recordings()  # their CUDA graphs hold buffers; still-patched models simply record again
     return n
 
 

@@ -26,6 +26,7 @@ import contextlib
 import os
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -39,6 +40,7 @@ MAX_STORAGE_RATIO = 4  # copy a view's whole storage only when it is at most thi
 HOST_S_PER_OP = 5e-6  # host time an op costs when run from Python (dispatch + launch), a low estimate
 COPY_BYTES_PER_S = 2.5e12  # device-to-device copy: read + write, about an H100's measured copy rate
 _STATE = threading.local()
+_LIVE: "weakref.WeakSet[Graphed]" = weakref.WeakSet()
 
 
 def replay_enabled() -> bool:
@@ -66,8 +68,15 @@ class Recording:
     outputs: list
 
 
+def clear_recordings() -> None:
+    """Drop every recorded graph (and its buffers); the next call of each function records again.
+    After timing patterns one by one, and on unpatch: recordings of states no longer used hold memory."""
+    for g in list(_LIVE):
+        g.recordings.clear()
+
+
 class CudaRecorder:
-    """Records with `torch.cuda.graph` (warm-up on a side stream first, as the CUDA graph docs ask)."""
+    """Records a `torch.cuda.CUDAGraph` (after a warm-up on a side stream, as the CUDA graph docs ask)."""
 
     device_type = "cuda"
     _pools: dict = {}
@@ -107,6 +116,7 @@ class Graphed:
         self.out_bytes = out_bytes
         self.recordings: OrderedDict = OrderedDict()
         self.failed: str | None = None
+        _LIVE.add(self)
 
     def __call__(self, *args):
         if self.failed or not replay_enabled():
