@@ -226,6 +226,7 @@ def parent_main(a) -> int:
         else:
             res = run_workload(a, name, device, share, logs)
         res["run"] = doc["generated"]
+        res["rev"] = doc["host"].get("git")  # merged reports name each run's commit
         done.append(res)
         doc["workloads"] = merged(done)
         doc["summary"] = summarise(doc["workloads"], meaningful)
@@ -903,6 +904,11 @@ def summarise(results: list, meaningful: bool) -> dict:
     return s
 
 
+def _rev_of(res: list, run: str) -> str:
+    revs = {r.get("rev") for r in res if r.get("run") == run and r.get("rev")}
+    return f" (fusion-advisor {', '.join(sorted(revs))})" if revs else ""
+
+
 def _beyond_noise(r: dict) -> bool:
     """Advisor slower than eager by more than the larger of the two spreads (max - min of round medians)."""
     a, e = r.get("advisor") or {}, r.get("eager") or {}
@@ -960,7 +966,7 @@ def markdown(doc: dict) -> str:
     runs = sorted({r.get("run") for r in res if r.get("run")})
     if len(runs) > 1:
         L.append(f"Rows come from {len(runs)} runs (`--merge`): " + ", ".join(
-            f"{run}: {', '.join(r['workload'] for r in res if r.get('run') == run)}" for run in runs)
+            f"{run}{_rev_of(res, run)}: {', '.join(r['workload'] for r in res if r.get('run') == run)}" for run in runs)
             + ". Every ratio is between numbers of one run.")
     L.append("")
     if not meaningful:
