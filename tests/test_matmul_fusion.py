@@ -171,11 +171,13 @@ class _DeviceScalar(torch.Tensor):
         raise AssertionError("a device scalar was read on the host")
 
 
-def test_sdpa_alternative_never_reads_a_device_scale_on_the_host():
+@pytest.mark.parametrize("divide", [False, True], ids=["mul", "div"])
+def test_sdpa_alternative_never_reads_a_device_scale_on_the_host(divide):
     def attn(q, k, v, mask, scale):
-        return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale + mask, -1) @ v
+        s = torch.matmul(q, k.transpose(-1, -2))
+        return torch.softmax((s / scale if divide else s * scale) + mask, -1) @ v
     q, k, v = (rand(6, 19, 16) for _ in range(3))
-    mask, scale = _causal(19, torch.float32), torch.tensor(0.25, dtype=torch.float64)
+    mask, scale = _causal(19, torch.float32), torch.tensor(4.0 if divide else 0.25, dtype=torch.float64)
     gen, mod = generated(attn, q, k, v, mask, scale)
     assert "scale=scale)" in gen.code and "float(" in gen.code  # the scale is an input here, not a literal
     ref = attn(q, k, v, mask, scale)

@@ -281,8 +281,9 @@ def sdpa_source(p: Program, parts: Parts) -> str:
         lines.append(f"    mask = {view_expr(p, mask)}.to(q.dtype)")
     op, x = scale
     if x in {i.id for i in p.inputs}:
+        read = f"float({x})"
         lines += [f"    if {x}.device.type == \"cpu\":",
-                  f"        scale = {'float(x)' if op == 'aten::mul' else '1.0 / float(x)'}".replace("x)", f"{x})"),
+                  f"        scale = {read if op == 'aten::mul' else f'1.0 / {read}'}",
                   "    else:  # reading a device scalar would synchronise, which a CUDA graph cannot record",
                   f"        q, scale = q {'*' if op == 'aten::mul' else '/'} {x}, 1.0"]
     else:
