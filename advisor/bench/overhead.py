@@ -3,12 +3,15 @@
     python -m advisor.bench.overhead bert --layers 8 [--seq N] [--granularity layer|pattern] [--attn eager]
                                         [--kernels DIR]
 
-Builds the example's model (examples/hf_*.py sizes on cuda), runs `advisor.optimize` on it (kernels
-from the generator), then times, per call: device time with CUDA events (interleaved rounds), and the
-host time to enqueue one call (perf_counter, no synchronisation: when it exceeds the device time the
-model is host-bound and per-op Python overhead is what a patch changes). With `--kernels DIR`, one
-profiled call per configuration is summarised in DIR/<model>-<config>.txt: every kernel with its
-count and device time per call, and the device-idle time (what the host's enqueueing costs).
+Builds the example's model (examples/hf_*.py sizes on cuda), runs `advisor.optimize` on it with every
+validated pattern patched (`select=False`), then times these configurations: eager (patches off),
+captured_only (every site on its original ops), patched (CUDA graphs replayed), patched_op_by_op
+(`graphs.replay_off`), and each pattern alone. Per call: device time with CUDA events (interleaved
+rounds), and the host time to enqueue one call (perf_counter, no synchronisation: when it exceeds the
+device time the model is host-bound and per-op Python overhead is what a patch changes). With
+`--kernels DIR`, one profiled call per configuration is summarised in DIR/<model>-<attn>-<config>.txt:
+every kernel with its count and device time per call, and the device-idle time (what the host's
+enqueueing costs). reports/host-overhead-h100.md is this tool's output on an H100.
 """
 from __future__ import annotations
 
