@@ -852,14 +852,9 @@ def summarise(results: list, meaningful: bool) -> dict:
     # Issue 7's seven are the suite's mean; issue 10's matmul-anchored workloads get a mean of their own.
     anchored = [r for r in measured if r["workload"] in _workloads().ANCHORED]
     both = [r for r in measured if r not in anchored] or anchored
-    s = {"timing_meaningful": meaningful, "geomean_over": [r["workload"] for r in both],
-         "geomean_advisor": geomean([r["advisor"]["speedup"] for r in both]),
-         "geomean_compile": geomean([r["compile"]["speedup"] for r in both]),
-         "missing": [r["workload"] for r in results if r not in measured]}
+    s = {"timing_meaningful": meaningful, **_means(both), "missing": [r["workload"] for r in results if r not in measured]}
     if anchored and both is not anchored:
-        s["anchored"] = {"geomean_over": [r["workload"] for r in anchored],
-                         "geomean_advisor": geomean([r["advisor"]["speedup"] for r in anchored]),
-                         "geomean_compile": geomean([r["compile"]["speedup"] for r in anchored])}
+        s["anchored"] = _means(anchored)
     if not meaningful:
         s["note"] = NOT_MEANINGFUL
         return s
@@ -902,6 +897,12 @@ def summarise(results: list, meaningful: bool) -> dict:
                     "detail": f"{len(meas) - len(off)} of {len(meas)} within" + (f"; off: {', '.join(off)}" if off else "")})
     s["targets"] = targets
     return s
+
+
+def _means(rows: list) -> dict:
+    return {"geomean_over": [r["workload"] for r in rows],
+            "geomean_advisor": geomean([r["advisor"]["speedup"] for r in rows]),
+            "geomean_compile": geomean([r["compile"]["speedup"] for r in rows])}
 
 
 def _rev_of(res: list, run: str) -> str:

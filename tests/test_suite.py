@@ -355,3 +355,17 @@ def test_select_drops_a_kept_set_slower_than_eager(optimized_llama, monkeypatch)
     suite.select_patterns(c, report, w.model, call, "cpu", False)
     assert patched and set(c.r["advisor"]["kept"]) == patched
     assert "not meaningful" in c.r["advisor"]["decision"]
+
+
+def test_keep_faster_hands_back_its_timing_when_it_keeps_the_handle(optimized_llama, monkeypatch):
+    """All patterns kept: the handle is the one timed, and the whole timing comes back with the decision,
+    so `optimize(benchmark=True)` reports it instead of timing the same configurations again."""
+    from advisor.optimize import keep_faster
+
+    w, call, report = optimized_llama
+    records = [dict(p) for p in report.patterns]
+    patched = {p["candidate"] for p in records if p.get("patched")}
+    _fake_timings(monkeypatch, {cand: 10.0 for cand in patched}, before=10.0, after=9.0)
+    handle, sel = keep_faster(call, report.handle, "cuda", records)
+    assert handle is report.handle and set(sel["kept"]) == patched
+    assert sel["timing"]["before_ms"] == 10.0 and sel["timing"]["after_ms"] == 9.0

@@ -98,6 +98,7 @@ def main(argv=None) -> dict:
 
     import advisor
     from advisor.bench.timing import time_configs
+    from advisor.optimize import each_alone
     from advisor.patch import only, patches_off
     from advisor.patch.graphs import replay_off
 
@@ -114,9 +115,7 @@ def main(argv=None) -> dict:
     setup_s = time.perf_counter() - t0
     configs = {"eager": patches_off, "captured_only": lambda: only(set()), "patched": contextlib.nullcontext,
                "patched_op_by_op": replay_off}
-    for spec in report.handle.plan.patterns:
-        if report.handle.sites(spec.key):
-            configs[spec.candidate] = (lambda k: lambda: only({k}))(spec.key)
+    configs.update(each_alone(report.handle, [p["candidate"] for p in report.patterns if p.get("patched")]))
     dev = time_configs(call, configs, device, iters=30)
     host = {}
     for name, ctx in configs.items():

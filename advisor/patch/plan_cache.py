@@ -53,8 +53,9 @@ def fingerprint(model: torch.nn.Module, args: tuple, kwargs: dict, device: str, 
         for v in vars(mod).values():
             if hasattr(v, "to_dict") and not isinstance(v, (torch.nn.Module, torch.Tensor, dict)):
                 configs.setdefault(id(v), v)
-    for text in sorted({repr((type(c).__qualname__, settings(c))) for c in configs.values()}):
-        put("config:" + text.split("'", 2)[1], text)  # by content: which objects are shared does not matter
+    config_settings = [(type(c).__qualname__, settings(c)) for c in configs.values()]
+    for name, text in sorted({(name, repr(st)) for name, st in config_settings}):
+        put("config:" + name, text)  # by content: which objects are shared does not matter
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         put("tensor", name, tuple(t.shape), str(t.dtype), t.device.type)
     leaves, spec = tree_flatten((args, kwargs))
@@ -66,7 +67,7 @@ def fingerprint(model: torch.nn.Module, args: tuple, kwargs: dict, device: str, 
             put("inputs", repr(x)[:200])
     if parts is not None:
         parts.update({k: v.hexdigest()[:8] for k, v in section.items()})
-        parts["config_settings"] = {type(c).__qualname__: dict(settings(c)) for c in configs.values()}
+        parts["config_settings"] = {name: dict(st) for name, st in config_settings}
     return h.hexdigest()[:24]
 
 
