@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from advisor.status import Status
+
 SCHEMA_VERSION = 1
 
 
@@ -43,10 +45,10 @@ class OptimizeReport:
         lines = [f"fusion-advisor: {len(self.applied)} of {len(self.patterns)} patterns patched "
                  f"(plan in {self.out_dir})"]
         for p in self.patterns:
-            mark = "patched" if p in self.applied else "not patched"
-            sites = f", {p['sites']} site(s)" if p.get("sites") else ""
-            why = f" — {p['status']}" if p not in self.applied else ""
-            lines.append(f"  {p['candidate']:>4} {p['title']}: {mark}{sites}{why}")
+            state = f"patched, {p['sites']} site(s)" if p in self.applied else p.get("status") or "not patched"
+            lines.append(f"  {p['candidate']:>4} {p['title']}: {state}")
+        for module, why in (self.handle.fallbacks() if self.handle is not None else {}).items():
+            lines.append(f"  {module} ran its original forward: " + ", ".join(f"{w} ({n}x)" for w, n in why.items()))
         if self.end_to_end:
             lines.append("  " + describe_timing(self.end_to_end))
         return "\n".join(lines)
@@ -60,7 +62,18 @@ def describe_timing(e2e: dict) -> str:
 
 def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
-             granularity: str = "layer", reuse: bool = True, select: bool | None = None) -> OptimizeReport:
+             granularity: str = "layer", reuse: bool = True, select: bool | None = None,
+             interpret: bool = False) -> OptimizeReport:
+    """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
+
+    top: candidates to generate kernels for; out: where the plan goes (a temporary folder by default);
+    calls: profiled calls; benchmark: also time before/after and each pattern alone (GPU);
+    granularity: what a capture holds (`layer`, `occurrence`, `pattern`, `root`); reuse: re-apply a
+    stored plan for the same model and input shapes; select: on a GPU keep only what is faster
+    (default on); interpret: without a GPU, patch anyway with kernels running in Triton's interpreter
+    (for checks and tests: 100-2,000x slower than the model's own ops, so off by default: the model
+    is then left as it was and the report says why).
+    """
     from advisor.analyze.api import analyze
     from advisor.bench.timing import Stopwatch
     from advisor.bench.trace import profile_calls
@@ -106,10 +119,23 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         with phases("patch"):
             plan = build_plan(specs, doc, occurrence_modules(analysis), granularity)
             handle = patch(model, plan)
+    if device != "cuda" and not interpret:  # kernels would run in Triton's interpreter: never a speedup
+        unpatch(model)
+        records = interpreter_only(records, specs)
+        out = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": device,
+               "patterns": records, "manifest": [], "check": None, "end_to_end": None,
+               "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key, "plan_key_parts": key_parts,
+               "selection": {"decision": "nothing patched: no GPU (interpret=True patches anyway, for checks)",
+                             "kept": []}}
+        write_json(out_dir / "apply.json", out)
+        return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds)
+    before = handle.launches()
     with phases("check"):  # the first patched call captures the modules (dynamo) and runs the kernels
         chk = check(call, handle, float32_reference(model, args, kwargs))
     handle = chk.handle
-    records = pattern_status(records, specs, handle, chk.dropped, doc)
+    if chk.dropped:  # re-patched without them: capture (and count launches) with what is left
+        call()
+    records = pattern_status(records, specs, handle, chk.dropped, doc, launched_sites(before, handle.launches()))
     selection = timed = None
     if select is not False and not reused:  # a reused plan was selected when it was stored
         with phases("select"):
@@ -120,6 +146,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     e2e = (timed or time_patterns(call, handle, device, iters, records)) if benchmark else None
     if selection is not None or e2e is not None:
         clear_recordings()  # graphs recorded for the states timed above (each pattern alone, ...)
+    handle.settle()
     out = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e,
            "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
@@ -131,38 +158,82 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds)
 
 
-def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict | None = None) -> list:
-    """Each apply.json pattern record plus whether it is patched, where, and if not why."""
+def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict | None = None,
+                   launched: dict | None = None) -> list:
+    """Each apply.json pattern record plus whether it is patched, where, and if not why (`status_code`
+    and `status`). `launched`: {pattern key: sites whose launcher ran on the example inputs}; without
+    it, sites substituted in the captured graphs count."""
     by_cand = {s.candidate: s for s in specs}
+    captured_keys = {k for t in getattr(getattr(handle, "plan", None), "targets", []) for k in t.keys}
+    skipped = getattr(getattr(handle, "plan", None), "skipped", {}) or {}
+    uncaptured = getattr(getattr(handle, "plan", None), "uncaptured", {}) or {}
     out = []
     for r in records:
         r = dict(r)
         s = by_cand.get(r["candidate"])
-        sites = handle.sites(s.key) if s is not None and handle is not None else 0
+        substituted = handle.sites(s.key) if s is not None and handle is not None else 0
+        sites = substituted if launched is None or s is None else launched.get(s.key, 0)
         broken = [x.broken for x in handle.site_objects(s.key) if x.broken] if s is not None and handle else []
         r["sites"] = sites
         r["patched"] = bool(s is not None and sites and s.key not in dropped and not broken)
+        code, why = Status.PATCHED, "patched"
         if s is None:  # (a reused plan's record keeps the status its first run found)
-            r["status"] = r.get("reason") or r.get("status") or "no kernel"
+            code = Status(r.get("status_code") or Status.NOT_GENERATED)
+            why = r.get("reason") or r.get("status") or "no kernel"
         elif s.key in dropped:
-            r["status"] = f"unpatched: {dropped[s.key]}"
+            code, why = Status.MISMATCH, f"unpatched: {dropped[s.key]}"
         elif broken:
-            r["status"] = f"launcher failed, original ops run instead: {broken[0]}"
+            code, why = Status.LAUNCHER_FAILED, f"launcher failed, original ops run instead: {broken[0]}"
+        elif handle is not None and s.key not in captured_keys:
+            mods = uncaptured.get(s.key) or []
+            where = f"{mods[0]}{f' (+{len(mods) - 1} more)' if len(mods) > 1 else ''}: {skipped.get(mods[0])}" \
+                if mods else "no module of the model holds all its ops"
+            code, why = Status.NOT_CAPTURED, f"not patched: its occurrences span modules that are not captured ({where})"
         elif not sites and handle is not None and not getattr(handle, "reached", True):
-            r["status"] = "not patched: no module of the plan was called"
+            code, why = Status.NOT_CALLED, "not patched: no module of the plan was called"
+        elif not substituted:
+            rejected = sorted(set(handle.rejected(s.key))) if handle else []
+            code, why = Status.NOT_MATCHED, "not patched: its ops were not found in the captured graphs" \
+                + (f" ({'; '.join(rejected)})" if rejected else " (the module computes it differently when captured)")
         elif not sites:
-            why = sorted(set(handle.rejected(s.key))) if handle else []
-            r["status"] = "not found in the captured graphs" + (f" ({'; '.join(why)})" if why else "")
-        else:
-            r["status"] = "patched"
+            code, why = Status.NOT_LAUNCHED, (f"not patched: substituted in {substituted} captured graph(s), but the example "
+                                       "inputs never ran it (another model's capture, or a guard on shapes/dtypes)")
+        r["status_code"], r["status"] = code, why
         out.append(r)
     # Overlapping patterns: the first in plan order takes the ops (an epilogue extends a pointwise group).
     extends = {c["id"]: c.get("extends") for c in (doc or {}).get("candidates", [])}
     patched = {r["candidate"]: r for r in out if r["patched"]}
     for r in out:
         base = patched.get(extends.get(r["candidate"]) or "")
-        if not r["patched"] and r["status"].startswith("not found") and base is not None:
+        if not r["patched"] and r["status_code"] == Status.NOT_MATCHED and base is not None:
+            r["status_code"] = Status.OVERLAP
             r["status"] = f"not patched: {base['candidate']} ({base['title'].split(':')[0]}) took its ops first"
+    return out
+
+
+def interpreter_only(records: list, specs: list) -> list:
+    """The records of a run that patches nothing because its kernels would run in the interpreter."""
+    validated = {s.candidate for s in specs}
+    out = []
+    for r in records:
+        r = {**r, "sites": 0, "patched": False}
+        if r["candidate"] in validated:
+            r["status_code"] = Status.INTERPRETER
+            r["status"] = ("validated, not patched: without a GPU its kernel runs in Triton's interpreter, "
+                           "far slower than the model's own ops (interpret=True patches it anyway, for checks)")
+        else:
+            r["status_code"] = Status(r.get("status_code") or Status.NOT_GENERATED)
+            r["status"] = r.get("reason") or "no kernel"
+        out.append(r)
+    return out
+
+
+def launched_sites(before: dict, after: dict) -> dict:
+    """{pattern key: sites whose launcher ran between two `Patched.launches()` snapshots}."""
+    out: dict = {}
+    for site, n in after.items():
+        if n > before.get(site, 0):
+            out[site.key] = out.get(site.key, 0) + 1
     return out
 
 
@@ -208,6 +279,7 @@ def keep_faster(call, handle, device: str, records: list, iters: int = 20) -> tu
     out["kept"] = [r["candidate"] for r in kept]
     for r in patched:
         r["kept"] = r["candidate"] in out["kept"]
+        r["status_code"] = Status.PATCHED if r["kept"] else Status.NOT_KEPT
         if r["kept"]:
             r["status"] = "patched"
         else:

@@ -40,7 +40,7 @@ def optimized(tmp_path_factory):
     import advisor.optimize  # noqa: F401 (the module shadows the function: it must stay callable)
 
     # CPU ranks are noisy: take them all; never a plan an earlier run left in the cache
-    report = advisor.optimize(model, {**x, **kw}, top=12, out=out, reuse=False)
+    report = advisor.optimize(model, {**x, **kw}, top=12, out=out, reuse=False, interpret=True)
     return model, kw, x, ref, report
 
 
@@ -168,11 +168,11 @@ def test_a_second_optimize_reuses_the_plan_and_checks_it_again(tmp_path, monkeyp
     monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path / "cache"))
     x = inputs("llama")
     first_model, kw = tiny("llama", layers=1)
-    first = advisor.optimize(first_model, {**x, **kw}, top=4, out=tmp_path / "first")
+    first = advisor.optimize(first_model, {**x, **kw}, top=4, out=tmp_path / "first", interpret=True)
     assert "profile" in first.phases_s and first.applied
     model, kw = tiny("llama", layers=1)
     ref = run(model, kw, x)
-    second = advisor.optimize(model, {**x, **kw}, top=4, out=tmp_path / "second")
+    second = advisor.optimize(model, {**x, **kw}, top=4, out=tmp_path / "second", interpret=True)
     doc = json.loads((tmp_path / "second" / "apply.json").read_text())
     assert doc["plan_reused"] and "profile" not in second.phases_s and "check" in second.phases_s
     assert [r["pattern_id"] for r in second.applied] == [r["pattern_id"] for r in first.applied]
@@ -182,9 +182,9 @@ def test_a_second_optimize_reuses_the_plan_and_checks_it_again(tmp_path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "first", "second"]  # nothing beside OUT
     advisor.unpatch(model)
     assert torch.equal(run(model, kw, x), ref)
-    other = advisor.optimize(model, {**inputs("llama", seq=12), **kw}, top=4, out=tmp_path / "other")
+    other = advisor.optimize(model, {**inputs("llama", seq=12), **kw}, top=4, out=tmp_path / "other", interpret=True)
     assert "profile" in other.phases_s  # another input shape: another plan
-    cold = advisor.optimize(model, {**x, **kw}, top=4, out=tmp_path / "cold", reuse=False)
+    cold = advisor.optimize(model, {**x, **kw}, top=4, out=tmp_path / "cold", reuse=False, interpret=True)
     assert "profile" in cold.phases_s
     advisor.unpatch(model)
 
@@ -230,7 +230,7 @@ def test_optimize_with_the_kv_cache_on(tmp_path, monkeypatch):
     x = inputs("llama")
     with torch.inference_mode():
         ref = model(**x).logits
-    report = advisor.optimize(model, x, top=3, out=tmp_path / "opt")
+    report = advisor.optimize(model, x, top=3, out=tmp_path / "opt", interpret=True)
     assert report.check["ok"], report.check
     assert {"Residual add + RMSNorm", "Rotary embedding"} <= _titles(report.patterns), \
         [(p["title"], p["status"]) for p in report.patterns]
@@ -261,7 +261,7 @@ def test_eager_attention_is_patched_end_to_end(name, tmp_path, monkeypatch):
     model.config._attn_implementation = "eager"
     x = inputs(name)
     ref = run(model, kw, x)
-    report = advisor.optimize(model, {**x, **kw}, top=4, out=tmp_path / "opt")
+    report = advisor.optimize(model, {**x, **kw}, top=4, out=tmp_path / "opt", interpret=True)
     att = [p for p in report.patterns if p["title"].startswith("Attention")]
     assert att and att[0]["patched"], [(p["title"], p["status"]) for p in report.patterns]
     assert report.check["ok"]

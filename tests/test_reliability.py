@@ -442,7 +442,7 @@ def test_kernel_that_fails_to_compile_is_skipped_and_the_run_goes_on(tmp_path, m
     model = Chains()
     x, b = _inputs(torch.float32)
     want = run(model, x, b)
-    report = advisor.optimize(model, (x, b), out=tmp_path / "opt")
+    report = advisor.optimize(model, (x, b), out=tmp_path / "opt", interpret=True)
     bad = [p for p in report.patterns if "sigmoid" in p["title"]]
     good = [p for p in report.patterns if "sigmoid" not in p["title"]]
     assert bad and not any(p["patched"] for p in bad)
@@ -481,7 +481,7 @@ def test_a_kernel_that_failed_validation_is_never_applied(tmp_path, monkeypatch,
     model = Seed()
     x, b = torch.randn(4, 300, device=DEV), torch.randn(300, device=DEV)
     want = run(model, x, b)
-    report = advisor.optimize(model, (x, b), out=tmp_path / "opt")
+    report = advisor.optimize(model, (x, b), out=tmp_path / "opt", interpret=True)
     assert report.patterns and not report.applied, report.patterns
     assert all(not p["validated"] and "rel_l2" in (p["reason"] or "") for p in report.patterns), report.patterns
     assert not patched_modules(model) or not report.manifest
@@ -666,7 +666,7 @@ def optimized_small(tmp_path_factory):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     params = {n: (id(p), p.requires_grad) for n, p in model.named_parameters()}
     ref = run(model, x)[0]
-    report = advisor.optimize(model, (x,), out=tmp_path_factory.mktemp("small"))
+    report = advisor.optimize(model, (x,), out=tmp_path_factory.mktemp("small"), interpret=True)
     assert report.applied, report.patterns
     return model, x, ref, state, params, report
 

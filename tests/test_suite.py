@@ -281,7 +281,7 @@ def optimized_llama(tmp_path_factory, monkeypatch_module):
         with torch.inference_mode():
             return w.model(*args, **kwargs)
 
-    report = optimize(w.model, w.inputs, top=6, out=tmp_path_factory.mktemp("opt"))
+    report = optimize(w.model, w.inputs, top=6, out=tmp_path_factory.mktemp("opt"), interpret=True)
     assert len(report.applied) >= 2
     return w, call, report
 

@@ -64,6 +64,21 @@ class Patched:
     def errors(self) -> list[str]:
         return [e for log in self._logs() for e in log.errors]
 
+    def launches(self) -> dict:
+        """{Site: times its launcher ran} over this model's captures: taken before and after a call, it
+        says which substitutions actually ran (a capture can hold sites the call never reaches)."""
+        return {site: n for log in self._logs() for site, n in log.launches().items()}
+
+    def fallbacks(self) -> dict[str, dict[str, int]]:
+        """{module: {why it ran its original forward: calls}} since patching (hooks added later, capture
+        budget spent, a capture that failed)."""
+        return {q or type(self.model).__name__: dict(f.fallbacks) for q, f in self.forwards.items() if f.fallbacks}
+
+    def settle(self) -> None:
+        """The model is checked: from now on new shapes capture only a little more (`PatchedForward.settle`)."""
+        for f in self.forwards.values():
+            f.settle()
+
     def manifest(self, matched_only: bool = True) -> list[dict]:
         """apply.json's manifest: one entry per patched module and pattern (found there, by default)."""
         out = []

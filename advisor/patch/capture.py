@@ -8,15 +8,25 @@ recompiles, and the new graph is matched afresh), AOTAutograd lowers it to funct
 Python call per op). Training graphs are never rewritten, and a patched forward runs the original
 code whenever autograd needs it (grad enabled and a parameter or input requiring grad).
 
-The compiled function is cached per (forward function, pattern keys), not per module: all 32
-decoder layers of a model share one capture (dynamo guards on the module's structure, and parameters
-are graph inputs), and nothing unpicklable is ever stored on the module.
+Each patched module instance gets its own compiled function (its own dynamo cache: HF layers guard on
+their integer `layer_idx`, so 32 layers sharing one cache would exhaust dynamo's recompile limit of 8
+and later layers would silently run unpatched). Identical graphs are rewritten and compiled once and
+shared by every instance that captures them (`_SHARED`: same plan, same graph code, same input
+layouts), so a 32-layer model pays dynamo's trace per layer but AOTAutograd and the rewrite once.
+A forward captures at most `EXTRA_CAPTURES` more graphs after `optimize` has checked it (new shapes,
+train mode): later new shapes run the original forward instead of recompiling inside the user's loop.
+Hooks registered (or removed) after patching on any module inside a captured one, and instance
+forwards replaced there, are not seen by dynamo's guards: `HookWatch` sees them and the module then
+runs its original forward, which honours them (said once). Nothing unpicklable is stored on the module.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.util
+import json
 import os
+import threading
 import types
 import warnings
 from collections import defaultdict
@@ -25,6 +35,7 @@ from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 from advisor.patch import rewrite
 from advisor.patch.graphs import Graphed
@@ -32,7 +43,7 @@ from advisor.patch.match import Pattern, find
 from advisor.patch.plan import PatternSpec
 from advisor.patch.program import program_graph, run_program
 
-_COMPILED: dict[tuple, Callable] = {}
+_SHARED: dict[tuple, Callable] = {}  # (plan digest, graph code, input layouts) -> compiled inference graph
 _PATTERNS: dict[tuple, Pattern] = {}
 _LAUNCHERS: dict[tuple, Callable] = {}
 
@@ -49,13 +60,24 @@ class CaptureLog:
     def count(self, key: str) -> int:
         return len(self.sites.get(key, []))
 
+    def launches(self) -> dict:
+        """{Site: times its launcher ran}: what `optimize` reads before and after its check call."""
+        return {s: s.stats["launched"] for sites in self.sites.values() for s in sites}
+
 
 _LOGS: dict[tuple, CaptureLog] = defaultdict(CaptureLog)
 
 
 def log_for(key: tuple) -> CaptureLog:
-    """The log of one capture: key = (captured function, pattern keys)."""
+    """The log of the captures of one function with one set of patterns: key = (function, plan digest)."""
     return _LOGS[key]
+
+
+def plan_digest(specs: list[PatternSpec]) -> str:
+    """The patterns' content, not just their keys: one pattern id covers every width of a model class, and
+    two models of one class with different widths must not share a capture matched at the first's sizes."""
+    doc = [(s.key, s.program, s.kernel_file, s.device_type) for s in specs]
+    return hashlib.sha1(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------ launchers
@@ -84,25 +106,38 @@ def _launcher(spec: PatternSpec, fallback: Callable) -> Callable:
 
 # ------------------------------------------------------------------------------------ the backend
 class Backend:
-    def __init__(self, specs: list[PatternSpec], log: CaptureLog):
+    """Dynamo's backend for one patched module instance: AOTAutograd, then `rewrite` on inference graphs."""
+
+    def __init__(self, specs: list[PatternSpec], log: CaptureLog, digest: str):
         self.specs = specs
         self.log = log
+        self.digest = digest
+        self.captures = 0  # graphs dynamo handed us for this instance (first captures and recompiles)
         self.device = torch.device("cpu")  # of the graph being rewritten
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+
+        self.captures += 1
+        key = _share_key(self.digest, gm, example_inputs)
+        shared = _SHARED.get(key) if key is not None else None
+        if shared is not None:
+            return shared
 
         def plain(g, _):
             return make_boxed_func(g.forward)
 
         def inference(g, _):
             self.rewrite(g)
-            if self.device.type != "cuda":
-                return make_boxed_func(g.forward)
-            return make_boxed_func(Graphed(g.forward, ops=_ops(g.graph), out_bytes=_output_bytes(g.graph)))
+            run = g.forward if self.device.type != "cuda" else \
+                Graphed(g.forward, ops=_ops(g.graph), out_bytes=_output_bytes(g.graph))
+            return make_boxed_func(_counted(run))
 
-        return aot_module_simplified(gm, example_inputs, fw_compiler=plain, bw_compiler=plain,
-                                     inference_compiler=inference)
+        compiled = aot_module_simplified(gm, example_inputs, fw_compiler=plain, bw_compiler=plain,
+                                         inference_compiler=inference)
+        if key is not None:
+            _SHARED[key] = compiled
+        return compiled
 
     def rewrite(self, gm: torch.fx.GraphModule) -> None:
         self.log.graphs += 1
@@ -144,6 +179,36 @@ class Backend:
                             scalar_device=self.device if spec.replacement == "kernel" else "cpu")
 
 
+def _share_key(digest: str, gm: torch.fx.GraphModule, example_inputs) -> tuple | None:
+    """What makes two dynamo graphs interchangeable: the plan, the code, every input's layout and grad
+    flag. Graphs holding constants (`get_attr`) are never shared: their values are not in the code."""
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        return None
+    metas = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            metas.append((tuple(x.shape), tuple(x.stride()), x.dtype, x.device.type, x.requires_grad))
+        elif isinstance(x, (int, float, bool, str, type(None))):
+            metas.append(("v", type(x).__name__, x))
+        else:
+            return None  # symbolic values and other objects: not worth reasoning about
+    return (digest, gm.code, tuple(metas))
+
+
+_RAN = threading.local()  # counts rewritten graphs run in this thread: did a call take the patched path?
+
+
+def graphs_run() -> int:
+    return getattr(_RAN, "n", 0)
+
+
+def _counted(fn: Callable) -> Callable:
+    def run(*args):
+        _RAN.n = getattr(_RAN, "n", 0) + 1
+        return fn(*args)
+    return run
+
+
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     new = torch.fx.Graph(owning_module=graph.owning_module)
     out = new.graph_copy(graph, {}, return_output_node=True)
@@ -169,14 +234,6 @@ def _graph_device(graph: torch.fx.Graph) -> torch.device:
     return torch.device("cpu")
 
 
-def compiled(fn: Callable, specs: list[PatternSpec]) -> Callable:
-    key = (fn, tuple(s.key for s in specs))
-    c = _COMPILED.get(key)
-    if c is None:
-        c = _COMPILED[key] = torch.compile(_fresh(fn), backend=Backend(specs, log_for(key)), dynamic=False)
-    return c
-
-
 def _fresh(fn: Callable) -> Callable:
     """The same function with its own code object. Dynamo keeps its compiled-code cache on the code
     object and stops compiling after `recompile_limit` (8) entries; every plan (set of pattern keys)
@@ -191,14 +248,23 @@ def _fresh(fn: Callable) -> Callable:
 
 
 # ------------------------------------------------------------------------------------ the forward
+EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
+
+
 class PatchedForward:
-    """`module.forward` while patched. Holds plain data only (module, specs, the forward it replaced)."""
+    """`module.forward` while patched. Holds plain data only (module, specs, the forward it replaced);
+    its compiled function and hook watch are made on first use and never pickled or deep-copied."""
 
     def __init__(self, module: torch.nn.Module, specs: list[PatternSpec], saved: Callable | None = None):
         self.module = module
         self.specs = specs
         self.saved = saved  # an instance-level forward that was there before us (None: the class's)
         self.failed: str | None = None
+        self.fallbacks: dict[str, int] = {}  # why calls ran the original forward -> how many
+        self._compiled: Callable | None = None
+        self._backend: Backend | None = None
+        self._watch: HookWatch | None = None
+        self._budget: int | None = None  # captures allowed in total (None: until `settle`)
 
     @property
     def keys(self) -> tuple:
@@ -210,25 +276,63 @@ class PatchedForward:
 
     def log(self) -> CaptureLog:
         """What the rewriter did in the captures this forward runs (shared with same-class modules)."""
-        return log_for((self._target()[0], self.keys))
+        return log_for((self._target()[0], plan_digest(self.specs)))
 
     def original(self) -> Callable:
         return self.saved if self.saved is not None else type(self.module).forward.__get__(self.module)
 
+    def settle(self) -> None:
+        """Called once `optimize` has checked the model: from now on at most `EXTRA_CAPTURES` new graphs
+        (new shapes, modes); beyond that a call that would recompile runs the original forward, so a
+        decoding loop whose lengths grow never waits for dynamo."""
+        self._budget = (self._backend.captures if self._backend else 0) + EXTRA_CAPTURES
+
+    def _compile(self) -> Callable:
+        fn = self._target()[0]
+        digest = plan_digest(self.specs)
+        self._backend = Backend(self.specs, log_for((fn, digest)), digest)
+        self._compiled = torch.compile(_fresh(fn), backend=self._backend, dynamic=False)
+        self._watch = HookWatch(self.module)
+        return self._compiled
+
+    def _fall_back(self, why: str, args, kwargs):
+        self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+        return self.original()(*args, **kwargs)
+
     def __call__(self, *args, **kwargs):
         m = self.module
-        if rewrite.patches_are_off() or self.failed or _needs_autograd(m, args, kwargs):
+        if rewrite.patches_are_off() or _needs_autograd(m, args, kwargs):
             return self.original()(*args, **kwargs)
-        fn, lead = self._target()
+        if self.failed:
+            return self._fall_back(self.failed, args, kwargs)
+        fn = self._compiled or self._compile()
+        changed = self._watch.changed()
+        if changed:
+            if changed not in self.fallbacks:
+                warnings.warn(f"fusion-advisor: {changed} inside the patched {type(m).__name__}: it runs its "
+                              "original forward, which honours them (optimize again to fuse with them)",
+                              RuntimeWarning, stacklevel=2)
+            return self._fall_back(changed, args, kwargs)
+        ran = graphs_run()
+        lead = self._target()[1]
         try:
-            return compiled(fn, self.specs)(*lead, *args, **kwargs)
+            if self._budget is not None and self._backend.captures >= self._budget:
+                with torch.compiler.set_stance("eager_on_recompile"):
+                    out = fn(*lead, *args, **kwargs)
+            else:
+                out = fn(*lead, *args, **kwargs)
         except Exception as e:
             # A capture that cannot run (dynamo limitation, launcher import error, ...): say so once,
             # then behave exactly like the unpatched module.
-            self.failed = f"{type(e).__name__}: {e}"
+            self.failed = f"capture failed: {type(e).__name__}: {e}"
             warnings.warn(f"fusion-advisor: patched {type(m).__name__}.forward failed ({self.failed}); "
                           "running the original forward", RuntimeWarning, stacklevel=2)
-            return self.original()(*args, **kwargs)
+            return self._fall_back(self.failed, args, kwargs)
+        if graphs_run() == ran:  # dynamo ran the frame without our graph (recompile limit, skipped frame)
+            why = "new input shapes or modes after the capture budget" if self._budget is not None \
+                and self._backend.captures >= self._budget else "dynamo ran it without a captured graph"
+            self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+        return out
 
     def __deepcopy__(self, memo):
         new = PatchedForward(copy.deepcopy(self.module, memo), self.specs, copy.deepcopy(self.saved, memo))
@@ -240,6 +344,45 @@ class PatchedForward:
 
     def __repr__(self) -> str:
         return f"<fusion-advisor patched forward of {type(self.module).__name__}: {', '.join(self.keys)}>"
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+class HookWatch:
+    """Whether hooks or forwards inside a captured module changed since it was captured. Dynamo does not
+    guard on them, so a hook added later on a submodule would silently never run. Checked on every call:
+    one comparison of a global counter and of the hook dicts' sizes (a few µs for a decoder layer)."""
+
+    def __init__(self, module: torch.nn.Module):
+        from torch.nn.modules import module as nn_module
+
+        # The module's own hooks run around the patched forward, outside the capture: always honoured.
+        self.subs = list(module.modules())[1:]
+        self.dicts = [d for m in self.subs for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                                                 m._backward_pre_hooks)]
+        self.dicts += [getattr(nn_module, name) for name in _GLOBAL_HOOKS]
+        self.keys = self._keys()
+        self.sizes = self._sizes()
+        self.next_id = RemovableHandle.next_id
+
+    def _sizes(self) -> tuple:
+        return tuple(map(len, self.dicts)) + tuple(id(m.__dict__.get("forward")) for m in self.subs)
+
+    def _keys(self) -> tuple:
+        return tuple(tuple(d) for d in self.dicts)
+
+    def changed(self) -> str | None:
+        """None when nothing changed, else what did (in words)."""
+        if RemovableHandle.next_id == self.next_id and self._sizes() == self.sizes:
+            return None
+        if self._sizes()[len(self.dicts):] != self.sizes[len(self.dicts):]:
+            return "a forward replaced after patching"
+        if self._keys() != self.keys:
+            return "hooks registered or removed after patching"
+        self.next_id = RemovableHandle.next_id  # a hook elsewhere (a tensor's, another model's)
+        return None
 
 
 def _needs_autograd(m: torch.nn.Module, args, kwargs) -> bool:

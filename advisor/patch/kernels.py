@@ -12,6 +12,7 @@ from pathlib import Path
 
 from advisor.codegen.pipeline import pattern_record
 from advisor.patch.plan import PatternSpec, spec_from_candidate
+from advisor.status import Status
 
 
 MIN_SHARE = 0.005  # of the best candidate's estimated saving
@@ -54,7 +55,7 @@ def worth_patching(candidates: list) -> tuple[list, list]:
     for c in candidates:
         est = c.get("est_time_saved_us") or 0.0
         if best > 0 and est < MIN_SHARE * best:
-            rest.append(pattern_record(c, errors={}, source="", est_time_saved_us=est,
+            rest.append(pattern_record(c, errors={}, source="", est_time_saved_us=est, status_code=Status.NOT_WORTH,
                                        occurrences=c.get("occurrences"),
                                        reason=f"not worth patching: estimated saving {est:.2g} µs per iteration "
                                               f"is under {MIN_SHARE:.1%} of the best pattern's ({best:.3g} µs)"))

@@ -68,6 +68,7 @@ class Plan:
     patterns: list[PatternSpec]
     targets: list[Target]
     skipped: dict = field(default_factory=dict)  # module -> why it is not captured (granularity "layer")
+    uncaptured: dict = field(default_factory=dict)  # pattern key -> modules of its occurrences not captured
 
     def spec(self, key: str) -> PatternSpec:
         return next(p for p in self.patterns if p.key == key)
@@ -76,7 +77,8 @@ class Plan:
         keys = set(keys)
         pats = [p for p in self.patterns if p.key not in keys]
         tgts = [Target(t.module, [k for k in t.keys if k not in keys]) for t in self.targets]
-        return Plan(pats, [t for t in tgts if t.keys], dict(self.skipped))
+        return Plan(pats, [t for t in tgts if t.keys], dict(self.skipped),
+                    {k: v for k, v in self.uncaptured.items() if k not in keys})
 
     def only(self, keys) -> "Plan":
         return self.without({p.key for p in self.patterns} - set(keys))
@@ -141,12 +143,14 @@ def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[
             t = targets.setdefault(m, Target(m))
             if s.key not in t.keys:
                 t.keys.append(s.key)
-    skipped = {}
+    skipped: dict = {}
+    uncaptured: dict = {}
     if granularity == "layer":
         for m in [m for m in targets if spans_layers(m, list(targets))]:
             skipped[m] = "holds several repeated layers: a capture would trace them all (these occurrences stay unfused)"
-            del targets[m]
-    return Plan(list(specs), list(targets.values()), skipped)
+            for k in targets.pop(m).keys:
+                uncaptured.setdefault(k, []).append(m)
+    return Plan(list(specs), list(targets.values()), skipped, uncaptured)
 
 
 def layer_of(module: str) -> str:
