@@ -169,3 +169,34 @@ def test_unknown_ops_are_listed_not_fatal(tmp_path):
     assert "advtest::twice" in names or any("twice" in n for n in names), names
     # add -> relu fuse; the custom op stops the chain before exp.
     assert [c["ops"] for c in a.doc["candidates"]] == [["aten::add", "aten::relu"]]
+
+
+class _MaskedNorm(torch.nn.Module):
+    """Issue 15's repro: transformers' mask helpers reduce with no `dim` (`mask.sum() == mask.numel()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(64)
+
+    def forward(self, x, mask):
+        return torch.relu(self.ln(x) + 1.0) * (mask.sum() == mask.numel())
+
+
+def test_full_reduction_without_dim_through_optimize(tmp_path, monkeypatch):
+    """A reduction with no dim (the trace spells the argument "<None>") crashed the matmul-reduction rule
+    with `int('<')`. Through `advisor.optimize`: it completes, the LayerNorm -> add -> relu chain is a
+    candidate, and the model gives its unpatched outputs."""
+    import advisor
+
+    monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path / "cache"))
+    model = _MaskedNorm().eval()
+    x, mask = torch.randn(2, 32, 64), torch.ones(2, 32, dtype=torch.long)
+    with torch.no_grad():
+        ref = model(x, mask)
+    report = advisor.optimize(model, (x, mask), out=tmp_path / "opt")
+    doc = json.loads((report.out_dir / "analysis.json").read_text())
+    chains = [[op.split("::")[1] for op in c["ops"]] for c in doc["candidates"]]
+    assert any(ops[:3] == ["layer_norm", "add", "relu"] for ops in chains), chains
+    with torch.no_grad():
+        assert torch.allclose(model(x, mask), ref, rtol=1e-5, atol=1e-5)
+    advisor.unpatch(model)

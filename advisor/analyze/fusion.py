@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass
 
 from advisor.graph.dataflow import Graph, Node, per_template
+from advisor.ops.args import bind, reduced_dims
 from advisor.ops.registry import OpClass, lookup
 
 
@@ -64,14 +65,14 @@ def node_domain(graph: Graph, n: Node) -> Domain | None:
     if not in_shape:
         return None
     total = _numel(in_shape)
+    args = _args(n)
     if n.cls == OpClass.NORM and "rowwise" in info.tags:
-        norm_shape = _scalar_arg(n, 1)
-        cols = _numel(norm_shape) if isinstance(norm_shape, (list, tuple)) and norm_shape else in_shape[-1]
+        norm_shape = args.get("normalized_shape")
+        cols = _numel(norm_shape) if isinstance(norm_shape, list) and norm_shape else in_shape[-1]
         return Domain(total, (total // max(cols, 1), cols))
-    if n.cls == OpClass.REDUCTION:
-        dims = _scalar_arg(n, info.dim_arg) if info.dim_arg is not None else None
-        if _is_last_dim(dims, len(in_shape)):
-            return Domain(total, (total // max(in_shape[-1], 1), in_shape[-1]))
+    if n.cls == OpClass.REDUCTION and args and reduced_dims(args.get("dim"), len(in_shape)) == (len(in_shape) - 1,):
+        # The last dim only (a full reduction of a vector is one row): R rows of N.
+        return Domain(total, (total // max(in_shape[-1], 1), in_shape[-1]))
     return None
 
 
@@ -222,11 +223,9 @@ def _matmul_reductions(graph: Graph, domains: list, group_of: dict[int, Group]) 
     for r in graph.nodes:
         if r.cls != OpClass.REDUCTION or domains[r.idx] is not None or len(r.reads) < 1:
             continue
-        dims = _scalar_arg(r, lookup(r.op).dim_arg)
-        ndim = len(r.reads[0].shape)
-        dims = [dims] if isinstance(dims, int) else dims
-        if not dims or not ndim or any(int(d) % ndim == ndim - 1 for d in dims):
-            continue  # last-dim (row) reductions are the row kernels' business
+        args, ndim = _args(r), len(r.reads[0].shape)
+        if not args or not ndim or ndim - 1 in reduced_dims(args.get("dim"), ndim):
+            continue  # over the last dim (row and full reductions): the row kernels' business
         src = graph.values[r.reads[0].value].producer
         if src < 0:
             continue
@@ -285,27 +284,15 @@ def _numel(shape) -> int:
     return int(math.prod(shape)) if shape else 1
 
 
-def _scalar_arg(n: Node, pos: int | None):
-    if pos is None or pos >= len(n.args):
-        return None
-    kind, value = n.args[pos]
-    return value if kind == "s" else None
-
-
-def _is_last_dim(dims, ndim: int) -> bool:
-    if dims is None:
-        return ndim == 1  # a full reduction of a vector is a one-row reduction
-    if isinstance(dims, (int, float)):
-        dims = [int(dims)]
-    if not isinstance(dims, (list, tuple)) or len(dims) != 1:
-        return ndim == 1 and isinstance(dims, (list, tuple)) and len(dims) == 0
-    d = int(dims[0])
-    return d == -1 or d == ndim - 1
+def _args(n: Node) -> dict:
+    """The node's arguments by schema name, decoded; empty when its schema is unknown (then every rule
+    that needs an argument leaves the node alone)."""
+    return bind(n.op, n.schema, n.args) or {}
 
 
 def _bn_training(n: Node) -> bool:
-    info = lookup(n.op)
-    if info.training_arg is None:
-        return False
-    v = _scalar_arg(n, info.training_arg)
-    return bool(v) if v is not None else True  # unknown: assume training, which is a barrier
+    args = _args(n)
+    if not args:
+        return True  # unknown: assume training, which is a barrier
+    training = args.get("training", False)  # the _no_training variants have no such argument
+    return training is None or bool(training)
