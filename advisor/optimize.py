@@ -229,10 +229,11 @@ def interpreter_only(records: list, specs: list) -> list:
 
 
 def launched_sites(before: dict, after: dict) -> dict:
-    """{pattern key: sites whose launcher ran between two `Patched.launches()` snapshots}."""
+    """{pattern key: (site, patched module) pairs whose launcher ran between two `Patched.launches()`
+    snapshots}: a pattern substituted once in a capture that ten layers share runs at ten sites."""
     out: dict = {}
-    for site, n in after.items():
-        if n > before.get(site, 0):
+    for (site, _), n in after.items():
+        if n > before.get((site, _), 0):
             out[site.key] = out.get(site.key, 0) + 1
     return out
 

@@ -61,8 +61,9 @@ class CaptureLog:
         return len(self.sites.get(key, []))
 
     def launches(self) -> dict:
-        """{Site: times its launcher ran}: what `optimize` reads before and after its check call."""
-        return {s: s.stats["launched"] for sites in self.sites.values() for s in sites}
+        """{(Site, caller): times its launcher ran for that patched forward}: what `optimize` reads
+        before and after its check call (one shared capture serves every layer: each is a caller)."""
+        return {(s, c): n for sites in self.sites.values() for s in sites for c, n in s.callers.items()}
 
 
 _LOGS: dict[tuple, CaptureLog] = defaultdict(CaptureLog)
@@ -315,6 +316,7 @@ class PatchedForward:
             return self._fall_back(changed, args, kwargs)
         ran = graphs_run()
         lead = self._target()[1]
+        caller = rewrite.set_caller(id(self))
         try:
             if self._budget is not None and self._backend.captures >= self._budget:
                 with torch.compiler.set_stance("eager_on_recompile"):
@@ -328,6 +330,8 @@ class PatchedForward:
             warnings.warn(f"fusion-advisor: patched {type(m).__name__}.forward failed ({self.failed}); "
                           "running the original forward", RuntimeWarning, stacklevel=2)
             return self._fall_back(self.failed, args, kwargs)
+        finally:
+            rewrite.set_caller(caller)
         if graphs_run() == ran:  # dynamo ran the frame without our graph (recompile limit, skipped frame)
             why = "new input shapes or modes after the capture budget" if self._budget is not None \
                 and self._backend.captures >= self._budget else "dynamo ran it without a captured graph"

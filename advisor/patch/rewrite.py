@@ -42,6 +42,14 @@ def set_enabled(keys) -> Any:
     return old
 
 
+def set_caller(token) -> Any:
+    """Which patched forward is running (sites count their launches per caller: one shared capture
+    serves every layer of a model)."""
+    old = getattr(_RUNTIME, "caller", None)
+    _RUNTIME.caller = token
+    return old
+
+
 def patches_are_off() -> bool:
     return getattr(_RUNTIME, "off", False)
 
@@ -86,6 +94,7 @@ class Site:
     device_type: str | None  # what the kernel was validated on; None = any
     scalar_device: torch.device | str = "cpu"  # where launchers get wrapped scalars (as 0-dim tensors)
     stats: dict = field(default_factory=lambda: {"launched": 0, "fell_back": 0})
+    callers: dict = field(default_factory=dict)  # caller token (see `set_caller`) -> launches
     broken: str | None = None
     _scalars: dict = field(default_factory=dict)
 
@@ -99,6 +108,8 @@ class Site:
             try:
                 outs = self._check(self.launcher(*self._launch_args(xs)))
                 self.stats["launched"] += 1
+                caller = getattr(_RUNTIME, "caller", None)
+                self.callers[caller] = self.callers.get(caller, 0) + 1
                 return outs
             except Exception as e:  # a launcher that fails must not take the model down with it
                 if _capturing():

@@ -1,0 +1,143 @@
+"""A patched model in its user's hands (issue 15, failure modes 2-6), on real tiny HF models called as
+users call them: attention masks padding a row, the KV cache on (the config's default), hooks added
+after `optimize`, other shapes afterwards, two widths of one class in one process, no GPU.
+(Mode 1, the full-reduction crash, is tests/test_analyze.py's; mode 7, codegen refusals, test_codegen's;
+the model zoo runs all of it over many architectures: test_zoo.py.)"""
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+
+import advisor
+from advisor.patch import patched_modules
+from advisor.status import Status
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def llama(layers: int = 2, hidden: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=2 * hidden, vocab_size=256, max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).eval()  # use_cache: the config's default (on)
+
+
+def batch(seq: int = 16, rows: int = 2, pad: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seq)
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    mask[-1, seq - pad:] = 0  # a padded row, as a tokenizer hands it over
+    return {"input_ids": torch.randint(0, 256, (rows, seq), generator=g), "attention_mask": mask}
+
+
+def logits(model, x: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**x).logits
+
+
+def launches(model) -> int:
+    """Launcher calls so far of every site in the model's captures."""
+    return sum(n for _, f in patched_modules(model) for (_, _), n in f.log().launches().items())
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory):
+    model = llama(layers=10)  # more layers than dynamo's recompile limit (8): one cache per layer
+    untouched = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = advisor.optimize(model, batch(), out=tmp_path_factory.mktemp("opt"), reuse=False, interpret=True)
+    return model, untouched, report, [str(w.message) for w in caught]
+
+
+def test_every_layer_runs_its_kernels_with_the_kv_cache_on(optimized):
+    """Mode 5: HF layers guard on their `layer_idx`; ten layers sharing one dynamo cache hit its
+    recompile limit (8) and the last ones silently ran unpatched. Now every layer launches."""
+    model, untouched, report, caught = optimized
+    assert not [w for w in caught if "recompile_limit" in w], caught
+    layer_patterns = [p for p in report.applied if p["title"].startswith(("Residual add + RMSNorm", "Rotary"))]
+    assert layer_patterns, str(report)
+    assert all(p["sites"] == 10 for p in layer_patterns), str(report)  # one per layer, counted by launches
+    assert not report.handle.fallbacks(), report.handle.fallbacks()
+    before = launches(model)
+    torch.testing.assert_close(logits(model, batch()), logits(untouched, batch()), rtol=1e-4, atol=1e-4)
+    assert launches(model) - before >= 10 * len(layer_patterns)
+
+
+def test_every_status_has_a_code_and_the_true_reason(optimized):
+    """Mode 6: "not found in the captured graphs" was said of patterns whose modules were never captured."""
+    _, _, report, _ = optimized
+    doc = json.loads((report.out_dir / "apply.json").read_text())
+    for p in doc["patterns"]:
+        code = Status(p["status_code"])  # a known code, whatever the words
+        assert p["status"], p
+        if code is Status.NOT_CAPTURED:
+            assert "not captured" in p["status"] and "holds several repeated layers" in p["status"], p
+        if code is Status.PATCHED:
+            assert p["patched"] and p["sites"] > 0
+
+
+def test_hooks_added_after_optimize_are_honoured(optimized):
+    """Mode 2: dynamo does not guard on a submodule's hooks; a hook added later inside a captured layer
+    was silently never called."""
+    model, untouched, report, _ = optimized
+    counts = {"patched": 0, "untouched": 0}
+    handles = []
+    for name, m in (("patched", model), ("untouched", untouched)):
+        mlp = m.model.layers[0].mlp
+        handles.append(mlp.gate_proj.register_forward_hook(lambda mod, i, out: out * 1.5))
+        handles.append(mlp.up_proj.register_forward_hook(
+            lambda mod, i, out, name=name: counts.__setitem__(name, counts[name] + 1)))
+    with pytest.warns(RuntimeWarning, match="hooks registered or removed after patching"):
+        got = logits(model, batch())
+    want = logits(untouched, batch())
+    assert counts["patched"] == counts["untouched"] == 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert "hooks registered or removed after patching" in str(report.handle.fallbacks())
+    for h in handles:
+        h.remove()
+    before = launches(model)  # hooks gone: layer 0 runs its captured graph again
+    torch.testing.assert_close(logits(model, batch()), logits(untouched, batch()), rtol=1e-4, atol=1e-4)
+    assert launches(model) > before
+
+
+def test_other_shapes_afterwards_never_wait_for_dynamo(optimized):
+    """Mode 5, continued: lengths the user's loop brings later give the unpatched model's results; after
+    a small capture budget they run the original forward (said in `fallbacks`), never recompiling forever."""
+    model, untouched, report, _ = optimized
+    for seq in (9, 11, 13, 17, 21, 23):
+        x = batch(seq)
+        torch.testing.assert_close(logits(model, x), logits(untouched, x), rtol=1e-4, atol=1e-4)
+    backends = [f._backend.captures for _, f in patched_modules(model) if f._backend]
+    assert backends and max(backends) <= min(f._budget for _, f in patched_modules(model))
+    assert any("capture budget" in w for why in report.handle.fallbacks().values() for w in why)
+
+
+def test_cpu_defaults_leave_the_model_as_it_was(tmp_path):
+    """Mode 3: on a CPU the kernels run in Triton's interpreter (90-2,000x slower); by default nothing is
+    patched and the report says why, interpret=True patches anyway (checks, tests)."""
+    model = llama(layers=1)
+    report = advisor.optimize(model, batch(), out=tmp_path, reuse=False)
+    assert not patched_modules(model)
+    assert report.applied == [] and report.patterns
+    validated = [p for p in report.patterns if p["status_code"] == Status.INTERPRETER]
+    assert validated, str(report)
+    assert all("interpret=True" in p["status"] for p in validated)
+    assert "interpreter" in str(report)
+
+
+def test_two_widths_of_one_class_each_run_their_own_kernels(tmp_path):
+    """Mode 4: the second model of one class reused the first one's capture (matched at the first one's
+    width), reported "patched" and never launched a kernel."""
+    wide, narrow = llama(layers=2, hidden=64), llama(layers=2, hidden=32)
+    first = advisor.optimize(wide, batch(), out=tmp_path / "wide", reuse=False, interpret=True)
+    second = advisor.optimize(narrow, batch(), out=tmp_path / "narrow", reuse=False, interpret=True)
+    assert first.applied and second.applied, (str(first), str(second))
+    before = launches(narrow)
+    logits(narrow, batch())
+    assert launches(narrow) - before >= sum(p["sites"] for p in second.applied)
