@@ -79,13 +79,33 @@ class CudaRecorder:
     """Records a `torch.cuda.CUDAGraph` (after a warm-up on a side stream, as the CUDA graph docs ask)."""
 
     device_type = "cuda"
-    _pools: dict = {}
+    _pools: dict = {}  # device -> (pool handle, the anchor recording that keeps the pool alive)
+
+    @classmethod
+    def pool(cls, device: torch.device):
+        """The shared pool of `device`. A pool lives while a recording made in it lives: once
+        `clear_recordings` dropped them all, recording into the same handle again failed inside
+        PyTorch (`use_count > 0` INTERNAL ASSERT in CUDACachingAllocator: the layers then ran op by op
+        and the model was slower than eager). An anchor recording that is never dropped keeps it alive."""
+        entry = cls._pools.get(device)
+        if entry is None:
+            handle = torch.cuda.graph_pool_handle()
+            anchor = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
+                try:
+                    torch.zeros(1, device=device).add_(1)  # one kernel: CUDA refuses to instantiate an empty graph
+                finally:
+                    anchor.capture_end()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            entry = cls._pools[device] = (handle, anchor)
+        return entry[0]
 
     def record(self, fn: Callable, args: list) -> tuple[Callable[[], None], list]:
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        pool = self._pools.get(device)
-        if pool is None:
-            pool = self._pools[device] = torch.cuda.graph_pool_handle()
+        pool = self.pool(device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):

@@ -1,0 +1,261 @@
+"""The model zoo on a GPU, timed as a user times it (issue 16): models the suite never tuned for.
+
+Per model, in a process of its own: build it (random weights, bf16), keep an untouched deep copy and a
+`torch.compile`d deep copy, call `advisor.optimize(model, inputs)` with its defaults, then time the
+model as `optimize` left it in the user's own loop (`with torch.no_grad(): model(**inputs)`), CUDA
+events, interleaved rounds against the untouched copy and the compiled copy, in the same process.
+Also: cold seconds (optimize; compile's first call), kernels per call of each, optimize's own
+selection numbers beside the loop's (the state returned must be the state measured), and estimated
+against measured saving of each kept pattern.
+
+    python3 bench/zoo.py --models qwen2,t5,mobilenet_v3 --out reports/zoo-h100   # on the GPU machine
+    python3 bench/zoo.py --list
+
+Writes OUT.json (merged with what is there: one call per few models fits a device lease) and OUT.md.
+transformers, timm and torchvision are imported only by the models that need them.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+
+# ----------------------------------------------------------------------------------------- models
+def _hf(cls_name: str, cfg_name: str, batch: int, seq: int, vocab: int, enc_dec: bool = False, **dims):
+    def build(device, dtype):
+        import torch
+        import transformers
+
+        cfg = getattr(transformers, cfg_name)(vocab_size=vocab, **dims)
+        cfg._attn_implementation = "sdpa"
+        with torch.device(device):
+            model = getattr(transformers, cls_name)(cfg).to(dtype).eval()
+            ids = torch.randint(1, vocab, (batch, seq))
+        mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+        mask[-1, seq - seq // 8:] = 0  # one padded row, as a tokenizer hands batches over
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        if enc_dec:
+            inputs["decoder_input_ids"] = ids[:, : seq // 2].contiguous()
+        return model, inputs, f"{cls_name} {dims}, batch {batch} x {seq}, padded mask, cache as configured"
+    return build
+
+
+def _vision(lib: str, name: str, batch: int, size: int = 224, channels_last: bool = False):
+    def build(device, dtype):
+        import torch
+
+        if lib == "timm":
+            import timm
+            model = timm.create_model(name, pretrained=False)
+        else:
+            import torchvision
+            model = getattr(torchvision.models, name)(weights=None)
+        model = model.to(device, dtype).eval()
+        x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+        if channels_last:
+            model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+        return model, (x,), f"{lib} {name}, batch {batch} x 3 x {size}^2" + (", channels_last" if channels_last else "")
+    return build
+
+
+def _suite(name: str):
+    """A suite workload called as the suite calls it, but timed in the user's loop."""
+    def build(device, dtype):
+        from workloads import build as build_workload
+
+        w = build_workload(name, device)
+        return w.model, w.inputs, f"suite {name}: {w.shape}"
+    return build
+
+
+LLM = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+           intermediate_size=2816, max_position_embeddings=2048)
+MODELS = {
+    "suite_llama": _suite("hf_llama"),  # issue 16's first finding: 0.79x right after optimize returned
+    # decoder LLMs, grouped-query attention, KV cache on (their configs' default)
+    "qwen2": _hf("Qwen2ForCausalLM", "Qwen2Config", 4, 512, 32000, **LLM),
+    "mistral": _hf("MistralForCausalLM", "MistralConfig", 4, 512, 32000, **LLM),
+    "gemma": _hf("GemmaForCausalLM", "GemmaConfig", 4, 512, 32000, head_dim=64, **LLM),
+    "phi3": _hf("Phi3ForCausalLM", "Phi3Config", 4, 512, 32000, **{**LLM, "num_key_value_heads": 16}),
+    # encoder-decoder
+    "t5": _hf("T5ForConditionalGeneration", "T5Config", 8, 256, 32000, enc_dec=True, d_model=512, d_ff=2048,
+              num_layers=6, num_heads=8),
+    "bart": _hf("BartForConditionalGeneration", "BartConfig", 8, 256, 32000, enc_dec=True, d_model=768,
+                encoder_layers=6, decoder_layers=6, encoder_attention_heads=12, decoder_attention_heads=12,
+                encoder_ffn_dim=3072, decoder_ffn_dim=3072),
+    # BERT-likes
+    "roberta": _hf("RobertaModel", "RobertaConfig", 32, 256, 30000, max_position_embeddings=514),
+    "distilbert": _hf("DistilBertModel", "DistilBertConfig", 32, 256, 30000),
+    # vision transformers
+    "deit_small": _vision("timm", "deit_small_patch16_224", 64),
+    "swin_tiny": _vision("timm", "swin_tiny_patch4_window7_224", 32),
+    # convnets: depthwise convs, BatchNorm, LayerNorm in channels-last
+    "convnext_tiny": _vision("timm", "convnext_tiny", 32, channels_last=True),
+    "mobilenet_v3": _vision("torchvision", "mobilenet_v3_large", 64, channels_last=True),
+    "efficientnet_b0": _vision("torchvision", "efficientnet_b0", 64, channels_last=True),
+}
+
+
+# ----------------------------------------------------------------------------------------- child
+def child(name: str, result: Path, iters: int) -> int:
+    import torch
+
+    import advisor
+    from suite import errors_vs, interleaved, kernel_count, process_warmup
+    from workloads import main_output
+
+    device, dtype = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    process_warmup(device)
+    model, inputs, shape = MODELS[name](device, dtype)
+    untouched = copy.deepcopy(model)
+    to_compile = copy.deepcopy(model)
+    args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
+
+    def loop_call(m):  # the user's loop, not ours
+        def call():
+            with torch.no_grad():
+                return m(*args, **kwargs)
+        return call
+
+    res = {"model": name, "shape": shape, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    eager_out = loop_call(untouched)()
+    t0 = time.perf_counter()
+    report = advisor.optimize(model, inputs)
+    torch.cuda.synchronize()
+    res["optimize_s"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    first = loop_call(model)()
+    torch.cuda.synchronize()
+    res["first_call_after_optimize_s"] = round(time.perf_counter() - t0, 3)
+    compiled = torch.compile(to_compile)
+    t0 = time.perf_counter()
+    loop_call(compiled)()
+    torch.cuda.synchronize()
+    res["compile_first_call_s"] = round(time.perf_counter() - t0, 2)
+    res["errors_vs_eager"] = errors_vs(main_output(eager_out), main_output(first))
+    doc = json.loads((report.out_dir / "apply.json").read_text())
+    res["selection"] = doc.get("selection")
+    res["patterns"] = [{k: p.get(k) for k in ("candidate", "title", "status_code", "status", "sites",
+                                               "est_time_saved_us", "applied_alone")} for p in doc["patterns"]]
+    res["fallbacks"] = report.handle.fallbacks() if report.handle is not None else {}
+    fns = {"eager": loop_call(untouched), "advisor": loop_call(model), "compile": loop_call(compiled)}
+    res["timing"] = interleaved(fns, device, iters=iters, rounds=5, warmup_s=1.0)
+    res["kernels"] = {k: kernel_count(f, device, result.parent) for k, f in fns.items()}
+    t = res["timing"]
+    res["speedup"] = {k: round(t["eager"]["median_ms"] / t[k]["median_ms"], 4) for k in ("advisor", "compile")}
+    res["fallbacks_after_timing"] = report.handle.fallbacks() if report.handle is not None else {}
+    result.write_text(json.dumps(res, indent=1, default=str))
+    print(f"{name}: eager {t['eager']['median_ms']:.3f} ms, advisor {t['advisor']['median_ms']:.3f} "
+          f"({res['speedup']['advisor']:.2f}x), compile {t['compile']['median_ms']:.3f} "
+          f"({res['speedup']['compile']:.2f}x); optimize {res['optimize_s']} s, compile {res['compile_first_call_s']} s;"
+          f" selection: {(res['selection'] or {}).get('decision')}", flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- parent
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--out", type=Path, default=Path("reports/zoo-h100"))
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds per model")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.list:
+        print("\n".join(MODELS))
+        return 0
+    if a.child:
+        return child(a.child, a.result, a.iters)
+    names = [n for n in a.models.split(",") if n]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        print(f"zoo: unknown model(s) {', '.join(unknown)} (--list shows them)", file=sys.stderr)
+        return 2
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    path = a.out.with_suffix(".json")
+    doc = json.loads(path.read_text()) if path.exists() else {"results": {}}
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    for name in names:
+        result = a.out.parent / f".zoo-{name}.json"
+        result.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--child", name, "--result", str(result),
+                                   "--iters", str(a.iters)], timeout=a.timeout, capture_output=True, text=True)
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        except subprocess.TimeoutExpired:
+            tail = [f"timed out after {a.timeout:.0f} s"]
+        res = json.loads(result.read_text()) if result.exists() else {"model": name, "error": "\n".join(tail)}
+        res.update(commit=rev or os.environ.get("ZOO_COMMIT", "?"), wall_s=round(time.perf_counter() - t0, 1))
+        result.unlink(missing_ok=True)
+        doc["results"][name] = res
+        print("\n".join(tail[-3:]) if "error" in res else "", flush=True)
+        path.write_text(json.dumps(doc, indent=1, default=str))
+    a.out.with_suffix(".md").write_text(markdown(doc))
+    print(table(doc))
+    return 0
+
+
+def _geomean(xs):
+    import math
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def table(doc: dict) -> str:
+    rows = ["| model | eager ms | advisor ms (x) | compile ms (x) | optimize s | compile 1st s | kernels e/a/c | kept |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, r in doc["results"].items():
+        if "error" in r:
+            rows.append(f"| {name} | failed: {r['error'].splitlines()[-1][:120]} |||||||")
+            continue
+        t, s, k = r["timing"], r["speedup"], r["kernels"]
+        kept = ", ".join(p["title"].split(":")[0] for p in r["patterns"] if p["status_code"] == "patched") or "nothing"
+        rows.append(f"| {name} | {t['eager']['median_ms']:.3f} | {t['advisor']['median_ms']:.3f} ({s['advisor']:.2f}x) | "
+                    f"{t['compile']['median_ms']:.3f} ({s['compile']:.2f}x) | {r['optimize_s']} | "
+                    f"{r['compile_first_call_s']} | {k['eager']['kernels']}/{k['advisor']['kernels']}/"
+                    f"{k['compile']['kernels']} | {kept} |")
+    ok = [r for r in doc["results"].values() if "error" not in r]
+    ga, gc = _geomean([r["speedup"]["advisor"] for r in ok]), _geomean([r["speedup"]["compile"] for r in ok])
+    if ga:
+        rows.append(f"\nGeometric mean over {len(ok)} models: fusion-advisor {ga:.3f}x, torch.compile {gc:.3f}x (over eager).")
+    return "\n".join(rows)
+
+
+def markdown(doc: dict) -> str:
+    out = ["# Model zoo on the GPU, timed in the user's loop (bench/zoo.py)", "",
+           "Each model in its own process: eager (untouched copy), `advisor.optimize` with its defaults, and "
+           "`torch.compile` (default), timed interleaved with CUDA events in `with torch.no_grad(): model(...)`; "
+           "bf16, random weights. Speedups are over this process's eager.", "", table(doc), ""]
+    for name, r in doc["results"].items():
+        if "error" in r:
+            continue
+        out += [f"## {name}", "", f"{r['shape']} — commit {r.get('commit')}, {r.get('gpu')}, torch {r.get('torch')}", "",
+                f"- optimize's selection: {(r.get('selection') or {}).get('decision')}",
+                f"- the user's loop: eager {r['timing']['eager']['median_ms']} ms, advisor {r['timing']['advisor']['median_ms']} "
+                f"ms (spread {r['timing']['advisor']['spread_ms']}), compile {r['timing']['compile']['median_ms']} ms",
+                f"- outputs vs eager: {r.get('errors_vs_eager')}",
+                f"- forwards that ran their original code: {r.get('fallbacks_after_timing') or 'none'}", "",
+                "| pattern | status | est. µs | measured alone µs |", "|---|---|---|---|"]
+        for p in r["patterns"]:
+            alone = (p.get("applied_alone") or {}).get("saved_us_per_iter")
+            out.append(f"| {p['candidate']} {p['title']} | {p['status']} | {p.get('est_time_saved_us')} | {alone} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
