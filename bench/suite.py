@@ -480,7 +480,8 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
         call = runner(m_adv)
         sync()
         t1 = time.perf_counter()
-        report = optimize(m_adv, w.inputs, top=a.top, out=root / "advisor-out", select=False)  # selected below
+        report = optimize(m_adv, w.inputs, top=a.top, out=root / "advisor-out", select=False,
+                          interpret=True)  # selected below; interpret: the quick CPU run exercises the patcher
         t2 = time.perf_counter()
         out = call()
         sync()
@@ -684,7 +685,7 @@ def warm_run(c: Child, w, device: str, root: Path, runner) -> int:
         call()  # one eager call first, as the empty-cache run had before its optimize
         sync()
         t1 = time.perf_counter()
-        report = optimize(w.model, w.inputs, top=c.a.top, out=root / "advisor-warm-out", select=False)
+        report = optimize(w.model, w.inputs, top=c.a.top, out=root / "advisor-warm-out", select=False, interpret=True)
         call()
         sync()
         c.r["warm"] = {"cold_s": round(time.perf_counter() - t1, 2), "patched": len(report.applied),
