@@ -107,7 +107,42 @@ MODELS = {
 
 
 # ----------------------------------------------------------------------------------------- child
-def child(name: str, result: Path, iters: int) -> int:
+def train_steps(models: dict, args, kwargs, device: str, steps: int = 8) -> dict:
+    """One training step (forward, a loss, backward, AdamW) per model, interleaved: median ms and peak
+    memory. A patched model must cost no more than eager here (issue 16: autograd runs the original ops)."""
+    import statistics
+
+    import torch
+
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-6, fused=True) for k, m in models.items()}
+    samples = {k: [] for k in models}
+    peak = {}
+    for k, m in models.items():
+        m.train()
+    try:
+        for i in range(steps + 2):
+            for k, m in models.items():
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = m(*args, **kwargs)
+                first = out if isinstance(out, torch.Tensor) else next(v for v in (out.values() if hasattr(out, "values") else out) if isinstance(v, torch.Tensor))
+                first.float().pow(2).mean().backward()
+                opts[k].step()
+                opts[k].zero_grad(set_to_none=True)
+                end.record()
+                torch.cuda.synchronize()
+                if i >= 2:
+                    samples[k].append(start.elapsed_time(end))
+                    peak[k] = max(peak.get(k, 0), torch.cuda.max_memory_allocated() / 2**30)
+    finally:
+        for m in models.values():
+            m.eval()
+    return {k: {"median_ms": round(statistics.median(v), 3), "peak_gb": round(peak[k], 3)} for k, v in samples.items()}
+
+
+def child(name: str, result: Path, iters: int, train: bool = False) -> int:
     import torch
 
     import advisor
@@ -149,9 +184,23 @@ def child(name: str, result: Path, iters: int) -> int:
     res["patterns"] = [{k: p.get(k) for k in ("candidate", "title", "status_code", "status", "sites",
                                                "est_time_saved_us", "applied_alone")} for p in doc["patterns"]]
     res["fallbacks"] = report.handle.fallbacks() if report.handle is not None else {}
+    res["phases_s"] = report.phases_s
     fns = {"eager": loop_call(untouched), "advisor": loop_call(model), "compile": loop_call(compiled)}
-    res["timing"] = interleaved(fns, device, iters=iters, rounds=5, warmup_s=1.0)
     res["kernels"] = {k: kernel_count(f, device, result.parent) for k, f in fns.items()}
+    # Probes of optimize's own baseline (its "before" is the model with patches off, in inference mode).
+    from advisor.patch import patches_off
+
+    def probe_inference_mode():
+        with torch.inference_mode():
+            return untouched(*args, **kwargs)
+
+    def probe_patches_off():
+        with patches_off():
+            return loop_call(model)()
+    probes = {"eager_inference_mode": probe_inference_mode, "advisor_patches_off": probe_patches_off}
+    res["timing"] = interleaved({**fns, **probes}, device, iters=iters, rounds=5, warmup_s=1.0)
+    if train:
+        res["train_step"] = train_steps({"eager": untouched, "advisor": model}, args, kwargs, device)
     t = res["timing"]
     res["speedup"] = {k: round(t["eager"]["median_ms"] / t[k]["median_ms"], 4) for k in ("advisor", "compile")}
     res["fallbacks_after_timing"] = report.handle.fallbacks() if report.handle is not None else {}
@@ -170,6 +219,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("reports/zoo-h100"))
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per model")
+    p.add_argument("--train", action="store_true", help="also time a training step, eager vs the patched model")
     p.add_argument("--list", action="store_true")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -178,7 +228,7 @@ def main(argv=None) -> int:
         print("\n".join(MODELS))
         return 0
     if a.child:
-        return child(a.child, a.result, a.iters)
+        return child(a.child, a.result, a.iters, a.train)
     names = [n for n in a.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
@@ -194,7 +244,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             proc = subprocess.run([sys.executable, __file__, "--child", name, "--result", str(result),
-                                   "--iters", str(a.iters)], timeout=a.timeout, capture_output=True, text=True)
+                                   "--iters", str(a.iters)] + (["--train"] if a.train else []), timeout=a.timeout, capture_output=True, text=True)
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
         except subprocess.TimeoutExpired:
             tail = [f"timed out after {a.timeout:.0f} s"]
@@ -248,7 +298,11 @@ def markdown(doc: dict) -> str:
                 f"- the user's loop: eager {r['timing']['eager']['median_ms']} ms, advisor {r['timing']['advisor']['median_ms']} "
                 f"ms (spread {r['timing']['advisor']['spread_ms']}), compile {r['timing']['compile']['median_ms']} ms",
                 f"- outputs vs eager: {r.get('errors_vs_eager')}",
-                f"- forwards that ran their original code: {r.get('fallbacks_after_timing') or 'none'}", "",
+                f"- forwards that ran their original code: {r.get('fallbacks_after_timing') or 'none'}",
+                f"- optimize's phases (s): {r.get('phases_s')}",
+                f"- baseline probes: eager in inference mode {r['timing'].get('eager_inference_mode', {}).get('median_ms')} ms, "
+                f"advisor with patches off {r['timing'].get('advisor_patches_off', {}).get('median_ms')} ms",
+                f"- training step (ms, peak GB): {r.get('train_step') or 'not run'}", "",
                 "| pattern | status | est. µs | measured alone µs |", "|---|---|---|---|"]
         for p in r["patterns"]:
             alone = (p.get("applied_alone") or {}).get("saved_us_per_iter")

@@ -24,7 +24,9 @@ import torch
 from advisor.optimize import SCHEMA_VERSION, pattern_status, time_patterns, write_json
 from advisor.patch.modules import root_class
 from advisor.interpreter import use_interpreter_without_gpu
+from advisor.patch import only, patches_off
 from advisor.patch.script import Session, intercept_roots, run_script
+from advisor.status import Status
 
 
 class Handles:
@@ -101,8 +103,13 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
         steady = meta.get("steady_state") or {}
         with console.status("timing the steady state before and after …"):
             e2e = _benchmark(script, args, dev, steady, session, handles, records, iters)
+            selection = select(records, e2e, session.recorded.get(root_class(steady.get("name") or "")), dev, iters,
+                               session.plan)
+        kept = set(selection["kept"])
+        manifest = [e for e in handles.manifest() if e["candidate"] in kept]
         doc = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": dev,
-               "script": str(script), "args": args, "patterns": records, "manifest": handles.manifest(),
+               "script": str(script), "args": args, "patterns": records, "manifest": manifest,
+               "selection": selection,
                "checks": session.checks, "errors": session.errors, "end_to_end": e2e,
                "skipped_targets": plan.skipped}
         if not session.handles:
@@ -132,6 +139,42 @@ def _benchmark(script, args, dev, steady, session, handles, records, iters) -> d
             "before_ms": before["median_ms"], "after_ms": after["median_ms"],
             "speedup": round(before["median_ms"] / after["median_ms"], 4) if after["median_ms"] else None,
             "note": "per-pattern contributions are measured only when the steady state is a module call"}
+
+
+def select(records: list, e2e: dict, recorded, dev: str, iters: int, plan) -> dict:
+    """What the plan keeps, as `optimize` decides it: patterns that save time alone, and only if together
+    they beat the unpatched steady state (re-timed with just those when some were dropped); otherwise
+    none, and apply.json's manifest is empty (`advisor.patch(model, OUT)` then changes nothing).
+    Marks `kept`, `status_code` and `status` on the records."""
+    from advisor.bench.timing import time_configs
+
+    patched = [r for r in records if r.get("patched")]
+    if not patched or not e2e.get("timing_meaningful"):
+        return {"decision": "every patched pattern kept (no timing here to select by)",
+                "kept": [r["candidate"] for r in patched]}
+    alone = {r["candidate"]: (r.get("applied_alone") or {}).get("saved_us_per_iter") for r in patched}
+    kept = [r for r in patched if alone[r["candidate"]] is None or alone[r["candidate"]] > 0]
+    before, after = e2e["before_ms"], e2e["after_ms"]
+    if kept and len(kept) < len(patched) and recorded is not None:
+        ids = {r["candidate"] for r in kept}
+        keys = {s.key for s in plan.patterns if s.candidate in ids}
+        t = time_configs(recorded.replay, {"before": patches_off, "after": lambda: only(keys)}, dev, iters=iters)
+        before, after = t["before"].median_ms, t["after"].median_ms
+    elif kept and len(kept) < len(patched):
+        kept = patched  # no per-pattern re-timing without a recorded module call: judged as a whole
+    if not kept or after >= before:
+        decision = (f"nothing kept: the patched steady state is not faster ({before:.3f} -> {after:.3f} ms)"
+                    if kept else "nothing kept: no pattern saves time alone")
+        kept = []
+    else:
+        decision = f"kept {len(kept)} of {len(patched)}: {before:.3f} -> {after:.3f} ms"
+    for r in patched:
+        r["kept"] = r in kept
+        if not r["kept"]:
+            a = alone[r["candidate"]]
+            r["status_code"] = Status.NOT_KEPT
+            r["status"] = "not kept: " + (f"{a:+.0f} µs per call alone" if a is not None else "the whole set is not faster")
+    return {"decision": decision, "kept": [r["candidate"] for r in kept], "before_ms": before, "after_ms": after}
 
 
 def _script_timing(script, args, dev, steady, plan, iters: int, max_runs: int = 10) -> dict:
@@ -239,4 +282,6 @@ def print_summary(console, doc: dict, out: Path) -> None:
                       f"({e2e['speedup']:.2f}x; median of {e2e['iters']}, {e2e['method']}{noise}{extra})")
     else:
         console.print(f"timing not meaningful: {e2e.get('reason')}")
+    if doc.get("selection"):
+        console.print(f"selection: {doc['selection']['decision']}")
     console.print(f"apply results written to [bold]{out / 'apply.json'}[/]")
