@@ -15,8 +15,32 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Profiler-driven kernel-fusion advisor for PyTorch.",
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 err = Console(stderr=True)
+PROG = "fusion-advisor"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from advisor import __version__
+
+        try:
+            torch_version = version("torch")  # metadata only: importing torch would take seconds
+        except PackageNotFoundError:
+            torch_version = "not installed"
+        print(f"{PROG} {__version__} (torch {torch_version})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                 help="Print the version and exit."),
+):
+    """Profiler-driven kernel-fusion advisor for PyTorch."""
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -166,30 +190,51 @@ def apply(
 FAST_EXIT = {"analyze", "generate", "report"}
 
 
-def main(argv: List[str] | None = None) -> None:
-    try:
-        app(args=argv, standalone_mode=False)
-        command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
-        if command in FAST_EXIT and argv is None:
-            import os
+def _click_exceptions():
+    """The exceptions module of the click that typer runs on: typer >= 0.24 bundles its own copy
+    (`typer._click`), older typer uses the `click` package, which a venv with recent typer lacks."""
+    return sys.modules[typer.BadParameter.__module__]
 
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+
+def _usage_error(e, click_exc) -> int:
+    """Print a click usage error as one line (help for a bare `fusion-advisor`); returns the exit code."""
+    ctx = getattr(e, "ctx", None)
+    no_args = getattr(click_exc, "NoArgsIsHelpError", None)
+    if no_args is not None and isinstance(e, no_args):
+        print(ctx.get_help() if ctx is not None else "")
+        return e.exit_code
+    if not isinstance(e, click_exc.UsageError):  # e.g. FileError: no usage hint
+        err.print(f"[bold red]error:[/] {e.format_message()}", highlight=False, soft_wrap=True)
+        return e.exit_code
+    where = ctx.command_path if ctx is not None else PROG
+    err.print(f"[bold red]error:[/] {e.format_message()} (see `{where} --help`)", highlight=False, soft_wrap=True)
+    return e.exit_code
+
+
+def main(argv: List[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    click_exc = _click_exceptions()
+    aborts = tuple({typer.Abort, getattr(click_exc, "Abort", typer.Abort)})
+    try:
+        code = app(args=args, prog_name=PROG, standalone_mode=False)
     except AdvisorError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
-    except SystemExit:
-        raise
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
-    except Exception as e:  # click usage errors arrive here in non-standalone mode
-        import click
+    except click_exc.ClickException as e:
+        sys.exit(_usage_error(e, click_exc))
+    except aborts as e:  # older click turns Ctrl-C into Abort
+        sys.exit(130 if isinstance(e.__context__, KeyboardInterrupt) else 1)
+    if isinstance(code, int) and code:  # typer.Exit(n), and Ctrl-C (typer turns it into Exit(130))
+        if code == 130:
+            err.print("interrupted")
+        sys.exit(code)
+    command = next((a for a in args if not a.startswith("-")), None)
+    if command in FAST_EXIT and argv is None:
+        import os
 
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(1)
-        raise
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
