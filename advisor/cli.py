@@ -8,7 +8,9 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from advisor.errors import AdvisorError, NotBuiltYet
+from advisor.collect.layout import TRACE_DIR, locate
+from advisor.errors import AdvisorError
+from advisor.report import render_reports
 
 app = typer.Typer(
     add_completion=False,
@@ -81,27 +83,24 @@ def run(
 
         script = Path(demo.__file__)
     profile_script(script, args, out_dir=out, device=device, region=region)
-    try:
-        from advisor.analyze.api import analyze_cli
-    except Exception as e:  # the analysis stage is optional at this point of the pipeline
-        raise AdvisorError(
-            f"trace written to {out / 'trace'}, but the analysis stage cannot be loaded "
-            f"({type(e).__name__}: {e}); run `fusion-advisor analyze {out / 'trace'}` once it is available"
-        ) from None
-    analyze_cli(out / "trace", et=None, out=None, top=top)
+    from advisor.analyze.api import analyze_cli
+
+    _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top))
 
 
 @app.command()
 def analyze(
-    trace: Path = typer.Argument(..., help="Trace directory from `profile`, or a Kineto .json/.json.gz."),
+    trace: Path = typer.Argument(..., help="OUT or OUT/trace from `profile`, or a Kineto .json/.json.gz."),
     et: Optional[Path] = typer.Option(None, "--et", help="Execution trace file (when TRACE is a bare Kineto file)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Where to write analysis.json (default: next to the trace)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where to write analysis.json and the reports "
+                                       "(default: OUT, the directory holding the trace/ folder)."),
     top: int = typer.Option(10, "--top", help="Candidates to show."),
 ):
-    """Find fusion candidates in a trace and estimate what each saves."""
+    """Find fusion candidates in a trace and estimate what each saves; writes analysis.json and the reports."""
     from advisor.analyze.api import analyze_cli
 
-    analyze_cli(trace, et=et, out=out, top=top)
+    located = locate(trace)
+    _report_written(analyze_cli(located.trace, et=et, out=out or located.out, top=top))
 
 
 @app.command()
@@ -119,20 +118,20 @@ def generate(
 
     console = Console()
     source = Path(source)
-    found = source / "analysis.json" if source.is_dir() else (source if source.name == "analysis.json" else None)
-    if found is not None and found.exists():
-        doc = json.loads(found.read_text())
-        out_dir = out or found.parent
+    if not source.exists():
+        raise AdvisorError(f"{source} does not exist")
+    located = locate(source.parent if source.name == "analysis.json" else source)
+    out_dir = Path(out or located.out)
+    if located.analysis.is_file():
+        doc = json.loads(located.analysis.read_text())
+        if located.analysis.parent != out_dir:  # the report reads it beside apply.json
+            _write_json(out_dir / "analysis.json", doc)
     else:
-        if not source.exists():
-            raise AdvisorError(f"{source} does not exist")
         from advisor.analyze.api import analyze as run_analysis
 
-        trace = source / "trace" if (source / "trace").is_dir() else source
         with console.status("analysing trace…"):
-            result = run_analysis(trace)
-        out_dir = out or (source if source.is_dir() and trace != source else trace.parent if trace.is_file() else trace)
-        result.to_json(Path(out_dir) / "analysis.json")
+            result = run_analysis(located.trace)
+        result.to_json(out_dir / "analysis.json")
         doc = result.doc
     table = Table(title=f"generated kernels ({out_dir / 'kernels'})")
     for col in ("#", "pattern", "result", "rel_l2", "file"):
@@ -148,14 +147,16 @@ def generate(
     console.print(table)
     n_ok = sum(p["validated"] for p in applied["patterns"])
     console.print(f"{n_ok} of {len(applied['patterns'])} patterns validated; results in [bold]{Path(out_dir) / 'apply.json'}[/]")
+    _report_written(render_reports(out_dir, console, top=top, terminal=False))
 
 
 @app.command()
-def report(directory: Path = typer.Argument(..., help="Directory holding analysis.json (and apply.json).")):
+def report(
+    directory: Path = typer.Argument(..., help="OUT (holding analysis.json, and apply.json if any) or OUT/trace."),
+    top: int = typer.Option(10, "--top", help="Candidates to show."),
+):
     """Re-render the terminal and HTML reports from a directory, without re-running anything."""
-    from advisor.report import render_reports
-
-    render_reports(directory)
+    _report_written(render_reports(directory, top=top))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -183,6 +184,23 @@ def apply(
 
     apply_script(script, list(ctx.args), out, top=top, device=device, region=region, replacement=replacement,
                  iters=iters, granularity=granularity)
+    _report_written(render_reports(out, top=top, terminal=False))
+
+
+def _report_written(paths: dict) -> None:
+    """The last line: where the HTML report is, as `nsys` ends with the file it wrote."""
+    Console().print(f"Report: [bold]{paths['html']}[/]  [dim](text version: {paths['txt']})[/]", highlight=False,
+                    soft_wrap=True)
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    import json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1))
+    except OSError as e:
+        raise AdvisorError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 # Commands that run no user code: once their files are written, the process ends without tearing down

@@ -68,3 +68,71 @@ def test_version():
 
     r = cli("--version", block_click=True)
     assert r.returncode == 0 and r.stdout.startswith(f"fusion-advisor {__version__} (torch ")
+
+
+# ------------------------------------------------------------------------------------------ item 2
+TINY = """\
+import torch
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+        self.ln = torch.nn.LayerNorm(64)
+
+    def forward(self, x):
+        return self.ln(torch.nn.functional.gelu(self.lin(x)) + x)
+
+model, x = Block(), torch.randn(8, 64)
+with torch.no_grad():
+    for _ in range(4):
+        model(x)
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """`fusion-advisor run` on a small script, once for the module: (OUT, the completed process)."""
+    d = tmp_path_factory.mktemp("run")
+    (d / "tiny.py").write_text(TINY)
+    return d / "out", cli("run", d / "tiny.py", "--out", d / "out", "--device", "cpu")
+
+
+def _last_line(r) -> str:
+    return r.stdout.strip().splitlines()[-1]
+
+
+def test_run_writes_the_report_and_ends_with_its_path(tiny_run):
+    out, r = tiny_run
+    assert r.returncode == 0, r.stderr
+    for name in ("analysis.json", "report.html", "report.txt", "trace/kineto.json.gz"):
+        assert (out / name).is_file(), name
+    assert not (out / "trace" / "analysis.json").exists()
+    assert _last_line(r).startswith(f"Report: {out / 'report.html'}")
+
+
+@pytest.mark.parametrize("where", ["OUT", "OUT/trace"])
+@pytest.mark.parametrize("command", ["report", "analyze"])
+def test_commands_take_out_or_its_trace_dir(tiny_run, command, where):
+    out, _ = tiny_run
+    (out / "report.html").unlink()
+    r = cli(command, out if where == "OUT" else out / "trace")
+    assert r.returncode == 0, r.stderr
+    assert (out / "report.html").is_file() and not (out / "trace" / "analysis.json").exists()
+    assert _last_line(r).startswith(f"Report: {out / 'report.html'}")
+
+
+@pytest.fixture
+def sample_run(tmp_path):
+    """A run directory holding a copy of a committed CPU trace (nothing else yet)."""
+    import shutil
+
+    shutil.copytree(SAMPLE / "trace", tmp_path / "trace")
+    return tmp_path
+
+
+def test_generate_takes_the_trace_dir(sample_run):
+    r = cli("generate", sample_run / "trace", "--top", "1")
+    assert r.returncode == 0, r.stderr
+    assert {p.name for p in sample_run.iterdir()} >= {"analysis.json", "apply.json", "kernels", "report.html"}
+    assert _last_line(r).startswith(f"Report: {sample_run / 'report.html'}")

@@ -245,7 +245,9 @@ def test_render_reports_writes_html_and_txt(tmp_path, analysis, applied):
     assert paths["html"].read_text().startswith("<!DOCTYPE html>")
     txt = paths["txt"].read_text()
     assert "Residual add + RMSNorm" in txt and "✓ valid" in txt and "\x1b[" not in txt
-    assert "report.html" in con.export_text()
+    assert "Residual add + RMSNorm" in con.export_text()
+    assert render_reports(d, console=con, terminal=False) == paths  # the HTML alone, nothing printed
+    assert con.export_text() == ""
 
 
 @pytest.mark.parametrize("content, expect", [
