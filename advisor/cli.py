@@ -55,12 +55,11 @@ def profile(
 ):
     """Run SCRIPT under torch.profiler + ExecutionTraceObserver and write a trace directory.
 
-    Writes OUT/trace/kineto.json.gz, et.json.gz and meta.json. Exit codes: 1 the script failed
-    (partial trace written), 2 bad input, 4 the script did no tensor work.
+    Writes OUT/trace/kineto.json.gz, et.json.gz and meta.json. Exit codes: the script's own when it
+    fails (sys.exit(N) gives N, an exception 1; the partial trace is written), 2 bad input, 4 the script
+    did no tensor work, 130 interrupted (Ctrl-C; the trace so far is written).
     """
-    from advisor.collect.runner import profile_script
-
-    profile_script(script, list(ctx.args), out_dir=out, device=device, region=region)
+    _profile(script, list(ctx.args), out, device=device, region=region)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -73,8 +72,6 @@ def run(
     top: int = typer.Option(10, "--top", help="Candidates to show."),
 ):
     """Profile SCRIPT, then analyse the trace: `profile` and `analyze` in one go."""
-    from advisor.collect.runner import profile_script
-
     args = list(ctx.args)
     if script is not None and str(script).startswith("-"):  # `run -- --iters 2`: arguments for the demo
         args, script = [str(script), *args], None
@@ -82,7 +79,7 @@ def run(
         import advisor.demo_workload as demo
 
         script = Path(demo.__file__)
-    profile_script(script, args, out_dir=out, device=device, region=region)
+    _profile(script, args, out, device=device, region=region)
     from advisor.analyze.api import analyze_cli
 
     _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top))
@@ -185,6 +182,19 @@ def apply(
     apply_script(script, list(ctx.args), out, top=top, device=device, region=region, replacement=replacement,
                  iters=iters, granularity=granularity)
     _report_written(render_reports(out, top=top, terminal=False))
+
+
+def _profile(script: Path, args: List[str], out: Path, **options) -> None:
+    """profile_script, with Ctrl-C turned into exit 130 and a line saying where the partial trace is."""
+    from advisor.collect.runner import profile_script
+
+    try:
+        profile_script(script, args, out_dir=out, **options)
+    except KeyboardInterrupt:
+        trace = out / TRACE_DIR
+        saved = (trace / "meta.json").is_file()
+        raise AdvisorError(f"interrupted; the trace recorded so far is in {trace} (complete: false)" if saved
+                           else "interrupted before the trace was written", exit_code=130) from None
 
 
 def _report_written(paths: dict) -> None:

@@ -136,3 +136,28 @@ def test_generate_takes_the_trace_dir(sample_run):
     assert r.returncode == 0, r.stderr
     assert {p.name for p in sample_run.iterdir()} >= {"analysis.json", "apply.json", "kernels", "report.html"}
     assert _last_line(r).startswith(f"Report: {sample_run / 'report.html'}")
+
+
+# ------------------------------------------------------------------------------------------ item 3
+@pytest.mark.parametrize("command", ["profile", "run"])
+def test_the_scripts_exit_code_comes_back(tmp_path, command):
+    script = tmp_path / "exits.py"
+    script.write_text("import sys, torch\ntorch.ones(4).add(1)\nsys.exit(3)\n")
+    r = cli(command, script, "--out", tmp_path / "out", "--device", "cpu")
+    assert r.returncode == 3, r.stderr
+    assert "SystemExit: 3" in r.stderr and "Traceback" not in r.stderr
+    assert (tmp_path / "out" / "trace" / "kineto.json.gz").is_file()
+
+
+def test_ctrl_c_exits_130_with_the_trace_saved(tmp_path):
+    import json
+
+    script = tmp_path / "interrupted.py"  # Ctrl-C arrives while the script works: SIGINT to the process
+    script.write_text("import os, signal, torch\ntorch.ones(4).add(1)\nos.kill(os.getpid(), signal.SIGINT)\n"
+                      "import time\ntime.sleep(30)\n")
+    r = cli("profile", script, "--out", tmp_path / "out", "--device", "cpu")
+    assert r.returncode == 130, r.stderr
+    assert "interrupted" in r.stdout + r.stderr and "Traceback" not in r.stderr
+    trace = tmp_path / "out" / "trace"
+    assert (trace / "kineto.json.gz").is_file()
+    assert json.loads((trace / "meta.json").read_text())["complete"] is False

@@ -80,6 +80,7 @@ class _Outcome:
         self.error: Optional[str] = None
         self.traceback: Optional[str] = None
         self.interrupted = False
+        self.exit_code = EXIT_SCRIPT_FAILED  # what `python SCRIPT` would have exited with
         self.wall_s = 0.0
 
 
@@ -175,7 +176,9 @@ def _run_as_main(script: Path, outcome: _Outcome) -> None:
             outcome.complete = True
         else:
             outcome.error = f"SystemExit: {code}"
-            if not isinstance(code, int):  # `sys.exit("message")`: python prints the message
+            if isinstance(code, int):  # passed on, so a shell sees what it would see without the advisor
+                outcome.exit_code = code if 0 < code < 256 else EXIT_SCRIPT_FAILED
+            else:  # `sys.exit("message")`: python prints the message and exits 1
                 outcome.traceback = f"{code}\n"
     except KeyboardInterrupt:
         outcome.error = "KeyboardInterrupt"
@@ -407,7 +410,7 @@ def profile_script(
     if not outcome.complete:
         raise AdvisorError(
             f"{script} failed ({outcome.error}); partial trace written to {trace_dir} (complete: false)",
-            exit_code=EXIT_SCRIPT_FAILED,
+            exit_code=outcome.exit_code,
         )
     if summary["aten_ops"] == 0:
         raise AdvisorError(
@@ -428,7 +431,10 @@ def _fmt_bytes(n: float) -> str:
 
 def _print_summary(console, meta, summary, trace_dir: Path, dev: str, region: Optional[str]) -> None:
     st = meta["steady_state"]
-    status = "[green]completed[/]" if meta["complete"] else f"[red]failed[/] ({meta['error']})"
+    if meta["complete"]:
+        status = "[green]completed[/]"
+    else:
+        status = "[yellow]interrupted[/]" if meta["error"] == "KeyboardInterrupt" else f"[red]failed[/] ({meta['error']})"
     console.print(f"script {status} in {meta['wall_s']:.2f} s")
     n_it = len(st["iterations"])
     if st["source"] == "region":
