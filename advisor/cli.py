@@ -8,6 +8,8 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
+from advisor.cli_options import (Device, Granularity, Replacement, device_option, out_option, region_option,
+                                 top_option)
 from advisor.collect.layout import TRACE_DIR, locate
 from advisor.errors import AdvisorError
 from advisor.report import render_reports
@@ -49,9 +51,9 @@ def _root(
 def profile(
     ctx: typer.Context,
     script: Path = typer.Argument(..., help="Python script to run as __main__ (arguments for it go after `--`)."),
-    out: Path = typer.Option(Path("advisor_out"), "--out", help="Output directory (the trace goes to OUT/trace/)."),
-    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu (exported to the script as FUSION_ADVISOR_DEVICE)."),
-    region: Optional[str] = typer.Option(None, "--region", help="Steady-state region: an advisor.region or NVTX range name."),
+    out: Path = out_option(),
+    device: Device = device_option(),
+    region: Optional[str] = region_option(),
 ):
     """Run SCRIPT under torch.profiler + ExecutionTraceObserver and write a trace directory.
 
@@ -59,17 +61,17 @@ def profile(
     fails (sys.exit(N) gives N, an exception 1; the partial trace is written), 2 bad input, 4 the script
     did no tensor work, 130 interrupted (Ctrl-C; the trace so far is written).
     """
-    _profile(script, list(ctx.args), out, device=device, region=region)
+    _profile(script, list(ctx.args), out, device=device.value, region=region)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
     script: Optional[Path] = typer.Argument(None, help="Workload script (default: the bundled demo workload)."),
-    out: Path = typer.Option(Path("advisor_out"), "--out", help="Output directory."),
-    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu"),
-    region: Optional[str] = typer.Option(None, "--region", help="Steady-state region: an advisor.region or NVTX range name."),
-    top: int = typer.Option(10, "--top", help="Candidates to show."),
+    out: Path = out_option(),
+    device: Device = device_option(),
+    region: Optional[str] = region_option(),
+    top: int = top_option(),
 ):
     """Profile SCRIPT, then analyse the trace: `profile` and `analyze` in one go."""
     args = list(ctx.args)
@@ -79,7 +81,7 @@ def run(
         import advisor.demo_workload as demo
 
         script = Path(demo.__file__)
-    _profile(script, args, out, device=device, region=region)
+    _profile(script, args, out, device=device.value, region=region)
     from advisor.analyze.api import analyze_cli
 
     _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top))
@@ -91,7 +93,7 @@ def analyze(
     et: Optional[Path] = typer.Option(None, "--et", help="Execution trace file (when TRACE is a bare Kineto file)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Where to write analysis.json and the reports "
                                        "(default: OUT, the directory holding the trace/ folder)."),
-    top: int = typer.Option(10, "--top", help="Candidates to show."),
+    top: int = top_option(),
 ):
     """Find fusion candidates in a trace and estimate what each saves; writes analysis.json and the reports."""
     from advisor.analyze.api import analyze_cli
@@ -103,8 +105,8 @@ def analyze(
 @app.command()
 def generate(
     source: Path = typer.Argument(..., help="Directory with analysis.json, or a trace (directory or Kineto file) to analyse first."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: where analysis.json is)."),
-    top: int = typer.Option(10, "--top", help="How many top-ranked candidates to generate kernels for."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: OUT, where analysis.json is)."),
+    top: int = top_option(),
 ):
     """Generate a fused Triton kernel per top candidate, validate each against PyTorch, write OUT/kernels/*.py and OUT/apply.json."""
     import json
@@ -150,7 +152,7 @@ def generate(
 @app.command()
 def report(
     directory: Path = typer.Argument(..., help="OUT (holding analysis.json, and apply.json if any) or OUT/trace."),
-    top: int = typer.Option(10, "--top", help="Candidates to show."),
+    top: int = top_option(),
 ):
     """Re-render the terminal and HTML reports from a directory, without re-running anything."""
     _report_written(render_reports(directory, top=top))
@@ -160,16 +162,17 @@ def report(
 def apply(
     ctx: typer.Context,
     script: Path = typer.Argument(..., help="Workload script (arguments for it go after `--`)."),
-    top: int = typer.Option(5, "--top", help="Candidates to generate kernels for."),
-    out: Path = typer.Option(Path("advisor_out"), "--out", help="Output directory (the only place written)."),
-    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu"),
-    region: Optional[str] = typer.Option(None, "--region", help="Steady-state region: an advisor.region or NVTX range name."),
-    iters: int = typer.Option(20, "--iters", help="Timed iterations (after warm-up) of the steady state."),
-    replacement: str = typer.Option("kernel", "--replacement", help="kernel (generated Triton) | program | "
-                                    "subgraph (stand-ins that replay the original ops: checks the patcher)."),
-    granularity: str = typer.Option("layer", "--granularity", help="Modules captured: layer (pattern, but never "
-                                    "one holding several repeated layers) | pattern (the one containing all of a "
-                                    "pattern's occurrences) | occurrence (each) | root (the model)."),
+    top: int = top_option(),
+    out: Path = out_option(what="Output directory, the only place written"),
+    device: Device = device_option(),
+    region: Optional[str] = region_option(),
+    iters: int = typer.Option(20, "--iters", min=1, help="Timed iterations (after warm-up) of the steady state."),
+    replacement: Replacement = typer.Option(Replacement.kernel, "--replacement", help="kernel: the generated Triton; "
+                                            "program: the op program run by PyTorch; subgraph: stand-ins that replay "
+                                            "the original ops (checks the patcher)."),
+    granularity: Granularity = typer.Option(Granularity.layer, "--granularity", help="Modules captured: layer (one per "
+                                            "repeated layer) | pattern (the one containing all of a pattern's "
+                                            "occurrences) | occurrence (each) | root (the model)."),
 ):
     """Profile, analyse, generate, validate, patch and benchmark SCRIPT; writes OUT/apply.json.
 
@@ -179,8 +182,8 @@ def apply(
     """
     from advisor.patch.apply import apply_script
 
-    apply_script(script, list(ctx.args), out, top=top, device=device, region=region, replacement=replacement,
-                 iters=iters, granularity=granularity)
+    apply_script(script, list(ctx.args), out, top=top, device=device.value, region=region,
+                 replacement=replacement.value, iters=iters, granularity=granularity.value)
     _report_written(render_reports(out, top=top, terminal=False))
 
 

@@ -161,3 +161,41 @@ def test_ctrl_c_exits_130_with_the_trace_saved(tmp_path):
     trace = tmp_path / "out" / "trace"
     assert (trace / "kineto.json.gz").is_file()
     assert json.loads((trace / "meta.json").read_text())["complete"] is False
+
+
+# ------------------------------------------------------------------------------------------ item 4
+BAD_OPTIONS = [
+    (["analyze", "--top", "0", "TRACE"], "'--top'"),
+    (["run", "--top", "-1", "SCRIPT"], "'--top'"),
+    (["apply", "--iters", "-5", "SCRIPT"], "'--iters'"),
+    (["apply", "--granularity", "foo", "SCRIPT"], "'layer', 'pattern', 'occurrence', 'root'"),
+    (["apply", "--replacement", "foo", "SCRIPT"], "'kernel', 'program', 'subgraph'"),
+    (["profile", "--device", "tpu", "SCRIPT"], "'auto', 'cuda', 'cpu'"),
+]
+
+
+@pytest.mark.parametrize("args,expected", BAD_OPTIONS, ids=lambda a: " ".join(a[:3]) if isinstance(a, list) else None)
+def test_bad_options_fail_before_any_work(tmp_path, args, expected):
+    script = tmp_path / "work.py"
+    script.write_text(TINY)
+    args = [str(script) if a == "SCRIPT" else str(SAMPLE) if a == "TRACE" else a for a in args]
+    r = cli(*args, "--out", tmp_path / "out", cwd=tmp_path)
+    assert r.returncode == 2 and expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work.py"]  # nothing profiled, nothing written
+
+
+def test_choices_in_help():
+    r = cli("apply", "--help")
+    assert "auto|cuda|cpu" in r.stdout and "layer|pattern|occurrence|root" in r.stdout
+    assert "kernel|program|subgraph" in r.stdout
+
+
+def test_top_has_one_default_everywhere():
+    import typer
+
+    from advisor.cli import app
+
+    commands = typer.main.get_command(app).commands
+    tops = {name: next(p.default for p in c.params if p.name == "top") for name, c in commands.items()
+            if any(p.name == "top" for p in c.params)}
+    assert set(tops) == {"run", "analyze", "generate", "report", "apply"} and len(set(tops.values())) == 1, tops

@@ -183,7 +183,7 @@ def test_device_cuda_without_gpu(capsys):
     code, _, err = _cli(["profile", str(SEED), "--device", "cuda"], capsys)
     assert code == 2 and "no CUDA GPU" in err and len(err.strip().splitlines()) == 1
     code, _, err = _cli(["profile", str(SEED), "--device", "tpu"], capsys)
-    assert code == 2 and "auto, cuda or cpu" in err
+    assert code == 2 and "'auto', 'cuda', 'cpu'" in err
 
 
 def test_raising_script_leaves_partial_trace(tmp_path, capsys):
