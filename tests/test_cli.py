@@ -199,3 +199,25 @@ def test_top_has_one_default_everywhere():
     tops = {name: next(p.default for p in c.params if p.name == "top") for name, c in commands.items()
             if any(p.name == "top" for p in c.params)}
     assert set(tops) == {"run", "analyze", "generate", "report", "apply"} and len(set(tops.values())) == 1, tops
+
+
+# ------------------------------------------------------------------------------------------ item 5
+CHATTER = ("Execution Trace Observer", "profiler_start", "profiler_stop", "USDT")
+
+
+def test_profile_prints_no_torch_cpp_log_lines(tiny_run):
+    _, r = tiny_run
+    assert r.returncode == 0
+    assert not [w for w in CHATTER if w in r.stdout + r.stderr], r.stderr
+
+
+def test_optimize_prints_no_torch_cpp_log_lines(tmp_path):
+    """In the user's own process, where torch was imported long before (TORCH_CPP_LOG_LEVEL is read then)."""
+    script = tmp_path / "user.py"
+    script.write_text("import sys, torch, advisor\n"
+                      "model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU())\n"
+                      "advisor.optimize(model, (torch.randn(4, 32),), top=1, out=sys.argv[1])\nprint('done')\n")
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr
+    assert not [w for w in CHATTER if w in r.stdout + r.stderr], r.stderr

@@ -393,3 +393,14 @@ def test_run_command_profiles_the_demo_then_analyses(tmp_path):
         assert proc.returncode != 0 and "analysis stage cannot be loaded" in proc.stderr
     else:
         assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_profiler_chatter_dropped_other_native_stderr_kept(capfd):
+    """fd 2 is filtered, not closed: a line the user's native code writes meanwhile still arrives."""
+    from advisor.collect.native_log import without_profiler_chatter
+
+    with without_profiler_chatter():
+        os.write(2, b"[W1123 19:46:43.654 execution_trace_observer.cpp:989] Enabling Execution Trace Observer\n")
+        os.write(2, b"USDT:2026-11-23 19:46:43 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning of the user's own\n")
+    assert capfd.readouterr().err == "a warning of the user's own\n"

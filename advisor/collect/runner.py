@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from advisor.collect.native_log import quiet_profile, without_profiler_chatter
 from advisor.errors import AdvisorError
 
 DEVICE_ENV = "FUSION_ADVISOR_DEVICE"
@@ -228,7 +229,8 @@ def _stop_after_calls(n: Optional[int], prof):
         if local.depth == 0 and done[0] < n:
             done[0] += 1
             if done[0] == n:
-                prof.stop()
+                with without_profiler_chatter():
+                    prof.stop()
                 prof.stop = lambda: None  # the `with profile(...)` exit must not stop it a second time
 
     pre = nn_module.register_module_forward_pre_hook(enter)
@@ -335,8 +337,8 @@ def profile_script(
                         warnings.catch_warnings():
                     # torch 2.11 warns about schedule cycles, which a single profile() never has
                     warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle.*")
-                    with profile(activities=activities, record_shapes=True, with_stack=True,
-                                 execution_trace_observer=et, **_all_threads()) as prof:
+                    with quiet_profile(profile(activities=activities, record_shapes=True, with_stack=True,
+                                               execution_trace_observer=et, **_all_threads())) as prof:
                         with ranges_as_regions(), module_scopes(), _stop_after_calls(profile_calls, prof):
                             _run_as_main(script, outcome)
                         if dev == "cuda":
@@ -347,7 +349,8 @@ def profile_script(
                                     outcome.complete, outcome.error = False, f"{type(e).__name__}: {e}"
         finally:
             try:
-                et.unregister_callback()
+                with without_profiler_chatter():
+                    et.unregister_callback()
             except Exception:  # pragma: no cover
                 pass
 
