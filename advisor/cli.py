@@ -8,8 +8,8 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from advisor.cli_options import (Device, Granularity, Replacement, device_option, out_option, region_option,
-                                 top_option)
+from advisor.cli_options import (Device, Granularity, Replacement, calls_option, chosen_schedule, device_option,
+                                 out_option, region_option, schedule_option, top_option)
 from advisor.collect.layout import TRACE_DIR, locate
 from advisor.errors import AdvisorError
 from advisor.report import render_reports
@@ -54,6 +54,8 @@ def profile(
     out: Path = out_option(),
     device: Device = device_option(),
     region: Optional[str] = region_option(),
+    calls: Optional[int] = calls_option(),
+    schedule: Optional[str] = schedule_option(),
 ):
     """Run SCRIPT under torch.profiler + ExecutionTraceObserver and write a trace directory.
 
@@ -61,7 +63,8 @@ def profile(
     fails (sys.exit(N) gives N, an exception 1; the partial trace is written), 2 bad input, 4 the script
     did no tensor work, 130 interrupted (Ctrl-C; the trace so far is written).
     """
-    _profile(script, list(ctx.args), out, device=device.value, region=region)
+    _profile(script, list(ctx.args), out, device=device.value, region=region,
+             schedule=chosen_schedule(calls, schedule))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -71,9 +74,12 @@ def run(
     out: Path = out_option(),
     device: Device = device_option(),
     region: Optional[str] = region_option(),
+    calls: Optional[int] = calls_option(),
+    schedule: Optional[str] = schedule_option(),
     top: int = top_option(),
 ):
     """Profile SCRIPT, then analyse the trace: `profile` and `analyze` in one go."""
+    chosen = chosen_schedule(calls, schedule)
     args = list(ctx.args)
     if script is not None and str(script).startswith("-"):  # `run -- --iters 2`: arguments for the demo
         args, script = [str(script), *args], None
@@ -81,7 +87,7 @@ def run(
         import advisor.demo_workload as demo
 
         script = Path(demo.__file__)
-    _profile(script, args, out, device=device.value, region=region)
+    _profile(script, args, out, device=device.value, region=region, schedule=chosen)
     from advisor.analyze.api import analyze_cli
 
     _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top))

@@ -221,3 +221,42 @@ def test_optimize_prints_no_torch_cpp_log_lines(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert r.returncode == 0 and "done" in r.stdout, r.stderr
     assert not [w for w in CHATTER if w in r.stdout + r.stderr], r.stderr
+
+
+# ------------------------------------------------------------------------------------------ item 6
+LOOP = """\
+import torch
+model, x = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()), torch.randn(8, 64)
+for _ in range(12):
+    model(x)
+"""
+
+
+@pytest.mark.parametrize("option,schedule,found", [
+    (["--calls", "3"], {"wait": 0, "warmup": 1, "active": 2}, 3),
+    (["--schedule", "5,2,3"], {"wait": 5, "warmup": 2, "active": 3}, 5),
+])
+def test_calls_and_schedule_bound_what_is_profiled(tmp_path, option, schedule, found):
+    import json
+
+    (tmp_path / "loop.py").write_text(LOOP)
+    r = cli("profile", tmp_path / "loop.py", "--out", tmp_path / "out", "--device", "cpu", *option)
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "out" / "trace" / "meta.json").read_text())
+    assert meta["schedule"] == schedule
+    steady = meta["steady_state"]
+    assert steady["found"] == found and steady["warmup_dropped"] == schedule["warmup"]
+    assert len(steady["iterations"]) == schedule["active"]
+
+
+@pytest.mark.parametrize("option,expected", [
+    (["--schedule", "1,2"], "WAIT,WARMUP,ACTIVE"),
+    (["--schedule", "1,1,0"], "ACTIVE must be at least 1"),
+    (["--calls", "0"], "'--calls'"),
+    (["--calls", "2", "--schedule", "1,1,1"], "not both"),
+])
+def test_bad_schedule_is_one_line(tmp_path, option, expected):
+    (tmp_path / "loop.py").write_text(LOOP)
+    r = cli("profile", tmp_path / "loop.py", "--out", tmp_path / "out", *option)
+    assert r.returncode == 2 and expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "out").exists()
