@@ -56,15 +56,15 @@ def render_reports(directory, console=None, top: int = 10, terminal: bool = True
     analysis, apply = load(directory)
     d = locate(directory).analysis.parent
     if terminal:
-        render_terminal(analysis, apply, console or Console(), top=top)
+        render_terminal(analysis, apply, console or Console(), top=top, out=d)
 
     # A second, recording console at a fixed width: the user's console may be narrow or not record.
     rec = Console(record=True, width=TEXT_WIDTH, file=io.StringIO(), force_terminal=False, color_system=None)
-    render_terminal(analysis, apply, rec, top=top)
+    render_terminal(analysis, apply, rec, top=top, out=d)
     paths = {"html": d / "report.html", "txt": d / "report.txt"}
     try:
         paths["txt"].write_text(rec.export_text(), encoding="utf-8")
-        write_html(analysis, apply, paths["html"])
+        write_html(analysis, apply, paths["html"], out=d)
     except OSError as ex:
         raise AdvisorError(f"cannot write the report into {d}: {ex}") from None
     return paths
