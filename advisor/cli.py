@@ -10,7 +10,7 @@ from rich.console import Console
 
 from advisor.cli_options import (Device, Granularity, Replacement, calls_option, chosen_schedule, device_option,
                                  out_option, region_option, schedule_option, top_option)
-from advisor.collect.layout import TRACE_DIR, locate
+from advisor.collect.layout import TRACE_DIR, drop_stale_kernels, locate
 from advisor.errors import AdvisorError
 from advisor.report import render_reports
 
@@ -149,6 +149,7 @@ def generate(
 
     with console.status("generating and validating kernels…"):
         applied = generate_candidates(doc, Path(out_dir), top=top, on_result=show)
+    drop_stale_kernels(out_dir)
     console.print(table)
     n_ok = sum(p["validated"] for p in applied["patterns"])
     console.print(f"{n_ok} of {len(applied['patterns'])} patterns validated; results in [bold]{Path(out_dir) / 'apply.json'}[/]")
@@ -190,6 +191,7 @@ def apply(
 
     apply_script(script, list(ctx.args), out, top=top, device=device.value, region=region,
                  replacement=replacement.value, iters=iters, granularity=granularity.value)
+    drop_stale_kernels(out)
     _report_written(render_reports(out, top=top, terminal=False))
 
 

@@ -260,3 +260,28 @@ def test_bad_schedule_is_one_line(tmp_path, option, expected):
     r = cli("profile", tmp_path / "loop.py", "--out", tmp_path / "out", *option)
     assert r.returncode == 2 and expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ item 10
+def test_generate_leaves_no_stale_kernels(sample_run):
+    kernels = sample_run / "kernels"
+    kernels.mkdir()
+    for i in range(3, 10):  # an older run's kernels
+        (kernels / f"c{i}_old_pattern.py").write_text("# from an older run\n")
+    r = cli("generate", sample_run, "--top", "2")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    named = {Path(p["kernel_file"]).name for p in json.loads((sample_run / "apply.json").read_text())["patterns"]
+             if p.get("kernel_file")}
+    assert {p.name for p in kernels.glob("*.py")} == named and len(named) == 2
+
+
+def test_the_test_session_leaves_no_cache_folder(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "FUSION_ADVISOR_CACHE"}
+    env.update(TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/test_cli.py::test_entry_point_is_main"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:]
+    assert not list(tmp_path.glob("fusion-advisor-test-cache-*"))

@@ -34,3 +34,21 @@ def locate(path) -> RunDir:
         return RunDir(p, p / TRACE_DIR)
     home = p if p.is_dir() else p.parent  # a bare file's results go beside it
     return RunDir(home.parent if home.name == TRACE_DIR else home, p)
+
+
+def drop_stale_kernels(out) -> list:
+    """Delete OUT/kernels/*.py that OUT/apply.json no longer names: a `generate --top 2` into a folder that
+    held nine kernels left seven beside the new plan, each looking like part of it. Returns those deleted."""
+    import json
+
+    out = Path(out)
+    try:
+        doc = json.loads((out / "apply.json").read_text())
+    except (OSError, ValueError):
+        return []  # no plan to compare with: leave everything
+    named = {Path(str(e["kernel_file"])).name for key in ("patterns", "manifest") for e in doc.get(key) or []
+             if isinstance(e, dict) and e.get("kernel_file")}
+    stale = [p for p in sorted((out / "kernels").glob("*.py")) if p.name not in named]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
