@@ -8,47 +8,78 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from advisor.errors import AdvisorError, NotBuiltYet
+from advisor.cli_options import (Device, Granularity, Replacement, calls_option, chosen_schedule, device_option,
+                                 out_option, region_option, schedule_option, top_option)
+from advisor.collect.layout import TRACE_DIR, drop_stale_kernels, locate
+from advisor.errors import AdvisorError
+from advisor.report import render_reports
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="Profiler-driven kernel-fusion advisor for PyTorch.",
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 err = Console(stderr=True)
+PROG = "fusion-advisor"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from advisor import __version__
+
+        try:
+            torch_version = version("torch")  # metadata only: importing torch would take seconds
+        except PackageNotFoundError:
+            torch_version = "not installed"
+        print(f"{PROG} {__version__} (torch {torch_version})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                 help="Print the version and exit."),
+):
+    """Profiler-driven kernel-fusion advisor for PyTorch."""
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def profile(
     ctx: typer.Context,
     script: Path = typer.Argument(..., help="Python script to run as __main__ (arguments for it go after `--`)."),
-    out: Path = typer.Option(Path("advisor_out"), "--out", help="Output directory (the trace goes to OUT/trace/)."),
-    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu (exported to the script as FUSION_ADVISOR_DEVICE)."),
-    region: Optional[str] = typer.Option(None, "--region", help="Steady-state region: an advisor.region or NVTX range name."),
+    out: Path = out_option(),
+    device: Device = device_option(),
+    region: Optional[str] = region_option(),
+    calls: Optional[int] = calls_option(),
+    schedule: Optional[str] = schedule_option(),
 ):
     """Run SCRIPT under torch.profiler + ExecutionTraceObserver and write a trace directory.
 
-    Writes OUT/trace/kineto.json.gz, et.json.gz and meta.json. Exit codes: 1 the script failed
-    (partial trace written), 2 bad input, 4 the script did no tensor work.
+    Writes OUT/trace/kineto.json.gz, et.json.gz and meta.json. Exit codes: the script's own when it
+    fails (sys.exit(N) gives N, an exception 1; the partial trace is written), 2 bad input, 4 the script
+    did no tensor work, 130 interrupted (Ctrl-C; the trace so far is written).
     """
-    from advisor.collect.runner import profile_script
-
-    profile_script(script, list(ctx.args), out_dir=out, device=device, region=region)
+    _profile(script, list(ctx.args), out, device=device.value, region=region,
+             schedule=chosen_schedule(calls, schedule))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
     script: Optional[Path] = typer.Argument(None, help="Workload script (default: the bundled demo workload)."),
-    out: Path = typer.Option(Path("advisor_out"), "--out", help="Output directory."),
-    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu"),
-    region: Optional[str] = typer.Option(None, "--region", help="Steady-state region: an advisor.region or NVTX range name."),
-    top: int = typer.Option(10, "--top", help="Candidates to show."),
+    out: Path = out_option(),
+    device: Device = device_option(),
+    region: Optional[str] = region_option(),
+    calls: Optional[int] = calls_option(),
+    schedule: Optional[str] = schedule_option(),
+    top: int = top_option(),
 ):
     """Profile SCRIPT, then analyse the trace: `profile` and `analyze` in one go."""
-    from advisor.collect.runner import profile_script
-
+    chosen = chosen_schedule(calls, schedule)
     args = list(ctx.args)
     if script is not None and str(script).startswith("-"):  # `run -- --iters 2`: arguments for the demo
         args, script = [str(script), *args], None
@@ -56,35 +87,32 @@ def run(
         import advisor.demo_workload as demo
 
         script = Path(demo.__file__)
-    profile_script(script, args, out_dir=out, device=device, region=region)
-    try:
-        from advisor.analyze.api import analyze_cli
-    except Exception as e:  # the analysis stage is optional at this point of the pipeline
-        raise AdvisorError(
-            f"trace written to {out / 'trace'}, but the analysis stage cannot be loaded "
-            f"({type(e).__name__}: {e}); run `fusion-advisor analyze {out / 'trace'}` once it is available"
-        ) from None
-    analyze_cli(out / "trace", et=None, out=None, top=top)
+    _profile(script, args, out, device=device.value, region=region, schedule=chosen)
+    from advisor.analyze.api import analyze_cli
+
+    _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top))
 
 
 @app.command()
 def analyze(
-    trace: Path = typer.Argument(..., help="Trace directory from `profile`, or a Kineto .json/.json.gz."),
+    trace: Path = typer.Argument(..., help="OUT or OUT/trace from `profile`, or a Kineto .json/.json.gz."),
     et: Optional[Path] = typer.Option(None, "--et", help="Execution trace file (when TRACE is a bare Kineto file)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Where to write analysis.json (default: next to the trace)."),
-    top: int = typer.Option(10, "--top", help="Candidates to show."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Where to write analysis.json and the reports "
+                                       "(default: OUT, the directory holding the trace/ folder)."),
+    top: int = top_option(),
 ):
-    """Find fusion candidates in a trace and estimate what each saves."""
+    """Find fusion candidates in a trace and estimate what each saves; writes analysis.json and the reports."""
     from advisor.analyze.api import analyze_cli
 
-    analyze_cli(trace, et=et, out=out, top=top)
+    located = locate(trace)
+    _report_written(analyze_cli(located.trace, et=et, out=out or located.out, top=top))
 
 
 @app.command()
 def generate(
     source: Path = typer.Argument(..., help="Directory with analysis.json, or a trace (directory or Kineto file) to analyse first."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: where analysis.json is)."),
-    top: int = typer.Option(10, "--top", help="How many top-ranked candidates to generate kernels for."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: OUT, where analysis.json is)."),
+    top: int = top_option(),
 ):
     """Generate a fused Triton kernel per top candidate, validate each against PyTorch, write OUT/kernels/*.py and OUT/apply.json."""
     import json
@@ -95,20 +123,20 @@ def generate(
 
     console = Console()
     source = Path(source)
-    found = source / "analysis.json" if source.is_dir() else (source if source.name == "analysis.json" else None)
-    if found is not None and found.exists():
-        doc = json.loads(found.read_text())
-        out_dir = out or found.parent
+    if not source.exists():
+        raise AdvisorError(f"{source} does not exist")
+    located = locate(source.parent if source.name == "analysis.json" else source)
+    out_dir = Path(out or located.out)
+    if located.analysis.is_file():
+        doc = json.loads(located.analysis.read_text())
+        if located.analysis.parent != out_dir:  # the report reads it beside apply.json
+            _write_json(out_dir / "analysis.json", doc)
     else:
-        if not source.exists():
-            raise AdvisorError(f"{source} does not exist")
         from advisor.analyze.api import analyze as run_analysis
 
-        trace = source / "trace" if (source / "trace").is_dir() else source
         with console.status("analysing trace…"):
-            result = run_analysis(trace)
-        out_dir = out or (source if source.is_dir() and trace != source else trace.parent if trace.is_file() else trace)
-        result.to_json(Path(out_dir) / "analysis.json")
+            result = run_analysis(located.trace)
+        result.to_json(out_dir / "analysis.json")
         doc = result.doc
     table = Table(title=f"generated kernels ({out_dir / 'kernels'})")
     for col in ("#", "pattern", "result", "rel_l2", "file"):
@@ -121,33 +149,37 @@ def generate(
 
     with console.status("generating and validating kernels…"):
         applied = generate_candidates(doc, Path(out_dir), top=top, on_result=show)
+    drop_stale_kernels(out_dir)
     console.print(table)
     n_ok = sum(p["validated"] for p in applied["patterns"])
     console.print(f"{n_ok} of {len(applied['patterns'])} patterns validated; results in [bold]{Path(out_dir) / 'apply.json'}[/]")
+    _report_written(render_reports(out_dir, console, top=top, terminal=False))
 
 
 @app.command()
-def report(directory: Path = typer.Argument(..., help="Directory holding analysis.json (and apply.json).")):
+def report(
+    directory: Path = typer.Argument(..., help="OUT (holding analysis.json, and apply.json if any) or OUT/trace."),
+    top: int = top_option(),
+):
     """Re-render the terminal and HTML reports from a directory, without re-running anything."""
-    from advisor.report import render_reports
-
-    render_reports(directory)
+    _report_written(render_reports(directory, top=top))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def apply(
     ctx: typer.Context,
     script: Path = typer.Argument(..., help="Workload script (arguments for it go after `--`)."),
-    top: int = typer.Option(5, "--top", help="Candidates to generate kernels for."),
-    out: Path = typer.Option(Path("advisor_out"), "--out", help="Output directory (the only place written)."),
-    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu"),
-    region: Optional[str] = typer.Option(None, "--region", help="Steady-state region: an advisor.region or NVTX range name."),
-    iters: int = typer.Option(20, "--iters", help="Timed iterations (after warm-up) of the steady state."),
-    replacement: str = typer.Option("kernel", "--replacement", help="kernel (generated Triton) | program | "
-                                    "subgraph (stand-ins that replay the original ops: checks the patcher)."),
-    granularity: str = typer.Option("layer", "--granularity", help="Modules captured: layer (pattern, but never "
-                                    "one holding several repeated layers) | pattern (the one containing all of a "
-                                    "pattern's occurrences) | occurrence (each) | root (the model)."),
+    top: int = top_option(),
+    out: Path = out_option(what="Output directory, the only place written"),
+    device: Device = device_option(),
+    region: Optional[str] = region_option(),
+    iters: int = typer.Option(20, "--iters", min=1, help="Timed iterations (after warm-up) of the steady state."),
+    replacement: Replacement = typer.Option(Replacement.kernel, "--replacement", help="kernel: the generated Triton; "
+                                            "program: the op program run by PyTorch; subgraph: stand-ins that replay "
+                                            "the original ops (checks the patcher)."),
+    granularity: Granularity = typer.Option(Granularity.layer, "--granularity", help="Modules captured: layer (one per "
+                                            "repeated layer) | pattern (the one containing all of a pattern's "
+                                            "occurrences) | occurrence (each) | root (the model)."),
 ):
     """Profile, analyse, generate, validate, patch and benchmark SCRIPT; writes OUT/apply.json.
 
@@ -157,8 +189,39 @@ def apply(
     """
     from advisor.patch.apply import apply_script
 
-    apply_script(script, list(ctx.args), out, top=top, device=device, region=region, replacement=replacement,
-                 iters=iters, granularity=granularity)
+    apply_script(script, list(ctx.args), out, top=top, device=device.value, region=region,
+                 replacement=replacement.value, iters=iters, granularity=granularity.value)
+    drop_stale_kernels(out)
+    _report_written(render_reports(out, top=top, terminal=False))
+
+
+def _profile(script: Path, args: List[str], out: Path, **options) -> None:
+    """profile_script, with Ctrl-C turned into exit 130 and a line saying where the partial trace is."""
+    from advisor.collect.runner import profile_script
+
+    try:
+        profile_script(script, args, out_dir=out, **options)
+    except KeyboardInterrupt:
+        trace = out / TRACE_DIR
+        saved = (trace / "meta.json").is_file()
+        raise AdvisorError(f"interrupted; the trace recorded so far is in {trace} (complete: false)" if saved
+                           else "interrupted before the trace was written", exit_code=130) from None
+
+
+def _report_written(paths: dict) -> None:
+    """The last line: where the HTML report is, as `nsys` ends with the file it wrote."""
+    Console().print(f"Report: [bold]{paths['html']}[/]  [dim](text version: {paths['txt']})[/]", highlight=False,
+                    soft_wrap=True)
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    import json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1))
+    except OSError as e:
+        raise AdvisorError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 # Commands that run no user code: once their files are written, the process ends without tearing down
@@ -166,30 +229,51 @@ def apply(
 FAST_EXIT = {"analyze", "generate", "report"}
 
 
-def main(argv: List[str] | None = None) -> None:
-    try:
-        app(args=argv, standalone_mode=False)
-        command = next((a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")), None)
-        if command in FAST_EXIT and argv is None:
-            import os
+def _click_exceptions():
+    """The exceptions module of the click that typer runs on: typer >= 0.24 bundles its own copy
+    (`typer._click`), older typer uses the `click` package, which a venv with recent typer lacks."""
+    return sys.modules[typer.BadParameter.__module__]
 
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+
+def _usage_error(e, click_exc) -> int:
+    """Print a click usage error as one line (help for a bare `fusion-advisor`); returns the exit code."""
+    ctx = getattr(e, "ctx", None)
+    no_args = getattr(click_exc, "NoArgsIsHelpError", None)
+    if no_args is not None and isinstance(e, no_args):
+        print(ctx.get_help() if ctx is not None else "")
+        return e.exit_code
+    if not isinstance(e, click_exc.UsageError):  # e.g. FileError: no usage hint
+        err.print(f"[bold red]error:[/] {e.format_message()}", highlight=False, soft_wrap=True)
+        return e.exit_code
+    where = ctx.command_path if ctx is not None else PROG
+    err.print(f"[bold red]error:[/] {e.format_message()} (see `{where} --help`)", highlight=False, soft_wrap=True)
+    return e.exit_code
+
+
+def main(argv: List[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    click_exc = _click_exceptions()
+    aborts = tuple({typer.Abort, getattr(click_exc, "Abort", typer.Abort)})
+    try:
+        code = app(args=args, prog_name=PROG, standalone_mode=False)
     except AdvisorError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
-    except SystemExit:
-        raise
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
-    except Exception as e:  # click usage errors arrive here in non-standalone mode
-        import click
+    except click_exc.ClickException as e:
+        sys.exit(_usage_error(e, click_exc))
+    except aborts as e:  # older click turns Ctrl-C into Abort
+        sys.exit(130 if isinstance(e.__context__, KeyboardInterrupt) else 1)
+    if isinstance(code, int) and code:  # typer.Exit(n), and Ctrl-C (typer turns it into Exit(130))
+        if code == 130:
+            err.print("interrupted")
+        sys.exit(code)
+    command = next((a for a in args if not a.startswith("-")), None)
+    if command in FAST_EXIT and argv is None:
+        import os
 
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(1)
-        raise
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -9,4 +9,12 @@ if not shutil.which("nvidia-smi"):
 
 # One fresh kernel/plan cache per test session, as in CI: a plan or validation an earlier session left in
 # ~/.cache would otherwise be reused and change what the tests see (tests that need their own set it).
-os.environ.setdefault("FUSION_ADVISOR_CACHE", tempfile.mkdtemp(prefix="fusion-advisor-test-cache-"))
+_SESSION_CACHE = None
+if "FUSION_ADVISOR_CACHE" not in os.environ:
+    _SESSION_CACHE = os.environ["FUSION_ADVISOR_CACHE"] = tempfile.mkdtemp(prefix="fusion-advisor-test-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's cache goes with it: every run left one more folder in the temp directory."""
+    if _SESSION_CACHE:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)

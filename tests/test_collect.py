@@ -183,7 +183,7 @@ def test_device_cuda_without_gpu(capsys):
     code, _, err = _cli(["profile", str(SEED), "--device", "cuda"], capsys)
     assert code == 2 and "no CUDA GPU" in err and len(err.strip().splitlines()) == 1
     code, _, err = _cli(["profile", str(SEED), "--device", "tpu"], capsys)
-    assert code == 2 and "auto, cuda or cpu" in err
+    assert code == 2 and "'auto', 'cuda', 'cpu'" in err
 
 
 def test_raising_script_leaves_partial_trace(tmp_path, capsys):
@@ -227,7 +227,7 @@ def test_sys_exit_zero_is_normal_and_nonzero_is_failure(tmp_path, capsys):
         sys.exit(3)
     """)
     code, out, err = _cli(["profile", str(bad), "--out", str(tmp_path / "b"), "--device", "cpu"], capsys)
-    assert code == 1 and "SystemExit: 3" in err
+    assert code == 3 and "SystemExit: 3" in err  # the script's own code, as `python bad.py` gives
     meta = json.loads((tmp_path / "b" / "trace" / "meta.json").read_text())
     assert meta["complete"] is False and meta["error"] == "SystemExit: 3"
 
@@ -393,3 +393,14 @@ def test_run_command_profiles_the_demo_then_analyses(tmp_path):
         assert proc.returncode != 0 and "analysis stage cannot be loaded" in proc.stderr
     else:
         assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_profiler_chatter_dropped_other_native_stderr_kept(capfd):
+    """fd 2 is filtered, not closed: a line the user's native code writes meanwhile still arrives."""
+    from advisor.collect.native_log import without_profiler_chatter
+
+    with without_profiler_chatter():
+        os.write(2, b"[W1123 19:46:43.654 execution_trace_observer.cpp:989] Enabling Execution Trace Observer\n")
+        os.write(2, b"USDT:2026-11-23 19:46:43 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning of the user's own\n")
+    assert capfd.readouterr().err == "a warning of the user's own\n"

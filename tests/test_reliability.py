@@ -559,7 +559,7 @@ def test_apply_writes_only_under_out(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert snapshot(user, skip=user / "opt") == before
     written = {p.relative_to(user / "opt").parts[0] for p in (user / "opt").rglob("*")}
-    assert written <= {"trace", "kernels", "analysis.json", "apply.json"}, written
+    assert written <= {"trace", "kernels", "analysis.json", "apply.json", "report.html", "report.txt"}, written
     doc = json.loads((user / "opt" / "apply.json").read_text())
     assert doc["manifest"] and all(str(user / "opt") in e["kernel_file"] for e in doc["manifest"])
 

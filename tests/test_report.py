@@ -245,7 +245,9 @@ def test_render_reports_writes_html_and_txt(tmp_path, analysis, applied):
     assert paths["html"].read_text().startswith("<!DOCTYPE html>")
     txt = paths["txt"].read_text()
     assert "Residual add + RMSNorm" in txt and "✓ valid" in txt and "\x1b[" not in txt
-    assert "report.html" in con.export_text()
+    assert "Residual add + RMSNorm" in con.export_text()
+    assert render_reports(d, console=con, terminal=False) == paths  # the HTML alone, nothing printed
+    assert con.export_text() == ""
 
 
 @pytest.mark.parametrize("content, expect", [
@@ -327,3 +329,69 @@ def test_report_in_headless_chromium(tmp_path, analysis, applied, with_apply):
     assert res["requests"] == [html.resolve().as_uri()]
     assert len(res["probe"]["dataflows"]) == len(analysis["candidates"])
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+# ------------------------------------------------------------------ what to do next (issue 20 item 8)
+def _with_ops(analysis, ops, kind=None):
+    a = copy.deepcopy(analysis)
+    a["candidates"][0]["ops"] = ops
+    if kind:
+        a["candidates"][0]["kind"] = kind
+    return a
+
+
+def test_next_step_names_the_command_to_run(tmp_path, analysis):
+    text = _terminal(analysis)
+    assert "Next step" in text and "fusion-advisor generate OUT --top" in text and "advisor.optimize(" in text
+    html = render_html(analysis, None, out=tmp_path)
+    assert 'id="next-step"' in html and f"fusion-advisor generate {tmp_path} --top" in html
+
+
+def test_next_step_is_the_existing_fix_when_there_is_one(analysis):
+    adam = _with_ops(analysis, ["aten::mul_", "aten::addcdiv_", "aten::lerp_"])
+    assert "fused=True" in _terminal(adam) and "fused=True" in render_html(adam)
+    attention = _with_ops(analysis, ["aten::matmul", "aten::softmax", "aten::matmul"], kind="attention")
+    assert "scaled_dot_product_attention" in _terminal(attention)
+
+
+def _apply_with(applied, **fields):
+    ap = copy.deepcopy(applied)
+    ap["patterns"][0].update(fields)
+    return ap
+
+
+def test_each_patterns_real_status(analysis, applied):
+    """Validated but not found by the patcher is 'not patched', with the patcher's reason, never '✓ valid'."""
+    ap = _apply_with(applied, validated=True, patched=False, status="not found in the captured graphs")
+    cid = ap["patterns"][0]["candidate"]
+    html = render_html(analysis, ap)
+    row = re.search(rf'<tr data-c="{cid}">.*?</tr>', html, re.S).group(0)
+    assert "not patched" in row and "not found in the captured graphs" in row and "✓ valid" not in row
+    assert "not found in the captured graphs" in _terminal(analysis, ap)
+    patched = render_html(analysis, _apply_with(applied, validated=True, patched=True, status="patched"))
+    assert "✓ patched" in re.search(rf'<tr data-c="{cid}">.*?</tr>', patched, re.S).group(0)
+
+
+def test_a_slowdown_is_never_green(analysis, applied):
+    ap = copy.deepcopy(applied)
+    ap["end_to_end"] = {"before_ms": 1.0, "after_ms": 1.25, "speedup": 0.8, "timing_meaningful": True}
+    html = render_html(analysis, ap)
+    assert 'class="tile bad"' in html and 'class="tile good"' not in html and "var(--good)\">0.80" not in html
+    assert "1.25× slower" in html and "faster" not in _terminal(analysis, ap).split("After apply")[1].split("\n")[0]
+    assert "advisor.patch(" not in _terminal(analysis, ap)  # nothing worth keeping
+
+
+def test_no_python_reprs_in_the_html(analysis, applied):
+    ap = _apply_with(applied, errors={"rel_l2": 1e-7, "dtype": "float32", "note": None,
+                                      "shapes": [{"case": "odd", "inputs": [[3, 5, 7], [11, 7]]}]})
+    html = render_html(analysis, ap)
+    assert "odd: 3×5×7, 11×7" in html
+    assert not re.search(r"\[\[|\{'|'case'|>None<", html)
+
+
+def test_batchnorm_inputs_are_named():
+    a = json.loads((ROOT / "reports" / "examples" / "tv_resnet50" / "analysis.json").read_text())
+    a["candidates"] = a["candidates"][:2]
+    html = render_html(a)
+    for role in ("weight", "bias", "running_mean", "running_var"):
+        assert f'class="io-name">{role}</text>' in html

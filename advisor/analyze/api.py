@@ -152,30 +152,23 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
     return Analysis(graph, device, kernels, cand_df, groups_by_id, doc)
 
 
-def analyze_cli(trace, et=None, out=None, top: int = 10) -> Analysis:
+def analyze_cli(trace, et=None, out=None, top: int = 10, console=None) -> dict:
+    """Analyse, write OUT/analysis.json, print the terminal report and write the HTML and text ones; returns
+    the paths written. OUT defaults to the run directory of TRACE (OUT for OUT/trace, see collect.layout)."""
     from rich.console import Console
 
-    console = Console()
+    from advisor.collect.layout import locate
+    from advisor.report import render_reports
+
+    console = console or Console()
     with console.status("analysing trace…"):
         result = analyze(trace, et)
-    trace = Path(trace)
-    out_dir = Path(out) if out else (trace if trace.is_dir() else trace.parent)
-    path = result.to_json(out_dir / "analysis.json")
-    try:
-        from advisor.report.terminal import render_terminal
-    except ImportError:
-        render_terminal = None
-    if render_terminal is not None:
-        render_terminal(result.doc, None, console, top=top)
-    else:
-        _fallback_summary(result.doc, console, top)
+    out_dir = Path(out) if out else locate(trace).out
+    paths = {"analysis": result.to_json(out_dir / "analysis.json")}
+    paths.update(render_reports(out_dir, console, top=top))
     for w in result.doc.get("warnings") or []:
         console.print(f"[yellow]warning:[/] {w}")
-    if result.doc["low_confidence"] and not result.doc.get("warnings"):
-        console.print("[yellow]no execution trace: dataflow guessed from shapes and order; "
-                      "every candidate is low-confidence[/]")
-    console.print(f"analysis written to [bold]{path}[/]")
-    return result
+    return paths
 
 
 # ------------------------------------------------------------------------------------------ pieces
@@ -310,21 +303,6 @@ def program_of(graph: Graph, g: Group) -> dict:
         nodes.append({"id": f"n{i}", "op": n.op, "schema": n.schema, "args": args, "outputs": outs,
                       "inplace": n.inplace})
     return {"inputs": inputs, "nodes": nodes, "outputs": [names[v] for v in escapes]}
-
-
-def _fallback_summary(doc: dict, console, top: int) -> None:
-    from rich.table import Table
-
-    t = doc["totals"]
-    console.print(f"{doc['device']['name']}: {t['kernels']} kernels/iteration, "
-                  f"{t['time_us']:.1f} µs {t['time_kind']} time per iteration")
-    table = Table(title="fusion candidates")
-    for c in ("#", "pattern", "occ", "launches saved", "bytes saved", "est. saved µs"):
-        table.add_column(c)
-    for c in doc["candidates"][:top]:
-        table.add_row(str(c["rank"]), c["title"], str(c["occurrences"]), str(c["kernels_saved"]),
-                      f"{c['bytes_saved'] / 1e6:.2f} MB", f"{c['est_time_saved_us']:.1f}")
-    console.print(table)
 
 
 def _jsonable(o):

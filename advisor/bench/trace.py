@@ -26,6 +26,7 @@ def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: i
     from advisor.collect import steady
     from advisor.collect.measure import device_info
     from advisor.collect.module_scopes import module_scopes
+    from advisor.collect.native_log import quiet_profile, without_profiler_chatter
     from advisor.collect.region import region
 
     trace_dir = Path(out_dir) / "trace"
@@ -36,7 +37,7 @@ def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: i
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
-            with profile(activities=activities, record_shapes=True, execution_trace_observer=et) as prof:
+            with quiet_profile(profile(activities=activities, record_shapes=True, execution_trace_observer=et)) as prof:
                 with module_scopes():
                     for _ in range(max(2, calls)):
                         with region(REGION):
@@ -45,7 +46,8 @@ def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: i
                             torch.cuda.synchronize()
     finally:
         try:
-            et.unregister_callback()
+            with without_profiler_chatter():
+                et.unregister_callback()
         except Exception:  # pragma: no cover
             pass
     prof.export_chrome_trace(str(kineto_tmp))

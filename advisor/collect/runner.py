@@ -23,10 +23,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from advisor.collect.native_log import without_profiler_chatter
+from advisor.collect.schedule import ProfilerWindow, Schedule
 from advisor.errors import AdvisorError
 
 DEVICE_ENV = "FUSION_ADVISOR_DEVICE"
-PROFILE_CALLS_ENV = "FUSION_ADVISOR_PROFILE_CALLS"  # stop profiling after this many outermost module calls
+PROFILE_CALLS_ENV = "FUSION_ADVISOR_PROFILE_CALLS"  # as --calls N, where no command line reaches (tests, tools)
 EXIT_SCRIPT_FAILED = 1
 EXIT_NO_TENSOR_WORK = 4
 
@@ -80,6 +82,7 @@ class _Outcome:
         self.error: Optional[str] = None
         self.traceback: Optional[str] = None
         self.interrupted = False
+        self.exit_code = EXIT_SCRIPT_FAILED  # what `python SCRIPT` would have exited with
         self.wall_s = 0.0
 
 
@@ -175,7 +178,9 @@ def _run_as_main(script: Path, outcome: _Outcome) -> None:
             outcome.complete = True
         else:
             outcome.error = f"SystemExit: {code}"
-            if not isinstance(code, int):  # `sys.exit("message")`: python prints the message
+            if isinstance(code, int):  # passed on, so a shell sees what it would see without the advisor
+                outcome.exit_code = code if 0 < code < 256 else EXIT_SCRIPT_FAILED
+            else:  # `sys.exit("message")`: python prints the message and exits 1
                 outcome.traceback = f"{code}\n"
     except KeyboardInterrupt:
         outcome.error = "KeyboardInterrupt"
@@ -199,42 +204,17 @@ def _all_threads() -> Dict[str, Any]:
         return {}
 
 
-@contextlib.contextmanager
-def _stop_after_calls(n: Optional[int], prof):
-    """Stop the profiler (Kineto and the ET observer) once n outermost nn.Module calls have completed.
-
-    Why: stacks, shapes and the execution trace make every profiled op slower, so a script that runs
-    many iterations would spend much of its time being profiled for nothing: the analyzer wants a
-    warm-up call and a few steady ones (bench/profile_overhead.py measures the cost). With
-    FUSION_ADVISOR_PROFILE_CALLS=n (or profile_calls=n) the rest of the script runs at full speed.
-    Off by default. The hooks go in after module_scopes' ones, so the last call's scope is closed first.
-    """
-    if not n:
-        yield
-        return
-    from torch.nn.modules import module as nn_module
-
-    local = threading.local()
-    done = [0]
-
-    def enter(mod, args):
-        local.depth = getattr(local, "depth", 0) + 1
-
-    def leave(mod, args, out):
-        local.depth = getattr(local, "depth", 1) - 1
-        if local.depth == 0 and done[0] < n:
-            done[0] += 1
-            if done[0] == n:
-                prof.stop()
-                prof.stop = lambda: None  # the `with profile(...)` exit must not stop it a second time
-
-    pre = nn_module.register_module_forward_pre_hook(enter)
-    post = nn_module.register_module_forward_hook(leave, always_call=True)
-    try:
-        yield
-    finally:
-        pre.remove()
-        post.remove()
+def _schedule(schedule: Optional[Schedule], profile_calls: Optional[int]) -> Schedule:
+    """The schedule asked for: `schedule`, else the first `profile_calls` calls (FUSION_ADVISOR_PROFILE_CALLS
+    when neither is given), else every call with the first one warm-up."""
+    if schedule is not None:
+        return schedule
+    if profile_calls is None and os.environ.get(PROFILE_CALLS_ENV, "").strip():
+        try:
+            profile_calls = int(os.environ[PROFILE_CALLS_ENV])
+        except ValueError:
+            raise AdvisorError(f"{PROFILE_CALLS_ENV} must be a whole number (got {os.environ[PROFILE_CALLS_ENV]!r})")
+    return Schedule.first_calls(profile_calls) if profile_calls else Schedule()
 
 
 def _gzip_file(src: Path, dst: Path) -> None:
@@ -272,6 +252,7 @@ def profile_script(
     console=None,
     preimport_modules: bool = True,
     profile_calls: Optional[int] = None,
+    schedule: Optional[Schedule] = None,
 ) -> Dict[str, Any]:
     """Profile SCRIPT and write OUT_DIR/trace/{kineto.json.gz, et.json.gz, meta.json}; returns meta.
 
@@ -289,11 +270,7 @@ def profile_script(
         args = args[1:]
     check_script(script)
     dev = resolve_device(device)
-    if profile_calls is None and os.environ.get(PROFILE_CALLS_ENV, "").strip():
-        try:
-            profile_calls = int(os.environ[PROFILE_CALLS_ENV])
-        except ValueError:
-            raise AdvisorError(f"{PROFILE_CALLS_ENV} must be a whole number (got {os.environ[PROFILE_CALLS_ENV]!r})")
+    schedule = _schedule(schedule, profile_calls)
     trace_dir = Path(out_dir) / "trace"
     try:
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -332,24 +309,31 @@ def profile_script(
                         warnings.catch_warnings():
                     # torch 2.11 warns about schedule cycles, which a single profile() never has
                     warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle.*")
-                    with profile(activities=activities, record_shapes=True, with_stack=True,
-                                 execution_trace_observer=et, **_all_threads()) as prof:
-                        with ranges_as_regions(), module_scopes(), _stop_after_calls(profile_calls, prof):
+                    prof = profile(activities=activities, record_shapes=True, with_stack=True,
+                                   execution_trace_observer=et, **_all_threads())
+                    sync = torch.cuda.synchronize if dev == "cuda" else None
+                    window = ProfilerWindow(prof, schedule, before_stop=sync)
+                    try:
+                        with ranges_as_regions(), module_scopes(), window:
                             _run_as_main(script, outcome)
-                        if dev == "cuda":
-                            try:
-                                torch.cuda.synchronize()
-                            except Exception as e:  # a CUDA error from the workload surfaces here
-                                if outcome.error is None:
-                                    outcome.complete, outcome.error = False, f"{type(e).__name__}: {e}"
+                    finally:
+                        try:
+                            window.stop()
+                        except Exception as e:  # a CUDA error from the workload surfaces here
+                            if outcome.error is None:
+                                outcome.complete, outcome.error = False, f"{type(e).__name__}: {e}"
         finally:
             try:
-                et.unregister_callback()
+                with without_profiler_chatter():
+                    et.unregister_callback()
             except Exception:  # pragma: no cover
                 pass
 
     timings["profile"] = time.perf_counter() - t_phase
     t_phase = time.perf_counter()
+    if not window.started:
+        raise AdvisorError(f"nothing was profiled: the schedule waits for {schedule.wait} calls of the outermost "
+                           f"nn.Module and {script} made {window.calls}", exit_code=EXIT_NO_TENSOR_WORK)
     if outcome.traceback:
         sys.stdout.flush()
         sys.stderr.write(outcome.traceback)
@@ -366,7 +350,7 @@ def profile_script(
         else:
             et_note = "the execution trace observer wrote no file"
         events = trace.get("traceEvents", []) if isinstance(trace, dict) else []
-        steady = steady_mod.steady_state(events, region)
+        steady = steady_mod.steady_state(events, region, warmup=schedule.warmup)
         summary = steady_mod.summarize(events, steady)
         del trace, events
     timings["export"] = time.perf_counter() - t_phase
@@ -391,7 +375,8 @@ def profile_script(
         "kernels": summary["kernels"],
         "cpu_ops": summary["cpu_ops"],
         "wall_s": round(outcome.wall_s, 4),
-        "profile_calls": profile_calls,
+        "profile_calls": schedule.last_call,
+        "schedule": schedule.as_meta(),
         "collect_s": {k: round(v, 3) for k, v in timings.items()},
     }
     if "measure_error" in measured:
@@ -407,7 +392,7 @@ def profile_script(
     if not outcome.complete:
         raise AdvisorError(
             f"{script} failed ({outcome.error}); partial trace written to {trace_dir} (complete: false)",
-            exit_code=EXIT_SCRIPT_FAILED,
+            exit_code=outcome.exit_code,
         )
     if summary["aten_ops"] == 0:
         raise AdvisorError(
@@ -428,7 +413,10 @@ def _fmt_bytes(n: float) -> str:
 
 def _print_summary(console, meta, summary, trace_dir: Path, dev: str, region: Optional[str]) -> None:
     st = meta["steady_state"]
-    status = "[green]completed[/]" if meta["complete"] else f"[red]failed[/] ({meta['error']})"
+    if meta["complete"]:
+        status = "[green]completed[/]"
+    else:
+        status = "[yellow]interrupted[/]" if meta["error"] == "KeyboardInterrupt" else f"[red]failed[/] ({meta['error']})"
     console.print(f"script {status} in {meta['wall_s']:.2f} s")
     n_it = len(st["iterations"])
     if st["source"] == "region":

@@ -10,7 +10,7 @@ Sources, in order:
              (ties: the one with more total time) is the iteration.
   whole   -- one iteration spanning every duration event of the trace.
 Nested occurrences of the chosen region are folded into the outermost one. With two or more iterations
-the first is dropped as warm-up. Windows are `[ts, ts + dur]` in the Kineto `ts` time base (us).
+the first (or the schedule's `warmup` first) is dropped as warm-up. Windows are `[ts, ts + dur]` in the Kineto `ts` time base (us).
 """
 from __future__ import annotations
 
@@ -100,8 +100,9 @@ def whole_trace(events: List[Dict[str, Any]]) -> List[Tuple[float, float]]:
     return [(min(b for b, _ in spans), max(en for _, en in spans))]
 
 
-def steady_state(events: List[Dict[str, Any]], region: Optional[str] = None) -> Dict[str, Any]:
-    """The `steady_state` block of meta.json (plus `requested_region` when --region found nothing)."""
+def steady_state(events: List[Dict[str, Any]], region: Optional[str] = None, warmup: int = 1) -> Dict[str, Any]:
+    """The `steady_state` block of meta.json (plus `requested_region` when --region found nothing); the first
+    `warmup` iterations are dropped, as long as one is left."""
     source, name, windows = None, None, []
     missing_region = None
     if region:
@@ -117,7 +118,7 @@ def steady_state(events: List[Dict[str, Any]], region: Optional[str] = None) -> 
     if not windows:
         source, name, windows = "whole", None, whole_trace(events)
     found = len(windows)
-    dropped = 1 if found >= 2 else 0
+    dropped = max(0, min(warmup, found - 1))
     out: Dict[str, Any] = {
         "source": source,
         "name": name,

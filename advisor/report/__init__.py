@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Optional, Tuple
 
+from advisor.collect.layout import locate
 from advisor.errors import AdvisorError
 
 SCHEMA_VERSION = 1
@@ -28,13 +29,14 @@ def _load(path: Path, what: str) -> dict:
 
 
 def load(directory) -> Tuple[dict, Optional[dict]]:
-    """(analysis, apply or None) from a report directory; AdvisorError with one line otherwise."""
+    """(analysis, apply or None) from a run directory (OUT or OUT/trace); AdvisorError with one line otherwise."""
     d = Path(directory)
     if not d.is_dir():
         raise AdvisorError(f"{d} is not a directory")
-    a_path = d / "analysis.json"
+    a_path = locate(d).analysis
     if not a_path.is_file():
-        raise AdvisorError(f"no analysis.json in {d}; run `fusion-advisor analyze` first")
+        raise AdvisorError(f"no analysis.json in {d}; run `fusion-advisor analyze {d}` first")
+    d = a_path.parent
     analysis = _load(a_path, "an analysis")
     if not isinstance(analysis.get("candidates", []), list):
         raise AdvisorError(f"{a_path}: 'candidates' must be a list")
@@ -43,26 +45,26 @@ def load(directory) -> Tuple[dict, Optional[dict]]:
     return analysis, apply
 
 
-def render_reports(directory, console=None, top: int = 10) -> dict:
-    """Print the terminal report and write report.html and report.txt next to analysis.json."""
+def render_reports(directory, console=None, top: int = 10, terminal: bool = True) -> dict:
+    """Print the terminal report (unless `terminal` is false) and write report.html and report.txt next to
+    analysis.json; returns their paths. The caller says where they are: last, once its own output is done."""
     from rich.console import Console
 
     from advisor.report.html import write_html
     from advisor.report.terminal import render_terminal
 
-    d = Path(directory)
-    analysis, apply = load(d)
-    console = console or Console()
-    render_terminal(analysis, apply, console, top=top)
+    analysis, apply = load(directory)
+    d = locate(directory).analysis.parent
+    if terminal:
+        render_terminal(analysis, apply, console or Console(), top=top, out=d)
 
     # A second, recording console at a fixed width: the user's console may be narrow or not record.
     rec = Console(record=True, width=TEXT_WIDTH, file=io.StringIO(), force_terminal=False, color_system=None)
-    render_terminal(analysis, apply, rec, top=top)
+    render_terminal(analysis, apply, rec, top=top, out=d)
     paths = {"html": d / "report.html", "txt": d / "report.txt"}
     try:
         paths["txt"].write_text(rec.export_text(), encoding="utf-8")
-        write_html(analysis, apply, paths["html"])
+        write_html(analysis, apply, paths["html"], out=d)
     except OSError as ex:
         raise AdvisorError(f"cannot write the report into {d}: {ex}") from None
-    console.print(f"[dim]Wrote[/] {paths['html']} [dim]and[/] {paths['txt']}", highlight=False)
     return paths

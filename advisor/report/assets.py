@@ -32,6 +32,8 @@ header.top .sub { color: var(--muted); margin-top: 4px; overflow-wrap: anywhere;
          background: var(--line2); color: var(--muted); white-space: nowrap; vertical-align: middle; }
 .badge.low { background: #fff1d6; color: var(--warn); }
 .badge.valid { background: #e3f4ea; color: var(--good); }
+.badge.patched { background: #e3f4ea; color: var(--good); }
+.badge.unpatched { background: #fff1d6; color: var(--warn); }
 .badge.failed { background: #fbe6e6; color: var(--bad); }
 .badge.skipped { background: #fff1d6; color: var(--warn); }
 .summary { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1.05fr); gap: 28px; }
@@ -41,6 +43,12 @@ header.top .sub { color: var(--muted); margin-top: 4px; overflow-wrap: anywhere;
 .tile .k { color: var(--muted); font-size: 12px; }
 .tile.hi { border-color: #b9cdf3; background: #f3f7ff; }
 .tile.good { border-color: #b7e0c6; background: #f1faf4; }
+.tile.bad { border-color: #efc4c4; background: #fdf3f3; }
+.tile.bad .v, td.num.neg { color: var(--bad); }
+.next ol { margin: 0; padding-left: 20px; }
+.next li { margin: 4px 0 10px; }
+.next pre { margin: 4px 0 0; padding: 8px 12px; background: #0f1720; color: #e2e8f0; border-radius: 6px;
+  font: 12.5px/1.5 var(--mono); white-space: pre-wrap; overflow-wrap: anywhere; }
 dl.facts { display: grid; grid-template-columns: max-content minmax(0, 1fr); gap: 4px 14px; margin: 0; }
 dl.facts dt { color: var(--muted); }
 dl.facts dd { margin: 0; overflow-wrap: anywhere; }
@@ -103,6 +111,8 @@ details > summary { cursor: pointer; color: var(--accent); font-weight: 600; }
 ul.modules { margin: 6px 0 0; padding-left: 18px; font-family: var(--mono); font-size: 12px; }
 .val-box { border-left: 3px solid var(--line); padding: 2px 0 2px 12px; margin: 10px 0; }
 .val-box.valid { border-color: var(--good); }
+.val-box.patched { border-color: var(--good); }
+.val-box.unpatched { border-color: var(--warn); }
 .val-box.failed { border-color: var(--bad); }
 .val-box.skipped { border-color: var(--warn); }
 .val-grid { display: flex; flex-wrap: wrap; gap: 8px 48px; margin-top: 6px; }

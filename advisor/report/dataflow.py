@@ -178,10 +178,12 @@ def _node(v: _V) -> str:
                 f'<text x="{x + NODE_W / 2 + 2:.1f}" y="{y + 34:.1f}" text-anchor="middle" class="op-sub">{e(sub)}</text></g>')
     label = "input" if v.kind == "in" else "output"
     shape, dt = fmt_shape(d.get("shape")), short_dtype(d.get("dtype"))
-    tip = f"{label} {v.id}: {shape} {d.get('dtype', '?')}, {fmt_bytes(d.get('bytes'))}"
+    tip = f"{label} {v.id}" + (f" ({d['role']})" if d.get("role") else "") + \
+        f": {shape} {d.get('dtype', '?')}, {fmt_bytes(d.get('bytes'))}"
+    name = ellipsize(d["role"], 18) if d.get("role") else f"{label} {v.id}"
     return (f'<g class="node io {v.kind}"><title>{e(tip)}</title>'
             f'<rect x="{x:.1f}" y="{y:.1f}" width="{NODE_W}" height="{v.h}" rx="10" class="io-box"/>'
-            f'<text x="{x + NODE_W / 2:.1f}" y="{y + 15:.1f}" text-anchor="middle" class="io-name">{label} {e(v.id)}</text>'
+            f'<text x="{x + NODE_W / 2:.1f}" y="{y + 15:.1f}" text-anchor="middle" class="io-name">{e(name)}</text>'
             f'<text x="{x + NODE_W / 2:.1f}" y="{y + 30:.1f}" text-anchor="middle" class="mono">{e(ellipsize(shape, 19))}</text>'
             f'<text x="{x + NODE_W / 2:.1f}" y="{y + 44:.1f}" text-anchor="middle" class="mono muted">'
             f'{e(dt)} · {e(fmt_bytes(d.get("bytes")))}</text></g>')
@@ -195,6 +197,9 @@ def dataflow_svg(c: dict) -> str:
     graph = c.get("graph") or {}
     cid = str(c.get("id", "c"))
     vs, edges = _layers(graph)
+    for vid, role in input_roles(c).items():
+        if vid in vs:
+            vs[vid].data = {**vs[vid].data, "role": role}
     if not vs:
         return ('<svg class="empty" width="320" height="40" role="img"><text x="0" y="24" class="muted">'
                 'no graph in analysis.json</text></svg>')
@@ -251,6 +256,38 @@ def dataflow_svg(c: dict) -> str:
             f'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" class="arrow"/></marker></defs>'
             f'<g class="edges">{"".join(paths)}</g><g class="nodes">{nodes}</g>'
             f'<g class="labels">{"".join(labels)}</g></svg>')
+
+
+GENERIC_ARGS = {"self", "input", "other", "x", "tensor", "tensors", "a", "b", "mat1", "mat2"}
+
+
+def _arg_names(schema: str) -> List[str]:
+    """`aten::batch_norm(Tensor input, Tensor? weight, ...) -> Tensor` -> ["input", "weight", ...]."""
+    inner = schema.partition("(")[2].rpartition(") ->")[0]
+    names, depth, cur = [], 0, ""
+    for ch in inner + ",":
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            names.append(cur.split("=")[0].split()[-1] if cur.strip() else "")
+            cur = ""
+        else:
+            cur += ch
+    return [n.lstrip("*") for n in names]
+
+
+def input_roles(c: dict) -> Dict[str, str]:
+    """Inputs the program reads as a named schema argument (weight, bias, running_mean, ...), by input id:
+    `in1`…`in4` of a BatchNorm say nothing. The main operand (self, input, other) keeps its id."""
+    roles: Dict[str, str] = {}
+    for node in (c.get("program") or {}).get("nodes") or []:
+        for name, arg in zip(_arg_names(str(node.get("schema") or "")), node.get("args") or []):
+            ref = arg.get("ref") if isinstance(arg, dict) else None
+            if ref and ref.startswith("in") and ref not in roles and name and name not in GENERIC_ARGS:
+                roles[ref] = name
+    return roles
 
 
 def classes_in(c: dict) -> List[str]:

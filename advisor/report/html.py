@@ -10,6 +10,7 @@ from advisor.report import model as M
 from advisor.report.assets import CSS, JS
 from advisor.report.dataflow import classes_in, dataflow_svg, node_count
 from advisor.report.highlight import highlight_python
+from advisor.report.next_step import next_steps
 from advisor.report.style import candidate_color, class_color, class_label
 from advisor.report.svg import class_bars, e, timeline, timeline_legend
 from advisor.report.units import (fmt_bw, fmt_bytes, fmt_int, fmt_ms, fmt_pct, fmt_sci, fmt_time, module_groups,
@@ -17,8 +18,10 @@ from advisor.report.units import (fmt_bw, fmt_bytes, fmt_int, fmt_ms, fmt_pct, f
 
 # The CSP makes "fetches nothing" a property the browser enforces, not just a promise of this code.
 CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
-STATUS_LABEL = {"valid": "validated", "failed": "validation failed", "skipped": "not generated", "absent": ""}
-SHORT_STATUS = {"valid": "✓ valid", "failed": "✗ failed", "skipped": "skipped", "absent": ""}
+STATUS_LABEL = {"patched": "patched in", "unpatched": "validated, not patched", "valid": "validated",
+                "failed": "validation failed", "skipped": "not generated", "absent": ""}
+SHORT_STATUS = {"patched": "✓ patched", "unpatched": "not patched", "valid": "✓ valid", "failed": "✗ failed",
+                "skipped": "skipped", "absent": ""}
 
 
 def _tile(value: str, label: str, cls: str = "") -> str:
@@ -35,9 +38,9 @@ def _summary(a: dict, apply: Optional[dict]) -> str:
              _tile(fmt_pct(tot.get("memory_bound_share")), f"of time in memory-bound {noun}"),
              _tile(fmt_time(pot), f"fusion could save per iteration ({fmt_pct(pot / t) if t else '–'})", "hi"),
              _tile(fmt_int(len(M.candidates(a))), "fusion candidates")]
-    e2e = (apply or {}).get("end_to_end") if isinstance(apply, dict) else None
-    if isinstance(e2e, dict) and M.num(e2e.get("speedup")):
-        tiles.append(_tile(f"{M.num(e2e.get('speedup')):.2f}×", "end-to-end speedup after apply", "good"))
+    sp = M.speedup(apply)
+    if sp:  # a slowdown is never shown in green
+        tiles.append(_tile(f"{sp:.2f}×", f"end to end after apply ({M.speed_words(sp)})", "good" if sp > 1 else "bad"))
     facts = [("Device", f"{dev.get('name', '?')} ({dev.get('type', '?')})"),
              ("Bandwidth", f"{fmt_bw(dev.get('bandwidth_Bps'))} ({dev.get('bandwidth_source', '?')})"),
              ("Launch overhead", fmt_time(dev.get("launch_us"))),
@@ -90,8 +93,12 @@ def _table(a: dict, apply: Optional[dict], colors: Dict[str, str]) -> str:
         if pats:
             p = pats.get(cid)
             meas, st = M.measured_saved_per_iter(p, c), M.status(p)
-            cells.append(num(meas, fmt_time(meas)))
-            cells.append(f'<td data-v="{st}">' + (f'<span class="badge {st}">{SHORT_STATUS[st]}</span>' if p else "–") + "</td>")
+            cells.append(num(meas, fmt_time(meas)).replace('class="num"', 'class="num neg"', 1) if meas is not None
+                         and meas < 0 else num(meas, fmt_time(meas)))
+            why = M.status_reason(p)
+            cells.append(f'<td data-v="{st}">' + (f'<span class="badge {st}" title="{e(why)}">{SHORT_STATUS[st]}</span>'
+                                                   + (f'<div class="caption">{e(why)}</div>' if why else "") if p else "–")
+                         + "</td>")
         rows.append(f'<tr data-c="{e(cid)}">{"".join(cells)}</tr>')
     unknown = [u for u in a.get("unknown_ops") or [] if isinstance(u, dict)]
     note = ""
@@ -129,12 +136,14 @@ def _validation(c: dict, p: Optional[dict]) -> str:
         return ""
     st = M.status(p)
     parts = [f'<div class="val-box {st}"><b>Generated kernel:</b> <span class="badge {st}">{STATUS_LABEL[st]}</span>']
-    if p.get("reason"):
-        parts.append(f'<div>{e(p["reason"])}</div>')
+    why = M.status_reason(p) or (p.get("reason") or "")
+    if why:
+        parts.append(f'<div>{e(why)}</div>')
     tables = []
     errs = p.get("errors") or {}
     if isinstance(errs, dict) and errs:
-        tables.append(_kv("Numerical check", [(k, fmt_sci(v) if isinstance(v, float) else v, "mono") for k, v in errs.items()]))
+        tables.append(_kv("Numerical check", [(k.replace("_", " "), _plain(v), "mono") for k, v in errs.items()
+                                              if v is not None and v != ""]))
     m = p.get("measured") or {}
     if isinstance(m, dict) and m:
         occ = M.num(c.get("occurrences"), 1) or 1
@@ -157,6 +166,30 @@ def _validation(c: dict, p: Optional[dict]) -> str:
                      f'</summary><div class="code"><pre class="gutter">{gutter}</pre>'
                      f'<pre><code>{highlight_python(src.rstrip(chr(10)))}</code></pre></div></details>')
     return "".join(parts)
+
+
+def _plain(v) -> str:
+    """A value as a reader writes it, never as Python prints it: shapes as 2×32×64, lists joined."""
+    if isinstance(v, float):
+        return fmt_sci(v)
+    if isinstance(v, dict):
+        if "inputs" in v:  # one validation case: {"case": "odd", "inputs": [[3, 5, 7], ...]}
+            return f"{v.get('case', '?')}: " + ", ".join(_plain(s) for s in v["inputs"])
+        return ", ".join(f"{k} {_plain(x)}" for k, x in v.items())
+    if isinstance(v, (list, tuple)):
+        if all(isinstance(x, int) for x in v):
+            return "×".join(map(str, v)) or "scalar"
+        return "; ".join(_plain(x) for x in v)
+    return str(v)
+
+
+def _next_steps(a: dict, apply: Optional[dict], out) -> str:
+    steps = next_steps(a, apply, out)
+    if not steps:
+        return ""
+    items = "".join(f"<li>{e(s.text)}" + (f"<pre><code>{e(s.code)}</code></pre>" if s.code else "") + "</li>"
+                    for s in steps)
+    return f'<section class="card next" id="next-step"><h2>Next step</h2><ol>{items}</ol></section>'
 
 
 def _candidate(a: dict, c: dict, p: Optional[dict], color: str) -> str:
@@ -201,11 +234,12 @@ def _after_apply(apply: dict) -> str:
         return ""
     out = ['<section class="card" id="after-apply"><h2>After apply</h2>']
     if isinstance(e2e, dict):
-        sp = M.num(e2e.get("speedup"))
+        sp = M.speedup(apply)
         out.append(f'<div class="e2e"><div><div class="caption">before</div><div class="big">{e(fmt_ms(e2e.get("before_ms")))}</div></div>'
                    f'<div class="big muted">→</div><div><div class="caption">after</div>'
                    f'<div class="big">{e(fmt_ms(e2e.get("after_ms")))}</div></div>'
-                   + (f'<div><div class="caption">speedup</div><div class="big" style="color:var(--good)">{sp:.2f}×</div></div>' if sp else "")
+                   + (f'<div><div class="caption">{"speedup" if sp >= 1 else "slowdown"}</div><div class="big" '
+                      f'style="color:var(--{"good" if sp > 1 else "bad"})">{sp:.2f}×</div></div>' if sp else "")
                    + "</div>")
         if not e2e.get("timing_meaningful", True):
             out.append('<div class="warn">These timings are not meaningful on this device (e.g. a CPU run); '
@@ -221,7 +255,8 @@ def _after_apply(apply: dict) -> str:
     return "".join(out)
 
 
-def render_html(analysis: dict, apply: Optional[dict] = None) -> str:
+def render_html(analysis: dict, apply: Optional[dict] = None, out=None) -> str:
+    """`out`: the directory the report is written to, for the commands of the next-step box."""
     a = analysis
     cands = M.candidates(a)
     colors = {str(c.get("id")): candidate_color(i) for i, c in enumerate(cands)}
@@ -236,7 +271,7 @@ def render_html(analysis: dict, apply: Optional[dict] = None) -> str:
     sections: List[str] = [
         f'<header class="top"><div><h1>Fusion report</h1><div class="sub">{e(dev.get("name", "?"))} · '
         f'{e(src.get("kineto") or "?")}</div></div><div class="sub">fusion-advisor {e(__version__)}</div></header>',
-        warn, _summary(a, apply),
+        warn, _summary(a, apply), _next_steps(a, apply, out),
         f'<section class="card"><h2>One steady-state iteration ({M.work_noun(a)} over time)</h2>'
         f'{timeline(a, colors, titles)}'
         f'{timeline_legend(a, colors, titles)}</section>',
@@ -254,7 +289,7 @@ def render_html(analysis: dict, apply: Optional[dict] = None) -> str:
             f'{" and apply.json" if apply else ""}.</footer></main><script>{JS}</script></body></html>\n')
 
 
-def write_html(analysis: dict, apply: Optional[dict], path) -> Path:
+def write_html(analysis: dict, apply: Optional[dict], path, out=None) -> Path:
     path = Path(path)
-    path.write_text(render_html(analysis, apply), encoding="utf-8")
+    path.write_text(render_html(analysis, apply, out), encoding="utf-8")
     return path

@@ -52,12 +52,39 @@ def patterns_by_candidate(apply: Optional[dict]) -> Dict[str, dict]:
 
 
 def status(p: Optional[dict]) -> str:
-    """One of: valid, failed, skipped (no kernel produced), absent (not attempted)."""
+    """One of: patched, unpatched (validated, but apply/optimize did not patch it in or dropped it), valid
+    (validated; the patcher has not run), failed, skipped (no kernel produced), absent (not attempted)."""
     if not p:
         return "absent"
     if p.get("validated"):
-        return "valid"
+        if "patched" not in p:  # `generate` validates, only apply/optimize patch
+            return "valid"
+        return "patched" if p.get("patched") and p.get("kept", True) else "unpatched"
     return "failed" if (p.get("source") or p.get("measured")) else "skipped"
+
+
+def status_reason(p: Optional[dict]) -> str:
+    """Why a pattern is not in use, in the patcher's or the generator's words ("" when it is, or unknown)."""
+    st = status(p)
+    if st == "unpatched":
+        why = str(p.get("status") or "")
+        if p.get("patched") and not p.get("kept", True):
+            why = why if why and why != "patched" else "patched, then dropped: it did not make the model faster"
+        return why or "not patched"
+    return str(p.get("reason") or "") if st in ("failed", "skipped") else ""
+
+
+def speed_words(sp: float) -> str:
+    """1.25 -> "1.25× faster", 0.8 -> "1.25× slower": a slowdown is not called a speedup."""
+    return f"{sp:.2f}× faster" if sp >= 1 else f"{1 / sp:.2f}× slower"
+
+
+def speedup(apply: Optional[dict]) -> Optional[float]:
+    """The end-to-end speedup apply measured, when the timing means something (not a CPU run)."""
+    e2e = (apply or {}).get("end_to_end") if isinstance(apply, dict) else None
+    if not isinstance(e2e, dict) or not e2e.get("timing_meaningful", True):
+        return None
+    return num(e2e.get("speedup"))
 
 
 def measured_saved_per_iter(p: Optional[dict], c: dict) -> Optional[float]:

@@ -11,10 +11,13 @@ from rich.table import Table
 from rich.text import Text
 
 from advisor.report import model as M
+from advisor.report.next_step import next_steps
 from advisor.report.style import class_color, class_label, ordered_classes
 from advisor.report.units import (fmt_bw, fmt_bytes, fmt_int, fmt_ms, fmt_pct, fmt_time, modules_summary)
 
 STATUS_TEXT = {
+    "patched": ("✓ patched", "green"),
+    "unpatched": ("– not patched", "yellow"),  # validated, but not in use: the footnote says why
     "valid": ("✓ valid", "green"),
     "failed": ("✗ failed", "bold red"),
     "skipped": ("– skipped", "yellow"),  # attempted, no kernel produced
@@ -67,8 +70,9 @@ def _summary(analysis: dict, apply: Optional[dict]) -> Panel:
     e2e = (apply or {}).get("end_to_end") if isinstance(apply, dict) else None
     if isinstance(e2e, dict):
         sp = M.num(e2e.get("speedup"))
-        line = f"{fmt_ms(e2e.get('before_ms'))} → {fmt_ms(e2e.get('after_ms'))}" + (f"  ({sp:.2f}× faster)" if sp else "")
-        style = "bold green" if e2e.get("timing_meaningful", True) else "yellow"
+        line = f"{fmt_ms(e2e.get('before_ms'))} → {fmt_ms(e2e.get('after_ms'))}" + (f"  ({M.speed_words(sp)})" if sp else "")
+        faster = M.speedup(apply)
+        style = "yellow" if faster is None else "bold green" if faster > 1 else "bold red"  # a slowdown is never green
         txt = Text(line, style=style)
         if not e2e.get("timing_meaningful", True):
             txt.append("  timing not meaningful on this device", style="yellow")
@@ -150,8 +154,9 @@ def _footnotes(analysis: dict, apply: Optional[dict], top: int) -> list:
         out.append(Text("Measured saved = the fused kernel's saving per call × occurrences.", style="dim"))
         for c in M.candidates(analysis)[:top]:
             p = pats.get(str(c.get("id")))
-            if p and M.status(p) in ("failed", "skipped") and p.get("reason"):
-                out.append(Text.assemble((f"  #{c.get('rank')} ", "bold"), (f"{M.status(p)}: ", "red"), str(p["reason"])))
+            why = M.status_reason(p)
+            if why:
+                out.append(Text.assemble((f"  #{c.get('rank')} ", "bold"), (f"{STATUS_TEXT[M.status(p)][0]}: ", "yellow"), why))
     unknown = [u for u in analysis.get("unknown_ops") or [] if isinstance(u, dict)]
     if unknown:
         parts = ", ".join(f"{u.get('name', '?')} ×{fmt_int(u.get('count'))} ({fmt_time(u.get('time_us'))})" for u in unknown)
@@ -163,7 +168,21 @@ def _footnotes(analysis: dict, apply: Optional[dict], top: int) -> list:
     return out
 
 
-def render_terminal(analysis: dict, apply: Optional[dict], console: Console, top: int = 10) -> None:
+def _next_steps(analysis: dict, apply: Optional[dict], out) -> Optional[Panel]:
+    steps = next_steps(analysis, apply, out)
+    if not steps:
+        return None
+    body = Text()
+    for i, step in enumerate(steps):
+        body.append(("\n" if i else "") + step.text)
+        if step.code:
+            body.append("\n  " + step.code, style="bold cyan")
+    return Panel(body, title="[bold]Next step[/]", title_align="left", border_style="green", padding=(0, 1),
+                 expand=False)
+
+
+def render_terminal(analysis: dict, apply: Optional[dict], console: Console, top: int = 10, out=None) -> None:
+    """`out`: the directory the reports are in, for the commands of the next-step box."""
     console.print(_summary(analysis, apply))
     if M.candidates(analysis):
         console.print(_candidates_table(analysis, apply, top, console.width))
@@ -171,3 +190,6 @@ def render_terminal(analysis: dict, apply: Optional[dict], console: Console, top
         console.print(Text("No fusion candidates found.", style="bold"))
     for line in _footnotes(analysis, apply, top):
         console.print(line)
+    panel = _next_steps(analysis, apply, out)
+    if panel is not None:
+        console.print(panel)

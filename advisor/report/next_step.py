@@ -1,0 +1,87 @@
+"""What to do next, as exact commands: the last thing both reports say.
+
+A candidate that an existing PyTorch switch already fuses gets that switch (a fused optimizer, SDPA)
+before any generated kernel; otherwise the next stage of the pipeline, with the user's own script,
+arguments and output directory filled in (from meta.json beside the trace, when it is there).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import List, NamedTuple, Optional
+
+from advisor.report import model as M
+
+
+class Step(NamedTuple):
+    text: str  # one sentence
+    code: str  # the command or the line of Python to run ("" when there is none)
+
+
+OPTIMIZER_OPS = {"addcdiv", "addcmul", "lerp", "_foreach_addcdiv", "_foreach_lerp", "_foreach_mul", "_fused_adamw"}
+
+
+def _op_names(c: dict) -> set:
+    return {str(o).split("::")[-1].rstrip("_") for o in c.get("ops") or []}
+
+
+def _existing_fixes(cands: List[dict]) -> List[Step]:
+    steps = []
+    if any(_op_names(c) & OPTIMIZER_OPS for c in cands):
+        steps.append(Step("The optimizer's update runs op by op: PyTorch's fused optimizer does it in one kernel.",
+                          "torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # also Adam, SGD"))
+    if any(c.get("kind") == "attention" for c in cands):
+        steps.append(Step("Attention materialises its score matrix: scaled_dot_product_attention never does.",
+                          "torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)"))
+    return steps
+
+
+def _script_command(analysis: dict, out: Optional[Path]) -> Optional[str]:
+    """`fusion-advisor apply SCRIPT --out OUT -- ARGS` for the script the trace came from, if meta.json says."""
+    meta_path = (analysis.get("source") or {}).get("meta")
+    try:
+        meta = json.loads(Path(meta_path).read_text()) if meta_path else {}
+    except (OSError, ValueError):
+        meta = {}
+    script = meta.get("script")
+    if not script or meta.get("in_process"):
+        return None
+    cmd = ["fusion-advisor", "apply", script, "--out", str(out or "advisor_out")]
+    if meta.get("args"):
+        cmd += ["--", *map(str, meta["args"])]
+    return shlex.join(cmd)
+
+
+def next_steps(analysis: dict, apply: Optional[dict] = None, out: Optional[Path] = None) -> List[Step]:
+    cands = M.candidates(analysis)
+    if not cands:
+        return []
+    top = cands[:10]
+    steps = _existing_fixes(top)
+    where = str(out) if out else "OUT"
+    cpu = (analysis.get("totals") or {}).get("time_kind") == "cpu"
+    if isinstance(apply, dict) and "end_to_end" in apply:
+        sp = M.speedup(apply)
+        if sp is not None and sp > 1:
+            steps.append(Step(f"Apply made it {sp:.2f}× faster: patch the same model in your own code.",
+                              f'advisor.patch(model, "{where}")'))
+        elif sp is not None:
+            steps.append(Step(f"Apply made it slower ({sp:.2f}×): leave the model as it is, or try torch.compile.",
+                              "model = torch.compile(model)"))
+        else:
+            steps.append(Step("The kernels were checked, not timed (no GPU): run apply on a GPU to see what they save.",
+                              _script_command(analysis, out) or f"fusion-advisor apply SCRIPT --out {where}"))
+        return steps
+    if isinstance(apply, dict):  # generate ran: kernels validated, nothing patched yet
+        steps.append(Step("Patch the validated kernels into the model and time it.",
+                          _script_command(analysis, out) or f"fusion-advisor apply SCRIPT --out {where}"))
+        return steps
+    n = min(5, len(cands))
+    cmd = _script_command(analysis, out)
+    steps.append(Step(f"Generate, validate and patch in kernels for the top {n}, then time the model"
+                      + (" (on the CPU they are checked, not timed: use a GPU for timings)." if cpu else "."),
+                      cmd or f"fusion-advisor generate {where} --top {n}"))
+    steps.append(Step("Or in your own process, on the model itself.",
+                      f"report = advisor.optimize(model, example_inputs, top={n})"))
+    return steps
