@@ -14,8 +14,20 @@ _use_interpreter()  # before anything imports triton: see advisor.interpreter
 from advisor.collect.region import region  # noqa: E402,F401
 
 
+# The package advisor.analyze is loaded here, before the function of the same name is defined: loaded
+# later (by the function's first call) Python set it as the attribute `advisor.analyze`, and from then on
+# `advisor.analyze(path)` raised "'module' object is not callable" and help() showed the package.
+import advisor.analyze as _analyze_package  # noqa: E402,F401  (its __init__ is empty: nothing heavy)
+
+
 def analyze(path, et=None):
-    """Analyse a trace directory or Kineto JSON; returns an `Analysis` with pandas DataFrames."""
+    """Analyse a trace; returns an `Analysis` (`print(a.summary())`; `a.candidates`, `a.ops`, `a.kernels`
+    are pandas DataFrames, `a.doc` what analysis.json holds).
+
+    path: a `fusion-advisor profile` output directory (OUT or OUT/trace), a Kineto .json/.json.gz, or a
+    TensorBoard trace directory (`torch.profiler.tensorboard_trace_handler`; its newest *.pt.trace.json).
+    et: an execution trace file, when `path` is a bare Kineto file.
+    """
     from advisor.analyze.api import analyze as _analyze
 
     return _analyze(path, et=et)

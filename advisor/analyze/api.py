@@ -23,9 +23,13 @@ SCHEMA_VERSION = 1
 CLASS_ORDER = ["matmul", "attention", "pointwise", "reduction", "norm", "data_movement", "view", "other"]
 
 
-@dataclass
+@dataclass(repr=False)
 class Analysis:
-    """What the analyzer found. DataFrames for notebooks; `doc` is exactly what analysis.json holds."""
+    """What the analyzer found. DataFrames for notebooks; `doc` is exactly what analysis.json holds.
+
+    `print(a.summary())` says what was found; `a.candidates` ranks the patterns, `a.ops` has one row per
+    op with the candidate it belongs to (group by it), `a.kernels` the trace's GPU activity.
+    """
 
     graph: Graph
     device: DeviceModel
@@ -36,9 +40,39 @@ class Analysis:
 
     @cached_property
     def ops(self) -> pd.DataFrame:
-        """One row per graph node (op that did work). Made when first asked for: analysis.json does not need
-        it, and at a million nodes it costs seconds."""
-        return self.graph.node_frame()
+        """One row per graph node (op that did work), with `candidate`: the id (c1, c2, ...) of the highest-ranked
+        candidate whose pattern the op is part of, or None. Made when first asked for: analysis.json does not need it,
+        and at a million nodes it costs seconds."""
+        frame = self.graph.node_frame()
+        owner: dict = {}
+        for cid, groups in self.groups.items():  # in rank order: an op two candidates share goes to the higher
+            for g in groups:
+                for m in g.members:
+                    owner.setdefault(m, cid)
+        frame["candidate"] = pd.Categorical([owner.get(n) for n in frame["node"]])
+        return frame
+
+    def __repr__(self) -> str:
+        d, tot, cands = self.doc["device"], self.doc["totals"], self.doc["candidates"]
+        noun = "kernels" if tot["time_kind"] == "gpu" else "ops"
+        best = f"; best: {cands[0]['title'].split(':')[0]}, est. {cands[0]['est_time_saved_us']:.1f} µs" if cands else ""
+        return (f"<Analysis {d['name']} ({d['type']}): {self.doc['steady_state']['iterations']} iterations, "
+                f"{tot['kernels']} {noun} and {tot['time_us']:.1f} µs per iteration; {len(cands)} candidates{best}>")
+
+    def summary(self, top: int = 5) -> str:
+        """A few lines for a notebook or a log: where the time goes and the `top` candidates."""
+        d, tot, cands = self.doc["device"], self.doc["totals"], self.doc["candidates"]
+        lines = [f"{d['name']} ({d['type']}), {self.doc['steady_state']['iterations']} steady-state iterations",
+                 f"per iteration: {tot['kernels']} {'kernels' if tot['time_kind'] == 'gpu' else 'ops'}, "
+                 f"{tot['time_us']:.1f} µs {tot['time_kind'].upper()} time, "
+                 f"{tot['memory_bound_share']:.0%} of it memory-bound"]
+        if self.doc["low_confidence"]:
+            lines.append("low confidence: no execution trace joined, dataflow guessed from shapes and order")
+        lines.append(f"{len(cands)} fusion candidates" + (f", the top {min(top, len(cands))}:" if cands else ""))
+        for c in cands[:top]:
+            lines.append(f"  {c['id']:>4}  {c['title'][:70]:<70}  x{c['occurrences']:<4} "
+                         f"est. {c['est_time_saved_us']:9.1f} µs ({c['share_of_iteration']:.1%})")
+        return "\n".join(lines)
 
     def to_json(self, path: Path) -> Path:
         path = Path(path)
@@ -50,13 +84,25 @@ class Analysis:
 
 
 def analyze(path, et=None) -> Analysis:
-    trace = load_trace(Path(path), Path(et) if et else None)
+    """Analyse a trace: a `fusion-advisor profile` directory (OUT or OUT/trace), a Kineto .json(.gz), or a
+    TensorBoard trace directory (what `torch.profiler.tensorboard_trace_handler` writes: the newest
+    *.pt.trace.json(.gz) in it is read). `et`: an execution trace file, when `path` is a bare Kineto file."""
+    trace = load_trace(_tensorboard_trace(Path(path)), Path(et) if et else None)
     graph = build_graph(trace)
     device = DeviceModel.from_meta(trace.meta, graph.device_type)
     files, meta, kernels = trace.files, trace.meta, trace.kernels
     del trace  # the graph has what the rest needs: let the op and ET frames go before it runs
     with gc_paused():  # millions of small objects, no cycles: see gc_paused
         return _analysis(graph, device, files, meta, kernels)
+
+
+def _tensorboard_trace(path: Path) -> Path:
+    """The newest *.pt.trace.json(.gz) of a TensorBoard trace directory; any other path as it is."""
+    if not path.is_dir() or (path / "trace").is_dir() or any(path.glob("kineto.json*")):
+        return path
+    traces = sorted(chain(path.glob("*.pt.trace.json"), path.glob("*.pt.trace.json.gz")),
+                    key=lambda p: p.stat().st_mtime)
+    return traces[-1] if traces else path
 
 
 @dataclass
