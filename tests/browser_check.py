@@ -9,7 +9,7 @@ Drives Chromium over the DevTools protocol with a small stdlib WebSocket client 
 - checks the page does not overflow horizontally at 1366 px;
 - saves a PNG screenshot (the 1366x900 viewport, the top --height px, or the full page).
 
-Usage: python tests/browser_check.py report.html [--screenshot out.png] [--full-page | --height PX]
+Usage: python tests/browser_check.py report.html [--screenshot out.png] [--full-page | --height PX] [--width PX]
 Prints the result as JSON; exit status 0 when every check passes.
 """
 from __future__ import annotations
@@ -323,7 +323,9 @@ def main(argv=None) -> int:
     ap.add_argument("--screenshot")
     ap.add_argument("--full-page", action="store_true")
     ap.add_argument("--height", type=int, help="screenshot the top HEIGHT px of the page (default: the viewport)")
+    ap.add_argument("--width", type=int, default=1366, help="viewport width in px (default 1366)")
     args = ap.parse_args(argv)
+    globals()["VIEW_W"] = args.width  # read by open_page and screenshot at call time
     res = check(args.html, args.screenshot, args.full_page, height=args.height)
     print(json.dumps({k: v for k, v in res.items() if k != "probe"} | {"probe_keys": sorted(res["probe"])}, indent=1))
     return 0 if res["ok"] else 1

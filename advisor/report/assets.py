@@ -130,6 +130,13 @@ table.kv td:first-child { color: var(--muted); }
 .e2e .big { font-size: 26px; font-weight: 700; font-variant-numeric: tabular-nums; }
 footer { color: var(--faint); font-size: 12px; text-align: center; margin-top: 24px; }
 @media (max-width: 980px) { .summary, .cols { grid-template-columns: minmax(0, 1fr); } }
+/* Narrow windows drop the module column (each candidate's card lists its modules) so that Est. saved,
+   the column the table is for, stays in view instead of behind a horizontal scroll. */
+@media (max-width: 980px) {
+  #candidates-table .mods, #candidates-table th:nth-child(3) { display: none; }
+  #candidates-table th, #candidates-table td { padding: 7px 6px; }
+  #candidates-table .pat { min-width: 170px; }
+}
 """
 
 JS = r"""

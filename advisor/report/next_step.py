@@ -39,11 +39,14 @@ def _existing_fixes(cands: List[dict]) -> List[Step]:
 
 def _script_command(analysis: dict, out: Optional[Path]) -> Optional[str]:
     """`fusion-advisor apply SCRIPT --out OUT -- ARGS` for the script the trace came from, if meta.json says."""
-    meta_path = (analysis.get("source") or {}).get("meta")
-    try:
-        meta = json.loads(Path(meta_path).read_text()) if meta_path else {}
-    except (OSError, ValueError):
-        meta = {}
+    recorded = (analysis.get("source") or {}).get("meta")  # as the analyzer was given it: maybe relative
+    meta = {}
+    for path in ([Path(out) / "trace" / "meta.json"] if out else []) + ([Path(recorded)] if recorded else []):
+        try:
+            meta = json.loads(path.read_text())
+            break
+        except (OSError, ValueError):
+            continue
     script = meta.get("script")
     if not script or meta.get("in_process"):
         return None
