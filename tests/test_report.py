@@ -368,6 +368,9 @@ def test_each_patterns_real_status(analysis, applied):
     row = re.search(rf'<tr data-c="{cid}">.*?</tr>', html, re.S).group(0)
     assert "not patched" in row and "not found in the captured graphs" in row and "✓ valid" not in row
     assert "not found in the captured graphs" in _terminal(analysis, ap)
+    kept_out = _apply_with(applied, validated=True, patched=True, status="not kept: +3 µs per call alone",
+                           status_code="not_kept")
+    assert "not kept: +3 µs per call alone" in render_html(analysis, kept_out)
     patched = render_html(analysis, _apply_with(applied, validated=True, patched=True, status="patched"))
     assert "✓ patched" in re.search(rf'<tr data-c="{cid}">.*?</tr>', patched, re.S).group(0)
 

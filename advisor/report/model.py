@@ -57,6 +57,8 @@ def status(p: Optional[dict]) -> str:
     if not p:
         return "absent"
     if p.get("validated"):
+        if p.get("status_code"):  # advisor.status.Status, written by apply/optimize: the word to trust
+            return "patched" if p["status_code"] == "patched" else "unpatched"
         if "patched" not in p:  # `generate` validates, only apply/optimize patch
             return "valid"
         return "patched" if p.get("patched") and p.get("kept", True) else "unpatched"
