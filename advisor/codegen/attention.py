@@ -22,6 +22,7 @@ from advisor.codegen.dag import Dag
 from advisor.codegen.ir import Input, Op, Program, View
 from advisor.codegen.matmul import Anchored, Anchor, INDENT, TilePrinter, TileBuilder, assemble, kernel_params, \
     module_name, product_expr, tensors_expr, TUNE_TEXT
+from advisor.codegen.module import view_expr
 from advisor.codegen.plan import Plan, _unravel, size_expr
 from advisor.codegen.printer import signature
 from advisor.ops.lowering import Unsupported, tl_type
@@ -250,17 +251,6 @@ def sdpa_args(p: Program, parts: Parts):
             return None
         cur = o.outputs[0].id
     return scale or ("aten::mul", "1.0"), mask
-
-
-def view_expr(p: Program, view: View) -> str:
-    """A launcher expression for the tensor a ref reads (torch.as_strided over its input)."""
-    if view.identity:
-        return view.src
-    sizes = ", ".join(size_expr(p, d) for d in view.shape)
-    strides = ", ".join(f"{view.src}.stride({e})" if e is not None else "0" for e in view.dims)
-    off = " + ".join([f"{view.src}.storage_offset()"] + [f"{s} * {view.src}.stride({e})"
-                                                          for e, s in enumerate(view.starts) if s])
-    return f"torch.as_strided({view.src}, ({sizes},), ({strides},), {off})"
 
 
 def sdpa_source(p: Program, parts: Parts) -> str:

@@ -62,6 +62,12 @@ class Builder:
             for d, e in enumerate(view.dims):
                 if e is not None:
                     tidx[e] = self.dag.iadd(tidx[e], idx[d])
+            for r in view.reshapes:  # linearise over the block, unravel into its source dims
+                lin = self.dag.isum([self.dag.imul(idx[d], self.dag.lit(k)) for d, k in zip(r.ref_dims, r.steps)]
+                                    + [self.dag.lit(view.starts[e] * u) for e, u in zip(r.src_dims, r.units)])
+                for j, (e, u, n) in enumerate(zip(r.src_dims, r.units, r.extents)):
+                    q = lin if u == 1 else self.dag.add("op", "{} // {}", (lin, self.dag.lit(u)))
+                    tidx[e] = q if j == 0 else self.dag.add("op", "{} % {}", (q, self.dag.lit(n)))
             tidx = tuple(tidx)
         if isinstance(src, Input):
             return self.load(src, tidx, view)

@@ -480,6 +480,8 @@ def _invert(b: TileBuilder, view: View, src_idx: tuple, out_shape: list) -> tupl
     p, dag = b.p, b.dag
     src = p.source(view.src)
     lit1 = lambda d: p.sizes.norm(d).literal and d.value == 1  # noqa: E731
+    if view.reshapes:
+        raise Unsupported("the epilogue reads the matmul output through a view that merges or splits its dims")
     ref = []
     for d, e in enumerate(view.dims):
         if e is None:

@@ -1,0 +1,128 @@
+"""Patterns of real models the generator used to refuse, on real profiles: tiny Hugging Face models
+(random weights, nothing downloaded) or minimal modules with the same ops, profiled and analysed like
+`advisor.optimize` does, each candidate generated and validated against PyTorch (Triton's interpreter
+on the CPU). A test finds its candidate by the ops it fuses, so it checks the analyzer's real program,
+views and strides as recorded, not a hand-written one."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+
+
+def candidates(model, inputs: dict, tmp_path) -> list:
+    """The analyzer's candidates for one profiled call of `model(**inputs)`."""
+    from advisor.analyze.api import analyze
+    from advisor.bench.trace import profile_calls
+
+    model.eval()
+
+    def call():
+        with torch.inference_mode():
+            return model(**inputs)
+
+    return analyze(profile_calls(call, tmp_path, "cpu", 1)).doc["candidates"]
+
+
+def find(cands: list, ops: list) -> list:
+    """The candidates fusing exactly `ops` (aten names without the namespace), in order."""
+    hits = [c for c in cands if [o.split("::")[-1] for o in c["ops"]] == ops]
+    assert hits, f"no candidate fuses {ops}: {[c['ops'] for c in cands]}"
+    return hits
+
+
+def generated(c: dict, tmp_path) -> dict:
+    """The apply.json record `optimize` writes for a candidate: generated, validated (or why not)."""
+    from advisor.codegen.pipeline import _work
+
+    entry, _, _ = _work(dict(c, id=c.get("id", "c")), tmp_path)
+    return entry
+
+
+def assert_validated(c: dict, tmp_path) -> dict:
+    entry = generated(c, tmp_path)
+    assert entry.get("validated"), f"{c['title']}: {entry.get('reason')}"
+    return entry
+
+
+def token_inputs(batch=2, seq=16, vocab=128) -> dict:
+    torch.manual_seed(0)
+    return {"input_ids": torch.randint(1, vocab, (batch, seq))}
+
+
+# ------------------------------------------------------------------- views that merge or split dims
+def test_opt_residual_layer_norm_through_a_reshape(tmp_path):
+    """OPT adds the residual on [B * S, H] and normalises [B, S, H] (and the other way round): the
+    norm reads the sum through a view that splits (merges) the rows."""
+    cfg = transformers.OPTConfig(hidden_size=64, num_hidden_layers=1, ffn_dim=128, num_attention_heads=4,
+                                 vocab_size=128, max_position_embeddings=64)
+    cands = find(candidates(transformers.OPTForCausalLM(cfg), token_inputs(), tmp_path), ["add", "layer_norm"])
+    shapes = set()
+    for c in cands:
+        assert_validated(c, tmp_path)
+        prog = c["program"]
+        shapes.add((len(prog["inputs"][0]["shape"]), len(prog["nodes"][1]["args"][0]["shape"])))
+    assert {(2, 3), (3, 2)} <= shapes  # both directions were profiled
+
+
+def test_deberta_scaled_query_through_head_split(tmp_path):
+    """DeBERTa scales the query after viewing [B, H, S, D] as [B * H, S, D]: one view merges two dims."""
+    cfg = transformers.DebertaV2Config(hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                                       num_attention_heads=4, vocab_size=128, max_position_embeddings=64)
+    for c in find(candidates(transformers.DebertaV2Model(cfg), token_inputs(), tmp_path),
+                  ["clone", "mul", "sqrt", "div"]):
+        assert_validated(c, tmp_path)
+
+
+def test_gptj_rotary_reads_interleaved_pairs(tmp_path):
+    """GPT-J's rotate-every-two: a [.., D/2, 2] value read as [.., D] (a merge), cat with the pass-through half."""
+    cfg = transformers.GPTJConfig(n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=64, rotary_dim=8)
+    cands = [c for c in candidates(transformers.GPTJForCausalLM(cfg), token_inputs(), tmp_path)
+             if "aten::cat" in c["ops"] and "aten::mul" in c["ops"]]
+    assert cands
+    for c in cands:
+        assert_validated(c, tmp_path)
+
+
+class WindowMerge(torch.nn.Module):
+    """Swin's patch merging after a residual: [B, H * W, C] viewed [B, H, W, C], the four strided
+    2 x 2 neighbours concatenated, then normalised (the view splits a dim and steps over it)."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(4 * c)
+
+    def forward(self, x, y):
+        h = x + y
+        b, n, c = h.shape
+        h = h.view(b, 8, 8, c)
+        h = torch.cat([h[:, 0::2, 0::2], h[:, 1::2, 0::2], h[:, 0::2, 1::2], h[:, 1::2, 1::2]], -1)
+        return self.norm(h.view(b, -1, 4 * c))
+
+
+def test_swin_patch_merging_strided_windows(tmp_path):
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(2, 64, 16), "y": torch.randn(2, 64, 16)}
+    (c,) = find(candidates(WindowMerge(), inputs, tmp_path), ["add", "cat", "layer_norm"])
+    assert_validated(c, tmp_path)
+
+
+def test_strided_view_of_a_value_validates_and_of_a_permuted_input_is_refused():
+    """Any view of a value (dense in memory) is read through its memory order; an input's merge is
+    refused when its dims are merged out of their logical order (the kernel reads inputs through their
+    run-time strides, which need not be the recorded ones), with what to do about it."""
+    from advisor.codegen import Unsupported, generate, load_module
+    from advisor.codegen.record import record_program
+    from advisor.validate import validate
+
+    x = torch.randn(4, 6)
+    gen = generate(record_program(lambda x: (x * 2).as_strided((3, 4), (5, 1)) + 1, x), use_cache=False)
+    assert validate(gen, load_module(gen.path)).validated
+    xt = torch.randn(6, 4).t()
+    with pytest.raises(Unsupported, match="in another order than their logical one .*contiguous"):
+        generate(record_program(lambda x: x.as_strided((2, 12), (12, 1)) * 2, xt), use_cache=False)
