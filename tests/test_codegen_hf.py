@@ -126,3 +126,35 @@ def test_strided_view_of_a_value_validates_and_of_a_permuted_input_is_refused():
     xt = torch.randn(6, 4).t()
     with pytest.raises(Unsupported, match="in another order than their logical one .*contiguous"):
         generate(record_program(lambda x: x.as_strided((2, 12), (12, 1)) * 2, xt), use_cache=False)
+
+
+# ------------------------------------------------------------- booleans of scalars in the interpreter
+def test_bloom_alibi_pow_chain(tmp_path):
+    """BLOOM's ALiBi slopes: pow(a 0-dim base, per-head exponents) times the mask's cumulative positions;
+    `_pow` used to `|` a scalar's comparison with a block's, which Triton's interpreter cannot do."""
+    cfg = transformers.BloomConfig(hidden_size=64, n_layer=1, n_head=4, vocab_size=128)
+    inputs = token_inputs()
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    inputs["attention_mask"][1, -4:] = 0
+    try:
+        cands = candidates(transformers.BloomForCausalLM(cfg), inputs, tmp_path)
+    except ValueError as e:  # the analyzer's full-reduction crash (issue 15, item 1), fixed on another branch
+        pytest.skip(f"analyzer: {e}")
+    (c,) = find(cands, ["pow", "sub", "mul", "mul"])
+    assert_validated(c, tmp_path)
+
+
+class ScalarGate(torch.nn.Module):
+    """A block of booleans combined with a scalar's: or, and, xor, logical and bitwise."""
+
+    def forward(self, x, s):
+        a, b = x > 0, s > 0.5
+        return torch.where((a | b) ^ (a & ~b) | torch.logical_and(a, b), x, -x)
+
+
+def test_bool_ops_with_a_scalar_comparison(tmp_path):
+    torch.manual_seed(0)
+    cands = candidates(ScalarGate(), {"x": torch.randn(4, 32), "s": torch.tensor(0.7)}, tmp_path)
+    c = max(cands, key=lambda c: len(c["ops"]))
+    assert {"aten::bitwise_or", "aten::bitwise_xor", "aten::logical_and"} <= set(c["ops"]), c["ops"]
+    assert_validated(c, tmp_path)

@@ -226,11 +226,22 @@ pw("nan_to_num", _nan_to_num)
 # ------------------------------------------------------------------ comparisons, logic, selection
 for _n, _o in {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}.items():
     pw(_n, lambda a, o=_o: f"{a.self} {o} {a.other}", "compare", BIN)
+
+
+def _bitwise(a, o: str) -> str:
+    """`self o other`; on bools through int8, because Triton's interpreter keeps the bool of a comparison of
+    scalars as float data and then refuses | & ^ with a block of bools (the GPU folds the casts away)."""
+    if a.ct != torch.bool:
+        return f"{a.self} {o} {a.other}"
+    i8 = lambda n: f"{getattr(a, n)}.to(tl.int8)" if n in a.tensors else getattr(a, n)  # noqa: E731
+    return f"({i8('self')} {o} {i8('other')}) != 0"
+
+
 for _n, _o in {"logical_and": "&", "logical_or": "|", "logical_xor": "^"}.items():
-    pw(_n, lambda a, o=_o: f"{a.self} {o} {a.other}", "logical", BIN)
+    pw(_n, lambda a, o=_o: _bitwise(a, o), "logical", BIN)
 pw("logical_not", lambda a: f"{a.self} == 0", "logical")
 for _n, _o in {"bitwise_and": "&", "bitwise_or": "|", "bitwise_xor": "^"}.items():
-    pw(_n, lambda a, o=_o: f"{a.self} {o} {a.other}", operands=BIN)
+    pw(_n, lambda a, o=_o: _bitwise(a, o), operands=BIN)
 pw("bitwise_not", lambda a: f"{a.self} == 0" if a.ct == torch.bool else f"~{a.self}")
 pw("maximum max", lambda a: MAX.format(a.self, a.other), operands=BIN)
 pw("minimum min", lambda a: MIN.format(a.self, a.other), operands=BIN)
