@@ -158,3 +158,50 @@ def test_bool_ops_with_a_scalar_comparison(tmp_path):
     c = max(cands, key=lambda c: len(c["ops"]))
     assert {"aten::bitwise_or", "aten::bitwise_xor", "aten::logical_and"} <= set(c["ops"]), c["ops"]
     assert_validated(c, tmp_path)
+
+
+# ------------------------------------------------------------------------------ index reductions
+def test_clip_text_eos_pooling_argmax(tmp_path):
+    """CLIP's text pooling: `(input_ids == eos).int().argmax(-1)`, a last-dim reduction returning an index."""
+    cfg = transformers.CLIPTextConfig(hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                                      num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
+                                      eos_token_id=5)
+    inputs = token_inputs()
+    inputs["input_ids"][:, 7] = 5  # an end-of-text token: the argmax has a winner and ties elsewhere
+    cands = candidates(transformers.CLIPTextModel(cfg), inputs, tmp_path)
+    (c,) = [c for c in cands if c["ops"][-1] == "aten::argmax"]
+    assert_validated(c, tmp_path)
+
+
+class ArgExtremes(torch.nn.Module):
+    def forward(self, x):
+        y = torch.tanh(x) * 3.0
+        return torch.argmax(y, -1), torch.argmin(y, dim=-1, keepdim=True)
+
+
+def test_float_argmax_argmin_validate(tmp_path):
+    torch.manual_seed(0)
+    cands = candidates(ArgExtremes(), {"x": torch.randn(6, 40)}, tmp_path)
+    ops = {o for c in cands for o in c["ops"]}
+    assert {"aten::argmax", "aten::argmin"} <= ops, [c["ops"] for c in cands]
+    for c in cands:
+        if {"aten::argmax", "aten::argmin"} & set(c["ops"]):
+            assert_validated(c, tmp_path)
+
+
+@pytest.mark.parametrize("variant", ["persistent", "looped"])
+def test_argmax_first_of_ties_and_nan(variant):
+    """torch's argmax: the first maximum; a NaN is the maximum (the first NaN). Both kernel variants."""
+    from advisor.codegen import generate, load_module
+    from advisor.codegen.record import record_program
+
+    x = torch.zeros(3, 50)
+    x[0, [9, 30]] = 2.0
+    x[1, [12, 40]] = float("nan")
+    x[2] = -1.0
+    fn = lambda x: (torch.argmax(x * 1.0, -1), torch.argmin(x * 1.0, -1))  # noqa: E731
+    mod = load_module(generate(record_program(fn, x)).path)
+    if variant == "looped":
+        mod.MAX_PERSISTENT_N, mod.LOOP_BLOCK_N = 0, 16
+    got = mod.run(x)
+    assert [t.tolist() for t in got] == [t.tolist() for t in fn(x)] == [[9, 12, 0], [0, 12, 0]]

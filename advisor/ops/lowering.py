@@ -365,9 +365,9 @@ _add("cat", "cat", None, promote="none", operands=("tensors",), shape="cat")
 # ------------------------------------------------------------------------- rows (last-dim ops)
 # emit(b, a): `a.self` (and weight, bias) are builder nodes already in the compute dtype; b.reduce
 # sums/maxes over the row, b.op applies a pointwise format, b.n is the row width. Outputs in schema order.
-def row(names: str, emit, shape="reduce", operands=("self",), **kw):
+def row(names: str, emit, shape="reduce", operands=("self",), promote="row", **kw):
     for n in names.split():
-        _add(n, "row", emit, promote="row", operands=operands, shape=shape, **kw)
+        _add(n, "row", emit, promote=promote, operands=operands, shape=shape, **kw)
 
 
 def _correction(a) -> float:
@@ -431,6 +431,18 @@ def _rms_norm(b, a):
     return (b.op("{} * {}", y, a.weight) if a.weight is not None else y), rstd
 
 
+def _arg_extreme(kind: str):
+    """argmax/argmin: the first column holding the row's max (min); a NaN counts as the extreme, as in torch."""
+    def emit(b, a):
+        x = b.dag.cast(a.self, torch.int32) if a.self.dtype == torch.bool else a.self
+        m = b.reduce(kind, x)
+        hit = b.op("({} == {}) | ({} != {})", x, m, x, x, dtype=torch.bool)
+        return (b.reduce("min", b.op("tl.where({}, {}, {})", hit, b.cols, b.n, dtype=torch.int32)),)  # a column
+    return emit
+
+
+row("argmax", _arg_extreme("max"), promote="input")
+row("argmin", _arg_extreme("min"), promote="input")
 row("sum", lambda b, a: (b.reduce("sum", a.self),))
 row("mean", lambda b, a: (b.op("{} / {}", b.reduce("sum", a.self), b.n),))
 row("amax max", lambda b, a: (b.reduce("max", a.self),))
