@@ -205,3 +205,16 @@ def test_argmax_first_of_ties_and_nan(variant):
         mod.MAX_PERSISTENT_N, mod.LOOP_BLOCK_N = 0, 16
     got = mod.run(x)
     assert [t.tolist() for t in got] == [t.tolist() for t in fn(x)] == [[9, 12, 0], [0, 12, 0]]
+
+
+# ------------------------------------------------------------------- row outputs in another order
+def test_qwen3_qk_norm_then_rotary(tmp_path):
+    """Qwen3 RMS-normalises q and k per head on [B, S, H, D], transposes to [B, H, S, D] and applies
+    the rotary embedding: the row kernel writes its rows through the permutation."""
+    cfg = transformers.Qwen3Config(hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16)
+    cands = [c for c in candidates(transformers.Qwen3ForCausalLM(cfg), token_inputs(), tmp_path)
+             if "aten::rsqrt" in c["ops"] and "aten::cat" in c["ops"]]
+    assert len(cands) >= 2, "q and k norms"
+    for c in cands:
+        assert_validated(c, tmp_path)
