@@ -50,9 +50,15 @@ def assert_validated(c: dict, tmp_path) -> dict:
     return entry
 
 
-def token_inputs(batch=2, seq=16, vocab=128) -> dict:
+def token_inputs(batch=2, seq=16, vocab=128, padded=False) -> dict:
+    """Token ids; `padded`: with an attention mask that pads the second row's last four tokens."""
     torch.manual_seed(0)
-    return {"input_ids": torch.randint(1, vocab, (batch, seq))}
+    ids = torch.randint(1, vocab, (batch, seq))
+    if not padded:
+        return {"input_ids": ids}
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 # ------------------------------------------------------------------- views that merge or split dims
@@ -133,13 +139,7 @@ def test_bloom_alibi_pow_chain(tmp_path):
     """BLOOM's ALiBi slopes: pow(a 0-dim base, per-head exponents) times the mask's cumulative positions;
     `_pow` used to `|` a scalar's comparison with a block's, which Triton's interpreter cannot do."""
     cfg = transformers.BloomConfig(hidden_size=64, n_layer=1, n_head=4, vocab_size=128)
-    inputs = token_inputs()
-    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    inputs["attention_mask"][1, -4:] = 0
-    try:
-        cands = candidates(transformers.BloomForCausalLM(cfg), inputs, tmp_path)
-    except ValueError as e:  # the analyzer's full-reduction crash (issue 15, item 1), fixed on another branch
-        pytest.skip(f"analyzer: {e}")
+    cands = candidates(transformers.BloomForCausalLM(cfg), token_inputs(padded=True), tmp_path)
     (c,) = find(cands, ["pow", "sub", "mul", "mul"])
     assert_validated(c, tmp_path)
 
@@ -218,3 +218,26 @@ def test_qwen3_qk_norm_then_rotary(tmp_path):
     assert len(cands) >= 2, "q and k norms"
     for c in cands:
         assert_validated(c, tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ attention
+def test_bloom_baddbmm_attention_with_alibi_and_head_split_mask(tmp_path):
+    """BLOOM: scores = baddbmm(alibi, q, k^T, beta=1, alpha=1/sqrt(d)) on [B * H, L, L], viewed as
+    [B, H, L, L] for the padding mask, softmax, viewed back for P @ V. One flash-style kernel."""
+    cfg = transformers.BloomConfig(hidden_size=64, n_layer=1, n_head=4, vocab_size=128)
+    cands = candidates(transformers.BloomForCausalLM(cfg), token_inputs(padded=True), tmp_path)
+    (c,) = [c for c in cands if c["kind"] == "attention" and "aten::baddbmm" in c["ops"]]
+    entry = assert_validated(c, tmp_path)
+    assert "pid_b // 4" in entry["source"]  # the mask's (batch, head) from the grid's batch x heads
+    assert "run_sdpa" not in entry["source"]  # SDPA has no slot for baddbmm's own bias and scale
+
+
+def test_deberta_attention_builds_its_mask_in_the_kernel(tmp_path):
+    """DeBERTa: bmm scores on [B * H, L, L], masked_fill on [B, H, L, L] with ~mask.bool() (ops on the
+    mask alone, broadcast to the scores), softmax, bmm."""
+    cfg = transformers.DebertaV2Config(hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                                       num_attention_heads=4, vocab_size=128, max_position_embeddings=64)
+    cands = candidates(transformers.DebertaV2Model(cfg), token_inputs(padded=True), tmp_path)
+    (c,) = [c for c in cands if c["kind"] == "attention"]
+    assert {"aten::bitwise_not", "aten::masked_fill"} <= set(c["ops"])
+    assert_validated(c, tmp_path)

@@ -38,7 +38,7 @@ from advisor.codegen.shapes import broadcast
 from advisor.ops.lowering import Lowering, Unsupported, tl_type
 from advisor.ops.registry import OpClass, op_class
 
-ANCHOR_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
+ANCHOR_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm", "aten::baddbmm")
 REDUCE_KINDS = {"aten::amax": "max", "aten::amin": "min", "aten::sum": "sum", "aten::mean": "mean"}
 CONV_REASON = "conv epilogues: not generated yet"
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -102,7 +102,7 @@ def read_anchored(program: dict) -> Anchored:
         if name in ANCHOR_OPS:
             op = _read_anchor(ctx, spec)
         elif op_class(name) == OpClass.MATMUL:
-            raise Unsupported(f"{name}: only mm, addmm, linear, matmul and bmm anchors are generated")
+            raise Unsupported(f"{name}: only mm, addmm, linear, matmul, bmm and baddbmm anchors are generated")
         elif spec.get("synthetic") == "reshape":
             op = _read_reshape(ctx, spec)
         elif name in REDUCE_KINDS and _leading_reduction(spec):
@@ -160,9 +160,11 @@ def _read_anchor(ctx: Anchored, spec: dict) -> Op:
     bias, alpha, beta, b_nk = None, 1.0, 1.0, False
     if name == "aten::linear":
         a, b, bias, b_nk = args["input"], args["weight"], args.get("bias"), True
-    elif name == "aten::addmm":
-        bias, a, b = args["self"], args["mat1"], args["mat2"]
-        alpha, beta = float(args.get("alpha") or 1), float(args.get("beta") if args.get("beta") is not None else 1)
+    elif name in ("aten::addmm", "aten::baddbmm"):  # beta * self + alpha * (a @ b)
+        bias, a, b = (args["self"], args["mat1"], args["mat2"]) if name == "aten::addmm" else \
+            (args["self"], args["batch1"], args["batch2"])
+        alpha = float(args.get("alpha") if args.get("alpha") is not None else 1)
+        beta = float(args.get("beta") if args.get("beta") is not None else 1)
     elif name == "aten::matmul":
         a, b = args["self"], args["other"]
     else:  # mm, bmm
