@@ -77,11 +77,12 @@ def test_opt_residual_layer_norm_through_a_reshape(tmp_path):
 
 
 def test_deberta_scaled_query_through_head_split(tmp_path):
-    """DeBERTa scales the query after viewing [B, H, S, D] as [B * H, S, D]: one view merges two dims."""
+    """DeBERTa scales the query after viewing [B, H, S, D] as [B * H, S, D]: one view merges two dims;
+    as the query projection's epilogue, the store inverts that merge (and the head split before it)."""
     cfg = transformers.DebertaV2Config(hidden_size=64, num_hidden_layers=1, intermediate_size=128,
                                        num_attention_heads=4, vocab_size=128, max_position_embeddings=64)
-    for c in find(candidates(transformers.DebertaV2Model(cfg), token_inputs(), tmp_path),
-                  ["clone", "mul", "sqrt", "div"]):
+    cands = candidates(transformers.DebertaV2Model(cfg), token_inputs(), tmp_path)
+    for c in find(cands, ["clone", "mul", "sqrt", "div"]) + find(cands, ["linear", "clone", "mul", "sqrt", "div"]):
         assert_validated(c, tmp_path)
 
 

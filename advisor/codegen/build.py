@@ -27,6 +27,7 @@ class Builder:
         self.n: Node | None = None  # row kernels: the row width
         self.size_args: dict[str, Dim] = {}  # kernel argument -> the size it carries
         self.strides: dict[str, tuple] = {}  # kernel argument -> (tensor name, dim)
+        self.landing: dict = {}  # (view, index) -> the source index it reads, where known (an inverted reshape)
 
     # ------------------------------------------------------------------ sizes and strides as nodes
     def size(self, d: Dim) -> Node:
@@ -57,6 +58,8 @@ class Builder:
         src = self.p.source(view.src)
         if view.identity:
             tidx = tuple(idx)
+        elif (id(view), tuple(id(i) for i in idx)) in self.landing:
+            tidx = self.landing[(id(view), tuple(id(i) for i in idx))]
         else:
             tidx = [self.dag.lit(s) for s in view.starts]
             for d, e in enumerate(view.dims):

@@ -482,19 +482,30 @@ def _invert(b: TileBuilder, view: View, src_idx: tuple, out_shape: list) -> tupl
     p, dag = b.p, b.dag
     src = p.source(view.src)
     lit1 = lambda d: p.sizes.norm(d).literal and d.value == 1  # noqa: E731
-    if view.reshapes:
-        raise Unsupported("the epilogue reads the matmul output through a view that merges or splits its dims")
-    ref = []
+    ref = [None] * len(view.dims)
+    for r in view.reshapes:  # a whole block, read densely: linearise the source index, unravel it by the ref's steps
+        sizes = [view.shape[d].value for d in r.ref_dims]
+        dense = [math.prod(sizes[j + 1:]) for j in range(len(sizes))]
+        if r.steps != dense or math.prod(sizes) != math.prod(r.extents) or any(view.starts[e] for e in r.src_dims):
+            raise Unsupported("the epilogue reads part of the matmul output through a reshaping view")
+        lin = dag.isum([dag.imul(src_idx[e], dag.lit(u)) for e, u in zip(r.src_dims, r.units)])
+        for j, (d, step) in enumerate(zip(r.ref_dims, r.steps)):
+            q = lin if step == 1 else dag.add("op", "{} // {}", (lin, dag.lit(step)))
+            ref[d] = q if j == 0 else dag.add("op", "{} % {}", (q, dag.lit(sizes[j])))
     for d, e in enumerate(view.dims):
+        if ref[d] is not None:
+            continue
         if e is None:
             if not lit1(view.shape[d]):
                 raise Unsupported("the epilogue broadcasts the matmul output")
-            ref.append(dag.lit(0))
+            ref[d] = dag.lit(0)
         else:
             if view.starts[e] or p.dim_key(view.shape[d]) != p.dim_key(src.shape[e]):
                 raise Unsupported("the epilogue reads a slice of the matmul output")
-            ref.append(src_idx[e])
-    walked = {e for e in view.dims if e is not None}
+            ref[d] = src_idx[e]
+    if view.reshapes:  # reading the view at `ref` lands on src_idx itself (not on an equal expression of it)
+        b.landing[(id(view), tuple(id(i) for i in ref))] = tuple(src_idx)
+    walked = {e for e in view.dims if e is not None} | {e for r in view.reshapes for e in r.src_dims}
     if any(e not in walked and not lit1(src.shape[e]) for e in range(len(src.shape))):
         raise Unsupported("the epilogue reads part of the matmul output (a select)")
     shift = len(out_shape) - len(view.shape)
