@@ -497,7 +497,9 @@ def _invert(b: TileBuilder, view: View, src_idx: tuple, out_shape: list) -> tupl
             continue
         if e is None:
             if not lit1(view.shape[d]):
-                raise Unsupported("the epilogue broadcasts the matmul output")
+                raise Unsupported("the epilogue broadcasts the matmul output (an expand, e.g. repeating K/V heads "
+                                  "for grouped-query attention): an epilogue writes each output element once, "
+                                  "so it is not generated; the pointwise part alone may still fuse")
             ref[d] = dag.lit(0)
         else:
             if view.starts[e] or p.dim_key(view.shape[d]) != p.dim_key(src.shape[e]):
