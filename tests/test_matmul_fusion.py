@@ -294,7 +294,8 @@ def test_sample_trace_anchored_candidates(sample_results, workload):
     for want in REFUSED.get(workload, []):
         hits = [p for p in pats if (p["title"] or "").startswith(want)]
         assert hits and all(not p["validated"] and p["kernel_file"] is None for p in hits)
-        assert all(p["reason"] == CONV_REASON or "not elementwise" in p["reason"] for p in hits), \
+        assert all(p["reason"] == CONV_REASON or "not elementwise" in p["reason"]
+                   or "not an elementwise epilogue" in p["reason"] for p in hits), \
             [p["reason"] for p in hits]
     for p in pats:  # every anchored candidate: validated, or refused with a reason (never a failed kernel)
         assert p["validated"] or (p["kernel_file"] is None and p["reason"]

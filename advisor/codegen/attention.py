@@ -22,6 +22,7 @@ from advisor.codegen.dag import Dag
 from advisor.codegen.ir import Input, Op, Program, View
 from advisor.codegen.matmul import Anchored, Anchor, INDENT, TilePrinter, TileBuilder, assemble, kernel_params, \
     module_name, product_expr, tensors_expr, TUNE_TEXT
+from advisor.codegen.module import view_expr
 from advisor.codegen.plan import Plan, _unravel, size_expr
 from advisor.codegen.printer import signature
 from advisor.ops.lowering import Unsupported, tl_type
@@ -39,6 +40,7 @@ class Parts:
     softmax: Op
     safe: bool  # _safe_softmax: a row of -inf scores gives 0, not NaN
     after: list  # [Op]: identities between the softmax and P @ V
+    scores: str  # the value the chain reads the scores as: Q @ K^T's output, or its head split
 
     @property
     def scores_id(self) -> str:
@@ -57,19 +59,29 @@ def parse(ctx: Anchored) -> Parts:
     qk, pv = (ctx.anchors[o.id] for o in anchors)
     if ops.index(qk.op) > ops.index(soft[0]) or ops.index(soft[0]) > ops.index(pv.op) or ops[-1] is not pv.op:
         raise Unsupported("attention ops out of order (matmul, pointwise, softmax, matmul)")
-    if qk.b_nk or pv.b_nk or qk.bias is not None or pv.bias is not None or qk.alpha != 1 or pv.alpha != 1:
-        raise Unsupported("attention matmuls with a bias or scale of their own")
+    if qk.b_nk or pv.b_nk or pv.bias is not None or pv.alpha != 1:
+        raise Unsupported("P @ V with a bias or scale of its own")  # baddbmm's bias and scale on Q @ K^T are fine
     sm = soft[0]
     k0, ks, kp = ops.index(qk.op), ops.index(sm), ops.index(pv.op)
-    chain, after = ops[k0 + 1:ks], ops[ks + 1:kp]
-    score_dims = [p.dim_key(d) for d in qk.op.outputs[0].shape]
+    chain, after = [o for o in ops[k0 + 1:ks] if o.low.kind != "reshape"], ops[ks + 1:kp]
+    scores = score_reshape(ctx, qk) or qk.op.outputs[0].id
+    score_dims = [p.dim_key(d) for d in p.values[scores].shape]
+    on_scores = {scores}
     for o in chain:
-        if o.low.kind != "pointwise" or [p.dim_key(d) for d in o.outputs[0].shape] != score_dims:
+        reads = {v.src for a in o.args.values() for v in (a if isinstance(a, list) else [a]) if isinstance(v, View)}
+        if o.low.kind != "pointwise":
             raise Unsupported(f"{o.qualname} between the scores and the softmax is not pointwise on the scores")
+        if reads & on_scores:
+            if [p.dim_key(d) for d in o.outputs[0].shape] != score_dims:
+                raise Unsupported(f"{o.qualname} between the scores and the softmax is not pointwise on the scores")
+            on_scores.add(o.outputs[0].id)
+        elif len(o.outputs[0].shape) > len(score_dims) or any(
+                p.dim_key(d) not in ("1", k) for d, k in zip(o.outputs[0].shape[::-1], score_dims[::-1])):
+            raise Unsupported(f"{o.qualname} before the softmax neither reads the scores nor broadcasts to them")
     x = sm.args["self"]
     if not x.identity or [p.dim_key(d) for d in x.shape] != score_dims:
         raise Unsupported("the softmax reads the scores through a view")
-    if chain and x.src != chain[-1].outputs[0].id or not chain and x.src != qk.op.outputs[0].id:
+    if x.src != ([o.outputs[0].id for o in chain if o.outputs[0].id in on_scores] or [scores])[-1]:
         raise Unsupported("the softmax does not read the end of the score chain")
     cur = sm.outputs[0].id
     for o in after:
@@ -82,13 +94,24 @@ def parse(ctx: Anchored) -> Parts:
         if len(views) != 1 or views[0].src != cur or not views[0].identity:
             raise Unsupported(f"{o.qualname} after the softmax reads something else")
         cur = o.outputs[0].id
-    if pv.a.src != cur or not pv.a.identity:
+    merged = [d.value for d in pv.a.shape] == [d.value for d in qk.op.outputs[0].shape] and pv.a.reshapes
+    if pv.a.src != cur or not (pv.a.identity or scores != qk.op.outputs[0].id and merged):
         raise Unsupported("P @ V does not read the softmax output")
     if [v.id for v in p.outputs] != [pv.op.outputs[0].id]:
         raise Unsupported("an intermediate of the attention escapes the group")
     if len(qk.lead) < 1 or [p.dim_key(d) for d in qk.lead] != [p.dim_key(d) for d in pv.lead]:
         raise Unsupported("P @ V does not walk the scores' rows")
-    return Parts(qk, pv, chain, sm, SOFTMAX[sm.name], after)
+    return Parts(qk, pv, chain, sm, SOFTMAX[sm.name], after, scores)
+
+
+def score_reshape(ctx: Anchored, qk: Anchor) -> str | None:
+    """The reshape of [B * H, L, L] scores into [B, H, L, L] that the mask is applied on (BLOOM, DeBERTa):
+    the same rows and keys, the leading dims split."""
+    for vid, (aid, split) in ctx.reshapes.items():
+        shape = [d.value for d in ctx.prog.values[vid].shape]
+        if aid == qk.op.id and split == len(shape) - 1 and shape[-2] == qk.lead[-1].value:
+            return vid
+    return None
 
 
 ATTENTION_CONFIG = '''
@@ -118,11 +141,15 @@ def attention_source(ctx: Anchored) -> str:
     bidx = tuple(_unravel(b, pid_b, qk.lead[:nb], list(range(nb)), "b", ""))
     i_t, j_t = b.axis(i, qk.lead[-1]), b.axis(j, qk.n)  # a size-1 axis (one query: decoding) is index 0
     tile = bidx + (i_t, j_t)
-    b.set_tile(qk, "s", tile)
+    given = {}
+    if parts.scores != qk.op.outputs[0].id:  # the chain walks the scores with the batch dim split: (b, h) from pid_b
+        lead = p.values[parts.scores].shape[:-2]
+        given[parts.scores] = tuple(_unravel(b, pid_b, lead, list(range(len(lead))), "b", "_split")) + (i_t, j_t)
+    b.set_tile(qk, "s", tile, given)
     q_ptr, q_off = b.operand_offset(qk.a, bidx + (i_t, b.axis(dq, qk.k)))
     k_ptr, k_off = b.operand_offset(qk.b, tuple(bidx[d] for d in qk.b_batch) + (b.axis(dk, qk.k), j_t))
     v_ptr, v_off = b.operand_offset(pv.b, tuple(bidx[d] for d in pv.b_batch) + (b.axis(jv, qk.n), b.axis(dv, pv.n)))
-    score = b.value_at(parts.scores_id, tile)
+    score = b.value_at(parts.scores_id, given.get(parts.scores, tile))
     out_v = p.outputs[0]
     out_off = dag.isum([dag.imul(x, b.stride("out0", d)) for d, x in enumerate(bidx + (i_t, b.axis(dv, pv.n)))])
     plan = Plan("attention", p, dag, b, [])
@@ -225,6 +252,8 @@ def attention_source(ctx: Anchored) -> str:
 def sdpa_args(p: Program, parts: Parts):
     """((op, scale literal or 0-dim input), mask view or None) when the chain is `* scale` / `/ scale` then
     `+ mask`, else None."""
+    if parts.qk.bias is not None or parts.qk.alpha != 1:
+        return None  # baddbmm: its own bias and scale
     cur = parts.qk.op.outputs[0].id
     scale, mask = None, None
     for o in parts.chain:
@@ -250,17 +279,6 @@ def sdpa_args(p: Program, parts: Parts):
             return None
         cur = o.outputs[0].id
     return scale or ("aten::mul", "1.0"), mask
-
-
-def view_expr(p: Program, view: View) -> str:
-    """A launcher expression for the tensor a ref reads (torch.as_strided over its input)."""
-    if view.identity:
-        return view.src
-    sizes = ", ".join(size_expr(p, d) for d in view.shape)
-    strides = ", ".join(f"{view.src}.stride({e})" if e is not None else "0" for e in view.dims)
-    off = " + ".join([f"{view.src}.storage_offset()"] + [f"{s} * {view.src}.stride({e})"
-                                                          for e, s in enumerate(view.starts) if s])
-    return f"torch.as_strided({view.src}, ({sizes},), ({strides},), {off})"
 
 
 def sdpa_source(p: Program, parts: Parts) -> str:

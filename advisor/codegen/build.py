@@ -27,6 +27,7 @@ class Builder:
         self.n: Node | None = None  # row kernels: the row width
         self.size_args: dict[str, Dim] = {}  # kernel argument -> the size it carries
         self.strides: dict[str, tuple] = {}  # kernel argument -> (tensor name, dim)
+        self.landing: dict = {}  # (view, index) -> the source index it reads, where known (an inverted reshape)
 
     # ------------------------------------------------------------------ sizes and strides as nodes
     def size(self, d: Dim) -> Node:
@@ -57,11 +58,19 @@ class Builder:
         src = self.p.source(view.src)
         if view.identity:
             tidx = tuple(idx)
+        elif (id(view), tuple(id(i) for i in idx)) in self.landing:
+            tidx = self.landing[(id(view), tuple(id(i) for i in idx))]
         else:
             tidx = [self.dag.lit(s) for s in view.starts]
             for d, e in enumerate(view.dims):
                 if e is not None:
                     tidx[e] = self.dag.iadd(tidx[e], idx[d])
+            for r in view.reshapes:  # linearise over the block, unravel into its source dims
+                lin = self.dag.isum([self.dag.imul(idx[d], self.dag.lit(k)) for d, k in zip(r.ref_dims, r.steps)]
+                                    + [self.dag.lit(view.starts[e] * u) for e, u in zip(r.src_dims, r.units)])
+                for j, (e, u, n) in enumerate(zip(r.src_dims, r.units, r.extents)):
+                    q = lin if u == 1 else self.dag.add("op", "{} // {}", (lin, self.dag.lit(u)))
+                    tidx[e] = q if j == 0 else self.dag.add("op", "{} % {}", (q, self.dag.lit(n)))
             tidx = tuple(tidx)
         if isinstance(src, Input):
             return self.load(src, tidx, view)
@@ -200,6 +209,8 @@ class Builder:
         full = lead + (self.cols,)
         out0 = op.outputs[0].dtype
         ct = opmath(out0)  # bool for all/any, int64 for integer sums, fp32 for bf16/fp16
+        if low.promote == "input":  # argmax: compares the values themselves, returns an index
+            ct = opmath(self.p.source(next(v for v in op.args.values() if isinstance(v, View)).src).dtype)
         vals = {}
         first = None
         for name, a in op.args.items():
@@ -212,23 +223,23 @@ class Builder:
         vals.setdefault("self", vals[first[0]])
         vals["in_dtype"] = self.p.source(first[1].src).dtype
         vals["op"] = op.name
-        return tuple(low.emit(RowOps(self.dag, self.n, ct, op.qualname), Args(vals, ct, out0)))
+        return tuple(low.emit(RowOps(self.dag, self.n, self.cols, ct, op.qualname), Args(vals, ct, out0)))
 
 
 class RowOps:
     """The builder row decompositions in the lowering table write against."""
 
-    def __init__(self, dag: Dag, n: Node, ct: torch.dtype, comment: str):
-        self.dag, self.n, self.ct, self.comment = dag, n, ct, comment
+    def __init__(self, dag: Dag, n: Node, cols: Node, ct: torch.dtype, comment: str):
+        self.dag, self.n, self.cols, self.ct, self.comment = dag, n, cols, ct, comment
 
     def reduce(self, kind: str, x: Node) -> Node:
         if kind == "sum" and x.dtype in (torch.bool, torch.int32, torch.int16, torch.int8, torch.uint8):
             x = self.dag.cast(x, torch.int64)
         return self.dag.reduce(kind, x)
 
-    def op(self, fmt: str, *xs) -> Node:
+    def op(self, fmt: str, *xs, dtype: torch.dtype | None = None) -> Node:
         nodes = [x if isinstance(x, Node) else self.lit(x) for x in xs]
-        dtype = next((x.dtype for x in nodes if x.dtype is not None and x.kind != "arg"), self.ct)
+        dtype = dtype or next((x.dtype for x in nodes if x.dtype is not None and x.kind != "arg"), self.ct)
         return self.dag.op(fmt, *nodes, dtype=dtype, comment=self.comment)
 
     def lit(self, v) -> Node:

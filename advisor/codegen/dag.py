@@ -110,6 +110,9 @@ class Dag:
             return a
         if a.kind == b.kind == "lit":
             return self.lit(int(a.fmt) + int(b.fmt))
+        if a.fmt == "{} * {}" and a.inputs[0].fmt == "{} // {}" and b.fmt == "{} % {}" and \
+                a.inputs[0].inputs == b.inputs and a.inputs[1] is b.inputs[1]:
+            return b.inputs[0]  # (x // n) * n + x % n: an index unravelled, then linearised again (a reshape)
         return self.add("op", "{} + {}", (a, b))
 
     def isub(self, a: Node, b: Node) -> Node:

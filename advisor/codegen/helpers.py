@@ -72,7 +72,8 @@ def _pow(x, y):
     y_odd = y_int & (y - 2.0 * tl.floor(y * 0.5) == 1.0)
     signed = tl.where(y_int, tl.where(y_odd, -mag, mag), float("nan"))
     res = tl.where(x < 0, signed, mag)
-    return tl.where((y == 0.0) | (x == 1.0), 1.0, res)
+    # Nested selects, not `|`: Triton's interpreter cannot `|` a scalar's comparison with a block's.
+    return tl.where(y == 0.0, 1.0, tl.where(x == 1.0, 1.0, res))
 ''',
     "_remainder": '''
 @triton.jit

@@ -7,7 +7,8 @@ size: the launcher checks them and refuses other shapes rather than compute the 
 
 A ref (a tensor read) becomes a `View`: for each of its dims, which dim of its source it walks (or
 none: broadcast or size 1), plus a start index per source dim. Slices, selects, unsqueezes, expands
-and permutes are index maps; a reshape that merges or splits dims is not, and is refused.
+and permutes are index maps; a view that merges or splits dims (a reshape, Swin's window partition)
+reads a block of source dims through a linear index (`Reshape`), with the block's sizes pinned.
 """
 from __future__ import annotations
 
@@ -106,12 +107,34 @@ class Input:
 
 
 @dataclass
+class Reshape:
+    """Ref dims walking a block of source dims that a view merged or split (x.view(B * S, H) of a
+    [B, S, H] value, Swin's window partition): the ref index is linearised over the block, in units
+    of its innermost source dim's stride, and unravelled into the block's source dims."""
+    ref_dims: list  # the ref dims in the block
+    steps: list  # per ref dim: its stride in units of the block's innermost source stride
+    src_dims: list  # the block's source dims, outermost first
+    units: list  # per source dim: its stride in those units
+    extents: list  # per source dim: its (pinned) size
+
+
+@dataclass
 class View:
     src: str  # "in0" or "v3"
     shape: list  # [Dim] of the ref
-    dims: list  # per ref dim: the source dim it walks, or None
+    dims: list  # per ref dim: the source dim it walks, or None (broadcast, size 1, or in a reshape)
     starts: list  # per source dim: first index read
     identity: bool = False
+    reshapes: list = field(default_factory=list)  # [Reshape]
+
+    def walks(self) -> list:
+        """Per ref dim: (source dim, step), the ref moving `step` strides of that source dim per index,
+        or None (a broadcast or size-1 dim). What a strided view of the source needs (`torch.as_strided`)."""
+        out = [(e, 1) if e is not None else None for e in self.dims]
+        for r in self.reshapes:
+            for d, step in zip(r.ref_dims, r.steps):
+                out[d] = (r.src_dims[-1], step)
+        return out
 
 
 @dataclass
@@ -165,7 +188,8 @@ class Program:
     def signature(self) -> str:
         """Everything the generated code depends on, with sizes as symbols: the pattern's cache key."""
         dims = lambda ds: [self.dim_key(d) for d in ds]  # noqa: E731
-        view = lambda v: [v.src, dims(v.shape), v.dims, v.starts, v.identity]  # noqa: E731
+        view = lambda v: [v.src, dims(v.shape), v.dims, v.starts, v.identity,  # noqa: E731
+                          [[r.ref_dims, r.steps, r.src_dims, r.units, r.extents] for r in v.reshapes]]
         doc = {
             "inputs": [[i.id, str(i.dtype), dims(i.shape), _order(i.rec_strides, i.rec_shape),
                         [s == 0 for s in i.rec_strides]] for i in self.inputs],
@@ -307,22 +331,15 @@ def _view(p: Program, ref: dict) -> View:
     same_strides = all(a == b for n, a, b in zip(shape, strides, src.rec_strides) if n != 1)
     if shape == src.rec_shape and same_strides and off == base_off:
         return View(sid, list(src.shape), list(range(len(shape))), [0] * len(shape), identity=True)
-    # Which source dim each ref dim walks: same stride, preferring the right-aligned position.
-    src_strides, used, dims = src.rec_strides, set(), []
-    for d, (n, st) in enumerate(zip(shape, strides)):
-        if n == 1 or st == 0:
-            dims.append(None)
-            continue
-        aligned = d + len(src.rec_shape) - len(shape)
-        cands = [e for e in range(len(src_strides)) if src_strides[e] == st and src.rec_shape[e] > 1 and e not in used]
-        if not cands:
-            raise Unsupported(f"reads {sid} through a reshaping view (shape {shape}, strides {strides})")
-        e = aligned if aligned in cands else cands[0]
-        used.add(e)
-        dims.append(e)
-    starts = _starts(off - base_off, src.rec_shape, src_strides)
+    starts = _starts(off - base_off, src.rec_shape, src.rec_strides)
     if starts is None:
         raise Unsupported(f"reads {sid} at storage offset {off}, which no index of it reaches")
+    dims = _walked_dims(shape, strides, src)
+    if dims is None or (isinstance(src, Value) and not all(
+            0 <= starts[e] <= starts[e] + shape[d] <= src.rec_shape[e] for d, e in enumerate(dims) if e is not None)):
+        dims, reshapes = _reshape(sid, src, shape, strides, starts)
+    else:
+        reshapes = []
     sizes = []
     for d, n in enumerate(shape):
         e = dims[d]
@@ -332,16 +349,103 @@ def _view(p: Program, ref: dict) -> View:
             sizes.append(Dim((), n, n))
             if e is not None:
                 p.sizes.pin(src.shape[e])
+    walked = set(dims) | {e for r in reshapes for e in r.src_dims}
     for e, s in enumerate(starts):
-        if s:
+        if s or (e not in walked and src.rec_shape[e] > 1):  # a slice's offset; a select of a dim the view drops
             p.sizes.pin(src.shape[e])
-        if e not in dims and src.rec_shape[e] > 1:
-            p.sizes.pin(src.shape[e])  # a select or a size-1 slice of a dim the view drops
-    if isinstance(src, Value):
-        for d, e in enumerate(dims):
-            if e is not None and not 0 <= starts[e] <= starts[e] + shape[d] <= src.rec_shape[e]:
-                raise Unsupported(f"reads {sid} out of its bounds")
-    return View(sid, sizes, dims, starts)
+    for r in reshapes:  # the block's index arithmetic holds its recorded sizes
+        for e in r.src_dims:
+            p.sizes.pin(src.shape[e])
+    return View(sid, sizes, dims, starts, reshapes=reshapes)
+
+
+def _walked_dims(shape, strides, src) -> list | None:
+    """Per ref dim, the source dim it walks (same stride, preferring the right-aligned position), or
+    None when some ref dim matches no source dim's stride (the view merges or splits dims)."""
+    used, dims = set(), []
+    for d, (n, st) in enumerate(zip(shape, strides)):
+        if n == 1 or st == 0:
+            dims.append(None)
+            continue
+        aligned = d + len(src.rec_shape) - len(shape)
+        cands = [e for e in range(len(src.rec_strides)) if src.rec_strides[e] == st and src.rec_shape[e] > 1
+                 and e not in used]
+        if not cands:
+            return None
+        e = aligned if aligned in cands else cands[0]
+        used.add(e)
+        dims.append(e)
+    return dims
+
+
+def _reshape(sid: str, src, shape, strides, starts) -> tuple[list, list]:
+    """(dims, [Reshape]) of a view that merges or splits its source's dims.
+
+    Each ref dim lands on the source dims its memory steps cross; ref dims landing on common source
+    dims, and source dims their largest index carries into, form one block. A block of one ref dim
+    walking one source dim stays a plain index map. Blocks need their source dims dense (what .view()
+    and .reshape() produce); an input's block also in its logical order, so that the kernel, which
+    reads inputs through their run-time strides, reads the same elements as the view did."""
+    S, ss = src.rec_shape, src.rec_strides
+    live = sorted((e for e in range(len(S)) if S[e] > 1 and ss[e] > 0), key=lambda e: -ss[e])  # outermost first
+    why = f"reads {sid} through a view (shape {shape}, strides {strides}) that"
+    spans = {}  # ref dim -> [first, last] position in `live` it lands on
+    for d, (n, st) in enumerate(zip(shape, strides)):
+        if n == 1 or st == 0:
+            continue
+        hit = [i for i, e in enumerate(live) if ss[e] <= st * (n - 1) and (st < ss[e] * S[e] or st % (ss[e] * S[e]))]
+        if st < 0 or not hit:
+            raise Unsupported(f"{why} is no merge or split of its dims")
+        spans[d] = [min(hit), max(hit)]
+    blocks = []  # [first, last] positions in `live`
+    for lo, hi in sorted(spans.values()):
+        if blocks and lo <= blocks[-1][1]:
+            blocks[-1][1] = max(blocks[-1][1], hi)
+        else:
+            blocks.append([lo, hi])
+
+    def top(lo, hi):  # the block's largest linear index, in units of its innermost stride
+        mine = [d for d, (a, b) in spans.items() if lo <= a and b <= hi]
+        inner = ss[live[hi]]
+        return (sum((shape[d] - 1) * strides[d] for d in mine) // inner
+                + sum(starts[e] * ss[e] // inner for e in live[lo:hi + 1]))
+
+    k = len(blocks) - 1
+    while k >= 0:  # innermost first: a block whose largest index carries into the next dim out takes it in
+        lo, hi = blocks[k]
+        if lo == 0 or top(lo, hi) < ss[live[lo]] * S[live[lo]] // ss[live[hi]]:
+            k -= 1
+        elif k > 0 and blocks[k - 1][1] == lo - 1:
+            blocks[k - 1][1] = hi
+            del blocks[k]
+            k -= 1
+        else:
+            blocks[k][0] = lo - 1
+    out = []
+    for lo, hi in blocks:
+        mine = [d for d, (a, b) in spans.items() if lo <= a and b <= hi]
+        block, inner = live[lo:hi + 1], ss[live[hi]]
+        units = {e: ss[e] // inner for e in block}
+        if isinstance(src, Value) and top(lo, hi) >= units[block[0]] * S[block[0]]:
+            raise Unsupported(f"reads {sid} beyond the {S} elements its op wrote (a view of shape {shape}, "
+                              f"strides {strides}): the trace recorded a smaller tensor than the one read")
+        if any(ss[a] != ss[b] * S[b] for a, b in zip(block, block[1:])):
+            raise Unsupported(f"{why} merges dims that are not adjacent in memory")
+        if any(strides[d] % inner for d in mine):
+            raise Unsupported(f"{why} steps across its dims' strides")
+        if not isinstance(src, Value) and block != sorted(block):
+            raise Unsupported(f"{why} merges the input's dims in another order than their logical one "
+                              "(make the input contiguous first)")
+        out.append((mine, block, units))
+    dims, reshapes = [None] * len(shape), []
+    for mine, block, units in out:
+        if len(mine) == 1 and len(block) == 1 and strides[mine[0]] == ss[block[0]]:
+            dims[mine[0]] = block[0]
+            continue
+        mine.sort(key=lambda d: -strides[d])
+        reshapes.append(Reshape(mine, [strides[d] // ss[block[-1]] for d in mine], block,
+                                [units[e] for e in block], [S[e] for e in block]))
+    return dims, reshapes
 
 
 def _starts(delta: int, shape, strides):

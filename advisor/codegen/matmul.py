@@ -38,7 +38,7 @@ from advisor.codegen.shapes import broadcast
 from advisor.ops.lowering import Lowering, Unsupported, tl_type
 from advisor.ops.registry import OpClass, op_class
 
-ANCHOR_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
+ANCHOR_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm", "aten::baddbmm")
 REDUCE_KINDS = {"aten::amax": "max", "aten::amin": "min", "aten::sum": "sum", "aten::mean": "mean"}
 CONV_REASON = "conv epilogues: not generated yet"
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -102,7 +102,7 @@ def read_anchored(program: dict) -> Anchored:
         if name in ANCHOR_OPS:
             op = _read_anchor(ctx, spec)
         elif op_class(name) == OpClass.MATMUL:
-            raise Unsupported(f"{name}: only mm, addmm, linear, matmul and bmm anchors are generated")
+            raise Unsupported(f"{name}: only mm, addmm, linear, matmul, bmm and baddbmm anchors are generated")
         elif spec.get("synthetic") == "reshape":
             op = _read_reshape(ctx, spec)
         elif name in REDUCE_KINDS and _leading_reduction(spec):
@@ -160,9 +160,11 @@ def _read_anchor(ctx: Anchored, spec: dict) -> Op:
     bias, alpha, beta, b_nk = None, 1.0, 1.0, False
     if name == "aten::linear":
         a, b, bias, b_nk = args["input"], args["weight"], args.get("bias"), True
-    elif name == "aten::addmm":
-        bias, a, b = args["self"], args["mat1"], args["mat2"]
-        alpha, beta = float(args.get("alpha") or 1), float(args.get("beta") if args.get("beta") is not None else 1)
+    elif name in ("aten::addmm", "aten::baddbmm"):  # beta * self + alpha * (a @ b)
+        bias, a, b = (args["self"], args["mat1"], args["mat2"]) if name == "aten::addmm" else \
+            (args["self"], args["batch1"], args["batch2"])
+        alpha = float(args.get("alpha") if args.get("alpha") is not None else 1)
+        beta = float(args.get("beta") if args.get("beta") is not None else 1)
     elif name == "aten::matmul":
         a, b = args["self"], args["other"]
     else:  # mm, bmm
@@ -480,17 +482,32 @@ def _invert(b: TileBuilder, view: View, src_idx: tuple, out_shape: list) -> tupl
     p, dag = b.p, b.dag
     src = p.source(view.src)
     lit1 = lambda d: p.sizes.norm(d).literal and d.value == 1  # noqa: E731
-    ref = []
+    ref = [None] * len(view.dims)
+    for r in view.reshapes:  # a whole block, read densely: linearise the source index, unravel it by the ref's steps
+        sizes = [view.shape[d].value for d in r.ref_dims]
+        dense = [math.prod(sizes[j + 1:]) for j in range(len(sizes))]
+        if r.steps != dense or math.prod(sizes) != math.prod(r.extents) or any(view.starts[e] for e in r.src_dims):
+            raise Unsupported("the epilogue reads part of the matmul output through a reshaping view")
+        lin = dag.isum([dag.imul(src_idx[e], dag.lit(u)) for e, u in zip(r.src_dims, r.units)])
+        for j, (d, step) in enumerate(zip(r.ref_dims, r.steps)):
+            q = lin if step == 1 else dag.add("op", "{} // {}", (lin, dag.lit(step)))
+            ref[d] = q if j == 0 else dag.add("op", "{} % {}", (q, dag.lit(sizes[j])))
     for d, e in enumerate(view.dims):
+        if ref[d] is not None:
+            continue
         if e is None:
             if not lit1(view.shape[d]):
-                raise Unsupported("the epilogue broadcasts the matmul output")
-            ref.append(dag.lit(0))
+                raise Unsupported("the epilogue broadcasts the matmul output (an expand, e.g. repeating K/V heads "
+                                  "for grouped-query attention): an epilogue writes each output element once, "
+                                  "so it is not generated; the pointwise part alone may still fuse")
+            ref[d] = dag.lit(0)
         else:
             if view.starts[e] or p.dim_key(view.shape[d]) != p.dim_key(src.shape[e]):
                 raise Unsupported("the epilogue reads a slice of the matmul output")
-            ref.append(src_idx[e])
-    walked = {e for e in view.dims if e is not None}
+            ref[d] = src_idx[e]
+    if view.reshapes:  # reading the view at `ref` lands on src_idx itself (not on an equal expression of it)
+        b.landing[(id(view), tuple(id(i) for i in ref))] = tuple(src_idx)
+    walked = {e for e in view.dims if e is not None} | {e for r in view.reshapes for e in r.src_dims}
     if any(e not in walked and not lit1(src.shape[e]) for e in range(len(src.shape))):
         raise Unsupported("the epilogue reads part of the matmul output (a select)")
     shift = len(out_shape) - len(view.shape)

@@ -153,7 +153,7 @@ def _run(plan: Plan, launch: list) -> str:
                      f"    {scalars[0]} = {scalars[0]}.to(device)")
     for k, v in enumerate(p.outputs):
         if v.id in p.inplace:
-            lines.append(f"    out{k} = {_inplace_view(p, p.inplace[v.id])}  # written in place, like {v.op.qualname}")
+            lines.append(f"    out{k} = {view_expr(p, p.inplace[v.id])}  # written in place, like {v.op.qualname}")
         else:
             shape = "(" + ", ".join(size_expr(p, d) for d in v.shape) + ("," if len(v.shape) == 1 else "") + ")"
             order = tuple(_order(v.rec_strides, v.rec_shape))
@@ -167,15 +167,16 @@ def _run(plan: Plan, launch: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _inplace_view(p: Program, view) -> str:
-    src = p.source(view.src)
+def view_expr(p: Program, view) -> str:
+    """A launcher expression for the tensor a ref reads (torch.as_strided over its input)."""
     if view.identity:
         return view.src
     sizes = ", ".join(size_expr(p, d) for d in view.shape)
-    strides = ", ".join(f"{view.src}.stride({e})" if e is not None else "0" for e in view.dims)
+    strides = ", ".join("0" if w is None else f"{view.src}.stride({w[0]})" if w[1] == 1 else
+                        f"{w[1]} * {view.src}.stride({w[0]})" for w in view.walks())
     off = " + ".join([f"{view.src}.storage_offset()"] + [f"{s} * {view.src}.stride({e})"
                                                           for e, s in enumerate(view.starts) if s])
-    return f"torch.as_strided({src.id}, ({sizes},), ({strides},), {off})"
+    return f"torch.as_strided({view.src}, ({sizes},), ({strides},), {off})"
 
 
 def _launch_pointwise(plan: Plan, name: str, call: list) -> list:

@@ -7,6 +7,7 @@ softmax, norms over the last dim) run one program per row: leading indices from 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -175,6 +176,14 @@ def plan_rows(prog: Program) -> Plan:
             idx = lead_idx + (b.cols,)
         elif keys == full_keys[:-1] or keys == full_keys[:-1] + ["1"]:
             idx = lead_idx + ((dag.lit(0),) if len(shape) == len(lead) + 1 else ())
+        elif keys[-1:] == full_keys[-1:] and (perm := _permutation(keys[:-1], full_keys[:-1])) is not None:
+            # The rows with their leading dims permuted (Qwen3 normalises q per head on [B, S, H, D], then
+            # transposes to [B, H, S, D] for the rotary): each row stored where the permutation puts it.
+            idx = tuple(lead_idx[j] for j in perm) + (b.cols,)
+        elif keys[-1:] == full_keys[-1:] and _same_rows(prog, v.shape[:-1], lead):
+            # The rows under another leading shape (OPT adds the residual on [B * S, H] and normalises it
+            # as [B, S, H]): the same row walked through its own leading dims.
+            idx = _unravel(b, row, v.shape[:-1], list(range(len(v.shape) - 1)), "r", f"_out{k}") + (b.cols,)
         else:
             raise Unsupported(f"output {v.id} of shape {shape} is neither a row ({[d.value for d in full]}) "
                               f"nor one value per row")
@@ -182,6 +191,19 @@ def plan_rows(prog: Program) -> Plan:
         offset = dag.isum([dag.imul(i, b.stride(f"out{k}", d)) for d, i in enumerate(idx)], hint=f"out{k}_row")
         stores.append(Store(k, val, offset, b.mask if offset.full else None, v.dtype))
     return Plan("rows", prog, dag, b, stores, lead=lead, n=n)
+
+
+def _permutation(keys: list, lead_keys: list) -> list | None:
+    """Positions in `lead_keys` of `keys`, when they are a permutation of distinct size classes."""
+    if sorted(keys) != sorted(lead_keys) or len(set(lead_keys)) != len(lead_keys):
+        return None
+    return [lead_keys.index(k) for k in keys]
+
+
+def _same_rows(prog: Program, a: list, b: list) -> bool:
+    """Two leading shapes with the same number of rows at every size: literal (a reshape pins them)."""
+    literal = all(prog.sizes.norm(d).literal for d in a + b)
+    return literal and math.prod(d.value for d in a) == math.prod(d.value for d in b)
 
 
 def size_expr(prog: Program, d: Dim) -> str:

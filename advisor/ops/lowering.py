@@ -226,11 +226,22 @@ pw("nan_to_num", _nan_to_num)
 # ------------------------------------------------------------------ comparisons, logic, selection
 for _n, _o in {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}.items():
     pw(_n, lambda a, o=_o: f"{a.self} {o} {a.other}", "compare", BIN)
+
+
+def _bitwise(a, o: str) -> str:
+    """`self o other`; on bools through int8, because Triton's interpreter keeps the bool of a comparison of
+    scalars as float data and then refuses | & ^ with a block of bools (the GPU folds the casts away)."""
+    if a.ct != torch.bool:
+        return f"{a.self} {o} {a.other}"
+    i8 = lambda n: f"{getattr(a, n)}.to(tl.int8)" if n in a.tensors else getattr(a, n)  # noqa: E731
+    return f"({i8('self')} {o} {i8('other')}) != 0"
+
+
 for _n, _o in {"logical_and": "&", "logical_or": "|", "logical_xor": "^"}.items():
-    pw(_n, lambda a, o=_o: f"{a.self} {o} {a.other}", "logical", BIN)
+    pw(_n, lambda a, o=_o: _bitwise(a, o), "logical", BIN)
 pw("logical_not", lambda a: f"{a.self} == 0", "logical")
 for _n, _o in {"bitwise_and": "&", "bitwise_or": "|", "bitwise_xor": "^"}.items():
-    pw(_n, lambda a, o=_o: f"{a.self} {o} {a.other}", operands=BIN)
+    pw(_n, lambda a, o=_o: _bitwise(a, o), operands=BIN)
 pw("bitwise_not", lambda a: f"{a.self} == 0" if a.ct == torch.bool else f"~{a.self}")
 pw("maximum max", lambda a: MAX.format(a.self, a.other), operands=BIN)
 pw("minimum min", lambda a: MIN.format(a.self, a.other), operands=BIN)
@@ -354,9 +365,9 @@ _add("cat", "cat", None, promote="none", operands=("tensors",), shape="cat")
 # ------------------------------------------------------------------------- rows (last-dim ops)
 # emit(b, a): `a.self` (and weight, bias) are builder nodes already in the compute dtype; b.reduce
 # sums/maxes over the row, b.op applies a pointwise format, b.n is the row width. Outputs in schema order.
-def row(names: str, emit, shape="reduce", operands=("self",), **kw):
+def row(names: str, emit, shape="reduce", operands=("self",), promote="row", **kw):
     for n in names.split():
-        _add(n, "row", emit, promote="row", operands=operands, shape=shape, **kw)
+        _add(n, "row", emit, promote=promote, operands=operands, shape=shape, **kw)
 
 
 def _correction(a) -> float:
@@ -420,6 +431,18 @@ def _rms_norm(b, a):
     return (b.op("{} * {}", y, a.weight) if a.weight is not None else y), rstd
 
 
+def _arg_extreme(kind: str):
+    """argmax/argmin: the first column holding the row's max (min); a NaN counts as the extreme, as in torch."""
+    def emit(b, a):
+        x = b.dag.cast(a.self, torch.int32) if a.self.dtype == torch.bool else a.self
+        m = b.reduce(kind, x)
+        hit = b.op("({} == {}) | ({} != {})", x, m, x, x, dtype=torch.bool)
+        return (b.reduce("min", b.op("tl.where({}, {}, {})", hit, b.cols, b.n, dtype=torch.int32)),)  # a column
+    return emit
+
+
+row("argmax", _arg_extreme("max"), promote="input")
+row("argmin", _arg_extreme("min"), promote="input")
 row("sum", lambda b, a: (b.reduce("sum", a.self),))
 row("mean", lambda b, a: (b.op("{} / {}", b.reduce("sum", a.self), b.n),))
 row("amax max", lambda b, a: (b.reduce("max", a.self),))

@@ -80,10 +80,10 @@ def _extent(prog: Program, case: Case, inp: Input, shape, strides) -> tuple[int,
                 if isinstance(v, View) and v.src == inp.id and not v.identity:
                     base = sum(st * s for st, s in zip(v.starts, strides))
                     lo = hi = base
-                    for d, e in enumerate(v.dims):
-                        if e is not None:
+                    for d, w in enumerate(v.walks()):
+                        if w is not None:
                             n = case.size(prog, v.shape[d])
-                            step = (n - 1) * strides[e]
+                            step = (n - 1) * strides[w[0]] * w[1]
                             lo, hi = lo + min(step, 0), hi + max(step, 0)
                     spans.append((lo, hi))
     return min(0, *(s[0] for s in spans)), max(s[1] for s in spans)

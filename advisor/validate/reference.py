@@ -92,7 +92,7 @@ def view_of(prog: Program, case: Case, t: torch.Tensor, v: View) -> torch.Tensor
     if v.identity:
         return t
     sizes = [case.size(prog, d) for d in v.shape]
-    strides = [t.stride(e) if e is not None else 0 for e in v.dims]
+    strides = [t.stride(w[0]) * w[1] if w is not None else 0 for w in v.walks()]
     offset = t.storage_offset() + sum(s * t.stride(e) for e, s in enumerate(v.starts) if s)
     return torch.as_strided(t, sizes, strides, offset)
 
