@@ -13,7 +13,8 @@ Per model, one test each (ids `test_<check>[<model>]`), in this order on one opt
   autograd            train mode under autograd: outputs, every parameter's gradient and the buffers
   hooks               forward hooks registered after optimize on the first Linear/Conv inside a layer (inside
                       a patched module where there is one) whose output matters: one scales its output by
-                      ~1.5, one counts calls; == the copy with the same hooks, called as often
+                      ~1.5, one counts calls; == the copy with the same hooks, called as often (under
+                      inference_mode, as optimize called the model, and under no_grad)
   unpatch             after `advisor.unpatch(model)` the outputs are bit-identical to the copy's
 Float outputs are compared leaf by leaf (logits, hidden states, cache tensors...) with rtol = atol = 1e-4.
 
@@ -84,13 +85,7 @@ SELECTED, NOT_SELECTED = selection()
 
 # --------------------------------------------------------------------------------------- helpers
 def _optimize(model, inputs):
-    # TODO(issue 15): drop the retry once `advisor.optimize(..., interpret=True)` is on main.
-    try:
-        return advisor.optimize(model, inputs, interpret=True)
-    except TypeError as e:
-        if "interpret" not in str(e):
-            raise
-        return advisor.optimize(model, inputs)
+    return advisor.optimize(model, inputs, interpret=True)  # patch although kernels run in the interpreter
 
 
 def leaves(out, prefix: str = "", seen=None) -> dict:
@@ -136,9 +131,9 @@ def differences(name: str, got, want, exact: bool = False) -> list[str]:
     return bad
 
 
-def run(model, inputs: dict, grad: bool = False):
+def run(model, inputs: dict, grad: bool = False, mode=torch.inference_mode):
     torch.manual_seed(1)
-    with (torch.enable_grad() if grad else torch.inference_mode()):
+    with (torch.enable_grad() if grad else mode()):
         return model(**inputs)
 
 
@@ -325,10 +320,16 @@ def test_hooks(zoo):
         handles.append(sub.register_forward_hook(scale))
         handles.append(sub.register_forward_hook(lambda mod, args, out, w=which: calls.__setitem__(w, calls[w] + 1)))
     try:
-        got, want = run(zoo.model, zoo.inputs), run(zoo.ref, zoo.inputs)
-        bad = differences(name, got, want)
-        if calls["patched"] != calls["copy"]:
-            bad.append(f"{name}: the recording hook ran {calls['patched']} time(s), on the unpatched copy {calls['copy']}")
+        bad = []
+        # inference_mode is the mode optimize captured in; under no_grad dynamo may capture afresh
+        for mode in (torch.inference_mode, torch.no_grad):
+            calls.update(patched=0, copy=0)
+            got, want = run(zoo.model, zoo.inputs, mode=mode), run(zoo.ref, zoo.inputs, mode=mode)
+            where = f"{name}, {mode.__name__}"
+            bad += differences(where, got, want)
+            if calls["patched"] != calls["copy"]:
+                bad.append(f"{where}: the recording hook ran {calls['patched']} time(s), "
+                           f"on the unpatched copy {calls['copy']}")
         _assert_none(bad)
     finally:
         for h in handles:
