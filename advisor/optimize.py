@@ -107,6 +107,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
             plan = load_plan(out_dir)
             specs = plan.patterns
             handle = patch(model, plan)
+            enabled = json.loads((out_dir / "apply.json").read_text()).get("enabled")
+            handle.enable(None if enabled is None else frozenset(enabled))  # as selected when it was stored
     else:
         with phases("profile"):
             trace_dir = profile_calls(call, out_dir, device, calls)
@@ -124,7 +126,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         records = interpreter_only(records, specs)
         out = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": device,
                "patterns": records, "manifest": [], "check": None, "end_to_end": None,
-               "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key, "plan_key_parts": key_parts,
+               "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
+           "plan_key_parts": key_parts,
                "selection": {"decision": "nothing patched: no GPU (interpret=True patches anyway, for checks)",
                              "kept": []}}
         write_json(out_dir / "apply.json", out)
@@ -141,8 +144,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         with phases("select"):
             selected, selection = keep_faster(call, handle, device, records, iters)
         timed = selection.pop("timing", None)
-        if selected is not handle:  # re-patched: what was timed is not what runs now
-            timed, handle = None, selected
+        if selected is not handle or selection.get("state") not in (None, "all"):
+            timed, handle = None, selected  # what runs now is not the all-patched state timed first
     e2e = (timed or time_patterns(call, handle, device, iters, records)) if benchmark else None
     if selection is not None or e2e is not None:
         clear_recordings()  # graphs recorded for the states timed above (each pattern alone, ...)
@@ -151,6 +154,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
            "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e,
            "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
            "plan_key_parts": key_parts, "selection": selection,
+           "enabled": sorted(handle.enabled) if handle.enabled is not None else None,
            "skipped_targets": getattr(plan, "skipped", {})}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
@@ -238,13 +242,31 @@ def launched_sites(before: dict, after: dict) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class Option:
+    """One state the model can be handed back in, and what it measured."""
+
+    name: str  # "all" | "kept" | "captured" (captures replayed, every site on its original ops)
+    enabled: frozenset | None  # pattern keys whose launchers run (None: every one)
+    ms: float
+
+
+def choose(before_ms: float, noise_ms: float, options: list[Option]) -> Option | None:
+    """The selection policy, on timings alone: the fastest option, if it beats the unpatched model by more
+    than the measurement's noise (and 1%); None: leave the model unpatched."""
+    best = min(options, key=lambda o: o.ms, default=None)
+    margin = max(noise_ms, 0.01 * before_ms)
+    return best if best is not None and best.ms < before_ms - margin else None
+
+
 def keep_faster(call, handle, device: str, records: list, iters: int = 20) -> tuple:
-    """On a GPU, never leave the model slower: time each patched pattern alone (`time_patterns`), keep
-    those that save time alone, and keep them only if they beat the unpatched model end to end;
-    otherwise every site runs its original ops again. Marks `kept` (and why not) on the records;
-    returns (the handle now in force, the decision). Without meaningful timing nothing is dropped."""
+    """On a GPU, never leave the model slower: time each patched pattern alone (`time_patterns`); then time,
+    side by side with the unpatched model, every pattern on, only those that saved time alone, and the
+    captures with no kernel (their CUDA-graph replay alone), and hand back the fastest (`choose`) as
+    timed, or the model unpatched. Marks `kept` (and why not) on the records; returns (the handle now in
+    force, the decision). Without meaningful timing nothing is dropped."""
     from advisor.bench.timing import time_configs, timing_meaningful
-    from advisor.patch import patch, patches_off
+    from advisor.patch import only, patch, patches_off
 
     patched = [r for r in records if r.get("patched")]
     key_of = {s.candidate: s.key for s in handle.plan.patterns}
@@ -256,37 +278,41 @@ def keep_faster(call, handle, device: str, records: list, iters: int = 20) -> tu
     e2e = time_patterns(call, handle, device, iters, records)
     out = {"all_patched": {k: e2e.get(k) for k in ("before_ms", "after_ms", "captured_only_ms", "speedup", "noise_ms")},
            "timing": e2e}  # the whole of it: `optimize(benchmark=True)` need not time the same handle again
-    kept = [r for r in patched if ((r.get("applied_alone") or {}).get("saved_us_per_iter") or 0) > 0]
-    before = after = None
-    if kept and len(kept) == len(patched):
-        before, after, how = e2e["before_ms"], e2e["after_ms"], "all patched patterns save time alone"
-    elif kept:
-        handle = patch(handle.model, handle.plan.only({key_of[r["candidate"]] for r in kept}))
-        call()  # capture with the kept set
-        t = time_configs(call, {"before": patches_off, "after": None}, device, iters=iters)
-        before, after = t["before"].median_ms, t["after"].median_ms
-        how = f"{len(kept)} of {len(patched)} patterns save time alone; re-patched with those"
-        out["kept_set"] = {"before_ms": round(before, 4), "after_ms": round(after, 4)}
-    else:
-        how = "no pattern saves time alone"
-    if kept and after < before:
-        out["decision"] = f"kept: {how}, {before:.3f} -> {after:.3f} ms end to end"
-    else:
-        kept = []
+    alone_kept = frozenset(key_of[r["candidate"]] for r in patched
+                           if ((r.get("applied_alone") or {}).get("saved_us_per_iter") or 0) > 0)
+    every = frozenset(key_of[r["candidate"]] for r in patched)
+    states = {"all": None, "captured": frozenset()}
+    if alone_kept and alone_kept != every:
+        states["kept"] = alone_kept
+    # The final comparison, in one interleaved run: what is chosen is what was timed last.
+    t = time_configs(call, {"before": patches_off, **{k: (lambda e: lambda: only(e))(e) for k, e in states.items()}},
+                     device, iters=iters)
+    before = t["before"].median_ms
+    noise = max(x.spread_ms for x in t.values())
+    options = [Option(k, e, t[k].median_ms) for k, e in states.items()]
+    out["final"] = {k: round(v.median_ms, 4) for k, v in t.items()} | {"noise_ms": round(noise, 4)}
+    best = choose(before, noise, options)
+    if best is None:
         handle = patch(handle.model, handle.plan.only(set()))  # every forward as it was
-        tail = f" and the kept set is not faster than the unpatched model ({before:.3f} -> {after:.3f} ms)" \
-            if before is not None else ""
-        out["decision"] = f"nothing kept (the model runs unpatched): {how}{tail}"
-    out["kept"] = [r["candidate"] for r in kept]
+        out["decision"] = (f"nothing kept (the model runs unpatched): no state beats it beyond noise ({before:.3f} ms; "
+                           + ", ".join(f"{o.name} {o.ms:.3f}" for o in options) + f"; noise {noise:.3f} ms)")
+        enabled = frozenset()
+    else:
+        handle.enable(best.enabled)
+        enabled = every if best.enabled is None else best.enabled
+        what = {"all": "every patched pattern", "kept": f"the {len(enabled)} patterns that saved time alone",
+                "captured": "the captured layers replayed as CUDA graphs, every site on its original ops"}[best.name]
+        out["decision"] = f"kept {what}: {before:.3f} -> {best.ms:.3f} ms end to end (noise {noise:.3f} ms)"
+        out["state"] = best.name
+    out["enabled"] = sorted(enabled) if best is not None else None
+    out["kept"] = [r["candidate"] for r in patched if key_of[r["candidate"]] in enabled and best is not None]
     for r in patched:
         r["kept"] = r["candidate"] in out["kept"]
         r["status_code"] = Status.PATCHED if r["kept"] else Status.NOT_KEPT
-        if r["kept"]:
-            r["status"] = "patched"
-        else:
-            alone = (r.get("applied_alone") or {}).get("saved_us_per_iter")
-            r["status"] = (f"not kept: {alone:+.0f} µs per call alone" if alone is not None else "not kept") \
-                + ("" if alone is None or alone <= 0 else ", but the kept set was not faster end to end")
+        alone = (r.get("applied_alone") or {}).get("saved_us_per_iter")
+        r["status"] = "patched" if r["kept"] else \
+            (f"not kept: {alone:+.0f} µs per call alone" if alone is not None else "not kept") + \
+            ("" if best is not None or alone is None or alone <= 0 else ", but no patched state was faster end to end")
     return handle, out
 
 

@@ -293,8 +293,9 @@ def monkeypatch_module():
     mp.undo()
 
 
-def _fake_timings(monkeypatch, saves: dict, before: float, after: float):
-    """time_patterns: pattern `candidate` alone saves saves[candidate] µs; time_configs: before/after ms."""
+def _fake_timings(monkeypatch, saves: dict, before: float, final: dict, noise: float = 0.01):
+    """time_patterns: pattern `candidate` alone saves saves[candidate] µs; the final comparison
+    (time_configs): `before` ms unpatched and final[state] ms for each state it asks for."""
     import advisor.bench.timing as timing
     import advisor.optimize as opt
 
@@ -302,59 +303,86 @@ def _fake_timings(monkeypatch, saves: dict, before: float, after: float):
         for r in records:
             if r.get("patched"):
                 r["applied_alone"] = {"saved_us_per_iter": saves.get(r["candidate"], -5.0), "spread_us": 1.0}
-        return {"before_ms": before, "after_ms": after, "captured_only_ms": before, "speedup": before / after,
-                "noise_ms": 0.01}
+        return {"before_ms": before, "after_ms": final.get("all", before), "captured_only_ms": final.get("captured", before),
+                "speedup": before / final.get("all", before), "noise_ms": noise}
 
     class T:
         def __init__(self, ms):
-            self.median_ms = ms
+            self.median_ms, self.spread_ms = ms, noise
+
+    asked = []
+
+    def time_configs(call, configs, device, iters=20):
+        asked.append(sorted(configs))
+        return {k: T(before if k == "before" else final[k]) for k in configs}
 
     monkeypatch.setattr(opt, "time_patterns", time_patterns)
     monkeypatch.setattr(timing, "timing_meaningful", lambda device: device == "cuda")
-    monkeypatch.setattr(timing, "time_configs", lambda call, configs, device, iters=20: {
-        "before": T(before), "after": T(after)})
+    monkeypatch.setattr(timing, "time_configs", time_configs)
+    return asked
+
+
+def _enabled(model) -> set | None:
+    from advisor.patch import patched_modules
+
+    states = {f.enabled for _, f in patched_modules(model)}
+    assert len(states) <= 1, states
+    return next(iter(states), "unpatched")
+
+
+def test_choose_takes_the_fastest_state_beyond_noise():
+    from advisor.optimize import Option, choose
+
+    opts = [Option("all", None, 9.0), Option("kept", frozenset({"a"}), 8.5), Option("captured", frozenset(), 9.5)]
+    assert choose(10.0, 0.1, opts).name == "kept"
+    assert choose(10.0, 1.6, opts) is None  # 1.5 ms better, but the runs spread 1.6 ms: not shown faster
+    assert choose(10.0, 0.0, [Option("all", None, 9.95)]) is None  # under 1%: not worth a patched model
+    assert choose(10.0, 0.1, []) is None
 
 
 def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkeypatch):
-    from advisor.patch import patched_modules
-
     w, call, report = optimized_llama
-    first = next(p["candidate"] for p in report.patterns if p.get("patched"))
-    _fake_timings(monkeypatch, {first: 20.0}, before=10.0, after=9.0)
+    patched = [p["candidate"] for p in report.patterns if p.get("patched")]
+    first = patched[0]
+    key = next(s.key for s in report.handle.plan.patterns if s.candidate == first)
+    asked = _fake_timings(monkeypatch, {first: 20.0}, before=10.0, final={"all": 9.5, "kept": 9.0, "captured": 9.8})
     c = _FakeChild()
     suite.select_patterns(c, report, w.model, call, "cuda", True)
     adv = c.r["advisor"]
-    assert adv["kept"] == [first] and adv["decision"].startswith("kept: 1 of"), adv["decision"]
+    assert asked[-1] == ["all", "before", "captured", "kept"]  # one final interleaved comparison
+    assert adv["kept"] == [first] and adv["decision"].startswith("kept the 1 patterns"), adv["decision"]
     assert [p["candidate"] for p in adv["patterns"] if p["kept"]] == [first]
-    keys = {s.key for _, f in patched_modules(w.model) for s in f.specs} if patched_modules(w.model) else set()
-    assert keys == {s.key for s in report.handle.plan.patterns if s.candidate == first}
-    ref = call()
-    assert ref is not None
-    # none saves time alone: dropped, the model runs eager again
-    _fake_timings(monkeypatch, {}, before=10.0, after=9.0)
+    assert _enabled(w.model) == {key}  # the state timed is the state handed back
+    with torch.inference_mode():
+        out = w.model(**w.inputs) if isinstance(w.inputs, dict) else w.model(*w.inputs)
+    assert torch.isfinite(out.logits).all()
+    # no state beats the unpatched model by more than the noise: it runs eager again
+    _fake_timings(monkeypatch, {}, before=10.0, final={"all": 9.9, "captured": 9.95}, noise=0.3)
     c = _FakeChild()
     suite.select_patterns(c, report, w.model, call, "cuda", True)
     assert c.r["advisor"]["kept"] == [] and c.r["advisor"]["decision"].startswith("nothing kept")
     assert all(p["status"].startswith("not kept") for p in report.patterns if p.get("patched"))
-    assert not patched_modules(w.model)
+    assert _enabled(w.model) == "unpatched"
 
 
-def test_select_drops_a_kept_set_slower_than_eager(optimized_llama, monkeypatch):
-    from advisor.patch import patched_modules
+def test_select_keeps_the_captures_alone_when_they_are_what_is_faster(optimized_llama, monkeypatch):
+    """Every pattern slower alone, the captured layers faster than eager (their CUDA-graph replay): the
+    captures stay with every site on its original ops, and the decision says so."""
+    from advisor.optimize import keep_faster
+    from advisor.patch import patch
 
     w, call, report = optimized_llama
-    # every pattern saves time alone, but together they are slower than eager end to end
-    patched = {p["candidate"] for p in report.patterns if p.get("patched")}
-    _fake_timings(monkeypatch, {cand: 10.0 for cand in patched}, before=10.0, after=10.5)
-    c = _FakeChild()
-    suite.select_patterns(c, report, w.model, call, "cuda", True)
-    assert c.r["advisor"]["kept"] == [] and "not faster than the unpatched model" in c.r["advisor"]["decision"]
-    assert not patched_modules(w.model)
+    handle = patch(w.model, report.handle.plan)
+    records = [dict(p) for p in report.patterns]
+    _fake_timings(monkeypatch, {}, before=10.0, final={"all": 7.0, "captured": 6.0})
+    handle, sel = keep_faster(call, handle, "cuda", records)
+    assert sel["state"] == "captured" and sel["kept"] == [] and "CUDA graphs" in sel["decision"]
+    assert _enabled(w.model) == frozenset()
     # on the CPU nothing is selected: every patched pattern is kept, and said so
-    c = _FakeChild()
-    suite.select_patterns(c, report, w.model, call, "cpu", False)
-    assert patched and set(c.r["advisor"]["kept"]) == patched
-    assert "not meaningful" in c.r["advisor"]["decision"]
+    patched = {p["candidate"] for p in records if p.get("patched")}
+    handle = patch(w.model, report.handle.plan)
+    _, sel = keep_faster(call, handle, "cpu", records)
+    assert patched and set(sel["kept"]) == patched and "not meaningful" in sel["decision"]
 
 
 def test_keep_faster_hands_back_its_timing_when_it_keeps_the_handle(optimized_llama, monkeypatch):
@@ -365,7 +393,7 @@ def test_keep_faster_hands_back_its_timing_when_it_keeps_the_handle(optimized_ll
     w, call, report = optimized_llama
     records = [dict(p) for p in report.patterns]
     patched = {p["candidate"] for p in records if p.get("patched")}
-    _fake_timings(monkeypatch, {cand: 10.0 for cand in patched}, before=10.0, after=9.0)
+    _fake_timings(monkeypatch, {cand: 10.0 for cand in patched}, before=10.0, final={"all": 9.0, "captured": 9.5})
     handle, sel = keep_faster(call, report.handle, "cuda", records)
     assert handle is report.handle and set(sel["kept"]) == patched
     assert sel["timing"]["before_ms"] == 10.0 and sel["timing"]["after_ms"] == 9.0

@@ -74,6 +74,17 @@ class Patched:
         budget spent, a capture that failed)."""
         return {q or type(self.model).__name__: dict(f.fallbacks) for q, f in self.forwards.items() if f.fallbacks}
 
+    @property
+    def enabled(self):
+        """Pattern keys whose launchers run (None: every patched one); set by selection (`enable`)."""
+        return next((f.enabled for f in self.forwards.values()), None)
+
+    def enable(self, keys) -> None:
+        """Only these patterns run their launchers from now on; the others' sites run their original ops
+        inside the captures (empty: the captures alone, replayed as CUDA graphs on a GPU)."""
+        for f in self.forwards.values():
+            f.enabled = None if keys is None else frozenset(keys)
+
     def settle(self) -> None:
         """The model is checked: from now on new shapes capture only a little more (`PatchedForward.settle`)."""
         for f in self.forwards.values():

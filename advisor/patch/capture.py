@@ -266,6 +266,7 @@ class PatchedForward:
         self._backend: Backend | None = None
         self._watch: HookWatch | None = None
         self._budget: int | None = None  # captures allowed in total (None: until `settle`)
+        self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
 
     @property
     def keys(self) -> tuple:
@@ -317,6 +318,9 @@ class PatchedForward:
         ran = graphs_run()
         lead = self._target()[1]
         caller = rewrite.set_caller(id(self))
+        scoped = self.enabled is not None and rewrite.enabled_keys() is None  # an `only()` block decides itself
+        if scoped:
+            rewrite.set_enabled(self.enabled)
         try:
             if self._budget is not None and self._backend.captures >= self._budget:
                 with torch.compiler.set_stance("eager_on_recompile"):
@@ -332,6 +336,8 @@ class PatchedForward:
             return self._fall_back(self.failed, args, kwargs)
         finally:
             rewrite.set_caller(caller)
+            if scoped:
+                rewrite.set_enabled(None)
         if graphs_run() == ran:  # dynamo ran the frame without our graph (recompile limit, skipped frame)
             why = "new input shapes or modes after the capture budget" if self._budget is not None \
                 and self._backend.captures >= self._budget else "dynamo ran it without a captured graph"
@@ -340,11 +346,14 @@ class PatchedForward:
 
     def __deepcopy__(self, memo):
         new = PatchedForward(copy.deepcopy(self.module, memo), self.specs, copy.deepcopy(self.saved, memo))
-        new.failed = self.failed
+        new.failed, new.enabled = self.failed, self.enabled
         return new
 
     def __reduce__(self):
-        return (PatchedForward, (self.module, self.specs, self.saved))
+        return (PatchedForward, (self.module, self.specs, self.saved), {"failed": self.failed, "enabled": self.enabled})
+
+    def __setstate__(self, state: dict) -> None:
+        self.failed, self.enabled = state.get("failed"), state.get("enabled")
 
     def __repr__(self) -> str:
         return f"<fusion-advisor patched forward of {type(self.module).__name__}: {', '.join(self.keys)}>"
