@@ -118,7 +118,7 @@ def train_steps(models: dict, args, kwargs, device: str, steps: int = 8) -> dict
     samples = {k: [] for k in models}
     peak = {}
     for k, m in models.items():
-        m.train()
+        m.train().requires_grad_(True)  # (suite workloads are built for inference, without grads)
     try:
         for i in range(steps + 2):
             for k, m in models.items():
