@@ -237,7 +237,8 @@ def main(argv=None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     path = a.out.with_suffix(".json")
     doc = json.loads(path.read_text()) if path.exists() else {"results": {}}
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rev = os.environ.get("ZOO_COMMIT") or \
+        subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     for name in names:
         result = a.out.parent / f".zoo-{name}.json"
         result.unlink(missing_ok=True)
@@ -249,7 +250,7 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired:
             tail = [f"timed out after {a.timeout:.0f} s"]
         res = json.loads(result.read_text()) if result.exists() else {"model": name, "error": "\n".join(tail)}
-        res.update(commit=rev or os.environ.get("ZOO_COMMIT", "?"), wall_s=round(time.perf_counter() - t0, 1))
+        res.update(commit=rev or "?", wall_s=round(time.perf_counter() - t0, 1))
         result.unlink(missing_ok=True)
         doc["results"][name] = res
         print("\n".join(tail[-3:]) if "error" in res else "", flush=True)
