@@ -90,7 +90,11 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     out_dir.mkdir(parents=True, exist_ok=True)
     unpatch(model)  # profile the original
 
-    def call():
+    def call():  # as most users call a model for inference (HF's docs, eval loops)
+        with torch.no_grad():
+            return model(*args, **kwargs)
+
+    def call_in_inference_mode():  # the other common way: captured too, so neither waits for dynamo later
         with torch.inference_mode():
             return model(*args, **kwargs)
 
@@ -138,6 +142,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     handle = chk.handle
     if chk.dropped:  # re-patched without them: capture (and count launches) with what is left
         call()
+    with phases("check"):
+        call_in_inference_mode()
     records = pattern_status(records, specs, handle, chk.dropped, doc, launched_sites(before, handle.launches()))
     selection = timed = None
     if select is not False and not reused:  # a reused plan was selected when it was stored

@@ -86,7 +86,7 @@ MODELS = {
     "qwen2": _hf("Qwen2ForCausalLM", "Qwen2Config", 4, 512, 32000, **LLM),
     "mistral": _hf("MistralForCausalLM", "MistralConfig", 4, 512, 32000, **LLM),
     "gemma": _hf("GemmaForCausalLM", "GemmaConfig", 4, 512, 32000, head_dim=64, **LLM),
-    "phi3": _hf("Phi3ForCausalLM", "Phi3Config", 4, 512, 32000, **{**LLM, "num_key_value_heads": 16}),
+    "phi3": _hf("Phi3ForCausalLM", "Phi3Config", 4, 512, 32064, **{**LLM, "num_key_value_heads": 16}),  # pad id 32000
     # encoder-decoder
     "t5": _hf("T5ForConditionalGeneration", "T5Config", 8, 256, 32000, enc_dec=True, d_model=512, d_ff=2048,
               num_layers=6, num_heads=8),
@@ -204,6 +204,9 @@ def child(name: str, result: Path, iters: int, train: bool = False) -> int:
     t = res["timing"]
     res["speedup"] = {k: round(t["eager"]["median_ms"] / t[k]["median_ms"], 4) for k in ("advisor", "compile")}
     res["fallbacks_after_timing"] = report.handle.fallbacks() if report.handle is not None else {}
+    from torch._dynamo.utils import counters  # why dynamo ran a frame without a graph, if it did
+    res["dynamo_counters"] = {k: {str(kk): vv for kk, vv in list(v.items())[:12]} for k, v in counters.items()
+                              if k in ("graph_break", "frames", "stats", "unimplemented")}
     result.write_text(json.dumps(res, indent=1, default=str))
     print(f"{name}: eager {t['eager']['median_ms']:.3f} ms, advisor {t['advisor']['median_ms']:.3f} "
           f"({res['speedup']['advisor']:.2f}x), compile {t['compile']['median_ms']:.3f} "

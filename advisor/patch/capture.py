@@ -265,7 +265,8 @@ class PatchedForward:
         self._compiled: Callable | None = None
         self._backend: Backend | None = None
         self._watch: HookWatch | None = None
-        self._budget: int | None = None  # captures allowed in total (None: until `settle`)
+        self._budget: int | None = None  # calls allowed to capture, in total (None: until `settle`)
+        self._capturing_calls = 0  # calls that made dynamo capture at least one graph
         self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
 
     @property
@@ -284,10 +285,11 @@ class PatchedForward:
         return self.saved if self.saved is not None else type(self.module).forward.__get__(self.module)
 
     def settle(self) -> None:
-        """Called once `optimize` has checked the model: from now on at most `EXTRA_CAPTURES` new graphs
-        (new shapes, modes); beyond that a call that would recompile runs the original forward, so a
-        decoding loop whose lengths grow never waits for dynamo."""
-        self._budget = (self._backend.captures if self._backend else 0) + EXTRA_CAPTURES
+        """Called once `optimize` has checked the model: from now on at most `EXTRA_CAPTURES` more calls
+        may capture (new shapes, modes; one call can capture several graphs where dynamo breaks the
+        forward up); beyond that a call that would recompile runs the original forward, so a decoding
+        loop whose lengths grow never waits for dynamo."""
+        self._budget = self._capturing_calls + EXTRA_CAPTURES
 
     def _compile(self) -> Callable:
         fn = self._target()[0]
@@ -315,14 +317,15 @@ class PatchedForward:
                               "original forward, which honours them (optimize again to fuse with them)",
                               RuntimeWarning, stacklevel=2)
             return self._fall_back(changed, args, kwargs)
-        ran = graphs_run()
+        ran, captures = graphs_run(), self._backend.captures
+        spent = self._budget is not None and self._capturing_calls >= self._budget
         lead = self._target()[1]
         caller = rewrite.set_caller(id(self))
         scoped = self.enabled is not None and rewrite.enabled_keys() is None  # an `only()` block decides itself
         if scoped:
             rewrite.set_enabled(self.enabled)
         try:
-            if self._budget is not None and self._backend.captures >= self._budget:
+            if spent:
                 with torch.compiler.set_stance("eager_on_recompile"):
                     out = fn(*lead, *args, **kwargs)
             else:
@@ -338,9 +341,11 @@ class PatchedForward:
             rewrite.set_caller(caller)
             if scoped:
                 rewrite.set_enabled(None)
+        if self._backend.captures > captures:
+            self._capturing_calls += 1
         if graphs_run() == ran:  # dynamo ran the frame without our graph (recompile limit, skipped frame)
-            why = "new input shapes or modes after the capture budget" if self._budget is not None \
-                and self._backend.captures >= self._budget else "dynamo ran it without a captured graph"
+            why = "new input shapes or modes after the capture budget" if spent \
+                else "dynamo ran it without a captured graph"
             self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
         return out
 
