@@ -197,3 +197,27 @@ def test_fp32_constants_survive():
     """Literals print at full precision (a silent truncation would only show as a small error)."""
     gen = check(lambda x: x * math.pi + 1e-7, _inputs(1, torch.float32, seed=4))
     assert "3.141592653589793" in gen.code and "1e-07" in gen.code
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.float64], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name,fn", [
+    ("atan", lambda x, y: torch.atan(x * 3)), ("asin", lambda x, y: torch.asin(torch.tanh(x))),
+    ("acos", lambda x, y: torch.acos(torch.tanh(x))), ("atan2", torch.atan2),
+    ("atan2_axes", lambda x, y: torch.atan2(x * (y > 0), y * (x > 0))),  # zeros on either axis
+])
+def test_inverse_trigonometry(name, fn, dtype):
+    """atan, asin, acos and atan2 from core tl math (libdevice does not run in the interpreter), exact to fp64."""
+    check(fn, _inputs(2, dtype, seed=5))
+
+
+@pytest.mark.parametrize("name,fn,same_as", [
+    ("fix", torch.fix, "trunc"), ("clip", lambda x: torch.clip(x, -0.5, 0.7), "clamp"),
+    ("absolute", torch.absolute, "abs"), ("negative", torch.negative, "neg"),
+])
+def test_aliases_are_reached(name, fn, same_as):
+    """An alias is its own aten op in the trace: the registry knows it and it lowers like its twin."""
+    from advisor.ops.registry import OpClass, lookup
+
+    assert lookup(f"aten::{name}").cls == OpClass.POINTWISE
+    assert TABLE[f"aten::{name}"].emit is TABLE[f"aten::{same_as}"].emit
+    check(lambda x: fn(x * 3), _inputs(1, torch.float32, seed=6))

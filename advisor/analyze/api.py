@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from advisor.analyze.cost import DeviceModel, GroupCost, est_time_saved_us, group_costs
-from advisor.analyze.fusion import Group, find_groups
+from advisor.analyze.fusion import Group, find_groups, not_generated
 from advisor.analyze.patterns import op_label, pattern_id, signature, signatures, title
 from advisor.graph.dataflow import Graph, build_graph
 from advisor.graph.dtypes import torch_dtype_name
@@ -167,6 +167,9 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
             "graph": _graph_view(graph, first),
             "program": program_of(graph, first),
         }
+        refused = not_generated(graph, first)
+        if refused:  # a pattern the generator must refuse says so (absent otherwise: the schema is unchanged)
+            rec["not_generated"] = refused
         records.append(rec)
         group_map[pid] = pat.groups
     records.sort(key=lambda r: (-r["est_time_saved_us"], -r["bytes_saved"]))

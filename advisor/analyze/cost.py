@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from advisor.analyze.fusion import Group
 from advisor.graph.dataflow import Graph, per_template
-from advisor.ops.registry import OpClass
+from advisor.ops.registry import OpClass, lookup
 
 # When meta.json has no measured figures: sustained copy bandwidth (read + write) and launch cost.
 DEFAULT_DEVICE = {
@@ -123,7 +123,9 @@ def est_time_saved_us(cost: GroupCost, group: Group, device: DeviceModel) -> flo
 
 
 def _flops(node) -> float:
-    if node.cls.value == "matmul" and len(node.reads) >= 2 and node.writes:
+    """Arithmetic of one op, by its registry entry's flops rule."""
+    info = lookup(node.op)
+    if info is not None and info.flops == "matmul" and len(node.reads) >= 2 and node.writes:
         out = math.prod(node.writes[0].shape or (1,))
         shapes = [u.shape for u in node.reads if len(u.shape) >= 2]
         k = shapes[0][-1] if shapes else 1

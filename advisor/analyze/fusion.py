@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from advisor.graph.dataflow import Graph, Node, per_template
 from advisor.ops.args import bind, reduced_dims
-from advisor.ops.registry import OpClass, lookup
+from advisor.ops.lowering import why_not_generated
+from advisor.ops.registry import OpClass, OpInfo, lookup
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,23 @@ class Group:
     kind: str = "fusion"  # fusion | epilogue | attention | matmul_reduction
 
 
+def fusible(info: OpInfo) -> bool:
+    """Whether the rules may put an op of this registry entry in a group (given its arguments and shapes)."""
+    return (info.cls in (OpClass.POINTWISE, OpClass.REDUCTION) or "fusible_cat" in info.tags
+            or (info.cls == OpClass.NORM and bool({"batchnorm", "rowwise"} & info.tags)))
+
+
+def not_generated(graph: Graph, group: Group) -> list[dict]:
+    """The group's fused ops the generator refuses whatever their arguments, each with the reason."""
+    ops = dict.fromkeys(graph.nodes[m].op for m in group.members)
+    return [{"op": op, "reason": why} for op in ops if (info := lookup(op)) is not None and fusible(info)
+            and (why := why_not_generated(op)) is not None]
+
+
 def node_domain(graph: Graph, n: Node) -> Domain | None:
     """The node's iteration space if the registry says it can fuse, else None (a barrier)."""
     info = lookup(n.op)
-    if info is None or not n.writes:
+    if info is None or not n.writes or not fusible(info):
         return None
     out_numel = _numel(n.writes[0].shape)
     if n.cls == OpClass.POINTWISE or (info.tags and "fusible_cat" in info.tags):

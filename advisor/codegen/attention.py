@@ -263,7 +263,7 @@ def sdpa_args(p: Program, parts: Parts):
             return None
         other = o.args.get("other" if mine[0] == "self" else "self")
         if o.name in ("aten::mul", "aten::div") and scale is None and mask is None:
-            if o.name == "aten::div" and (mine[0] != "self" or o.args.get("rounding_mode") not in (None, "<None>")):
+            if o.name == "aten::div" and (mine[0] != "self" or o.args.get("rounding_mode") is not None):
                 return None
             if isinstance(other, (int, float)) and not isinstance(other, bool):
                 x = repr(float(other))

@@ -5,6 +5,15 @@ generated kernels must run there (CI) exactly as on the GPU.
 """
 from __future__ import annotations
 
+
+def _horner(coeffs: list, var: str) -> str:
+    """The polynomial c0 + var * (c1 + var * (c2 + ...)) as source text."""
+    expr = repr(coeffs[-1])
+    for c in reversed(coeffs[:-1]):
+        expr = f"{c!r} + {var} * ({expr})"
+    return expr
+
+
 HELPERS = {
     "_tanh": '''
 @triton.jit
@@ -124,10 +133,39 @@ def _round_bf16(x):
 def _mul_combine(a, b):
     return a * b
 ''',
+    "_atan": f'''
+@triton.jit
+def _atan(x):
+    # |x| > 1 folds to pi/2 - atan(1/|x|); past tan(pi/12), atan(a) = pi/6 + atan((sqrt3 a - 1) / (sqrt3 + a));
+    # then |t| <= 0.268 and the odd Taylor series to t**29 is exact to fp64 (the next term is below 1e-18).
+    a = tl.abs(x)
+    big = a > 1.0
+    a = tl.where(big, 1.0 / a, a)
+    shift = a > 0.2679491924311227
+    t = tl.where(shift, (1.7320508075688772 * a - 1.0) / (1.7320508075688772 + a), a)
+    z = t * t
+    r = t * ({_horner([(-1) ** k / (2 * k + 1) for k in range(15)], "z")})
+    r = tl.where(shift, 0.5235987755982988 + r, r)
+    r = tl.where(big, 1.5707963267948966 - r, r)
+    return tl.where(x < 0, -r, r)
+''',
+    "_atan2": '''
+@triton.jit
+def _atan2(y, x):
+    # atan(y / x) moved to x's half-plane, with torch's signed zeros: on the x axis (y = +-0) the result
+    # is y itself right of the origin and +-pi left of it (x = -0 counts as left); on the y axis, +-pi/2.
+    # (Both infinite gives NaN here, +-pi/4 or +-3pi/4 in torch.) Constants only ever meet a tensor in
+    # arithmetic, which keeps its dtype: tl.where of two literals would round pi to fp32.
+    r = _atan(y / tl.where(x == 0, tl.abs(x), x))  # x = -0 divides like +0: y's sign gives +-pi/2
+    r = tl.where(x < 0, tl.where(y < 0, r - 3.141592653589793, r + 3.141592653589793), r)
+    left = (x < 0) | ((x == 0) & (1.0 / x < 0))
+    r = tl.where(y == 0, tl.where(left, tl.where(1.0 / y < 0, y - 3.141592653589793, y + 3.141592653589793), y), r)
+    return tl.where((x != x) | (y != y), x + y, r)
+''',
 }
 
 # Helpers that call other helpers.
-DEPENDS = {"_asinh": ("_log1p",), "_softplus": ("_log1p",)}
+DEPENDS = {"_asinh": ("_log1p",), "_softplus": ("_log1p",), "_atan2": ("_atan",)}
 
 
 def helper_source(names) -> str:

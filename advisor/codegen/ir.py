@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from advisor.ops.lowering import Lowering, Unsupported, lowering
-
-NONE = "<None>"
+from advisor.ops.args import by_name, decode, schema_of
+from advisor.ops.lowering import Lowering, Unsupported, lowering, why_not_generated
 
 
 @dataclass(frozen=True)
@@ -254,20 +253,9 @@ def _read_op(p: Program, spec: dict) -> Op:
     name = spec["op"]
     low = lowering(name)
     if low is None:
-        raise Unsupported(f"no Triton lowering for {name}")
-    schema = _schema(spec)
+        raise Unsupported(f"{name} is not generated: {why_not_generated(name)}")
+    schema, args = read_args(p, spec)
     overload = schema.overload_name or "default"
-    args = {}
-    for a, arg in zip(schema.arguments, spec["args"]):
-        if "ref" in arg:
-            args[a.name] = _view(p, arg)
-        elif "list" in arg:
-            args[a.name] = [_view(p, r) for r in arg["list"]]
-        else:
-            v = arg.get("value")
-            args[a.name] = None if v == NONE else v
-    for a in schema.arguments[len(spec["args"]):]:
-        args[a.name] = a.default_value if a.has_default_value() else None
     if low.shape == "cat" and any(len(v.shape) > 1 for v in args["tensors"]):
         # torch.cat skips 1-d empty tensors next to others (a legacy rule): transformers' KV cache starts as one.
         args["tensors"] = [v for v in args["tensors"] if [d.value for d in v.shape] != [0]]
@@ -305,20 +293,18 @@ def _track_inplace(p: Program, op: Op, target: View) -> None:
         if isinstance(src, Input) else src.offset
 
 
+def read_args(p: Program, spec: dict) -> tuple:
+    """(schema, arguments by name): tensors as Views (lists of them), other values decoded."""
+    schema = _schema(spec)
+    return schema, by_name(schema, [_view(p, a) if "ref" in a else [_view(p, r) for r in a["list"]] if "list" in a
+                                    else decode(a.get("value")) for a in spec["args"]])
+
+
 def _schema(spec: dict):
-    s = spec.get("schema") or ""
-    if s:
-        return torch._C.parse_schema(s)
-    # No schema recorded (shape-only traces): the first overload whose arity and tensor slots fit.
-    short = spec["op"].split("::", 1)[1]
-    packet = getattr(torch.ops.aten, short, None)
-    for ov in packet.overloads() if packet is not None else ():
-        sch = getattr(packet, ov)._schema
-        n_req = sum(1 for a in sch.arguments if not a.has_default_value())
-        if n_req <= len(spec["args"]) <= len(sch.arguments) and all(
-                ("ref" in g) == str(a.type).startswith("Tensor") for a, g in zip(sch.arguments, spec["args"])):
-            return sch
-    raise Unsupported(f"no schema recorded for {spec['op']} and none of its overloads fits")
+    sch = schema_of(spec["op"], spec.get("schema") or "", tuple("value" not in a for a in spec["args"]))
+    if sch is None:
+        raise Unsupported(f"no schema recorded for {spec['op']} and none of its overloads fits")
+    return sch
 
 
 def _view(p: Program, ref: dict) -> View:

@@ -29,12 +29,13 @@ from advisor.codegen import GENERATOR_VERSION, Generated, cache
 from advisor.codegen.build import Builder
 from advisor.codegen.dag import Dag, Node
 from advisor.codegen.helpers import HELPERS, helper_source
-from advisor.codegen.ir import NONE, Dim, Input, Op, Program, Sizes, Value, View, _read_op, _schema, _view, \
+from advisor.codegen.ir import Dim, Input, Op, Program, Sizes, Value, View, _read_op, _schema, _view, read_args, \
     torch_dtype
 from advisor.codegen.module import COMMON, _run
 from advisor.codegen.plan import Plan, Store, _unravel, size_expr
 from advisor.codegen.printer import INDENT, Printer, _ancestors, _closure, signature
 from advisor.codegen.shapes import broadcast
+from advisor.ops.args import decode, reduced_dims
 from advisor.ops.lowering import Lowering, Unsupported, tl_type
 from advisor.ops.registry import OpClass, op_class
 
@@ -137,26 +138,10 @@ def _read_epilogue_op(ctx: Anchored, spec: dict) -> Op:
         raise
 
 
-def _args(p: Program, spec: dict):
-    schema = _schema(spec)
-    args = {}
-    for a, arg in zip(schema.arguments, spec["args"]):
-        if "ref" in arg:
-            args[a.name] = _view(p, arg)
-        elif "list" in arg:
-            args[a.name] = [_view(p, r) for r in arg["list"]]
-        else:
-            v = arg.get("value")
-            args[a.name] = None if v == NONE else v
-    for a in schema.arguments[len(spec["args"]):]:
-        args[a.name] = a.default_value if a.has_default_value() else None
-    return schema, args
-
-
 def _read_anchor(ctx: Anchored, spec: dict) -> Op:
     p = ctx.prog
     name = spec["op"]
-    schema, args = _args(p, spec)
+    schema, args = read_args(p, spec)
     bias, alpha, beta, b_nk = None, 1.0, 1.0, False
     if name == "aten::linear":
         a, b, bias, b_nk = args["input"], args["weight"], args.get("bias"), True
@@ -320,19 +305,20 @@ def _leading_reduction(spec: dict) -> bool:
     names = [a.name for a in schema.arguments]
     if "dim" not in names or names.index("dim") >= len(spec["args"]):
         return False
-    dims = spec["args"][names.index("dim")].get("value")
+    dims = decode(spec["args"][names.index("dim")].get("value"))
     rank = len(spec["args"][0].get("shape") or [])
-    dims = [dims] if isinstance(dims, int) else dims
-    return bool(dims) and rank > 1 and all(int(d) % rank != rank - 1 for d in dims)
+    try:
+        return rank > 1 and rank - 1 not in reduced_dims(dims, rank)
+    except ValueError:  # not a dim argument
+        return False
 
 
 def _read_reduction(ctx: Anchored, spec: dict) -> Op:
     p = ctx.prog
-    schema, args = _args(p, spec)
+    schema, args = read_args(p, spec)
     x = args["self"]
     rank = len(x.shape)
-    dims = args["dim"]
-    dims = sorted({int(d) % rank for d in ([dims] if isinstance(dims, int) else dims)})
+    dims = list(reduced_dims(args["dim"], rank))
     keep = bool(args.get("keepdim"))
     shape = [Dim((), 1, 1) if d in dims else x.shape[d] for d in range(rank) if keep or d not in dims]
     out = spec["outputs"][0]

@@ -17,6 +17,7 @@ from advisor.codegen.matmul import INDENT, REDUCE_KINDS, TUNE_TEXT, Anchored, Ti
     k_loop, kernel_params, matmul_launch, module_name, operand_offsets, out_index, the_anchor, tile_index
 from advisor.codegen.plan import Plan, _unravel
 from advisor.codegen.printer import signature
+from advisor.ops.args import reduced_dims
 from advisor.ops.lowering import Unsupported, tl_type
 
 NEUTRAL = {"max": '-float("inf")', "min": 'float("inf")', "sum": "0.0", "mean": "0.0"}
@@ -56,8 +57,7 @@ def matmul_reduce_source(ctx: Anchored) -> str:
     if not x.identity or [p.dim_key(d) for d in x.shape] != [p.dim_key(d) for d in tile_out.shape]:
         raise Unsupported("the reduction reads the chain through a view")
     rank = len(x.shape)
-    dims = red.args["dim"]
-    reduced = sorted({int(d) % rank for d in ([dims] if isinstance(dims, int) else dims)})
+    reduced = list(reduced_dims(red.args["dim"], rank))
     if rid is None and any(d in anc.b_batch for d in reduced):
         raise Unsupported("the reduction runs along a dim the weight varies along")
     keep = bool(red.args.get("keepdim"))

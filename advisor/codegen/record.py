@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from advisor.ops.args import NONE
 from advisor.ops.registry import TRANSPARENT, lookup
 from advisor.validate.reference import SCALAR_TYPES
 
@@ -62,7 +63,7 @@ class _Recorder(TorchDispatchMode):
         if isinstance(v, torch.dtype):
             return {"value": DTYPE_CODES[v]}
         if v is None or isinstance(v, (torch.device, torch.layout, torch.memory_format)):
-            return {"value": "<None>"}
+            return {"value": NONE}
         return {"value": list(v) if isinstance(v, tuple) else v}
 
 

@@ -8,13 +8,13 @@ ran in the same module subtree; anything else is an outside tensor.
 """
 from __future__ import annotations
 
-import ast
 import math
 
 import numpy as np
 import pandas as pd
 
 from advisor.graph.dataflow import Node, Use, Value, true_bytes
+from advisor.ops.args import parse_concrete
 from advisor.ops.registry import TRANSPARENT, OpClass, is_aten, lookup
 from advisor.trace.load import Trace
 
@@ -105,7 +105,7 @@ def _guess_io(node: Node, r, values: list[Value], recent: list) -> None:
             node.args.append(("t", vid))
             tensor_shapes.append((shape, t))
         else:
-            node.args.append(("s", _parse(concrete[pos] if pos < len(concrete) else "")))
+            node.args.append(("s", parse_concrete(concrete[pos] if pos < len(concrete) else "")))
     out = _presumed_output(node, tensor_shapes)
     if out is None:
         recent.append(((None,), "", -1, node.module))  # an unknown output breaks the chain
@@ -135,10 +135,3 @@ def _presumed_output(node: Node, tensors: list) -> tuple | None:
     return None  # reductions, matmuls, data movement: output shape unknown without an ET
 
 
-def _parse(text: str):
-    if text == "":
-        return None
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text

@@ -107,10 +107,14 @@ def bind(op: str, schema: str, args) -> dict | None:
     sch = schema_of(op, schema, slots)
     if sch is None:
         return None
-    out = {}
-    for a, (kind, raw) in zip(sch.arguments, args):
-        out[a.name] = decode(raw) if kind == "s" else TensorArg(tuple(raw) if kind == "tl" else raw)
-    for a in sch.arguments[len(args):]:
+    return by_name(sch, [decode(raw) if kind == "s" else TensorArg(tuple(raw) if kind == "tl" else raw)
+                         for kind, raw in args])
+
+
+def by_name(schema, values: list) -> dict:
+    """Positional `values` under the schema's argument names; those the record left out at their default."""
+    out = dict(zip((a.name for a in schema.arguments), values))
+    for a in schema.arguments[len(values):]:
         out[a.name] = a.default_value if a.has_default_value() else None
     return out
 

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from advisor.ops.registry import LOWERINGS, lookup
 
 
 class Unsupported(Exception):
@@ -75,7 +76,8 @@ def lit(v, dtype: torch.dtype) -> str:
     return repr(v)
 
 
-TABLE: dict[str, Lowering] = {}
+# Every lowering lives in its op's registry entry; TABLE is that, seen as a mapping (see registry.LOWERINGS).
+TABLE = LOWERINGS
 
 
 def _add(name, kind, emit, **kw):
@@ -94,6 +96,16 @@ def lowering(name: str) -> Lowering | None:
     if hit is None and base.endswith("_") and not base.endswith("__"):
         hit = TABLE.get(base[:-1])
     return hit
+
+
+def why_not_generated(name: str) -> str | None:
+    """Why the generator refuses an op ("" never: a reason or None when it has a lowering)."""
+    if lowering(name) is not None:
+        return None
+    info = lookup(name)
+    if info is None:
+        return "not in the op registry"
+    return info.not_generated or f"no Triton lowering for {info.short}"
 
 
 # ------------------------------------------------------------------------------------- arithmetic
@@ -118,7 +130,7 @@ pw("floor_divide", lambda a: _div_floor(a), operands=BIN)
 
 def _div(a):
     mode = getattr(a, "rounding_mode", None)
-    if mode in (None, "<None>"):
+    if mode is None:
         return f"{a.self} / {a.other}"
     if mode == "trunc":
         return f"_trunc({a.self} / {a.other})" if a.is_float else f"{a.self} // {a.other}"  # // truncates
@@ -170,7 +182,9 @@ UNARY_FLOAT = {  # integer inputs compute in the default float dtype
     "sinh": "0.5 * (_expm1({0}) - _expm1(-{0}))", "cosh": "0.5 * (tl.exp({0}) + tl.exp(-{0}))",
     "asinh": "_asinh({})", "acosh": "tl.log({0} + tl.sqrt({0} * {0} - 1.0))",
     "atanh": "0.5 * _log1p(2.0 * {0} / (1.0 - {0}))", "sigmoid": "1.0 / (1.0 + tl.exp(-{}))",
-    "erf": "tl.erf({})", "erfc": "1.0 - tl.erf({})",
+    "erf": "tl.erf({})", "erfc": "1.0 - tl.erf({})", "atan": "_atan({})",
+    # asin/acos as atan2 of the legs; (1 - x)(1 + x) keeps precision near |x| = 1; NaN past it, as torch.
+    "asin": "_atan2({0}, tl.sqrt((1.0 - {0}) * (1.0 + {0})))", "acos": "_atan2(tl.sqrt((1.0 - {0}) * (1.0 + {0})), {0})",
 }
 POSITIVE = {"log", "log2", "log10", "sqrt", "rsqrt", "acosh"}
 for _n, _f in UNARY_FLOAT.items():
@@ -213,9 +227,9 @@ pw("isfinite", lambda a: f"tl.abs({a.self}) < float(\"inf\")" if a.is_float else
 
 def _nan_to_num(a):
     fi = torch.finfo(a.out)
-    nan = a.lit(0.0 if a.nan in (None, "<None>") else a.nan)
-    pos = a.lit(fi.max if a.posinf in (None, "<None>") else a.posinf)
-    neg = a.lit(fi.min if a.neginf in (None, "<None>") else a.neginf)
+    nan = a.lit(0.0 if a.nan is None else a.nan)
+    pos = a.lit(fi.max if a.posinf is None else a.posinf)
+    neg = a.lit(fi.min if a.neginf is None else a.neginf)
     x = a.self
     return (f"tl.where({x} != {x}, {nan}, tl.where({x} == float(\"inf\"), {pos}, "
             f"tl.where({x} == -float(\"inf\"), {neg}, {x})))")
@@ -252,9 +266,9 @@ pw("fmin", lambda a: f"tl.minimum({a.self}, {a.other})", operands=BIN)
 def _clamp(a):
     x = a.self
     lo, hi = getattr(a, "min", None), getattr(a, "max", None)
-    if lo not in (None, "<None>"):
+    if lo is not None:
         x = MAX.format(x, lo)
-    if hi not in (None, "<None>"):
+    if hi is not None:
         x = MIN.format(x, hi)
     return x
 
@@ -268,6 +282,7 @@ pw("heaviside", lambda a: f"tl.where({a.self} == 0, {a.values}, ({a.self} > 0).t
    operands=("self", "values"))
 pw("copysign", lambda a: (f"tl.where(({a.other} < 0) | (({a.other} == 0) & (1.0 / {a.other} < 0)), "
                           f"-tl.abs({a.self}), tl.abs({a.self}))"), "float", BIN)
+pw("atan2", lambda a: f"_atan2({a.self}, {a.other})", "float", BIN)
 pw("hypot", lambda a: f"tl.sqrt({a.self} * {a.self} + {a.other} * {a.other})", "float", BIN)
 pw("xlogy", lambda a: (f"tl.where({a.other} != {a.other}, {a.other}, "
                        f"tl.where({a.self} == 0, 0.0, {a.self} * tl.log({a.other})))"), "float", BIN,
@@ -317,7 +332,7 @@ pw("celu", lambda a: _elu(a, a.alpha, 1.0, 1.0 / a.alpha), "float")
 
 def _logit(a):
     z = a.self
-    if a.eps not in (None, "<None>"):
+    if a.eps is not None:
         z = MIN.format(MAX.format(z, a.lit(a.eps)), a.lit(1.0 - a.eps))
     return f"tl.log({z} / (1.0 - {z}))"
 
@@ -332,7 +347,7 @@ pw("copy", lambda a: a.src, "none", operands=("src",))  # copy_(self, src): src 
 
 def _dropout(a):
     train = getattr(a, "train", False)
-    if train not in (False, None, "<None>") or (a.op == "aten::native_dropout" and train is None):
+    if train not in (False, None) or (a.op == "aten::native_dropout" and train is None):
         raise Unsupported("dropout in training mode is random: nothing to fuse deterministically")
     if a.op == "aten::native_dropout":
         return a.input, f"tl.zeros_like({a.input}) == 0"  # (output, keep-mask of all True)
@@ -371,9 +386,9 @@ def row(names: str, emit, shape="reduce", operands=("self",), promote="row", **k
 
 
 def _correction(a) -> float:
-    if getattr(a, "correction", None) not in (None, "<None>"):
+    if getattr(a, "correction", None) is not None:
         return float(a.correction)
-    return 1.0 if getattr(a, "unbiased", True) in (True, None, "<None>") else 0.0
+    return 1.0 if getattr(a, "unbiased", True) in (True, None) else 0.0
 
 
 def _mean_var(b, a, x, correction):
@@ -384,7 +399,7 @@ def _mean_var(b, a, x, correction):
 
 def _norm(b, a):
     p = getattr(a, "ord", getattr(a, "p", 2))
-    p = 2.0 if p in (None, "<None>") else float(p)
+    p = 2.0 if p is None else float(p)
     ax = b.op("tl.abs({})", a.self)
     if p == 2:
         return (b.op("tl.sqrt({})", b.reduce("sum", b.op("{} * {}", a.self, a.self))),)
@@ -424,7 +439,7 @@ def _layer_norm(b, a):
 
 
 def _rms_norm(b, a):
-    eps = a.eps if a.eps not in (None, "<None>") else torch.finfo(a.in_dtype).eps
+    eps = a.eps if a.eps is not None else torch.finfo(a.in_dtype).eps
     ms = b.op("{} / {}", b.reduce("sum", b.op("{} * {}", a.self, a.self)), b.n)
     rstd = b.op("tl.rsqrt({} + {})", ms, b.lit(eps))
     y = b.op("{} * {}", a.self, rstd)

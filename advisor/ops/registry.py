@@ -1,13 +1,20 @@
 """The op registry: the one place that knows what an aten op is.
 
 Every stage asks here: the graph builder (is this op a view to see through, or a node?), the analyzer
-(which class, which fusion rules apply, how many bytes it moves), the generator (how it lowers to
-Triton; see `advisor.ops.lowering`). An op missing from the registry is a fusion barrier, listed by
-name in the analysis, never a crash.
+(which class, which fusion rules apply, how it is costed), the generator (how it lowers to Triton, or
+why it is not generated). An op missing from the registry is a fusion barrier, listed by name in the
+analysis, never a crash.
+
+One entry per op holds all of that. The lowerings themselves (Triton emit functions, which need torch)
+are written in `advisor.ops.lowering`, which attaches each to its entry through `LOWERINGS`; attaching
+one to an op the registry does not know fails at import, so the generator cannot hold a lowering the
+graph never reaches. An op the analyzer may fuse carries a lowering or a `not_generated` reason
+(tests/test_registry.py holds that). Arguments are read by schema name through `advisor.ops.args`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -35,11 +42,15 @@ class OpInfo:
     name: str  # "aten::add" (overload-free)
     cls: OpClass
     inplace: bool = False  # writes its first tensor argument
-    # Reductions / norms / softmax: which positional argument holds the reduced dim(s); None = all dims.
-    dim_arg: int | None = None
-    keepdim_arg: int | None = None
-    training_arg: int | None = None  # batch_norm: positional `training` flag (eval BN is pointwise)
+    # Families the fusion rules ask about: rowwise (last-dim row ops), grouped, batchnorm, fusible_cat,
+    # convert, factory.
     tags: frozenset = field(default_factory=frozenset)
+    # Cost model. Bytes: every op moves its tensors' true sizes (read and written), whatever the op.
+    # Flops: "output" counts one per output element; "matmul" 2 * output * K.
+    flops: str = "output"
+    # Code generation: the `advisor.ops.lowering.Lowering` attached to this entry, or why none is.
+    lowering: object = None
+    not_generated: str = ""
 
     @property
     def short(self) -> str:
@@ -53,6 +64,43 @@ def register(name: str, cls: OpClass, **kw) -> OpInfo:
     info = OpInfo(name=name, cls=cls, **kw)
     _REGISTRY[name] = info
     return info
+
+
+def not_generated(reason: str, names: str) -> None:
+    """Mark registered ops (and their in-place twins) as never generated, with the reason users see."""
+    for short in names.split():
+        for name in (f"aten::{short}", f"aten::{short}_"):
+            if name in _REGISTRY:
+                _REGISTRY[name] = replace(_REGISTRY[name], not_generated=reason)
+
+
+class _Lowerings(MutableMapping):
+    """The lowering of every op that has one, as a mapping: a view of the registry entries (writing
+    one attaches it to its entry; an op the registry does not know is refused)."""
+
+    def __getitem__(self, name: str):
+        low = _REGISTRY[name].lowering if name in _REGISTRY else None
+        if low is None:
+            raise KeyError(name)
+        return low
+
+    def __setitem__(self, name: str, low) -> None:
+        if name not in _REGISTRY:
+            raise KeyError(f"{name} has a lowering but no registry entry: the graph would never reach it")
+        _REGISTRY[name] = replace(_REGISTRY[name], lowering=low)
+
+    def __delitem__(self, name: str) -> None:
+        self[name]  # KeyError when there is none
+        _REGISTRY[name] = replace(_REGISTRY[name], lowering=None)
+
+    def __iter__(self):
+        return iter([name for name, info in _REGISTRY.items() if info.lowering is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for info in _REGISTRY.values() if info.lowering is not None)
+
+
+LOWERINGS = _Lowerings()
 
 
 def lookup(name: str) -> OpInfo | None:
@@ -95,27 +143,25 @@ clamp_max sin_ cos_ lgamma digamma signbit fill zero""".split()
 _BINARY = """add sub rsub mul div true_divide floor_divide remainder fmod pow float_power atan2 hypot maximum
 minimum fmax fmin eq ne lt le gt ge logical_and logical_or logical_xor bitwise_and bitwise_or
 bitwise_xor copysign xlogy lerp addcmul addcdiv masked_fill where heaviside""".split()
+# Other names of the ops above (torch.fix, torch.clip, ...): their own aten ops, one node each.
+_ALIASES = "fix clip absolute negative".split()
 _CONVERT = "_to_copy copy clone alias_copy _autocast_to_reduced_precision".split()
 # Identity in eval: the registry treats them as pointwise (the generator lowers them to a copy/no-op).
 _IDENTITY_IN_EVAL = "dropout native_dropout feature_dropout alpha_dropout".split()
 
-for _n in _UNARY + _BINARY + _CONVERT + _IDENTITY_IN_EVAL:
+for _n in _UNARY + _BINARY + _ALIASES + _CONVERT + _IDENTITY_IN_EVAL:
     register(f"aten::{_n}", OpClass.POINTWISE)
     register(f"aten::{_n.rstrip('_')}_", OpClass.POINTWISE, inplace=True)
 register("aten::copy_", OpClass.POINTWISE, inplace=True, tags=frozenset({"convert"}))
 register("aten::fill_", OpClass.POINTWISE, inplace=True)
 register("aten::zero_", OpClass.POINTWISE, inplace=True)
 
-# Last-dim reductions and row ops: (name, dim arg index, keepdim arg index)
-for _n, _d, _k in [
-    ("sum", 1, 2), ("mean", 1, 2), ("amax", 1, 2), ("amin", 1, 2), ("max", 1, 2), ("min", 1, 2),
-    ("prod", 1, 2), ("var", 1, 3), ("std", 1, 3), ("var_mean", 1, 3), ("std_mean", 1, 3),
-    ("norm", 2, 3), ("linalg_vector_norm", 2, 3), ("logsumexp", 1, 2), ("argmax", 1, 2), ("argmin", 1, 2),
-    ("all", 1, 2), ("any", 1, 2),
-]:
-    register(f"aten::{_n}", OpClass.REDUCTION, dim_arg=_d, keepdim_arg=_k)
+# Reductions (over their `dim` argument; none = every dim) and row ops (over `dim`).
+for _n in """sum mean amax amin max min prod var std var_mean std_mean norm linalg_vector_norm logsumexp
+argmax argmin all any""".split():
+    register(f"aten::{_n}", OpClass.REDUCTION)
 for _n in ["softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"]:
-    register(f"aten::{_n}", OpClass.REDUCTION, dim_arg=1, tags=frozenset({"rowwise"}))
+    register(f"aten::{_n}", OpClass.REDUCTION, tags=frozenset({"rowwise"}))
 for _n in ["cumsum", "cumprod"]:
     register(f"aten::{_n}", OpClass.DATA_MOVEMENT)  # scans: not fused in this version
 
@@ -126,7 +172,7 @@ for _n in ["group_norm", "native_group_norm"]:
     register(f"aten::{_n}", OpClass.NORM, tags=frozenset({"grouped"}))
 for _n in ["batch_norm", "_batch_norm_impl_index", "native_batch_norm", "cudnn_batch_norm",
            "_native_batch_norm_legit", "miopen_batch_norm"]:
-    register(f"aten::{_n}", OpClass.NORM, training_arg=5, tags=frozenset({"batchnorm"}))
+    register(f"aten::{_n}", OpClass.NORM, tags=frozenset({"batchnorm"}))  # `training` read by name
 register("aten::_native_batch_norm_legit_no_training", OpClass.NORM, tags=frozenset({"batchnorm"}))
 
 # Fusion anchors.
@@ -135,7 +181,7 @@ for _n in ["mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activati
            "cudnn_convolution", "cudnn_convolution_relu", "cudnn_convolution_add_relu",
            "mkldnn_convolution", "_scaled_mm", "_int_mm", "conv_transpose2d", "embedding_bag",
            "_fused_linear_gelu"]:
-    register(f"aten::{_n}", OpClass.MATMUL)
+    register(f"aten::{_n}", OpClass.MATMUL, flops="matmul")
 
 for _n in ["scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -173,3 +219,12 @@ for _n in ["zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "ran
            "rand_like", "randn_like", "normal_", "uniform_", "bernoulli_", "random_", "new_zeros",
            "new_ones", "new_full", "scalar_tensor_fill"]:
     register(f"aten::{_n}", OpClass.DATA_MOVEMENT, tags=frozenset({"factory"}))
+
+# Ops the analyzer may fuse that the generator does not lower, and why (the reason reaches the user).
+not_generated("no Triton math for it that runs in the interpreter as on the GPU (core tl has none; "
+              "libdevice does not run in the interpreter)", "lgamma digamma erfinv")
+not_generated("a backward helper, not seen in inference graphs", "glu_jvp")
+not_generated("normalises over channel groups, not the last dim: no row kernel", "group_norm native_group_norm")
+not_generated("the training-mode variant normalises by batch statistics", "_native_batch_norm_legit")
+not_generated("returns cuDNN/MIOpen reserve buffers and a backend index: call batch_norm instead",
+              "_batch_norm_impl_index")
