@@ -134,7 +134,7 @@ def test_cpu_defaults_leave_the_model_as_it_was(tmp_path):
 def test_two_widths_of_one_class_each_run_their_own_kernels(tmp_path):
     """Mode 4: the second model of one class reused the first one's capture (matched at the first one's
     width), reported "patched" and never launched a kernel."""
-    wide, narrow = llama(layers=2, hidden=64), llama(layers=2, hidden=32)
+    wide, narrow = llama(layers=2, hidden=64), llama(layers=2, hidden=48)  # one row-width class: same pattern ids
     first = advisor.optimize(wide, batch(), out=tmp_path / "wide", reuse=False, interpret=True)
     second = advisor.optimize(narrow, batch(), out=tmp_path / "narrow", reuse=False, interpret=True)
     assert first.applied and second.applied, (str(first), str(second))

@@ -156,7 +156,9 @@ class Backend:
         gm.recompile()
 
     def _rewrite_one(self, gm, spec: PatternSpec, device) -> None:
-        pkey = (spec.pattern_id, str(device))
+        # By content: one pattern id covers every size of a model family, and a pattern built from another
+        # model's program (its sizes) would match nothing here.
+        pkey = (plan_digest([spec]), str(device))
         pattern = _PATTERNS.get(pkey)
         if pattern is None:
             pattern = _PATTERNS[pkey] = Pattern.build(spec.program, program_graph(spec.program, device))
