@@ -36,6 +36,7 @@ class OptimizeReport:
     end_to_end: dict | None = None
     handle: object = field(default=None, repr=False)
     phases_s: dict = field(default_factory=dict)  # wall seconds per step of the cold path
+    selection: dict | None = None  # what selection handed back, and why (apply.json `selection`)
 
     @property
     def applied(self) -> list:
@@ -49,6 +50,8 @@ class OptimizeReport:
             lines.append(f"  {p['candidate']:>4} {p['title']}: {state}")
         for module, why in (self.handle.fallbacks() if self.handle is not None else {}).items():
             lines.append(f"  {module} ran its original forward: " + ", ".join(f"{w} ({n}x)" for w, n in why.items()))
+        if self.selection and self.selection.get("decision"):
+            lines.append(f"  selection: {self.selection['decision']}")
         if self.end_to_end:
             lines.append("  " + describe_timing(self.end_to_end))
         return "\n".join(lines)
@@ -135,7 +138,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
                "selection": {"decision": "nothing patched: no GPU (interpret=True patches anyway, for checks)",
                              "kept": []}}
         write_json(out_dir / "apply.json", out)
-        return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds)
+        return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds, out["selection"])
     before = handle.launches()
     with phases("check"):  # the first patched call captures the modules (dynamo) and runs the kernels
         chk = check(call, handle, float32_reference(model, args, kwargs))
@@ -165,7 +168,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
         plan_cache.store(out_dir, key)
-    return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds)
+    return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds, selection)
 
 
 def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict | None = None,
