@@ -15,6 +15,8 @@ Per model, one test each (ids `test_<check>[<model>]`), in this order on one opt
                       a patched module where there is one) whose output matters: one scales its output by
                       ~1.5, one counts calls; == the copy with the same hooks, called as often (under
                       inference_mode, as optimize called the model, and under no_grad)
+  generate            models that generate: greedy `generate` (prefill, then one token per step with the
+                      cache) gives the copy's tokens and scores
   unpatch             after `advisor.unpatch(model)` the outputs are bit-identical to the copy's
 Float outputs are compared leaf by leaf (logits, hidden states, cache tensors...) with rtol = atol = 1e-4.
 
@@ -336,6 +338,21 @@ def test_hooks(zoo):
     finally:
         for h in handles:
             h.remove()
+
+
+def test_generate(zoo):
+    """Models that generate (causal LMs, encoder-decoders): `generate` (greedy, 4 new tokens, the cache as
+    configured: the steps after the first feed one token and the cache) gives the copy's tokens and scores."""
+    zoo.ready()
+    if not (hasattr(zoo.ref, "can_generate") and zoo.ref.can_generate()):
+        pytest.skip(f"{zoo.arch.name}: {type(zoo.ref).__name__} does not generate")
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    name = f"{zoo.arch.name} (generate)"
+    with torch.no_grad():
+        want, got = zoo.ref.generate(**zoo.inputs, **kw), zoo.model.generate(**zoo.inputs, **kw)
+    bad = [] if torch.equal(got.sequences, want.sequences) else \
+        [f"{name}: generated tokens {got.sequences.tolist()} != the copy's {want.sequences.tolist()}"]
+    _assert_none(bad + differences(name, got.scores, want.scores))
 
 
 def test_unpatch(zoo):

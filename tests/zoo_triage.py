@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ["optimize_completes", "validated", "patched", "same_outputs", "other_shapes", "train_mode", "autograd",
-          "hooks", "unpatch"]
+          "hooks", "generate", "unpatch"]
 
 
 def main(argv: list[str]) -> None:
