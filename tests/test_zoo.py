@@ -28,8 +28,8 @@ Which models run (CI runs the whole suite on a 2-core CPU machine, so the zoo ru
     skipped with a reason that names the seed (to re-run a day's choice, set the seed).
   - FUSION_ADVISOR_ZOO=all runs every model; FUSION_ADVISOR_ZOO=quick only QUICK;
     FUSION_ADVISOR_ZOO=llama,bart (names from tests/zoo_models.py) exactly those.
-Measured on 2 shared cores: 1-17 s per model (optimize and its 9 checks), QUICK 45 s, a rotation chunk
-about 1 min, all 40 models 4.5 min.
+Measured on 2 shared cores (optimize and its 10 checks): 1-20 s per model; QUICK 38 s, a rotation
+chunk 27-74 s, so about 1-2 min per CI run; all 40 models 4 min 10 s.
 """
 from __future__ import annotations
 
