@@ -69,6 +69,19 @@ def test_every_layer_runs_its_kernels_with_the_kv_cache_on(optimized):
     assert launches(model) - before >= 10 * len(layer_patterns)
 
 
+def test_patched_forwards_keep_their_signature(optimized):
+    """HF `generate` reads `inspect.signature(model.forward)` to decide what to pass; a patched forward that
+    read `(*args, **kwargs)` made Gemma-2 generate with other scores (tests/test_zoo.py's generate check)."""
+    import inspect
+
+    model, _, _, _ = optimized
+    assert patched_modules(model)
+    for name, _ in patched_modules(model):
+        mod = model.get_submodule(name) if name else model
+        want = inspect.signature(type(mod).forward.__get__(mod))
+        assert inspect.signature(mod.forward) == want, name
+
+
 def test_every_status_has_a_code_and_the_true_reason(optimized):
     """Mode 6: "not found in the captured graphs" was said of patterns whose modules were never captured."""
     _, _, report, _ = optimized
@@ -141,3 +154,29 @@ def test_two_widths_of_one_class_each_run_their_own_kernels(tmp_path):
     before = launches(narrow)
     logits(narrow, batch())
     assert launches(narrow) - before >= sum(p["sites"] for p in second.applied)
+
+
+def test_small_doubles_reach_the_kernels_in_full(tmp_path):
+    """The execution trace writes doubles with 6 decimals: BERT's LayerNorm eps (1e-12) was recorded as 0.0,
+    and its fused kernel computed rsqrt(var + 0): NaN on a constant row where BERT gives 0. The program
+    now holds Kineto's full value, and the generated kernel gives eager's result on a constant row."""
+    from transformers import BertConfig, BertModel
+
+    from advisor.codegen import generate, load_module
+
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                     vocab_size=256, max_position_embeddings=64, layer_norm_eps=1e-12)
+    report = advisor.optimize(BertModel(cfg).eval(), batch(), out=tmp_path, reuse=False, top=8)
+    doc = json.loads((report.out_dir / "analysis.json").read_text())
+    cand = next(c for c in doc["candidates"] if [n["op"] for n in c["program"]["nodes"]] == ["aten::add", "aten::layer_norm"])
+    eps = [a["value"] for n in cand["program"]["nodes"] for a in n["args"] if isinstance(a.get("value"), float)]
+    assert eps == [1e-12], eps  # exactly: 0.0 is what the execution trace holds
+    run = load_module(generate(cand["program"]).path).run
+    x, zero = torch.full((2, 16, 64), 0.5), torch.zeros(2, 16, 64)  # the residual sum: constant rows
+    w, b = torch.ones(64), torch.zeros(64)
+    outs = run(x, zero, w, b)
+    normed = outs[-1] if isinstance(outs, (tuple, list)) else outs
+    want = torch.nn.functional.layer_norm(x + zero, (64,), w, b, 1e-12)
+    assert torch.isfinite(normed).all()
+    torch.testing.assert_close(normed.reshape(want.shape), want)

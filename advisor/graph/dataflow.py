@@ -30,6 +30,7 @@ import pandas as pd
 
 from advisor.graph.etnodes import choose
 from advisor.graph.index import KernelIndex, equals, module_paths  # noqa: F401 (module_paths: used from here too)
+from advisor.ops.args import parse_concrete
 from advisor.ops.registry import OpClass
 from advisor.trace.load import Trace, gc_paused
 
@@ -257,6 +258,9 @@ def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels
         ops["iteration"].to_numpy()[rows_].tolist()
     mods = modules[rows_].tolist()
     templates = [_static_rows(rows) for rows in trace.et.templates]
+    # Templates with a double argument the ET may have rounded (see `_full_precision`).
+    rounded = [any(r[0] and isinstance(r[4][1], float) for r in rows) for _, rows in templates]
+    concrete = trace.ops["concrete"].to_numpy() if "concrete" in trace.ops else np.array([None] * len(trace.ops))
     n_ids = np.array([n for n, _ in templates] or [0], dtype=np.int64)[c.tpl]  # tensor ids each node's template uses
     ids = _TensorIds(trace.et.tensor_ids, trace.et.storage_ids, c.t0, n_ids)
     template_of: dict[tuple, int] = {}  # (op, schema, argument template) -> Node.template
@@ -277,7 +281,22 @@ def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels
         if rows:
             tids, sids, at = ids.of(idx)
             _resolve_args(node, rows, tids, sids, at, values, last_writer, ends)
+            if rounded[tpl]:
+                _full_precision(node, concrete[rows_[idx]])
     return nodes, values
+
+
+def _full_precision(node: Node, concrete) -> None:
+    """The execution trace writes doubles with 6 decimals: BERT's LayerNorm eps of 1e-12 reads 0.0, and a
+    kernel built from it computed rsqrt(var + 0), NaN on a constant row where the model stays finite.
+    Kineto's "Concrete Inputs" of the same op hold them in full: take those where they round to the ET's."""
+    if not concrete:
+        return
+    for i, arg in enumerate(node.args):
+        if arg[0] == "s" and isinstance(arg[1], float) and i < len(concrete):
+            full = parse_concrete(concrete[i])
+            if isinstance(full, float) and full != arg[1] and abs(full - arg[1]) <= 5e-7 * max(1.0, abs(arg[1])):
+                node.args[i] = ("s", full)
 
 
 class _TensorIds:

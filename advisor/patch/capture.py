@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import threading
@@ -285,6 +286,12 @@ class PatchedForward:
 
     def original(self) -> Callable:
         return self.saved if self.saved is not None else type(self.module).forward.__get__(self.module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The original forward's: callers read it (HF `generate` passes `position_ids` and `logits_to_keep`
+        only to a forward that names them; with `(*args, **kwargs)` Gemma-2 generated other scores)."""
+        return inspect.signature(self.original())
 
     def settle(self) -> None:
         """Called once `optimize` has checked the model: from now on at most `EXTRA_CAPTURES` more calls

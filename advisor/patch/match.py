@@ -142,7 +142,7 @@ def _same_literal(a: Any, b: Any) -> bool:
         return a is b or a == b and type(a) is type(b)
     if isinstance(a, float) or isinstance(b, float):
         return isinstance(b, (int, float)) and isinstance(a, (int, float)) and \
-            math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) or (a != a and b != b)
+            math.isclose(a, b, rel_tol=1e-6) or (a != a and b != b)  # no absolute tolerance: eps 1e-12 is not 0
     if isinstance(a, torch.device) and isinstance(b, torch.device):
         return a.type == b.type
     return a == b
