@@ -45,13 +45,13 @@ def patch(model, plan):
 
     (Once `advisor.patch` the package is imported it replaces this attribute; the package is callable
     with the same signature.)"""
-    from advisor.patch import patch as _patch
+    from advisor.patching import patch as _patch
 
     return _patch(model, plan)
 
 
 def unpatch(model):
     """Restore every patched forward under `model`, bit for bit."""
-    from advisor.patch import unpatch as _unpatch
+    from advisor.patching import unpatch as _unpatch
 
     return _unpatch(model)

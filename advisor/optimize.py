@@ -10,7 +10,7 @@ the model in place, run it patched and unpatched on the example inputs and unpat
 outputs differ, on a GPU keep only the patterns that make the call faster (`keep_faster`), write
 OUT/apply.json (patterns, manifest) so `advisor.patch(other_model, OUT)` can re-apply the same plan
 later, and store the plan in the cache: a second `optimize` of the same model and input shapes
-re-patches and re-checks it without profiling (`advisor.patch.plan_cache`). With `benchmark=True`
+re-patches and re-checks it without profiling (`advisor.patching.plan_cache`). With `benchmark=True`
 (meaningful on a GPU) also times the call before and after, and each pattern applied alone.
 """
 from __future__ import annotations
@@ -80,10 +80,10 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     from advisor.analyze.api import analyze
     from advisor.bench.timing import Stopwatch
     from advisor.bench.trace import profile_calls
-    from advisor.patch import build_plan, load_plan, occurrence_modules, patch, plan_cache, unpatch
-    from advisor.patch.graphs import clear_recordings
-    from advisor.patch.kernels import kernel_specs
-    from advisor.patch.verify import check, float32_reference
+    from advisor.patching import build_plan, load_plan, occurrence_modules, patch, plan_cache, unpatch
+    from advisor.patching.graphs import clear_recordings
+    from advisor.patching.kernels import kernel_specs
+    from advisor.patching.verify import check, float32_reference
     from advisor.interpreter import use_interpreter_without_gpu
 
     use_interpreter_without_gpu()
@@ -275,7 +275,7 @@ def keep_faster(call, handle, device: str, records: list, iters: int = 20) -> tu
     timed, or the model unpatched. Marks `kept` (and why not) on the records; returns (the handle now in
     force, the decision). Without meaningful timing nothing is dropped."""
     from advisor.bench.timing import time_configs, timing_meaningful
-    from advisor.patch import only, patch, patches_off
+    from advisor.patching import only, patch, patches_off
 
     patched = [r for r in records if r.get("patched")]
     key_of = {s.candidate: s.key for s in handle.plan.patterns}
@@ -329,7 +329,7 @@ def time_patterns(call, handle, device: str, iters: int, records: list) -> dict:
     """Per call: unpatched, patched, captured with every site on its original ops, and each patched
     pattern alone (its saving = captured-only minus alone), timed in interleaved rounds."""
     from advisor.bench.timing import time_configs, timing_meaningful
-    from advisor.patch import only, patches_off
+    from advisor.patching import only, patches_off
 
     if not timing_meaningful(device):
         return {"timing_meaningful": False, "device": device,
@@ -359,7 +359,7 @@ def time_patterns(call, handle, device: str, iters: int, records: list) -> dict:
 def each_alone(handle, candidates: list) -> dict:
     """{candidate: context factory inside which only that pattern runs its launchers}, per candidate the
     handle's plan has (the configurations that time each pattern alone)."""
-    from advisor.patch import only
+    from advisor.patching import only
 
     keys = {s.candidate: s.key for s in handle.plan.patterns}
     return {c: (lambda k: lambda: only({k}))(keys[c]) for c in candidates if c in keys}

@@ -554,7 +554,7 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
         for k, fn in fns.items():
             c.r[k]["kernels_per_iter"] = kernel_count(fn, device, root)
         if "advisor" in fns:
-            from advisor.patch import patched_modules
+            from advisor.patching import patched_modules
 
             failed = {q or "<root>": f.failed for q, f in patched_modules(m_adv) if getattr(f, "failed", None)}
             if failed:  # a patched forward that raised runs the original code from then on: say so
@@ -616,7 +616,7 @@ def select_patterns(c: Child, report, model, call, device: str, meaningful: bool
 
 def _unpatch_quietly(model) -> None:
     try:
-        from advisor.patch import unpatch
+        from advisor.patching import unpatch
 
         unpatch(model)
     except Exception:
@@ -717,8 +717,8 @@ def process_warmup(device: str) -> None:
 
     import advisor.analyze.api  # noqa: F401
     import advisor.optimize  # noqa: F401
-    import advisor.patch  # noqa: F401
-    import advisor.patch.verify  # noqa: F401
+    import advisor.patching  # noqa: F401
+    import advisor.patching.verify  # noqa: F401
     try:
         import torch._inductor.compile_fx  # noqa: F401  (also in the warm-cache process: same start for both)
     except Exception:

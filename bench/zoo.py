@@ -188,7 +188,7 @@ def child(name: str, result: Path, iters: int, train: bool = False) -> int:
     fns = {"eager": loop_call(untouched), "advisor": loop_call(model), "compile": loop_call(compiled)}
     res["kernels"] = {k: kernel_count(f, device, result.parent) for k, f in fns.items()}
     # Probes of optimize's own baseline (its "before" is the model with patches off, in inference mode).
-    from advisor.patch import patches_off
+    from advisor.patching import patches_off
 
     def probe_inference_mode():
         with torch.inference_mode():

@@ -1,4 +1,4 @@
-"""`advisor.patch.graphs.Graphed`: what a CUDA graph replay reads and writes, checked on the CPU.
+"""`advisor.patching.graphs.Graphed`: what a CUDA graph replay reads and writes, checked on the CPU.
 
 `ReplayOnCpu` stands in for `torch.cuda.graph` with the same contract: recording runs the function on
 the static arguments once and keeps its outputs; a replay reads only those static arguments (whatever
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from advisor.patch import only
-from advisor.patch.graphs import Graphed, replay_off
+from advisor.patching import only
+from advisor.patching.graphs import Graphed, replay_off
 
 
 class ReplayOnCpu:
@@ -127,7 +127,7 @@ def test_outputs_sharing_a_storage_still_share_one_after_the_copy():
 
 def test_not_replayed_when_the_copies_cost_more_than_the_launches():
     """One op on 64 MB: copying it in and out costs the GPU more than one launch costs the host."""
-    from advisor.patch.graphs import COPY_BYTES_PER_S, HOST_S_PER_OP
+    from advisor.patching.graphs import COPY_BYTES_PER_S, HOST_S_PER_OP
 
     w = torch.nn.Parameter(torch.ones(()), requires_grad=False)
     x = torch.ones(1 << 24)
@@ -144,7 +144,7 @@ def test_a_captured_graph_says_how_many_ops_it_runs_and_what_it_returns():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from advisor.patch.capture import _ops, _output_bytes
+    from advisor.patching.capture import _ops, _output_bytes
 
     with FakeTensorMode():
         x = torch.empty(8, 4)
@@ -153,7 +153,7 @@ def test_a_captured_graph_says_how_many_ops_it_runs_and_what_it_returns():
 
 
 def test_clear_recordings_frees_them_and_the_next_call_records_again():
-    from advisor.patch.graphs import clear_recordings
+    from advisor.patching.graphs import clear_recordings
 
     g = Graphed(affine, ReplayOnCpu())
     w = torch.nn.Parameter(torch.ones(2), requires_grad=False)

@@ -16,7 +16,7 @@ import torch
 import advisor
 from advisor.analyze.api import analyze
 from advisor.bench.trace import profile_calls
-from advisor.patch import build_plan, occurrence_modules, only, patch, patched_modules, patches_off, \
+from advisor.patching import build_plan, occurrence_modules, only, patch, patched_modules, patches_off, \
     spec_from_candidate, unpatch
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -232,7 +232,7 @@ def test_patched_model_survives_copy_save_to_and_modes(analyses, tmp_path):
 def test_generated_kernels_patch_and_match(analyses, name, titles, tmp_path):
     """The generated Triton kernels (interpreter here): patched at every occurrence, outputs within tolerance."""
     from advisor.bench.compare import compare_outputs
-    from advisor.patch.kernels import kernel_specs
+    from advisor.patching.kernels import kernel_specs
 
     a = analyses[name]
     chosen = pick(a, titles)
@@ -269,7 +269,7 @@ def test_layer_granularity_never_captures_several_layers(analyses):
     """`layer` (optimize's and apply's default): per-layer captures; the occurrences straddling two layers
     (a layer's last residual add + the next one's input RMSNorm) and the model-level mask/rotary math stay
     unfused, and the plan says which module it did not capture and why."""
-    from advisor.patch.plan import spans_layers
+    from advisor.patching.plan import spans_layers
 
     assert spans_layers("M.model", ["M.model.layers.0.mlp", "M.model.layers.1"])
     assert not spans_layers("M.model.layers.0", ["M.model.layers.0.mlp", "M.model.layers.0.self_attn", "M.model.layers.1"])

@@ -246,8 +246,8 @@ def fuse(model, make_inputs, out: Path, granularity: str = "occurrence"):
     """profile -> analyze -> generate + validate -> patch, in this process; returns (analysis, specs, records, handle)."""
     from advisor.analyze.api import analyze
     from advisor.bench.trace import profile_calls
-    from advisor.patch import build_plan, occurrence_modules, patch
-    from advisor.patch.kernels import kernel_specs
+    from advisor.patching import build_plan, occurrence_modules, patch
+    from advisor.patching.kernels import kernel_specs
 
     def call():
         with torch.inference_mode():
@@ -334,7 +334,7 @@ def test_zero_size_tensors(tmp_path):
     run(model, x, b)
     for shape in ((0, 33), (6, 0)):
         xs = _inputs(torch.float32, shape)
-        with advisor.patch.patches_off():
+        with advisor.patching.patches_off():
             want = run(model, *xs)
         got = run(model, *xs)
         assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want)), shape
@@ -367,7 +367,7 @@ def test_noncontiguous_and_expanded_inputs(tmp_path):
     assert all(h.sites(s.key) for s in specs)
     # fresh inputs of the same structure (other values), and contiguous ones: guards decide, results stay right
     for other in (_strided(), tuple(t.contiguous() for t in _strided())):
-        with advisor.patch.patches_off():
+        with advisor.patching.patches_off():
             ref = run(model, *other)
         assert_matches(run(model, *other), ref)
 
@@ -415,11 +415,11 @@ def test_runtime_shapes_other_than_profiled(tmp_path):
     run(model, x, b)
     for shape in ((3, 33), (6, 20), (1, 33), (2, 3, 33), (6, 1)):
         xs = _inputs(torch.float32, shape)
-        with advisor.patch.patches_off():
+        with advisor.patching.patches_off():
             want = run(model, *xs)
         assert_matches(run(model, *xs), want)
     xs = tuple(t.double() for t in _inputs(torch.float32))  # another dtype: the original ops
-    with advisor.patch.patches_off():
+    with advisor.patching.patches_off():
         want = run(model, *xs)
     assert all(torch.equal(g, w) for g, w in zip(run(model, *xs), want))
 
@@ -474,7 +474,7 @@ class Seed(torch.nn.Module):
 def test_a_kernel_that_failed_validation_is_never_applied(tmp_path, monkeypatch, capsys):
     from advisor.errors import AdvisorError
     from advisor.ops import lowering
-    from advisor.patch import patched_modules
+    from advisor.patching import patched_modules
 
     monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path / "cache"))
     monkeypatch.setitem(lowering.TABLE, "aten::relu", _planted_relu())
@@ -652,7 +652,7 @@ class Small(torch.nn.Module):
 
 def launched(model) -> int:
     """Kernel launches so far at every site patched into `model`."""
-    from advisor.patch import patched_modules
+    from advisor.patching import patched_modules
 
     logs = {id(f.log()): f.log() for _, f in patched_modules(model)}
     return sum(site.stats["launched"] for log in logs.values() for sites in log.sites.values() for site in sites)
@@ -674,7 +674,7 @@ def optimized_small(tmp_path_factory):
 def test_unpatch_restores_bit_identical_outputs_and_state_dict(optimized_small):
     """After optimize() with generated kernels: unpatch gives eager's outputs bit for bit, and the
     state_dict (keys, dtypes, values), the parameter objects and the modules are as they were."""
-    from advisor.patch import patched_modules
+    from advisor.patching import patched_modules
 
     model, x, ref, state, params, _ = optimized_small
     twin = copy.deepcopy(model)

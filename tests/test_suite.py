@@ -323,7 +323,7 @@ def _fake_timings(monkeypatch, saves: dict, before: float, final: dict, noise: f
 
 
 def _enabled(model) -> set | None:
-    from advisor.patch import patched_modules
+    from advisor.patching import patched_modules
 
     states = {f.enabled for _, f in patched_modules(model)}
     assert len(states) <= 1, states
@@ -369,7 +369,7 @@ def test_select_keeps_the_captures_alone_when_they_are_what_is_faster(optimized_
     """Every pattern slower alone, the captured layers faster than eager (their CUDA-graph replay): the
     captures stay with every site on its original ops, and the decision says so."""
     from advisor.optimize import keep_faster
-    from advisor.patch import patch
+    from advisor.patching import patch
 
     w, call, report = optimized_llama
     handle = patch(w.model, report.handle.plan)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import advisor
-from advisor.patch import patched_modules
+from advisor.patching import patched_modules
 from advisor.status import Status
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

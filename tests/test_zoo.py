@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zoo_models import ARCHS, BY_NAME, Arch  # noqa: E402
 
 import advisor  # noqa: E402
-from advisor.patch import patched_modules  # noqa: E402
+from advisor.patching import patched_modules  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning", "ignore::RuntimeWarning")

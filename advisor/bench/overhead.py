@@ -99,8 +99,8 @@ def main(argv=None) -> dict:
     import advisor
     from advisor.bench.timing import time_configs
     from advisor.optimize import each_alone
-    from advisor.patch import only, patches_off
-    from advisor.patch.graphs import replay_off
+    from advisor.patching import only, patches_off
+    from advisor.patching.graphs import replay_off
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: a smoke run, times say nothing)
     model, inputs = build(a.model, a.layers, device, a.seq, a.attn)

@@ -23,9 +23,9 @@ from typing import Any, Callable
 import torch
 from torch.fx import Graph, Node
 
-from advisor.patch.match import Match, Pattern, compute_users, input_offset, is_transparent, layout, \
+from advisor.patching.match import Match, Pattern, compute_users, input_offset, is_transparent, layout, \
     same_strides, strip, val
-from advisor.patch.program import dtype_of, is_scalar_slot
+from advisor.patching.program import dtype_of, is_scalar_slot
 
 # Which patterns run their launcher: None = all; a set of pattern keys = only those (the rest fall
 # back). `off` bypasses patched forwards entirely (see capture.PatchedForward).

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from advisor.errors import AdvisorError
-from advisor.patch import Patched, patch, unpatch
-from advisor.patch.modules import root_class
-from advisor.patch.plan import Plan
+from advisor.patching import Patched, patch, unpatch
+from advisor.patching.modules import root_class
+from advisor.patching.plan import Plan
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Session:
         if st is None or st["handle"] is None or st["checked"] >= self.compare_calls or not _repeatable(m):
             return call(m, *args, **kwargs)
         st["checked"] += 1
-        from advisor.patch.verify import check, float32_reference
+        from advisor.patching.verify import check, float32_reference
 
         chk = check(lambda: call(m, *args, **kwargs), st["handle"], float32_reference(m, args, kwargs))
         self.checks.append({"module": cls, **chk.as_dict()})

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from advisor.patch import rewrite
+from advisor.patching import rewrite
 
 MAX_GRAPHS = 64  # per captured function: layers x `only` states seen while timing patterns
 MAX_STORAGE_RATIO = 4  # copy a view's whole storage only when it is at most this much larger

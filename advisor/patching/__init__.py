@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from advisor.errors import AdvisorError
-from advisor.patch import rewrite
-from advisor.patch.capture import PatchedForward
-from advisor.patch.graphs import clear_recordings
-from advisor.patch.modules import called_ancestor, contains, outermost, qualified, resolve
-from advisor.patch.plan import Plan, PatternSpec, Target, build_plan, load_plan, manifest_entry, \
+from advisor.patching import rewrite
+from advisor.patching.capture import PatchedForward
+from advisor.patching.graphs import clear_recordings
+from advisor.patching.modules import called_ancestor, contains, outermost, qualified, resolve
+from advisor.patching.plan import Plan, PatternSpec, Target, build_plan, load_plan, manifest_entry, \
     occurrence_modules, spec_from_candidate
 
 __all__ = ["patch", "unpatch", "patches_off", "only", "Patched", "Plan", "PatternSpec", "Target", "build_plan",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from advisor.codegen.pipeline import pattern_record
-from advisor.patch.plan import PatternSpec, spec_from_candidate
+from advisor.patching.plan import PatternSpec, spec_from_candidate
 from advisor.status import Status
 
 

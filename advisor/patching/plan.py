@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from advisor.errors import AdvisorError
-from advisor.patch.modules import contains, lca, root_path
-from advisor.patch.program import is_scalar_slot, program_text
+from advisor.patching.modules import contains, lca, root_path
+from advisor.patching.program import is_scalar_slot, program_text
 
 REPLACEMENTS = ("kernel", "program", "subgraph")
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from advisor.optimize import SCHEMA_VERSION, pattern_status, time_patterns, write_json
-from advisor.patch.modules import root_class
+from advisor.patching.modules import root_class
 from advisor.interpreter import use_interpreter_without_gpu
-from advisor.patch import only, patches_off
-from advisor.patch.script import Session, intercept_roots, run_script
+from advisor.patching import only, patches_off
+from advisor.patching.script import Session, intercept_roots, run_script
 from advisor.status import Status
 
 
@@ -76,8 +76,8 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
 
     from advisor.analyze.api import analyze
     from advisor.collect.runner import profile_script, resolve_device
-    from advisor.patch import build_plan, occurrence_modules
-    from advisor.patch.kernels import kernel_specs
+    from advisor.patching import build_plan, occurrence_modules
+    from advisor.patching.kernels import kernel_specs
 
     console = console or Console(highlight=False, soft_wrap=True)
     out = Path(out)

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 
 from advisor.bench.compare import Comparison, compare_outputs
 from advisor.bench.timing import Stopwatch
-from advisor.patch import Patched, only, patch, patches_off
+from advisor.patching import Patched, only, patch, patches_off
 
 
 @dataclass

@@ -38,11 +38,11 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from advisor.patch import rewrite
-from advisor.patch.graphs import Graphed
-from advisor.patch.match import Pattern, find
-from advisor.patch.plan import PatternSpec
-from advisor.patch.program import program_graph, run_program
+from advisor.patching import rewrite
+from advisor.patching.graphs import Graphed
+from advisor.patching.match import Pattern, find
+from advisor.patching.plan import PatternSpec
+from advisor.patching.program import program_graph, run_program
 
 _SHARED: dict[tuple, Callable] = {}  # (plan digest, graph code, input layouts) -> compiled inference graph
 _PATTERNS: dict[tuple, Pattern] = {}

@@ -35,7 +35,7 @@ import torch
 from torch.fx import Graph, Node
 
 from advisor.ops.registry import OpClass, lookup
-from advisor.patch.program import is_scalar_slot, is_sentinel
+from advisor.patching.program import is_scalar_slot, is_sentinel
 
 # Ops that the capture and a replay of the trace may spell differently for the same math and kernel.
 # Decompositions need no entry here (both sides are traced); in-place twins come from the registry.
