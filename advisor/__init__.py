@@ -35,7 +35,7 @@ def analyze(path, et=None):
 
 def optimize(model, example_inputs, top: int = 5, out=None, **kw):
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`."""
-    from advisor.optimize import optimize as _optimize
+    from advisor.workflows.live_model import optimize as _optimize
 
     return _optimize(model, example_inputs, top=top, out=out, **kw)
 

@@ -187,7 +187,7 @@ def apply(
     are compared patched vs unpatched, a pattern that changes the outputs is unpatched; then the
     steady-state iteration is timed before and after (GPU only; on the CPU timing is not meaningful).
     """
-    from advisor.patching.apply import apply_script
+    from advisor.workflows.user_script import apply_script
 
     apply_script(script, list(ctx.args), out, top=top, device=device.value, region=region,
                  replacement=replacement.value, iters=iters, granularity=granularity.value)

@@ -85,7 +85,7 @@ def child(a, name: str, label: str) -> int:
         w.model(*args, **kwargs)
     if device == "cuda":
         torch.cuda.synchronize()
-    from advisor.optimize import optimize
+    from advisor.workflows.live_model import optimize
 
     prof = cProfile.Profile()
     t0 = time.perf_counter()

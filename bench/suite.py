@@ -474,7 +474,7 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
     final_reserve = 4.0 + 3 * (1.5 + 1.5 * (a.iters + 8) * eager_s) if not a.quick else 5.0
     with c.phase("advisor") as ok, time_limit(c.left() - compile_reserve - final_reserve, "advisor.optimize",
                                               floor=0.6 * c.left()):
-        from advisor.optimize import optimize  # (`advisor.optimize` is the module once that is imported)
+        from advisor.workflows.live_model import optimize  # (`advisor.optimize` is the module once that is imported)
 
         os.environ["TRITON_CACHE_DIR"] = str(root / "triton-advisor")
         call = runner(m_adv)
@@ -593,7 +593,7 @@ def select_patterns(c: Child, report, model, call, device: str, meaningful: bool
     """`advisor.optimize.keep_faster`: each patched pattern timed alone, the ones that save time kept, and
     the kept set only if it beats eager end to end (else the model runs unpatched); what it decided goes
     into the workload's record. Skipped (all kept) when the budget has no time left for it."""
-    from advisor.optimize import keep_faster
+    from advisor.workflows.live_model import keep_faster
 
     adv = c.r["advisor"]
     patched = [p for p in report.patterns if p.get("patched")]
@@ -678,7 +678,7 @@ def warm_run(c: Child, w, device: str, root: Path, runner) -> int:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     before = count_files(Path(os.environ["FUSION_ADVISOR_CACHE"]))
     with c.phase("advisor warm") as ok:
-        from advisor.optimize import optimize
+        from advisor.workflows.live_model import optimize
 
         os.environ["TRITON_CACHE_DIR"] = str(root / "triton-advisor")
         call = runner(w.model)
@@ -716,7 +716,7 @@ def process_warmup(device: str) -> None:
     import torch
 
     import advisor.analyze.api  # noqa: F401
-    import advisor.optimize  # noqa: F401
+    import advisor.workflows.live_model  # noqa: F401
     import advisor.patching  # noqa: F401
     import advisor.patching.verify  # noqa: F401
     try:

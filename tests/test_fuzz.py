@@ -294,7 +294,7 @@ def test_fuzz_through_the_profiler_and_analyzer(tmp_path_factory):
     from advisor.analyze.api import analyze
     from advisor.bench.trace import profile_calls
     from advisor.patching import build_plan, occurrence_modules, patch, unpatch
-    from advisor.patching.kernels import kernel_specs
+    from advisor.workflows.kernels import kernel_specs
 
     stats = collections.Counter()
     pure = programs(max_ops=5, sinks=True).filter(lambda p: "inplace" not in p.ops)  # called 4 times: no drifting inputs

@@ -247,7 +247,7 @@ def fuse(model, make_inputs, out: Path, granularity: str = "occurrence"):
     from advisor.analyze.api import analyze
     from advisor.bench.trace import profile_calls
     from advisor.patching import build_plan, occurrence_modules, patch
-    from advisor.patching.kernels import kernel_specs
+    from advisor.workflows.kernels import kernel_specs
 
     def call():
         with torch.inference_mode():

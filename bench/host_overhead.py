@@ -1,6 +1,6 @@
 """Where a patched model's time goes: eager vs captured vs patched, device time and host time.
 
-    python -m advisor.bench.overhead bert --layers 8 [--seq N] [--granularity layer|pattern] [--attn eager]
+    python bench/host_overhead.py bert --layers 8 [--seq N] [--granularity layer|pattern] [--attn eager]
                                         [--kernels DIR]
 
 Builds the example's model (examples/hf_*.py sizes on cuda), runs `advisor.optimize` on it with every
@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
 
     import advisor
     from advisor.bench.timing import time_configs
-    from advisor.optimize import each_alone
+    from advisor.workflows.live_model import each_alone
     from advisor.patching import only, patches_off
     from advisor.patching.graphs import replay_off
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from advisor.optimize import SCHEMA_VERSION, pattern_status, time_patterns, write_json
+from advisor.workflows.live_model import SCHEMA_VERSION, pattern_status, time_patterns, write_json
 from advisor.patching.modules import root_class
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.patching import only, patches_off
-from advisor.patching.script import Session, intercept_roots, run_script
+from advisor.workflows.script_session import Session, intercept_roots, run_script
 from advisor.status import Status
 
 
@@ -77,7 +77,7 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
     from advisor.analyze.api import analyze
     from advisor.collect.runner import profile_script, resolve_device
     from advisor.patching import build_plan, occurrence_modules
-    from advisor.patching.kernels import kernel_specs
+    from advisor.workflows.kernels import kernel_specs
 
     console = console or Console(highlight=False, soft_wrap=True)
     out = Path(out)

@@ -10,7 +10,7 @@ the model in place, run it patched and unpatched on the example inputs and unpat
 outputs differ, on a GPU keep only the patterns that make the call faster (`keep_faster`), write
 OUT/apply.json (patterns, manifest) so `advisor.patch(other_model, OUT)` can re-apply the same plan
 later, and store the plan in the cache: a second `optimize` of the same model and input shapes
-re-patches and re-checks it without profiling (`advisor.patching.plan_cache`). With `benchmark=True`
+re-patches and re-checks it without profiling (`advisor.workflows.plan_cache`). With `benchmark=True`
 (meaningful on a GPU) also times the call before and after, and each pattern applied alone.
 """
 from __future__ import annotations
@@ -80,9 +80,10 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     from advisor.analyze.api import analyze
     from advisor.bench.timing import Stopwatch
     from advisor.bench.trace import profile_calls
-    from advisor.patching import build_plan, load_plan, occurrence_modules, patch, plan_cache, unpatch
+    from advisor.patching import build_plan, load_plan, occurrence_modules, patch, unpatch
+    from advisor.workflows import plan_cache
     from advisor.patching.graphs import clear_recordings
-    from advisor.patching.kernels import kernel_specs
+    from advisor.workflows.kernels import kernel_specs
     from advisor.patching.verify import check, float32_reference
     from advisor.interpreter import use_interpreter_without_gpu
 
