@@ -1,11 +1,15 @@
 """fusion-advisor: profiler-driven kernel fusion for PyTorch.
 
 Stages, one package each, data flowing one way:
-collect -> trace -> graph -> analyze -> codegen -> validate -> patch -> bench -> report.
-The op registry (`advisor.ops`) is the only place that knows what an aten op is.
+collect -> trace -> graph -> analyze -> codegen -> validate -> patching -> report;
+`advisor.workflows` runs them in order (`optimize` on a live model, `apply` on a script) and no stage
+imports it. The op registry (`advisor.ops`) is the only place that knows what an aten op is.
+
+This module is the façade: the functions below are what a user calls. Each imports its stage when
+called, so that `import advisor` stays cheap (no pandas, dynamo or triton until they are needed).
 """
 
-__version__ = "0.1.0"
+from advisor.version import __version__  # noqa: F401
 
 from advisor.interpreter import use_interpreter_without_gpu as _use_interpreter
 
@@ -13,10 +17,9 @@ _use_interpreter()  # before anything imports triton: see advisor.interpreter
 
 from advisor.collect.region import region  # noqa: E402,F401
 
-
-# The package advisor.analyze is loaded here, before the function of the same name is defined: loaded
-# later (by the function's first call) Python set it as the attribute `advisor.analyze`, and from then on
-# `advisor.analyze(path)` raised "'module' object is not callable" and help() showed the package.
+# The stage package advisor.analyze is loaded before the function of that name is defined: a package
+# loaded later (by the function's first call) would be set by Python as the attribute `advisor.analyze`,
+# replacing the function. Loaded first, the function defined below takes the name for good.
 import advisor.analyze as _analyze_package  # noqa: E402,F401  (its __init__ is empty: nothing heavy)
 
 
@@ -28,30 +31,47 @@ def analyze(path, et=None):
     TensorBoard trace directory (`torch.profiler.tensorboard_trace_handler`; its newest *.pt.trace.json).
     et: an execution trace file, when `path` is a bare Kineto file.
     """
-    from advisor.analyze.api import analyze as _analyze
+    from advisor.analyze.api import analyze as analyze_trace  # pandas: imported when first needed
 
-    return _analyze(path, et=et)
+    return analyze_trace(path, et=et)
 
 
-def optimize(model, example_inputs, top: int = 5, out=None, **kw):
-    """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`."""
-    from advisor.workflows.live_model import optimize as _optimize
+def optimize(model, example_inputs, top: int = 5, out=None, replacement: str = "kernel", calls: int = 3,
+             benchmark: bool = False, iters: int = 20, granularity: str = "layer", reuse: bool = True,
+             select: bool | None = None, interpret: bool = False):
+    """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
 
-    return _optimize(model, example_inputs, top=top, out=out, **kw)
+        report = advisor.optimize(model, (input_ids,), top=5)
+        print(report)             # what was patched where, and why not
+        advisor.unpatch(model)    # back to the original, bit for bit
+
+    example_inputs: a tuple of positional arguments, a dict of keyword arguments, or one tensor.
+    top: candidates to generate kernels for; out: where the plan goes (a temporary folder by default);
+    replacement: `kernel` (generated Triton), or the stand-ins `program` / `subgraph` (tests the patcher);
+    calls: profiled calls; benchmark: also time before/after and each pattern alone (GPU); iters: timed
+    calls per configuration; granularity: what a capture holds (`layer`, `occurrence`, `pattern`,
+    `root`); reuse: re-apply a stored plan for the same model and input shapes; select: on a GPU keep
+    only what is faster (default on); interpret: without a GPU, patch anyway with kernels running in
+    Triton's interpreter (for checks and tests: 100-2,000x slower than the model's own ops, so off by
+    default: the model is then left as it was and the report says why).
+    """
+    from advisor.workflows.live_model import optimize as optimize_model  # torch, dynamo, triton: when called
+
+    return optimize_model(model, example_inputs, top=top, out=out, replacement=replacement, calls=calls,
+                          benchmark=benchmark, iters=iters, granularity=granularity, reuse=reuse, select=select,
+                          interpret=interpret)
 
 
 def patch(model, plan):
-    """Patch `model` with a plan (or an `apply`/`optimize` output directory); returns a `Patched`.
+    """Patch `model` in place with a plan (a `Plan`, or an `apply`/`optimize` output directory whose
+    apply.json names it); returns a `Patched` handle (`handle.manifest()`, `handle.unpatch()`)."""
+    from advisor.patching import patch as patch_model  # torch and dynamo: imported when first needed
 
-    (Once `advisor.patch` the package is imported it replaces this attribute; the package is callable
-    with the same signature.)"""
-    from advisor.patching import patch as _patch
-
-    return _patch(model, plan)
+    return patch_model(model, plan)
 
 
 def unpatch(model):
-    """Restore every patched forward under `model`, bit for bit."""
-    from advisor.patching import unpatch as _unpatch
+    """Restore every patched forward under `model`, bit for bit; returns how many modules were restored."""
+    from advisor.patching import unpatch as unpatch_model  # torch and dynamo: imported when first needed
 
-    return _unpatch(model)
+    return unpatch_model(model)

@@ -29,7 +29,7 @@ def _show_version(value: bool) -> None:
     if value:
         from importlib.metadata import PackageNotFoundError, version
 
-        from advisor import __version__
+        from advisor.version import __version__
 
         try:
             torch_version = version("torch")  # metadata only: importing torch would take seconds

@@ -474,7 +474,7 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
     final_reserve = 4.0 + 3 * (1.5 + 1.5 * (a.iters + 8) * eager_s) if not a.quick else 5.0
     with c.phase("advisor") as ok, time_limit(c.left() - compile_reserve - final_reserve, "advisor.optimize",
                                               floor=0.6 * c.left()):
-        from advisor.workflows.live_model import optimize  # (`advisor.optimize` is the module once that is imported)
+        from advisor.workflows.live_model import optimize
 
         os.environ["TRITON_CACHE_DIR"] = str(root / "triton-advisor")
         call = runner(m_adv)

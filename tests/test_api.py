@@ -61,3 +61,33 @@ def test_analyze_stays_a_function():
                        cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "analyze(path, et=None)" in r.stdout and "TensorBoard" in r.stdout
+
+
+def test_the_facade_functions_keep_their_names_and_arguments():
+    """`advisor.optimize`, `patch`, `unpatch`, `analyze` stay the façade's functions once the modules that do
+    the work are imported (no module shadows them), and `optimize` forwards every argument of the pipeline
+    with the same default."""
+    import inspect
+
+    import advisor.analyze.api  # noqa: F401
+    import advisor.patching  # noqa: F401
+    from advisor.workflows import live_model
+
+    for name in ("analyze", "optimize", "patch", "unpatch"):
+        f = getattr(advisor, name)
+        assert inspect.isfunction(f) and f.__module__ == "advisor", name
+    facade, pipeline = (inspect.signature(f).parameters for f in (advisor.optimize, live_model.optimize))
+    assert {"interpret", "select", "top", "granularity"} <= set(facade)
+    assert [(p.name, p.default) for p in facade.values()] == [(p.name, p.default) for p in pipeline.values()]
+
+
+def test_import_advisor_stays_cheap():
+    """`import advisor` loads the façade and the region marker, not the stages (pandas, dynamo, triton)."""
+    import subprocess
+    import sys
+
+    code = "import advisor, sys; print(sorted(m for m in sys.modules if m.startswith(('advisor', 'pandas', 'triton'))))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert eval(r.stdout) == ["advisor", "advisor.analyze", "advisor.collect", "advisor.collect.region",
+                              "advisor.interpreter", "advisor.version"]

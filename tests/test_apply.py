@@ -37,8 +37,6 @@ def optimized(tmp_path_factory):
     x = inputs("llama")
     ref = run(model, kw, x)
     out = tmp_path_factory.mktemp("opt")
-    import advisor.workflows.live_model  # noqa: F401 (the module shadows the function: it must stay callable)
-
     # CPU ranks are noisy: take them all; never a plan an earlier run left in the cache
     report = advisor.optimize(model, {**x, **kw}, top=12, out=out, reuse=False, interpret=True)
     return model, kw, x, ref, report

@@ -226,7 +226,7 @@ def _gzip_file(src: Path, dst: Path) -> None:
 def _versions() -> Dict[str, Any]:
     import torch
 
-    from advisor import __version__
+    from advisor.version import __version__
 
     try:
         import triton  # noqa: F401

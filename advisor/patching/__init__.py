@@ -173,16 +173,3 @@ def only(keys):
         yield
     finally:
         rewrite.set_enabled(old)
-
-
-class _CallableModule(type(contextlib)):
-    """`advisor.patch(model, plan)`: the package `advisor.patch` shadows the function `advisor.patch` once
-    imported (Python sets submodules as attributes of their parent), so the package itself is callable."""
-
-    def __call__(self, model, plan):
-        return patch(model, plan)
-
-
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _CallableModule

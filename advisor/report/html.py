@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from advisor import __version__
+from advisor.version import __version__
 from advisor.report import model as M
 from advisor.report.assets import CSS, JS
 from advisor.report.dataflow import classes_in, dataflow_svg, node_count

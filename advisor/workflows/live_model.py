@@ -393,16 +393,3 @@ def _jsonable(o):
     if isinstance(o, (set, tuple)):
         return list(o)
     return str(o)
-
-
-class _CallableModule(type(json)):
-    """`advisor.optimize(model, inputs)`: once `advisor.optimize` the module is imported it replaces the
-    function of that name on the package (Python sets submodules as attributes), so it is callable too."""
-
-    def __call__(self, model, example_inputs, top: int = 5, out=None, **kw):
-        return optimize(model, example_inputs, top=top, out=out, **kw)
-
-
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _CallableModule

@@ -23,6 +23,7 @@ import torch
 
 from advisor.workflows.live_model import SCHEMA_VERSION, pattern_status, time_patterns, write_json
 from advisor.patching.modules import root_class
+from advisor.collect.region import observe_regions
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.patching import only, patches_off
 from advisor.workflows.script_session import Session, intercept_roots, run_script
@@ -185,7 +186,8 @@ def _script_timing(script, args, dev, steady, plan, iters: int, max_runs: int = 
         timer = _RegionTimer(name, dev) if name else None
         session = Session(plan, compare_calls=0) if plan is not None else None
         t0 = time.perf_counter()
-        with (intercept_roots(session) if session else contextlib.nullcontext()), (timer or contextlib.nullcontext()):
+        with (intercept_roots(session) if session else contextlib.nullcontext()), \
+                (observe_regions(timer.time_region) if timer else contextlib.nullcontext()):
             run_script(script, args, dev)
         _sync(dev)
         wall = (time.perf_counter() - t0) * 1e3
@@ -206,7 +208,7 @@ def _sync(dev: str) -> None:
 
 
 class _RegionTimer:
-    """Times `advisor.region(NAME)` occurrences (CUDA events on a GPU) while installed."""
+    """Times `advisor.region(NAME)` occurrences (CUDA events on a GPU)."""
 
     def __init__(self, name: str, dev: str):
         self.name, self.dev, self.spans = name, dev, []
@@ -218,34 +220,15 @@ class _RegionTimer:
             return e
         return time.perf_counter()
 
-    def __enter__(self):
-        import advisor
-        import advisor.collect.region as region_mod
-
-        self._orig = region_mod.region
-        orig, timer = self._orig, self
-
-        @contextlib.contextmanager
-        def region(name: str):
-            if name != timer.name:
-                with orig(name):
-                    yield
-                return
-            with orig(name):
-                start = timer._mark()
-                yield
-                end = timer._mark()
-            timer.spans.append((start, end))
-
-        region_mod.region = advisor.region = region
-        return self
-
-    def __exit__(self, *exc):
-        import advisor
-        import advisor.collect.region as region_mod
-
-        region_mod.region = advisor.region = self._orig
-        return False
+    @contextlib.contextmanager
+    def time_region(self, name: str):
+        """Entered inside every `advisor.region` while the script runs (`observe_regions`)."""
+        if name != self.name:
+            yield
+            return
+        start = self._mark()
+        yield
+        self.spans.append((start, self._mark()))
 
     def samples(self) -> list[float]:
         _sync(self.dev)
