@@ -12,6 +12,7 @@ from advisor.cli_options import (Device, Granularity, Replacement, calls_option,
                                  out_option, region_option, schedule_option, top_option)
 from advisor.collect.layout import TRACE_DIR, drop_stale_kernels, locate
 from advisor.errors import AdvisorError
+from advisor.jsonio import write_json
 from advisor.report import render_reports
 
 app = typer.Typer(
@@ -215,11 +216,8 @@ def _report_written(paths: dict) -> None:
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    import json
-
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1))
+        write_json(path, doc)
     except OSError as e:
         raise AdvisorError(f"cannot write {path}: {e.strerror or e}") from None
 

@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
 
     import advisor
     from advisor.bench.timing import time_configs
-    from advisor.workflows.live_model import each_alone
+    from advisor.workflows.selection import each_alone
     from advisor.patching import only, patches_off
     from advisor.patching.graphs import replay_off
 

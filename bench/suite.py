@@ -590,10 +590,10 @@ def finish(c: Child, meaningful: bool) -> None:
 
 
 def select_patterns(c: Child, report, model, call, device: str, meaningful: bool, reserve: float = 0.0) -> None:
-    """`advisor.optimize.keep_faster`: each patched pattern timed alone, the ones that save time kept, and
+    """`advisor.workflows.selection.keep_faster`: each patched pattern timed alone, the ones that save time kept, and
     the kept set only if it beats eager end to end (else the model runs unpatched); what it decided goes
     into the workload's record. Skipped (all kept) when the budget has no time left for it."""
-    from advisor.workflows.live_model import keep_faster
+    from advisor.workflows.selection import keep_faster
 
     adv = c.r["advisor"]
     patched = [p for p in report.patterns if p.get("patched")]
@@ -1037,7 +1037,7 @@ def markdown(doc: dict) -> str:
           "interleaved timing of all three (each warmed up ≥ 0.5 s, then 3 rounds of eager / advisor / compile, "
           "CUDA events around each call), then outputs and kernel counts. Each phase is time-capped (SIGALRM) so "
           "one slow phase cannot take the others' time; a phase that fails or overruns is reported, not hidden.",
-          "- Selection: `advisor.optimize.time_patterns` times each patched pattern alone against the captured "
+          "- Selection: `advisor.workflows.selection.time_patterns` times each patched pattern alone against the captured "
           "model with every site on its original ops; a pattern is kept if it saves time alone (so a matmul "
           "epilogue is kept only if it beats cuBLAS + the separate epilogue). The kept set is re-patched and kept "
           "only if it is faster than eager end to end; otherwise the model is unpatched and the advisor's column "

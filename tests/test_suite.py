@@ -297,7 +297,7 @@ def _fake_timings(monkeypatch, saves: dict, before: float, final: dict, noise: f
     """time_patterns: pattern `candidate` alone saves saves[candidate] µs; the final comparison
     (time_configs): `before` ms unpatched and final[state] ms for each state it asks for."""
     import advisor.bench.timing as timing
-    import advisor.workflows.live_model as opt
+    import advisor.workflows.selection as selection
 
     def time_patterns(call, handle, device, iters, records):
         for r in records:
@@ -316,7 +316,7 @@ def _fake_timings(monkeypatch, saves: dict, before: float, final: dict, noise: f
         asked.append(sorted(configs))
         return {k: T(before if k == "before" else final[k]) for k in configs}
 
-    monkeypatch.setattr(opt, "time_patterns", time_patterns)
+    monkeypatch.setattr(selection, "time_patterns", time_patterns)
     monkeypatch.setattr(timing, "timing_meaningful", lambda device: device == "cuda")
     monkeypatch.setattr(timing, "time_configs", time_configs)
     return asked
@@ -331,7 +331,7 @@ def _enabled(model) -> set | None:
 
 
 def test_choose_takes_the_fastest_state_beyond_noise():
-    from advisor.workflows.live_model import Option, choose
+    from advisor.workflows.selection import Option, choose
 
     opts = [Option("all", None, 9.0), Option("kept", frozenset({"a"}), 8.5), Option("captured", frozenset(), 9.5)]
     assert choose(10.0, 0.1, opts).name == "kept"
@@ -368,7 +368,7 @@ def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkey
 def test_select_keeps_the_captures_alone_when_they_are_what_is_faster(optimized_llama, monkeypatch):
     """Every pattern slower alone, the captured layers faster than eager (their CUDA-graph replay): the
     captures stay with every site on its original ops, and the decision says so."""
-    from advisor.workflows.live_model import keep_faster
+    from advisor.workflows.selection import keep_faster
     from advisor.patching import patch
 
     w, call, report = optimized_llama
@@ -388,7 +388,7 @@ def test_select_keeps_the_captures_alone_when_they_are_what_is_faster(optimized_
 def test_keep_faster_hands_back_its_timing_when_it_keeps_the_handle(optimized_llama, monkeypatch):
     """All patterns kept: the handle is the one timed, and the whole timing comes back with the decision,
     so `optimize(benchmark=True)` reports it instead of timing the same configurations again."""
-    from advisor.workflows.live_model import keep_faster
+    from advisor.workflows.selection import keep_faster
 
     w, call, report = optimized_llama
     records = [dict(p) for p in report.patterns]

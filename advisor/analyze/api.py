@@ -1,7 +1,6 @@
 """`advisor.analyze(path) -> Analysis` and the `analyze` sub-command: trace -> graph -> candidates -> analysis.json."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
@@ -16,10 +15,10 @@ from advisor.analyze.fusion import Group, find_groups, not_generated
 from advisor.analyze.patterns import op_label, pattern_id, signature, signatures, title
 from advisor.graph.dataflow import Graph, build_graph
 from advisor.graph.dtypes import torch_dtype_name
+from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, write_json
 from advisor.ops.registry import MEMORY_BOUND, OpClass
 from advisor.trace.load import gc_paused, load_trace
 
-SCHEMA_VERSION = 1
 CLASS_ORDER = ["matmul", "attention", "pointwise", "reduction", "norm", "data_movement", "view", "other"]
 
 
@@ -75,12 +74,7 @@ class Analysis:
         return "\n".join(lines)
 
     def to_json(self, path: Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.doc, indent=1, default=_jsonable))
-        tmp.replace(path)
-        return path
+        return write_json(Path(path), self.doc)
 
 
 def analyze(path, et=None) -> Analysis:
@@ -182,7 +176,7 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
         r["extends"] = id_of.get(r["extends_pattern"])
     groups_by_id = {r["id"]: group_map[r["pattern_id"]] for r in records}
     doc = {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": ANALYSIS_SCHEMA_VERSION,
         "source": {"kineto": str(files.kineto), "et": str(files.et) if files.et else None,
                    "meta": str(files.meta) if files.meta else None},
         "device": {"type": device.type, "name": device.name, "bandwidth_Bps": device.bandwidth_Bps,
@@ -352,11 +346,3 @@ def program_of(graph: Graph, g: Group) -> dict:
         nodes.append({"id": f"n{i}", "op": n.op, "schema": n.schema, "args": args, "outputs": outs,
                       "inplace": n.inplace})
     return {"inputs": inputs, "nodes": nodes, "outputs": [names[v] for v in escapes]}
-
-
-def _jsonable(o):
-    if hasattr(o, "item"):
-        return o.item()
-    if isinstance(o, (set, tuple)):
-        return list(o)
-    return str(o)

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from advisor.jsonio import META_SCHEMA_VERSION, write_json
+
 REGION = "advisor.optimize"
 
 
@@ -56,10 +58,10 @@ def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: i
     if et_tmp.exists():
         _gzip(et_tmp, trace_dir / "et.json.gz")
     measured = _measured(device)
-    meta = {"device": device_info(device), "script": None, "in_process": True,
+    meta = {"schema_version": META_SCHEMA_VERSION, "device": device_info(device), "script": None, "in_process": True,
             "steady_state": steady.steady_state(events, REGION), "complete": True, "error": None,
             **{k: measured.get(k) for k in ("bandwidth_Bps", "launch_us", "dispatch_us")}}
-    (trace_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_json(trace_dir / "meta.json", meta, indent=2)
     return trace_dir
 
 

@@ -11,6 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from advisor.jsonio import atomic_write  # noqa: F401  (the cache writes through it; tests import it from here)
+
 
 def cache_dir() -> Path:
     root = os.environ.get("FUSION_ADVISOR_CACHE")
@@ -18,20 +20,6 @@ def cache_dir() -> Path:
     d = base / "kernels"
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def atomic_write(path: Path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def get(key: str) -> str | None:

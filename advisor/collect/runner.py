@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from advisor.collect.native_log import without_profiler_chatter
 from advisor.collect.schedule import ProfilerWindow, Schedule
 from advisor.errors import AdvisorError
+from advisor.jsonio import META_SCHEMA_VERSION, write_json
 
 DEVICE_ENV = "FUSION_ADVISOR_DEVICE"
 PROFILE_CALLS_ENV = "FUSION_ADVISOR_PROFILE_CALLS"  # as --calls N, where no command line reaches (tests, tools)
@@ -362,6 +363,7 @@ def profile_script(
     timings["measure"] = time.perf_counter() - t_phase
 
     meta: Dict[str, Any] = {
+        "schema_version": META_SCHEMA_VERSION,
         **_versions(),
         "device": dinfo,
         "script": str(script),
@@ -383,7 +385,7 @@ def profile_script(
         meta["measure_error"] = measured["measure_error"]
     if et_note:
         meta["et_error"] = et_note
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    write_json(meta_path, meta, indent=2)
 
     _print_summary(console, meta, summary, trace_dir, dev, region)
 

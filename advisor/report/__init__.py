@@ -8,12 +8,12 @@ from typing import Optional, Tuple
 
 from advisor.collect.layout import locate
 from advisor.errors import AdvisorError
+from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, APPLY_SCHEMA_VERSION
 
-SCHEMA_VERSION = 1
 TEXT_WIDTH = 120  # report.txt is read in editors and diffs, not in the user's terminal
 
 
-def _load(path: Path, what: str) -> dict:
+def _load(path: Path, what: str, schema_version: int) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as ex:
@@ -23,8 +23,8 @@ def _load(path: Path, what: str) -> dict:
     if not isinstance(data, dict):
         raise AdvisorError(f"{path} does not hold {what} (expected a JSON object, got {type(data).__name__})")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise AdvisorError(f"{path} has schema_version {version!r}; this fusion-advisor reads version {SCHEMA_VERSION}")
+    if version != schema_version:
+        raise AdvisorError(f"{path} has schema_version {version!r}; this fusion-advisor reads version {schema_version}")
     return data
 
 
@@ -37,11 +37,11 @@ def load(directory) -> Tuple[dict, Optional[dict]]:
     if not a_path.is_file():
         raise AdvisorError(f"no analysis.json in {d}; run `fusion-advisor analyze {d}` first")
     d = a_path.parent
-    analysis = _load(a_path, "an analysis")
+    analysis = _load(a_path, "an analysis", ANALYSIS_SCHEMA_VERSION)
     if not isinstance(analysis.get("candidates", []), list):
         raise AdvisorError(f"{a_path}: 'candidates' must be a list")
     p_path = d / "apply.json"
-    apply = _load(p_path, "apply results") if p_path.is_file() else None
+    apply = _load(p_path, "apply results", APPLY_SCHEMA_VERSION) if p_path.is_file() else None
     return analysis, apply
 
 

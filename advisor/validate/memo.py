@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from advisor.jsonio import atomic_write
+
 _VALIDATOR = None
 
 
@@ -66,7 +68,5 @@ def recall(key: str) -> dict | None:
 
 
 def remember(key: str, errors: dict) -> None:
-    from advisor.codegen.cache import atomic_write
-
     atomic_write(_path(key), json.dumps({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "errors": errors},
                                         default=str))

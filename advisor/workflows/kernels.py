@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from advisor.codegen.pipeline import pattern_record
+from advisor.codegen.pipeline import generate_candidates, pattern_record
 from advisor.patching.plan import PatternSpec, spec_from_candidate
 from advisor.status import Status
 
@@ -25,8 +25,6 @@ def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
     # cut-off (a guard against captures that cost more than they save) applies to GPU traces only.
     chosen, negligible = worth_patching(top_candidates) if device_type == "cuda" else (top_candidates, [])
     if replacement == "kernel":
-        from advisor.codegen.pipeline import generate_candidates
-
         records = generate_candidates({**doc, "candidates": chosen}, Path(out_dir))["patterns"]
     else:
         records = [pattern_record(c, validated=True, errors={}, source="",

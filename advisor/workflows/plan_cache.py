@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_flatten
 
+from advisor.codegen.cache import cache_dir
+from advisor.jsonio import write_json
+
 FILES = ("analysis.json", "apply.json")
 _SOURCE = None
 
@@ -86,8 +89,6 @@ def settings(obj) -> list:
 
 
 def plan_dir(key: str) -> Path:
-    from advisor.codegen.cache import cache_dir
-
     return cache_dir().parent / "plans" / key
 
 
@@ -116,7 +117,7 @@ def _copy(src: Path, dst: Path) -> Path:
     new = str(dst.resolve() / "kernels")
     for name in FILES:
         doc = json.loads((src / name).read_text())
-        (tmp / name).write_text(json.dumps(_rebase(doc, set(kernels), new), indent=1))
+        write_json(tmp / name, _rebase(doc, set(kernels), new))
     for name in ("kernels", *FILES):  # into place: a concurrent reader sees the old plan or the new one
         target = dst / name
         if target.is_dir():

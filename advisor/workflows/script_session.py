@@ -23,11 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
 
+from advisor.collect.runner import DEVICE_ENV
 from advisor.errors import AdvisorError
 from advisor.patching import Patched, patch, unpatch
 from advisor.patching.modules import root_class
 from advisor.patching.plan import Plan
+from advisor.patching.verify import check, float32_reference
 
 
 @dataclass
@@ -68,8 +72,6 @@ class Session:
         if st is None or st["handle"] is None or st["checked"] >= self.compare_calls or not _repeatable(m):
             return call(m, *args, **kwargs)
         st["checked"] += 1
-        from advisor.patching.verify import check, float32_reference
-
         chk = check(lambda: call(m, *args, **kwargs), st["handle"], float32_reference(m, args, kwargs))
         self.checks.append({"module": cls, **chk.as_dict()})
         if chk.dropped:
@@ -96,9 +98,6 @@ class Session:
 def _repeatable(m: torch.nn.Module) -> bool:
     """Can the call run twice (patched and unpatched) with the same result and no lasting effect?
     Not with active dropout (random) or batch norm in training mode (updates its running stats)."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-    from torch.nn.modules.dropout import _DropoutNd
-
     return not any(x.training and (isinstance(x, _BatchNorm) or (isinstance(x, _DropoutNd) and x.p > 0))
                    for x in m.modules())
 
@@ -130,8 +129,6 @@ def intercept_roots(session: Session):
 
 def run_script(script: Path, args: list, device: str) -> None:
     """`python SCRIPT ARGS` in this process (argv, sys.path[0], FUSION_ADVISOR_DEVICE as the collector sets)."""
-    from advisor.collect.runner import DEVICE_ENV
-
     old_argv, old_path, old_env = sys.argv[:], sys.path[:], os.environ.get(DEVICE_ENV)
     sys.argv = [str(script), *args]
     sys.path.insert(0, os.path.dirname(os.path.realpath(script)))

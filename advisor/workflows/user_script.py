@@ -20,15 +20,22 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
-from advisor.workflows.live_model import SCHEMA_VERSION, pattern_status, time_patterns, write_json
-from advisor.patching.modules import root_class
+from advisor.analyze.api import analyze
+from advisor.bench.timing import time_configs, timing_meaningful
 from advisor.collect.region import observe_regions
+from advisor.collect.runner import profile_script, resolve_device
 from advisor.interpreter import use_interpreter_without_gpu
-from advisor.patching import only, patches_off
-from advisor.workflows.script_session import Session, intercept_roots, run_script
+from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
+from advisor.patching import build_plan, occurrence_modules, only, patches_off
+from advisor.patching.modules import root_class
 from advisor.status import Status
-
+from advisor.workflows.kernels import kernel_specs
+from advisor.workflows.outcome import pattern_status
+from advisor.workflows.script_session import Session, intercept_roots, run_script
+from advisor.workflows.selection import time_patterns
 
 class Handles:
     """The patch handles of every model instance the script built, read as one."""
@@ -73,13 +80,6 @@ class Handles:
 
 def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str = "auto", region: str | None = None,
                  replacement: str = "kernel", iters: int = 20, granularity: str = "layer", console=None) -> dict:
-    from rich.console import Console
-
-    from advisor.analyze.api import analyze
-    from advisor.collect.runner import profile_script, resolve_device
-    from advisor.patching import build_plan, occurrence_modules
-    from advisor.workflows.kernels import kernel_specs
-
     console = console or Console(highlight=False, soft_wrap=True)
     out = Path(out)
     use_interpreter_without_gpu()
@@ -108,7 +108,7 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
                                session.plan)
         kept = set(selection["kept"])
         manifest = [e for e in handles.manifest() if e["candidate"] in kept]
-        doc = {"schema_version": SCHEMA_VERSION, "replacement": replacement, "device": dev,
+        doc = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": dev,
                "script": str(script), "args": args, "patterns": records, "manifest": manifest,
                "selection": selection,
                "checks": session.checks, "errors": session.errors, "end_to_end": e2e,
@@ -124,8 +124,6 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
 
 
 def _benchmark(script, args, dev, steady, session, handles, records, iters) -> dict:
-    from advisor.bench.timing import timing_meaningful
-
     base = {"steady_state": {"source": steady.get("source"), "name": steady.get("name")}}
     if not timing_meaningful(dev):
         return {**base, "timing_meaningful": False, "device": dev,
@@ -147,8 +145,6 @@ def select(records: list, e2e: dict, recorded, dev: str, iters: int, plan) -> di
     they beat the unpatched steady state (re-timed with just those when some were dropped); otherwise
     none, and apply.json's manifest is empty (`advisor.patch(model, OUT)` then changes nothing).
     Marks `kept`, `status_code` and `status` on the records."""
-    from advisor.bench.timing import time_configs
-
     patched = [r for r in records if r.get("patched")]
     if not patched or not e2e.get("timing_meaningful"):
         return {"decision": "every patched pattern kept (no timing here to select by)",
@@ -238,8 +234,6 @@ class _RegionTimer:
 
 
 def print_summary(console, doc: dict, out: Path) -> None:
-    from rich.table import Table
-
     t = Table(title="fusion-advisor apply", title_justify="left")
     for col in ("cand.", "pattern", "status", "sites", "est. saved µs/iter", "measured µs/iter (alone)"):
         t.add_column(col)

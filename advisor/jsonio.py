@@ -1,0 +1,49 @@
+"""The files fusion-advisor writes: one way to write them (atomically) and one schema version per JSON
+file. A reader that finds another version refuses the file (`advisor.report.load`) instead of misreading
+it; bump a file's version when a key changes meaning or goes away, not when one is added.
+
+    analysis.json  what `analyze` found (advisor.analyze.api); the report reads it
+    apply.json     what was generated, patched and kept: written by `generate` (codegen.pipeline, its
+                   `patterns`), `optimize` (workflows.live_model) and `apply` (workflows.user_script)
+    meta.json      how the trace was collected (collect.runner, bench.trace); the analyzer reads it
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+ANALYSIS_SCHEMA_VERSION = 1
+APPLY_SCHEMA_VERSION = 1
+META_SCHEMA_VERSION = 1
+
+
+def atomic_write(path: Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file and os.replace: a concurrent reader sees the old
+    file or the new one, never half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: Path, doc: dict, indent: int = 1) -> Path:
+    """`doc` as JSON at `path`, atomically; numpy and torch scalars as numbers, sets and tuples as lists,
+    anything else as its str()."""
+    return atomic_write(path, json.dumps(doc, indent=indent, default=_jsonable))
+
+
+def _jsonable(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)

@@ -1,0 +1,89 @@
+"""What became of each pattern a workflow tried: apply.json's `patterns` records with whether the
+pattern is patched, at how many sites, and if not why (a `Status` code and a sentence).
+
+Shared by both workflows: `optimize` reads a `Patched` handle, `apply` the handles of every model its
+script built (`user_script.Handles`); both answer `sites`, `site_objects`, `rejected` and `plan`.
+"""
+from __future__ import annotations
+
+from advisor.status import Status
+
+
+def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict | None = None,
+                   launched: dict | None = None) -> list:
+    """Each apply.json pattern record plus whether it is patched, where, and if not why (`status_code`
+    and `status`). `launched`: {pattern key: sites whose launcher ran on the example inputs}; without
+    it, sites substituted in the captured graphs count."""
+    by_cand = {s.candidate: s for s in specs}
+    captured_keys = {k for t in getattr(getattr(handle, "plan", None), "targets", []) for k in t.keys}
+    skipped = getattr(getattr(handle, "plan", None), "skipped", {}) or {}
+    uncaptured = getattr(getattr(handle, "plan", None), "uncaptured", {}) or {}
+    out = []
+    for r in records:
+        r = dict(r)
+        s = by_cand.get(r["candidate"])
+        substituted = handle.sites(s.key) if s is not None and handle is not None else 0
+        sites = substituted if launched is None or s is None else launched.get(s.key, 0)
+        broken = [x.broken for x in handle.site_objects(s.key) if x.broken] if s is not None and handle else []
+        r["sites"] = sites
+        r["patched"] = bool(s is not None and sites and s.key not in dropped and not broken)
+        code, why = Status.PATCHED, "patched"
+        if s is None:  # (a reused plan's record keeps the status its first run found)
+            code = Status(r.get("status_code") or Status.NOT_GENERATED)
+            why = r.get("reason") or r.get("status") or "no kernel"
+        elif s.key in dropped:
+            code, why = Status.MISMATCH, f"unpatched: {dropped[s.key]}"
+        elif broken:
+            code, why = Status.LAUNCHER_FAILED, f"launcher failed, original ops run instead: {broken[0]}"
+        elif handle is not None and s.key not in captured_keys:
+            mods = uncaptured.get(s.key) or []
+            where = f"{mods[0]}{f' (+{len(mods) - 1} more)' if len(mods) > 1 else ''}: {skipped.get(mods[0])}" \
+                if mods else "no module of the model holds all its ops"
+            code, why = Status.NOT_CAPTURED, f"not patched: its occurrences span modules that are not captured ({where})"
+        elif not sites and handle is not None and not getattr(handle, "reached", True):
+            code, why = Status.NOT_CALLED, "not patched: no module of the plan was called"
+        elif not substituted:
+            rejected = sorted(set(handle.rejected(s.key))) if handle else []
+            code, why = Status.NOT_MATCHED, "not patched: its ops were not found in the captured graphs" \
+                + (f" ({'; '.join(rejected)})" if rejected else " (the module computes it differently when captured)")
+        elif not sites:
+            code, why = Status.NOT_LAUNCHED, (f"not patched: substituted in {substituted} captured graph(s), but the example "
+                                       "inputs never ran it (another model's capture, or a guard on shapes/dtypes)")
+        r["status_code"], r["status"] = code, why
+        out.append(r)
+    # Overlapping patterns: the first in plan order takes the ops (an epilogue extends a pointwise group).
+    extends = {c["id"]: c.get("extends") for c in (doc or {}).get("candidates", [])}
+    patched = {r["candidate"]: r for r in out if r["patched"]}
+    for r in out:
+        base = patched.get(extends.get(r["candidate"]) or "")
+        if not r["patched"] and r["status_code"] == Status.NOT_MATCHED and base is not None:
+            r["status_code"] = Status.OVERLAP
+            r["status"] = f"not patched: {base['candidate']} ({base['title'].split(':')[0]}) took its ops first"
+    return out
+
+
+def interpreter_only(records: list, specs: list) -> list:
+    """The records of a run that patches nothing because its kernels would run in the interpreter."""
+    validated = {s.candidate for s in specs}
+    out = []
+    for r in records:
+        r = {**r, "sites": 0, "patched": False}
+        if r["candidate"] in validated:
+            r["status_code"] = Status.INTERPRETER
+            r["status"] = ("validated, not patched: without a GPU its kernel runs in Triton's interpreter, "
+                           "far slower than the model's own ops (interpret=True patches it anyway, for checks)")
+        else:
+            r["status_code"] = Status(r.get("status_code") or Status.NOT_GENERATED)
+            r["status"] = r.get("reason") or "no kernel"
+        out.append(r)
+    return out
+
+
+def launched_sites(before: dict, after: dict) -> dict:
+    """{pattern key: (site, patched module) pairs whose launcher ran between two `Patched.launches()`
+    snapshots}: a pattern substituted once in a capture that ten layers share runs at ten sites."""
+    out: dict = {}
+    for (site, _), n in after.items():
+        if n > before.get((site, _), 0):
+            out[site.key] = out.get(site.key, 0) + 1
+    return out
