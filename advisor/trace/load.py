@@ -9,7 +9,6 @@ parsed whole instead, into the same frames.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import pickle
 import subprocess
@@ -23,7 +22,7 @@ import pandas as pd
 from advisor.errors import AdvisorError
 from advisor.trace import et as et_mod
 from advisor.trace import kineto
-from advisor.trace.stream import NotTorchLayout, read_bytes, stream_array
+from advisor.trace.stream import NotTorchLayout, loads, read_bytes, stream_array
 
 LAUNCH_APIS = frozenset({
     "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
@@ -82,15 +81,6 @@ def _first(base: Path, names: list[str]) -> Path | None:
         if (base / n).exists():
             return base / n
     return None
-
-
-def loads(raw: bytes):
-    try:
-        import orjson  # 3-5x faster than json on trace text
-
-        return orjson.loads(raw)
-    except ImportError:
-        return json.loads(raw)
 
 
 def read_json(path: Path, what: str):
