@@ -167,7 +167,7 @@ def test_validation_memo_reuses_successes_only_for_the_same_source(tmp_path):
 def test_gpu_cap_keeps_the_recorded_sizes_divisibility():
     """Capped for a GPU, a recorded multiple of 16 stays one (the variant Triton compiles for the real
     shape is the one validated); other sizes become odd (a masked tail)."""
-    from advisor.codegen.ir import read_program
+    from advisor.codegen.read import read_program
     from advisor.validate.shapes import GPU_MAX_NUMEL, cases, domain_numel
 
     for n, mult16 in ((1 << 26, True), ((1 << 26) + 3, False)):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from advisor.codegen import cache
 from advisor.codegen.cache import load_module
-from advisor.codegen.ir import Program, read_program
+from advisor.codegen.ir import Program
+from advisor.codegen.read import read_program
 from advisor.ops.lowering import Unsupported
 
 __all__ = ["generate", "Generated", "load_module", "Unsupported", "GENERATOR_VERSION"]

@@ -29,11 +29,11 @@ from advisor.codegen import GENERATOR_VERSION, Generated, cache
 from advisor.codegen.build import Builder
 from advisor.codegen.dag import Dag, Node
 from advisor.codegen.helpers import HELPERS, helper_source
-from advisor.codegen.ir import Dim, Input, Op, Program, Sizes, Value, View, _read_op, _schema, _view, read_args, \
-    torch_dtype
+from advisor.codegen.ir import Dim, Input, Op, Program, Sizes, Value, View, torch_dtype
 from advisor.codegen.module import COMMON, _run
 from advisor.codegen.plan import Plan, Store, _unravel, size_expr
 from advisor.codegen.printer import INDENT, Printer, _ancestors, _closure, signature
+from advisor.codegen.read import _read_op, _schema, _view, read_args
 from advisor.codegen.shapes import broadcast
 from advisor.ops.args import decode, reduced_dims
 from advisor.ops.lowering import Lowering, Unsupported, tl_type
