@@ -120,7 +120,7 @@ def generate(
 
     from rich.table import Table
 
-    from advisor.codegen.pipeline import generate_candidates
+    from advisor.workflows.generate import generate_candidates
 
     console = Console()
     source = Path(source)

@@ -38,7 +38,7 @@ def find(cands: list, ops: list) -> list:
 
 def generated(c: dict, tmp_path) -> dict:
     """The apply.json record `optimize` writes for a candidate: generated, validated (or why not)."""
-    from advisor.codegen.pipeline import _work
+    from advisor.workflows.generate import _work
 
     entry, _, _ = _work(dict(c, id=c.get("id", "c")), tmp_path)
     return entry

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from advisor.analyze.api import analyze
 from advisor.analyze.fusion import node_domain
 from advisor.bench.trace import profile_calls
-from advisor.codegen.pipeline import generate_candidates
+from advisor.workflows.generate import generate_candidates
 from advisor.ops.args import bind
 from advisor.ops.registry import OpClass
 

@@ -273,7 +273,7 @@ REFUSED = {"hf_llama": ["linear epilogue (Rotary embedding)"], "tv_resnet50": ["
 @pytest.fixture(scope="module")
 def sample_results(tmp_path_factory):
     from advisor.analyze.api import analyze
-    from advisor.codegen.pipeline import ANCHORED, generate_candidates
+    from advisor.workflows.generate import ANCHORED, generate_candidates
 
     out = {}
     for w in sorted(set(VALIDATE) | set(REFUSED)):
@@ -324,7 +324,7 @@ def test_sample_trace_programs_in_bf16(workload):
 def test_the_faster_validated_alternative_becomes_run(sample_results, tmp_path):
     """On a GPU attention's kernel and SDPA are timed alone after validation; the faster one is what the
     written module's `run` is, so the patcher needs no other path. (Here: the choice with given times.)"""
-    from advisor.codegen.pipeline import choose_launcher
+    from advisor.workflows.generate import choose_launcher
 
     (att,) = [p for p in sample_results["hf_gpt2_eager"] if p["kind"] == "attention"]
     entry = dict(att, kernel_file=str(atomic_write(tmp_path / "att.py", att["source"])))

@@ -11,7 +11,7 @@ import torch
 
 from advisor.codegen import generate, load_module
 from advisor.codegen.cache import atomic_write
-from advisor.codegen.pipeline import ANCHORED, MATMUL_REASON, generate_candidates
+from advisor.workflows.generate import ANCHORED, MATMUL_REASON, generate_candidates
 from advisor.codegen.record import record_program
 from advisor.ops import lowering
 from advisor.validate import TOLERANCES, validate

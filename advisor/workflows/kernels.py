@@ -1,6 +1,6 @@
 """Kernels for the top candidates: generated and validated (or a stand-in), as `PatternSpec`s.
 
-`replacement="kernel"` runs the generator's pipeline (`advisor.codegen.pipeline.generate_candidates`:
+`replacement="kernel"` runs the generator's pipeline (`advisor.workflows.generate.generate_candidates`:
 on-disk cache, validation, modules written to OUT/kernels, apply.json `patterns`), so the plan in OUT
 is self-contained. `program` and `subgraph` patch in stand-ins instead (the program replayed by
 PyTorch / the matched ops themselves), which tests the patcher without the generator. Returns the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from advisor.codegen.pipeline import generate_candidates, pattern_record
+from advisor.workflows.generate import generate_candidates, pattern_record
 from advisor.patching.plan import PatternSpec, spec_from_candidate
 from advisor.status import Status
 
