@@ -3,7 +3,7 @@
     python bench/matmul_fusion.py --out reports/matmul_fusion_h100   # writes .md and .json; ~4 min on an H100
     python bench/matmul_fusion.py --out /tmp/smoke --smoke           # tiny shapes in Triton's interpreter (CPU)
 
-Every kernel is made by the generator (`advisor.codegen.matmul.generate_anchored`) from the program a
+Every kernel is made by the generator (`advisor.codegen.anchored.generate_anchored`) from the program a
 profiler trace of the model gives the advisor (top-level `aten::linear` / `addmm` / `matmul`, then the
 chain), validated (`advisor.validate`: fp64 reference, odd and all-ones shapes) and compared with eager
 at the benchmark size before it is timed. Times are `triton.testing.do_bench` medians (L2 cleared
@@ -43,7 +43,8 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from advisor.codegen import generate, load_module  # noqa: E402
-from advisor.codegen.matmul import generate_anchored, validate_alternatives  # noqa: E402
+from advisor.codegen.anchored import generate_anchored  # noqa: E402
+from advisor.workflows.generate import validate_alternatives  # noqa: E402
 from advisor.validate import validate  # noqa: E402
 
 F = torch.nn.functional

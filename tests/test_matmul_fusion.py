@@ -13,12 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from advisor.codegen import load_module
+from advisor.codegen.anchored import detect_kind, generate_anchored
 from advisor.codegen.cache import atomic_write
-from advisor.codegen.matmul import CONV_REASON, detect_kind, generate_anchored, validate_alternatives
+from advisor.codegen.matmul import CONV_REASON
 from advisor.codegen.record import record_program
 from advisor.ops import lowering
 from advisor.ops.lowering import Unsupported
 from advisor.validate import validate
+from advisor.workflows.generate import validate_alternatives
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_SAMPLES = ROOT / "sample_traces" / "cpu"

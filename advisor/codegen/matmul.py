@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from advisor.codegen import GENERATOR_VERSION, Generated, cache
 from advisor.codegen.build import Builder
 from advisor.codegen.dag import Dag, Node
 from advisor.codegen.helpers import HELPERS, helper_source
@@ -842,99 +841,3 @@ def matmul_launch(p: Program, anc: Anchor, name: str, call: list, grid_dims: lis
                   "    if M and N and BATCH:",
                   f"        launch(_config((M, N, K, {a_in}.dtype), launch, tune={tune}))"]
     return lines
-
-
-# ------------------------------------------------------------------------------------------ routing
-@dataclass
-class AnchoredGenerated(Generated):
-    alternatives: tuple = ()  # other implementations in the module, as `run_<name>` ("sdpa")
-    memory_saved_bytes: int = 0  # bytes the fused kernel never allocates at the recorded shapes
-    note: str = ""
-
-
-def detect_kind(program: dict) -> str:
-    names = [n["op"] for n in program.get("nodes", [])]
-    if any(is_conv(x) for x in names):
-        return "epilogue"
-    anchors = sum(1 for x in names if x in ANCHOR_OPS)
-    if anchors >= 2 and any("softmax" in x for x in names):
-        return "attention"
-    if any(x in REDUCE_KINDS and _leading_reduction(n) for x, n in zip(names, program["nodes"])):
-        return "matmul_reduction"
-    return "epilogue"
-
-
-def generate_anchored(program: dict, kind: str | None = None, use_cache: bool = True) -> AnchoredGenerated:
-    """Generate (or fetch from the cache) the module of an epilogue / attention / matmul_reduction
-    candidate; raises Unsupported with the reason it cannot be generated."""
-    from advisor.codegen import attention, matmul_reduce
-
-    if not program or not program.get("nodes"):
-        raise Unsupported("the analysis recorded no program for this candidate")
-    kind = kind or detect_kind(program)
-    if any(is_conv(n["op"]) for n in program["nodes"]):
-        raise Unsupported(CONV_REASON)
-    ctx = read_anchored(program)
-    emit = {"epilogue": epilogue_source, "attention": attention.attention_source,
-            "matmul_reduction": matmul_reduce.matmul_reduce_source}.get(kind)
-    if emit is None:
-        raise Unsupported(f"candidate kind {kind!r} has no matmul-anchored generator")
-    key = ctx.prog.key(GENERATOR_VERSION + kind)
-    code = cache.get(key) if use_cache else None
-    cached = code is not None
-    if code is None:
-        code = emit(ctx)
-        path = cache.put(key, code) if use_cache else cache.scratch(key, code)
-    else:
-        path = cache.path_of(key)
-    alts = tuple(a for a in ("sdpa",) if f"def run_{a}(" in code)
-    saved, note = saved_memory(ctx, kind)
-    return AnchoredGenerated(key, code, cached, ctx.prog, kind, path, alts, saved, note)
-
-
-def saved_memory(ctx: Anchored, kind: str) -> tuple[int, str]:
-    """Bytes of the intermediates eager writes and the fused kernel does not, at the recorded shapes."""
-    p = ctx.prog
-    outs = {v.id for v in p.outputs}
-    inter = [v for o in p.ops for v in o.outputs if v.id not in outs and o.low is not RESHAPE]
-    total = sum(math.prod(v.rec_shape) * v.dtype.itemsize for v in inter)
-    anchor_out = [a.op.outputs[0] for a in ctx.anchors.values()]
-    big = sum(math.prod(v.rec_shape) * v.dtype.itemsize for v in anchor_out if v.id not in outs)
-    what = {"matmul_reduction": "the matmul output (logits)", "attention": "the score matrix",
-            "epilogue": "the matmul output"}[kind]
-    return total, (f"{what} ({big / 1e6:.2f} MB at the recorded shapes) and the other intermediates "
-                   f"({(total - big) / 1e6:.2f} MB) are never allocated")
-
-
-def time_alternatives(gen: AnchoredGenerated, module, validated: dict) -> dict:
-    """{name: median ms} of `run` ("kernel") and each validated alternative, on a GPU, at the recorded
-    validation shape (`triton.testing.do_bench`, fresh random inputs)."""
-    import triton.testing
-
-    from advisor.validate.inputs import draw
-    from advisor.validate.shapes import cases
-
-    prog = gen.program
-    inputs = draw(prog, cases(prog, interpreter=False)[0], "cuda", torch.Generator(device="cuda").manual_seed(0))
-    args = [inputs[i.id] for i in prog.inputs]
-    runners = {"kernel": module.run, **{a: getattr(module, f"run_{a}") for a in gen.alternatives
-                                        if (validated.get(a) or {}).get("validated")}}
-    return {name: float(triton.testing.do_bench(lambda f=f: f(*args), return_mode="median"))
-            for name, f in runners.items()}
-
-
-def validate_alternatives(gen: AnchoredGenerated, module) -> dict:
-    """{name: {validated, reason, rel_l2}} for each `run_<name>` in the module, through the same validation."""
-    import types
-
-    from advisor.validate import validate
-
-    out = {}
-    for alt in gen.alternatives:
-        shim = types.SimpleNamespace(run=getattr(module, f"run_{alt}"), _empty=module._empty)
-        try:
-            v = validate(gen, shim)
-            out[alt] = {"validated": v.validated, "reason": v.reason, "rel_l2": (v.errors or {}).get("rel_l2")}
-        except Exception as e:  # an alternative failing must not cost the kernel its result
-            out[alt] = {"validated": False, "reason": f"{type(e).__name__}: {e}"[:300], "rel_l2": None}
-    return out

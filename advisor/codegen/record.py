@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from advisor.codegen.ir import SCALAR_TYPES
 from advisor.ops.args import NONE
 from advisor.ops.registry import TRANSPARENT, lookup
-from advisor.validate.reference import SCALAR_TYPES
 
 DTYPE_CODES = {dt: code for code, dt in SCALAR_TYPES.items()}
 

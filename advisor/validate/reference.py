@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from advisor.codegen.ir import Program, View
+from advisor.codegen.ir import SCALAR_TYPES, Program, View
 from advisor.validate.shapes import Case
-
-# torch's ScalarType codes, as ScalarType arguments arrive in traces
-SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64,
-                5: torch.float16, 6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
 
 
 def run_reference(prog: Program, case: Case, inputs: dict, mode: str) -> tuple[dict, dict]:

@@ -1,0 +1,74 @@
+"""Matmul-anchored candidates (epilogue, attention, matmul_reduction): which generator a program goes to
+(`detect_kind`), and the generated module with what it saves (`generate_anchored`). The generators
+themselves: `matmul.epilogue_source`, `attention.attention_source`, `matmul_reduce.matmul_reduce_source`,
+all built on matmul.py's tiles."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from advisor.codegen import GENERATOR_VERSION, Generated, cache
+from advisor.codegen.attention import attention_source
+from advisor.codegen.matmul import ANCHOR_OPS, CONV_REASON, REDUCE_KINDS, RESHAPE, Anchored, _leading_reduction, \
+    epilogue_source, is_conv, read_anchored
+from advisor.codegen.matmul_reduce import matmul_reduce_source
+from advisor.ops.lowering import Unsupported
+
+
+@dataclass
+class AnchoredGenerated(Generated):
+    alternatives: tuple = ()  # other implementations in the module, as `run_<name>` ("sdpa")
+    memory_saved_bytes: int = 0  # bytes the fused kernel never allocates at the recorded shapes
+    note: str = ""
+
+
+def detect_kind(program: dict) -> str:
+    names = [n["op"] for n in program.get("nodes", [])]
+    if any(is_conv(x) for x in names):
+        return "epilogue"
+    anchors = sum(1 for x in names if x in ANCHOR_OPS)
+    if anchors >= 2 and any("softmax" in x for x in names):
+        return "attention"
+    if any(x in REDUCE_KINDS and _leading_reduction(n) for x, n in zip(names, program["nodes"])):
+        return "matmul_reduction"
+    return "epilogue"
+
+
+def generate_anchored(program: dict, kind: str | None = None, use_cache: bool = True) -> AnchoredGenerated:
+    """Generate (or fetch from the cache) the module of an epilogue / attention / matmul_reduction
+    candidate; raises Unsupported with the reason it cannot be generated."""
+    if not program or not program.get("nodes"):
+        raise Unsupported("the analysis recorded no program for this candidate")
+    kind = kind or detect_kind(program)
+    if any(is_conv(n["op"]) for n in program["nodes"]):
+        raise Unsupported(CONV_REASON)
+    ctx = read_anchored(program)
+    emit = {"epilogue": epilogue_source, "attention": attention_source,
+            "matmul_reduction": matmul_reduce_source}.get(kind)
+    if emit is None:
+        raise Unsupported(f"candidate kind {kind!r} has no matmul-anchored generator")
+    key = ctx.prog.key(GENERATOR_VERSION + kind)
+    code = cache.get(key) if use_cache else None
+    cached = code is not None
+    if code is None:
+        code = emit(ctx)
+        path = cache.put(key, code) if use_cache else cache.scratch(key, code)
+    else:
+        path = cache.path_of(key)
+    alts = tuple(a for a in ("sdpa",) if f"def run_{a}(" in code)
+    saved, note = saved_memory(ctx, kind)
+    return AnchoredGenerated(key, code, cached, ctx.prog, kind, path, alts, saved, note)
+
+
+def saved_memory(ctx: Anchored, kind: str) -> tuple[int, str]:
+    """Bytes of the intermediates eager writes and the fused kernel does not, at the recorded shapes."""
+    p = ctx.prog
+    outs = {v.id for v in p.outputs}
+    inter = [v for o in p.ops for v in o.outputs if v.id not in outs and o.low is not RESHAPE]
+    total = sum(math.prod(v.rec_shape) * v.dtype.itemsize for v in inter)
+    anchor_out = [a.op.outputs[0] for a in ctx.anchors.values()]
+    big = sum(math.prod(v.rec_shape) * v.dtype.itemsize for v in anchor_out if v.id not in outs)
+    what = {"matmul_reduction": "the matmul output (logits)", "attention": "the score matrix",
+            "epilogue": "the matmul output"}[kind]
+    return total, (f"{what} ({big / 1e6:.2f} MB at the recorded shapes) and the other intermediates "
+                   f"({(total - big) / 1e6:.2f} MB) are never allocated")
