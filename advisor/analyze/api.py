@@ -13,8 +13,9 @@ import pandas as pd
 from advisor.analyze.cost import DeviceModel, GroupCost, est_time_saved_us, group_costs
 from advisor.analyze.fusion import Group, find_groups, not_generated
 from advisor.analyze.patterns import op_label, pattern_id, signature, signatures, title
-from advisor.graph.dataflow import Graph, build_graph
+from advisor.graph.dataflow import build_graph
 from advisor.graph.dtypes import torch_dtype_name
+from advisor.graph.nodes import Graph
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, write_json
 from advisor.ops.registry import MEMORY_BOUND, OpClass
 from advisor.trace.load import gc_paused, load_trace

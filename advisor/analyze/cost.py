@@ -13,7 +13,7 @@ from typing import Iterator
 from dataclasses import dataclass
 
 from advisor.analyze.fusion import Group
-from advisor.graph.dataflow import Graph, per_template
+from advisor.graph.nodes import Graph, per_template
 from advisor.ops.registry import OpClass, lookup
 
 # When meta.json has no measured figures: sustained copy bandwidth (read + write) and launch cost.

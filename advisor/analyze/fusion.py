@@ -28,7 +28,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from advisor.graph.dataflow import Graph, Node, per_template
+from advisor.graph.nodes import Graph, Node, per_template
 from advisor.ops.args import bind, reduced_dims
 from advisor.ops.lowering import why_not_generated
 from advisor.ops.registry import OpClass, OpInfo, lookup

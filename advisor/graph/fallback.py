@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from advisor.graph.dataflow import Node, Use, Value, true_bytes
+from advisor.graph.nodes import Node, Use, Value, true_bytes
 from advisor.ops.args import parse_concrete
 from advisor.ops.registry import TRANSPARENT, OpClass, is_aten, lookup
 from advisor.trace.load import Trace
