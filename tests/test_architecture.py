@@ -1,0 +1,133 @@
+"""The import structure of `advisor`: no cycle among its files nor among its sub-packages.
+
+Every import counts, those inside functions too (a lazy import still ties two files together: it only
+moves the failure to the first call). Imports are read from the source (ast), nothing is executed."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "advisor"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_files() -> dict[str, Path]:
+    """{dotted module name: file} for every file of the package."""
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that `path` imports anywhere in it. `from advisor.x import y` names the
+    module advisor.x.y when y is a submodule, else advisor.x (y is then a name defined there)."""
+    this = module_name(path)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            names = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in modules else origin for a in node.names]
+        else:
+            continue
+        for name in names:
+            # `import advisor.x.y` names the deepest module of the package it reaches
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != this:
+                found.add(name)
+    return found
+
+
+def file_graph() -> dict[str, set[str]]:
+    modules = module_files()
+    return {m: imported_modules(p, modules) for m, p in modules.items()}
+
+
+def room(module: str) -> str:
+    """The sub-package (advisor.x) or top-level module a module belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(files: dict[str, set[str]]) -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {}
+    for m, targets in files.items():
+        rooms.setdefault(room(m), set()).update(room(t) for t in targets if room(t) != room(m))
+    # advisor/__init__.py is the façade over everything: it may import any stage, none may import it
+    rooms.pop("advisor", None)
+    return rooms
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def describe(component: list[str], graph: dict[str, set[str]]) -> str:
+    edges = [f"{a} -> {b}" for a in component for b in sorted(graph.get(a, ())) if b in component]
+    return " ⇄ ".join(component) + "\n      " + "\n      ".join(edges)
+
+
+def test_no_cycle_among_files():
+    graph = file_graph()
+    found = cycles(graph)
+    assert not found, "import cycles among advisor's files:\n  " + "\n  ".join(describe(c, graph) for c in found)
+
+
+def test_no_cycle_among_subpackages():
+    graph = package_graph(file_graph())
+    found = cycles(graph)
+    assert not found, "import cycles among advisor's sub-packages:\n  " + "\n  ".join(describe(c, graph) for c in found)
+
+
+def test_stages_do_not_import_the_workflows():
+    """`advisor.workflows` runs the stages; no stage (nor any shared module below them) imports it: only
+    the command line and the façade (advisor/__init__.py) stand above it."""
+    graph = package_graph(file_graph())
+    above = {"advisor.workflows", "advisor.cli", "advisor.__main__"}
+    wrong = sorted(r for r, targets in graph.items() if "advisor.workflows" in targets and r not in above)
+    assert not wrong, f"importing advisor.workflows from below it: {wrong}"
+
+
+def test_the_cycle_finder():
+    """The cycle finder itself: a two-file loop and a package loop are found, a chain is not."""
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert cycles({"a": {"b"}, "b": {"c"}}) == []
+    assert package_graph({"advisor.x.m": {"advisor.y.n"}, "advisor.y.n": {"advisor.x.k"}}) == \
+        {"advisor.x": {"advisor.y"}, "advisor.y": {"advisor.x"}}
