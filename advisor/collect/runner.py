@@ -98,7 +98,7 @@ def _script_traceback(exc: BaseException, script: Path) -> str:
 
 
 @contextlib.contextmanager
-def _script_env(script: Path, args: Sequence[str], device: str):
+def script_env(script: Path, args: Sequence[str], device: str):
     """sys.argv, sys.path[0] and FUSION_ADVISOR_DEVICE as `python SCRIPT ARGS` would see them; restored after."""
     old_argv, old_path, old_env = sys.argv[:], sys.path[:], os.environ.get(DEVICE_ENV)
     sys.argv = [str(script), *args]
@@ -297,7 +297,7 @@ def profile_script(
     console.print(f"[bold]fusion-advisor[/] profiling [cyan]{script}[/] on [bold]{dev}[/] …")
     timings: Dict[str, float] = {}
     t_phase = time.perf_counter()
-    with _script_env(script, args, dev):
+    with script_env(script, args, dev):
         if preimport_modules:
             with nvtx_range("fusion-advisor.preimport"), console.status("importing the script's packages …", spinner="dots"):
                 preimport(script)

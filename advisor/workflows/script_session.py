@@ -14,9 +14,7 @@ patched until `close()`.
 from __future__ import annotations
 
 import contextlib
-import os
 import runpy
-import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -26,7 +24,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from advisor.collect.runner import DEVICE_ENV
+from advisor.collect.runner import script_env
 from advisor.errors import AdvisorError
 from advisor.patching import Patched, patch, unpatch
 from advisor.patching.modules import root_class
@@ -129,18 +127,9 @@ def intercept_roots(session: Session):
 
 def run_script(script: Path, args: list, device: str) -> None:
     """`python SCRIPT ARGS` in this process (argv, sys.path[0], FUSION_ADVISOR_DEVICE as the collector sets)."""
-    old_argv, old_path, old_env = sys.argv[:], sys.path[:], os.environ.get(DEVICE_ENV)
-    sys.argv = [str(script), *args]
-    sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
-    os.environ[DEVICE_ENV] = device
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        with script_env(script, args, device):
+            runpy.run_path(str(script), run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
             raise AdvisorError(f"{script} exited with {e.code} while running patched", exit_code=1) from None
-    finally:
-        sys.argv, sys.path[:] = old_argv, old_path
-        if old_env is None:
-            os.environ.pop(DEVICE_ENV, None)
-        else:
-            os.environ[DEVICE_ENV] = old_env
