@@ -18,6 +18,7 @@ def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict 
     captured_keys = {k for t in getattr(getattr(handle, "plan", None), "targets", []) for k in t.keys}
     skipped = getattr(getattr(handle, "plan", None), "skipped", {}) or {}
     uncaptured = getattr(getattr(handle, "plan", None), "uncaptured", {}) or {}
+    enabled = getattr(handle, "enabled", None)  # a reused plan: what selection kept when it was stored
     out = []
     for r in records:
         r = dict(r)
@@ -46,6 +47,8 @@ def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict 
             rejected = sorted(set(handle.rejected(s.key))) if handle else []
             code, why = Status.NOT_MATCHED, "not patched: its ops were not found in the captured graphs" \
                 + (f" ({'; '.join(rejected)})" if rejected else " (the module computes it differently when captured)")
+        elif not sites and enabled is not None and s.key not in enabled:
+            code, why = Status.NOT_KEPT, "not kept: selection found the model faster without it (its sites run the original ops)"
         elif not sites:
             code, why = Status.NOT_LAUNCHED, (f"not patched: substituted in {substituted} captured graph(s), but the example "
                                        "inputs never ran it (another model's capture, or a guard on shapes/dtypes)")
