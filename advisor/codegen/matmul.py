@@ -32,7 +32,7 @@ from advisor.codegen.ir import Dim, Input, Op, Program, Sizes, Value, View, torc
 from advisor.codegen.module import COMMON, _run
 from advisor.codegen.plan import Plan, Store, _unravel, size_expr
 from advisor.codegen.printer import INDENT, Printer, _ancestors, _closure, signature
-from advisor.codegen.read import _read_op, _schema, _view, read_args
+from advisor.codegen.read import _read_op, _schema, _view, read_args, set_outputs
 from advisor.codegen.shapes import broadcast
 from advisor.ops.args import decode, reduced_dims
 from advisor.ops.lowering import Lowering, Unsupported, tl_type
@@ -110,14 +110,7 @@ def read_anchored(program: dict) -> Anchored:
         else:
             op = _read_epilogue_op(ctx, spec)
         p.ops.append(op)
-    p.outputs = [p.values[v] for v in program["outputs"]]
-    p.returned = len(p.outputs)
-    last = {}
-    for vid, view in p.inplace.items():
-        last[view.src] = vid
-    for vid in last.values():
-        if p.values[vid] not in p.outputs:
-            p.outputs.append(p.values[vid])
+    set_outputs(p, program["outputs"])
     if not ctx.anchors:
         raise Unsupported("no matmul anchor in the program")
     return ctx

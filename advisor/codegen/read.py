@@ -25,16 +25,21 @@ def read_program(prog: dict) -> Program:
     missing = [v for v in prog["outputs"] if v not in p.values]
     if missing:  # e.g. an op that returned its own input (torch.positive): a KeyError here used to escape as a crash
         raise Unsupported(f"output {missing[0]} is not computed by the program (an input returned as it is)")
-    p.outputs = [p.values[v] for v in prog["outputs"]]
+    set_outputs(p, prog["outputs"])
+    return p
+
+
+def set_outputs(p, output_ids: list) -> None:
+    """The program's outputs, then the last version of each input it mutates: a mutated input must end up
+    mutated even when nothing in the group reads it afterwards."""
+    p.outputs = [p.values[v] for v in output_ids]
     p.returned = len(p.outputs)
-    # A mutated input must end up mutated even when nothing in the group reads it afterwards.
     last = {}
     for vid, view in p.inplace.items():
         last[view.src] = vid
     for vid in last.values():
         if p.values[vid] not in p.outputs:
             p.outputs.append(p.values[vid])
-    return p
 
 
 
