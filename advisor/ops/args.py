@@ -64,6 +64,21 @@ def encode(value):
     return value
 
 
+def split_top_level(text: str) -> list[str]:
+    """`text` split at the commas outside any (...) or [...]: a schema's arguments, a GenericList's types."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+            continue
+        depth += (ch in "([") - (ch in ")]")
+        cur += ch
+    if cur:
+        out.append(cur)
+    return out
+
+
 def parse_concrete(text: str):
     """One of Kineto's "Concrete Inputs" (a Python literal as text, "" when not recorded) -> raw value."""
     if text == "":

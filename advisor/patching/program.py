@@ -21,12 +21,13 @@ from typing import Any, Sequence
 
 import torch
 
+from advisor.ops.args import NONE, split_top_level
+
 # c10::ScalarType order (stable across torch releases): how the execution trace writes a dtype.
 _SCALAR_TYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
                  torch.float64, torch.complex32, torch.complex64, torch.complex128, torch.bool, None, None, None,
                  torch.bfloat16]
 _MEMORY_FORMATS = [torch.contiguous_format, torch.preserve_format, torch.channels_last, torch.channels_last_3d]
-NONE = "<None>"  # how the execution trace writes None
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -54,16 +55,7 @@ def resolve_op(schema: str) -> torch._ops.OpOverload:
 def _declared_types(op: torch._ops.OpOverload) -> list[str]:
     """Declared argument types as the schema spells them (`ScalarType?`), which `arg.type` loses."""
     text = str(op._schema)
-    inner = text[text.index("(") + 1: text.rindex(") ->")]
-    parts, depth, cur = [], 0, ""
-    for ch in inner:
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-            continue
-        depth += ch in "([" and 1 or (ch in ")]" and -1 or 0)
-        cur += ch
-    parts.append(cur)
+    parts = split_top_level(text[text.index("(") + 1: text.rindex(") ->")])
     return [p.strip().split(" ")[0] for p in parts if p.strip() and p.strip() != "*"]
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from advisor.ops.args import split_top_level
 from advisor.trace.columns import Table
 
 _STR = rb'"([^"\\\n]*(?:\\.[^"\\\n]*)*)"'  # a JSON string's body (unrolled, see kineto.py)
@@ -253,16 +254,4 @@ def _tensor_row(io, pos, sub, kind, v, slot_of, shape, strides, dtype) -> ArgRow
 
 def _split_list_types(t: str) -> list[str]:
     """'GenericList[Tensor(float),Tensor(float)]' -> ['Tensor(float)', 'Tensor(float)']."""
-    inner = t[len("GenericList["):-1]
-    out, depth, cur = [], 0, ""
-    for ch in inner:
-        if ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-            continue
-        depth += ch in "(["
-        depth -= ch in ")]"
-        cur += ch
-    if cur:
-        out.append(cur)
-    return out
+    return split_top_level(t[len("GenericList["):-1])
