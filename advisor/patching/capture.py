@@ -22,6 +22,7 @@ runs its original forward, which honours them (said once). Nothing unpicklable i
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -276,13 +277,18 @@ class PatchedForward:
     def keys(self) -> tuple:
         return tuple(s.key for s in self.specs)
 
+    @functools.cached_property
+    def digest(self) -> str:
+        """`plan_digest` of the specs, which never change (a JSON dump of every program: worth computing once)."""
+        return plan_digest(self.specs)
+
     def _target(self) -> tuple[Callable, tuple]:
         """The function that gets captured and the arguments that go before the caller's."""
         return (self.saved, ()) if self.saved is not None else (type(self.module).forward, (self.module,))
 
     def log(self) -> CaptureLog:
         """What the rewriter did in the captures this forward runs (shared with same-class modules)."""
-        return log_for((self._target()[0], plan_digest(self.specs)))
+        return log_for((self._target()[0], self.digest))
 
     def original(self) -> Callable:
         return self.saved if self.saved is not None else type(self.module).forward.__get__(self.module)
@@ -302,8 +308,7 @@ class PatchedForward:
 
     def _compile(self) -> Callable:
         fn = self._target()[0]
-        digest = plan_digest(self.specs)
-        self._backend = Backend(self.specs, log_for((fn, digest)), digest)
+        self._backend = Backend(self.specs, self.log(), self.digest)
         self._compiled = torch.compile(_fresh(fn), backend=self._backend, dynamic=False)
         self._watch = HookWatch(self.module)
         return self._compiled

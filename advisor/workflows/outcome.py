@@ -86,7 +86,7 @@ def launched_sites(before: dict, after: dict) -> dict:
     """{pattern key: (site, patched module) pairs whose launcher ran between two `Patched.launches()`
     snapshots}: a pattern substituted once in a capture that ten layers share runs at ten sites."""
     out: dict = {}
-    for (site, _), n in after.items():
-        if n > before.get((site, _), 0):
+    for (site, caller), n in after.items():
+        if n > before.get((site, caller), 0):
             out[site.key] = out.get(site.key, 0) + 1
     return out
