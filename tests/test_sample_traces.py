@@ -172,3 +172,19 @@ def test_splade_matmul_reduction_is_found(path):
     # The logits (B x L x V) and the pointwise intermediates are never materialised.
     logits = [e for e in mr["graph"]["edges"] if e["src"] == "n0"]
     assert logits and mr["intermediate_bytes"] >= logits[0]["bytes"]
+
+
+# ------------------------------------------------------------------------------- issue 20 item 7
+@pytest.mark.parametrize("device", ["", "cpu/"])
+def test_swiglu_epilogues_name_their_projection(analyses, device):
+    """Llama's gate and up SwiGLU epilogues are two patterns: each title names the Linear that anchors it."""
+    doc = analyses[f"{device}hf_llama"].doc
+    (swiglu,) = [c for c in doc["candidates"] if c["kind"] == "pointwise" and _ops(c) == ["silu", "mul"]]
+    epis = [c for c in doc["candidates"] if c["kind"] == "epilogue" and c["extends"] == swiglu["id"]]
+    heads = sorted(c["title"].split(":")[0] for c in epis)
+    assert heads == ["linear epilogue (SwiGLU, gate_proj)", "linear epilogue (SwiGLU, up_proj)"], heads
+    for c in epis:  # the name agrees with where its occurrences are
+        proj = c["title"].split(", ")[1].split(")")[0]
+        assert all(m.endswith(f".mlp.{proj}") for m in c["modules"] if "_proj" in m), c["modules"]
+    titles = [c["title"] for c in doc["candidates"]]
+    assert len(titles) == len(set(titles)), titles  # no two candidates read alike

@@ -143,9 +143,10 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
     totals = _totals(graph)
     for pid, pat in by_pattern.items():
         first, extends = pat.first, pat.first.extends
+        name = title(graph, first, pat.groups)
         rec = {
-            "pattern_id": pid, "pattern": pat.sig, "title": title(graph, first),
-            "kind": _kind(graph, first, title(graph, first)),
+            "pattern_id": pid, "pattern": pat.sig, "title": name,
+            "kind": _kind(graph, first, name),
             "ops": [graph.nodes[m].op for m in first.members],
             "kernels": _uniq(k for m in first.members for k in graph.nodes[m].kernels),
             "modules": _uniq(module for g in pat.groups for m in g.members if (module := graph.nodes[m].module)),

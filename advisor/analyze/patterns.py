@@ -67,12 +67,37 @@ def op_label(n: Node) -> str:
     return name
 
 
-def title(graph: Graph, group: Group) -> str:
+def title(graph: Graph, group: Group, occurrences: list[Group] | None = None) -> str:
+    """`Name: op → op → op`. An epilogue names the projection(s) whose matmul anchors it, over `occurrences`
+    (default: `group` alone): Llama's gate and up SwiGLU epilogues are two patterns that read alike otherwise."""
     # An epilogue reads anchor-first, whatever the execution order of the ops it absorbs.
     order = sorted(group.members, key=lambda m: (m != group.anchor, m))
     labels = [op_label(graph.nodes[m]) for m in order]
     chain = " → ".join(labels)
-    return f"{_name(labels, group)}: {chain}"
+    name = _name(labels, group)
+    if group.kind == "epilogue" and group.anchor is not None:
+        where = projections(graph, occurrences or [group])
+        if where:
+            name = f"{name[:-1]}, {where})" if name.endswith(")") else f"{name} ({where})"
+    return f"{name}: {chain}"
+
+
+def projections(graph: Graph, groups: list[Group], limit: int = 3) -> str:
+    """The anchors' module names, without the layer path: `gate_proj`, `conv1/conv2`, `c_fc`; "" when unknown."""
+    names = []
+    for g in groups:
+        path = graph.nodes[g.anchor].module if g.anchor is not None else None
+        if path:
+            names.append(_leaf(path))
+    names = list(dict.fromkeys(names))
+    return "/".join(names[:limit]) + (f"/+{len(names) - limit}" if len(names) > limit else "")
+
+
+def _leaf(path: str) -> str:
+    """`Llama.model.layers.0.mlp.gate_proj` -> `gate_proj`; an index keeps its parent: `Sequential.0`."""
+    parts = path.split(".")
+    tail = parts[-1]
+    return ".".join(parts[-2:]) if tail.isdigit() and len(parts) > 1 else tail
 
 
 def _name(labels: list[str], group: Group) -> str:
