@@ -12,7 +12,7 @@ import pandas as pd
 
 from advisor.analyze.cost import DeviceModel, GroupCost, est_time_saved_us, group_costs
 from advisor.analyze.fusion import Group, find_groups, not_generated
-from advisor.analyze.patterns import op_label, pattern_id, signature, signatures, title
+from advisor.analyze.patterns import family, op_label, pattern_id, signature, signatures, title
 from advisor.graph.dataflow import build_graph
 from advisor.graph.dtypes import torch_dtype_name
 from advisor.graph.nodes import Graph
@@ -129,11 +129,12 @@ class _Pattern:
 
 def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.DataFrame) -> Analysis:
     groups = find_groups(graph)
-    pid_of: dict[str, str] = {}  # signature -> pattern id
+    pid_of: dict[str, str] = {}  # family of a signature -> pattern id (its first signature's)
     pattern_of: dict[int, str] = {}  # id(group) -> pattern id
     by_pattern: dict[str, _Pattern] = {}
     for g, sig, cost in zip(groups, signatures(graph, groups), group_costs(graph, groups, device)):
-        pid = pid_of.get(sig) or pid_of.setdefault(sig, pattern_id(sig))
+        fam = family(sig)
+        pid = pid_of.get(fam) or pid_of.setdefault(fam, pattern_id(sig))
         pattern_of[id(g)] = pid
         if pid not in by_pattern:
             by_pattern[pid] = _Pattern(g, sig, [])
@@ -159,7 +160,7 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
             "measured_time_us": pat.measured_us / iters,
             "intermediate_bytes": _per_iter(pat.intermediate_bytes, iters),
             "confidence": graph.confidence,
-            "extends_pattern": (pattern_of.get(id(extends)) or pattern_id(signature(graph, extends))) if extends else None,
+            "extends_pattern": (pattern_of.get(id(extends)) or pid_of.get(family(esig := signature(graph, extends))) or pattern_id(esig)) if extends else None,
             "graph": _graph_view(graph, first),
             "program": program_of(graph, first),
         }

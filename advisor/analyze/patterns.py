@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Iterator
 
 from advisor.analyze.fusion import Group
@@ -48,6 +49,23 @@ def _node_part(n: Node) -> tuple[str, list[str], list[str], str]:
     out = n.writes[0] if n.writes else None
     out_s = f"{short_dtype(out.dtype)}{_shape_class(out.shape, out.strides)}" if out else "-"
     return op_label(n), operands, scalars, out_s
+
+
+_FLOAT = re.compile(r"(?<=[,(])-?(?:\d+\.\d*(?:e[-+]?\d+)?|\d+e[-+]?\d+|inf|nan)(?=[,)])")
+_CLASS = re.compile(r"\[([^\]]*)\]")
+
+
+def family(sig: str) -> str:
+    """What makes two pure pointwise chains one candidate: their signature less float constants and, when every
+    operand is the same shape (no broadcast), less the rank. An optimizer's update runs once per parameter shape
+    with a step size that changes every step; that is one chain, not one candidate per shape and step. (The
+    generated kernel is the first occurrence's; the patcher's guards keep it off the others' shapes and
+    constants.) Row groups, epilogues and attention keep their exact signature."""
+    if "|" in sig:
+        return sig
+    if all(set(c) <= {"n"} for c in _CLASS.findall(sig)):
+        sig = _CLASS.sub(lambda m: "[n]" if m.group(1) else "[]", sig)
+    return _FLOAT.sub("f", sig)
 
 
 def pattern_id(sig: str) -> str:
@@ -124,6 +142,8 @@ def _name(labels: list[str], group: Group) -> str:
     if s & {"cudnn_batch_norm", "batch_norm", "_native_batch_norm_legit_no_training", "native_batch_norm"}:
         extra = (" + residual add" if "add" in s else "") + (" + ReLU" if "relu" in s else "")
         return "BatchNorm" + extra
+    if {"addcdiv", "lerp"} <= s or {"addcdiv", "addcmul"} <= s:
+        return "Adam/AdamW update"  # exp_avg.lerp_, exp_avg_sq.mul_.addcmul_, sqrt, div, param.addcdiv_
     if "silu" in s and "mul" in s:
         return "SwiGLU"
     if "gelu" in s or {"tanh", "pow"} <= s:

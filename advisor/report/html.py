@@ -13,8 +13,8 @@ from advisor.report.highlight import highlight_python
 from advisor.report.next_step import next_steps
 from advisor.report.style import candidate_color, class_color, class_label
 from advisor.report.svg import class_bars, e, timeline, timeline_legend
-from advisor.report.units import (fmt_bw, fmt_bytes, fmt_int, fmt_ms, fmt_pct, fmt_sci, fmt_time, module_groups,
-                                  modules_summary)
+from advisor.report.units import (fmt_bw, fmt_bytes, fmt_count, fmt_int, fmt_ms, fmt_pct, fmt_sci, fmt_time,
+                                  module_groups, modules_summary)
 
 # The CSP makes "fetches nothing" a property the browser enforces, not just a promise of this code.
 CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
@@ -85,8 +85,8 @@ def _table(a: dict, apply: Optional[dict], colors: Dict[str, str]) -> str:
                  f'<td class="pat" data-v="{e(head)}"><span class="chip" style="background:{colors.get(cid, "#888")}"></span> '
                  f'<a href="#cand-{e(cid)}"><b>{e(head)}</b></a> {tags}<div class="chain">{e(chain)}</div></td>',
                  f'<td class="mods">{mods}</td>',
-                 num(c.get("occurrences"), fmt_int(c.get("occurrences"))),
-                 num(c.get("kernels_saved"), fmt_int(c.get("kernels_saved"))),
+                 num(c.get("occurrences"), fmt_count(c.get("occurrences"))),
+                 num(c.get("kernels_saved"), fmt_count(c.get("kernels_saved"))),
                  num(c.get("bytes_saved"), fmt_bytes(c.get("bytes_saved"))),
                  f'<td class="num" data-v="{M.num(c.get("est_time_saved_us"), "")}"><b>{e(fmt_time(c.get("est_time_saved_us")))}</b>'
                  f'<div class="caption">{e(fmt_pct(share))}</div></td>']
@@ -203,9 +203,9 @@ def _candidate(a: dict, c: dict, p: Optional[dict], color: str) -> str:
         badges.append(f'<span class="badge {st}">{STATUS_LABEL[st]}</span>')
     with_k, n_ops = node_count(c)
     occ = M.num(c.get("occurrences"), 1) or 1
-    facts = [("Occurrences", fmt_int(c.get("occurrences"))),
+    facts = [("Occurrences", f"{fmt_count(c.get('occurrences'))} per iteration"),
              (f"{M.work_noun(a).capitalize()} per occurrence", f"{with_k} → 1" if with_k else "–"),
-             ("Launches saved", f"{fmt_int(c.get('kernels_saved'))} per iteration"),
+             ("Launches saved", f"{fmt_count(c.get('kernels_saved'))} per iteration"),
              ("Est. saved", f"{fmt_time(c.get('est_time_saved_us'))} per iteration ({fmt_pct(M.share(c, a))}), "
                             f"{fmt_time(M.num(c.get('est_time_saved_us'), 0) / occ)} per occurrence"),
              ("Unfused kernels take", f"{fmt_time(c.get('measured_time_us'))} per iteration")]

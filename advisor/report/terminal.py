@@ -13,7 +13,7 @@ from rich.text import Text
 from advisor.report import model as M
 from advisor.report.next_step import next_steps
 from advisor.report.style import class_color, class_label, ordered_classes
-from advisor.report.units import (fmt_bw, fmt_bytes, fmt_int, fmt_ms, fmt_pct, fmt_time, modules_summary)
+from advisor.report.units import (fmt_bw, fmt_bytes, fmt_count, fmt_int, fmt_ms, fmt_pct, fmt_time, modules_summary)
 
 STATUS_TEXT = {
     "patched": ("✓ patched", "green"),
@@ -134,7 +134,7 @@ def _candidates_table(analysis: dict, apply: Optional[dict], top: int, width: in
         est = Text(fmt_time(c.get("est_time_saved_us")), style="bold")
         est.append(f"\n{fmt_pct(M.share(c, analysis))}", style="dim")
         row = [str(c.get("rank", "")), pattern] + ([] if narrow else [mods])
-        row += [fmt_int(c.get("occurrences")), fmt_int(c.get("kernels_saved")), fmt_bytes(c.get("bytes_saved")), est]
+        row += [fmt_count(c.get("occurrences")), fmt_count(c.get("kernels_saved")), fmt_bytes(c.get("bytes_saved")), est]
         if has_apply:
             p = pats.get(str(c.get("id")))
             meas = M.measured_saved_per_iter(p, c)
