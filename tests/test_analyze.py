@@ -248,3 +248,31 @@ def test_fractional_occurrences_never_read_zero():
     from advisor.report.units import fmt_count
 
     assert [fmt_count(v) for v in (1 / 3, 2 / 3, 4, 2.5, 1234.0)] == ["0.33", "0.67", "4", "2.5", "1,234"]
+
+
+def test_candidate_ids_are_stable_between_profiles(adamw_trace, tmp_path):
+    """`apply` profiles the script again: a second profile's timings differ, its candidate ids do not."""
+    script = tmp_path / "adamw_step.py"
+    script.write_text(ADAMW_SCRIPT)
+    second = tmp_path / "again"
+    profile_script(script, [], out_dir=second, device="cpu", region="step")
+    ids = [{c["pattern_id"]: c["id"] for c in analyze(p).doc["candidates"]} for p in (adamw_trace, second)]
+    assert ids[0] == ids[1] and len(ids[0]) >= 3
+
+
+def test_time_per_iteration_spread_over_three_iterations(adamw_trace):
+    import io
+
+    from rich.console import Console
+
+    from advisor.report.terminal import render_terminal
+
+    doc = analyze(adamw_trace).doc
+    sp = doc["totals"]["time_us_per_iteration"]
+    assert sp["iterations"] == 3 and sp["min"] <= sp["median"] <= sp["max"]
+    con = Console(record=True, width=200, file=io.StringIO(), color_system=None)
+    render_terminal(doc, None, con)
+    out = con.export_text()
+    assert "3 iterations)" in out and "median" in out
+    adam = next(line for line in out.splitlines() if "Adam/AdamW update" in line)
+    assert " 4 " in adam and " 0 " not in adam, adam  # four occurrences per iteration, never `Occ. 0`
