@@ -21,12 +21,14 @@ from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, write_json
 from advisor.ops.registry import MEMORY_BOUND, OpClass
 from advisor.trace.load import gc_paused, load_trace
 
-# A candidate is negligible when it saves under 1% of the best one's estimated time, or under 1% of the most
-# bytes any saves while its time is under 10% of the best's (launches alone: a mask's `eq -> all` on 4 bytes). It
-# stays in analysis.json, ranked after all the others, and the reports leave it out of their lists (and say so).
-# The best candidate by time never is.
+# A candidate is negligible when it saves under 1% of the best one's estimated time; or, its time under 10% of the
+# best's, when what it saves is launches alone: under 1 KiB of traffic per occurrence (a mask's `eq -> all` on 4
+# bytes) or under 0.1% of the most bytes any candidate saves. It stays in analysis.json, ranked after all the
+# others, and the reports leave it out of their lists (and say so). The best candidate by time never is.
 NEGLIGIBLE_SHARE = 0.01
 NEGLIGIBLE_LAUNCHES_SHARE = 0.10
+NEGLIGIBLE_BYTES_SHARE = 0.001
+NEGLIGIBLE_BYTES = 1024
 
 CLASS_ORDER = ["matmul", "attention", "pointwise", "reduction", "norm", "data_movement", "view", "other"]
 
@@ -197,9 +199,9 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
     best_us = max((r["est_time_saved_us"] for r in records), default=0.0)
     best_bytes = max((r["bytes_saved"] for r in records), default=0)
     for r in records:
-        us = r["est_time_saved_us"]
-        r["negligible"] = bool(us < NEGLIGIBLE_SHARE * best_us or (r["bytes_saved"] < NEGLIGIBLE_SHARE * best_bytes
-                                                                  and us < NEGLIGIBLE_LAUNCHES_SHARE * best_us))
+        us, saved = r["est_time_saved_us"], r["bytes_saved"]
+        launches_only = saved < NEGLIGIBLE_BYTES_SHARE * best_bytes or saved < NEGLIGIBLE_BYTES * r["occurrences"]
+        r["negligible"] = bool(us < NEGLIGIBLE_SHARE * best_us or (launches_only and us < NEGLIGIBLE_LAUNCHES_SHARE * best_us))
     # Ids do not depend on timings, so a candidate keeps its id between `analyze` and `apply` (which profiles
     # again): numbered by what the shapes alone decide, the bytes saved first. The rank is by estimated time.
     for n, r in enumerate(sorted(records, key=_stable_key), 1):

@@ -37,8 +37,9 @@ def negligible(analysis: dict) -> List[dict]:
 
 def negligible_words(small: List[dict]) -> str:
     ids = ", ".join(str(c.get("id")) for c in small[:6]) + (", …" if len(small) > 6 else "")
-    return (f"{ids}, negligible: each saves under 1% of the best candidate's estimated time, or under 1% of the most "
-            "bytes any saves with under 10% of that time (in analysis.json, ranked last).")
+    return (f"{ids}, negligible: each saves under 1% of the best candidate's estimated time, or little more than "
+            "launches (under 1 KiB per occurrence, or under 0.1% of the most bytes any saves) with under 10% of that "
+            "time (in analysis.json, ranked last).")
 
 
 def gpu_estimate(analysis: dict) -> bool:
