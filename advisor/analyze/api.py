@@ -187,7 +187,7 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
             "measured_time_us": pat.measured_us / iters,
             "intermediate_bytes": _per_iter(pat.intermediate_bytes, iters),
             "confidence": graph.confidence,
-            "extends_pattern": (pattern_of.get(id(extends)) or pid_of.get(family(esig := signature(graph, extends))) or pattern_id(esig)) if extends else None,
+            "extends_pattern": _pattern_of(graph, extends, pattern_of, pid_of) if extends else None,
             "graph": _graph_view(graph, first),
             "program": program_of(graph, first),
         }
@@ -261,6 +261,14 @@ def _spread(totals: dict) -> str:
     if sp.get("iterations", 0) < 2:
         return ""
     return f" (median {sp['median']:.1f} µs, range {sp['min']:.1f} – {sp['max']:.1f} over {sp['iterations']} iterations)"
+
+
+def _pattern_of(graph: Graph, g: Group, pattern_of: dict, pid_of: dict) -> str:
+    """The pattern id of group `g`: its own when it is a candidate, else its family's, else its signature's hash."""
+    if id(g) in pattern_of:
+        return pattern_of[id(g)]
+    sig = signature(graph, g)
+    return pid_of.get(family(sig)) or pattern_id(sig)
 
 
 def _stable_key(r: dict) -> tuple:
