@@ -200,3 +200,79 @@ def test_full_reduction_without_dim_through_optimize(tmp_path, monkeypatch):
     with torch.no_grad():
         assert torch.allclose(model(x, mask), ref, rtol=1e-5, atol=1e-5)
     advisor.unpatch(model)
+
+
+# ------------------------------------------------------------------------------- issue 20 item 7
+ADAMW_SCRIPT = """
+import torch
+import advisor
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+x = torch.randn(32, 64)
+for _ in range(4):
+    with advisor.region("step"):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+@pytest.fixture(scope="module")
+def adamw_trace(tmp_path_factory) -> Path:
+    """A training step with AdamW (single-tensor: one update chain per parameter, its step size new each step)."""
+    script = tmp_path_factory.mktemp("src") / "adamw_step.py"
+    script.write_text(ADAMW_SCRIPT)
+    out = tmp_path_factory.mktemp("adamw")
+    profile_script(script, [], out_dir=out, device="cpu", region="step")
+    return out
+
+
+def test_adamw_chain_is_one_candidate_over_parameter_shapes(adamw_trace):
+    """Four parameters (two weight, two bias shapes), three steps, each step's own step size: one candidate,
+    four occurrences per iteration, not one row per shape and step with `Occ. 0`."""
+    a = analyze(adamw_trace)
+    assert a.doc["steady_state"]["iterations"] == 3
+    adam = [c for c in a.doc["candidates"] if any(o.endswith("addcdiv_") for o in c["ops"])]
+    assert len(adam) == 1, [(c["title"], c["occurrences"]) for c in adam]
+    (c,) = adam
+    assert c["title"].startswith("Adam/AdamW update: ") and c["occurrences"] == 4
+    assert c["kernels_saved"] == 4 * (len(c["ops"]) - 1)
+    shapes = {tuple(a.graph.nodes[g.members[-1]].writes[0].shape) for g in a.groups[c["id"]]}
+    assert shapes == {(128, 64), (128,), (64, 128), (64,)}, shapes  # every parameter shape, each step
+    assert all(c["occurrences"] >= 1 for c in a.doc["candidates"])
+
+
+def test_fractional_occurrences_never_read_zero():
+    from advisor.report.units import fmt_count
+
+    assert [fmt_count(v) for v in (1 / 3, 2 / 3, 4, 2.5, 1234.0)] == ["0.33", "0.67", "4", "2.5", "1,234"]
+
+
+def test_candidate_ids_are_stable_between_profiles(adamw_trace, tmp_path):
+    """`apply` profiles the script again: a second profile's timings differ, its candidate ids do not."""
+    script = tmp_path / "adamw_step.py"
+    script.write_text(ADAMW_SCRIPT)
+    second = tmp_path / "again"
+    profile_script(script, [], out_dir=second, device="cpu", region="step")
+    ids = [{c["pattern_id"]: c["id"] for c in analyze(p).doc["candidates"]} for p in (adamw_trace, second)]
+    assert ids[0] == ids[1] and len(ids[0]) >= 3
+
+
+def test_time_per_iteration_spread_over_three_iterations(adamw_trace):
+    import io
+
+    from rich.console import Console
+
+    from advisor.report.terminal import render_terminal
+
+    doc = analyze(adamw_trace).doc
+    sp = doc["totals"]["time_us_per_iteration"]
+    assert sp["iterations"] == 3 and sp["min"] <= sp["median"] <= sp["max"]
+    con = Console(record=True, width=200, file=io.StringIO(), color_system=None)
+    render_terminal(doc, None, con)
+    out = con.export_text()
+    assert "3 iterations)" in out and "median" in out
+    adam = next(line for line in out.splitlines() if "Adam/AdamW update" in line)
+    assert " 4 " in adam and " 0 " not in adam, adam  # four occurrences per iteration, never `Occ. 0`

@@ -27,7 +27,7 @@ def _titles(records, patched=True) -> set:
             title = r["title"].split(":")[0]
             out.add(title)
             if " epilogue (" in title:
-                out.add(title.split(" epilogue (", 1)[1].rstrip(")"))
+                out.add(title.split(" epilogue (", 1)[1].rstrip(")").split(", ")[0])  # less the projection
     return out
 
 

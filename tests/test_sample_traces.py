@@ -140,8 +140,11 @@ def test_analysis_json_roundtrip(analyses, tmp_path):
     doc = json.loads(a.to_json(tmp_path / "analysis.json").read_text())
     assert doc["candidates"][0]["rank"] == 1
     assert doc["totals"]["time_kind"] == "gpu" and doc["device"]["bandwidth_source"] == "measured"
-    ranked = [c["est_time_saved_us"] for c in doc["candidates"]]
-    assert ranked == sorted(ranked, reverse=True)
+    # Ranked by estimated time, the negligible candidates after all the others (issue 20 item 7).
+    for flag in (False, True):
+        ranked = [c["est_time_saved_us"] for c in doc["candidates"] if c["negligible"] is flag]
+        assert ranked == sorted(ranked, reverse=True)
+    assert [c["negligible"] for c in doc["candidates"]] == sorted(c["negligible"] for c in doc["candidates"])
 
 
 EAGER = [("cpu/hf_gpt2_eager", SAMPLES / "cpu" / "hf_gpt2_eager", ["matmul", "mul", "add", "softmax", "matmul"]),
@@ -172,3 +175,139 @@ def test_splade_matmul_reduction_is_found(path):
     # The logits (B x L x V) and the pointwise intermediates are never materialised.
     logits = [e for e in mr["graph"]["edges"] if e["src"] == "n0"]
     assert logits and mr["intermediate_bytes"] >= logits[0]["bytes"]
+
+
+# ------------------------------------------------------------------------------- issue 20 item 7
+@pytest.mark.parametrize("device", ["", "cpu/"])
+def test_swiglu_epilogues_name_their_projection(analyses, device):
+    """Llama's gate and up SwiGLU epilogues are two patterns: each title names the Linear that anchors it."""
+    doc = analyses[f"{device}hf_llama"].doc
+    (swiglu,) = [c for c in doc["candidates"] if c["kind"] == "pointwise" and _ops(c) == ["silu", "mul"]]
+    epis = [c for c in doc["candidates"] if c["kind"] == "epilogue" and c["extends"] == swiglu["id"]]
+    heads = sorted(c["title"].split(":")[0] for c in epis)
+    assert heads == ["linear epilogue (SwiGLU, gate_proj)", "linear epilogue (SwiGLU, up_proj)"], heads
+    for c in epis:  # the name agrees with where its occurrences are
+        proj = c["title"].split(", ")[1].split(")")[0]
+        assert all(m.endswith(f".mlp.{proj}") for m in c["modules"] if "_proj" in m), c["modules"]
+    titles = [c["title"] for c in doc["candidates"]]
+    assert len(titles) == len(set(titles)), titles  # no two candidates read alike
+
+
+def _terminal(doc, width=140, top=10) -> str:
+    import io
+
+    from rich.console import Console
+
+    from advisor.report.terminal import render_terminal
+
+    con = Console(record=True, width=width, file=io.StringIO(), color_system=None)
+    render_terminal(doc, None, con, top=top)
+    return con.export_text()
+
+
+def test_could_save_counts_alternatives_once(analyses):
+    """Llama's SwiGLU has two epilogues (gate, up) and rotary one (q/k): each epilogue and the group it extends are
+    alternatives. Counted once each: the groups, plus the best epilogue of each on top (its estimate is on top of
+    its group's); the old sum added the gate and the up epilogue both."""
+    from advisor.report import model as M
+
+    doc = analyses["hf_llama"].doc
+    cands = doc["candidates"]
+    epis = [c for c in cands if c["kind"] == "epilogue"]
+    assert {c["extends"] for c in epis} == {c["id"] for c in cands if _ops(c) in (["silu", "mul"],
+                                                                                  ["mul", "neg", "cat", "mul", "add"])}
+    best_on_top = {}
+    for c in epis:
+        best_on_top[c["extends"]] = max(best_on_top.get(c["extends"], 0.0), c["est_time_saved_us"])
+    want = sum(c["est_time_saved_us"] for c in cands if c["kind"] != "epilogue") + sum(best_on_top.values())
+    total = doc["totals"]["est_time_saved_us"]
+    assert total == pytest.approx(want, rel=1e-9)
+    assert total < sum(c["est_time_saved_us"] for c in cands) - min(c["est_time_saved_us"] for c in epis) + 1e-6
+    # The reports state that figure; an analysis.json without it gets the same from the candidates alone.
+    assert M.potential_saving(doc) == total
+    old = dict(doc, totals={k: v for k, v in doc["totals"].items() if k != "est_time_saved_us"})
+    assert M.potential_saving(old) == pytest.approx(total, rel=1e-9)
+    row = next(line for line in _terminal(doc).splitlines() if "Fusion could save" in line)
+    assert "578 µs" in row and "alternatives counted once" in row, row
+
+
+@pytest.mark.parametrize("device", ["", "cpu/"])
+def test_negligible_candidates_are_kept_out_of_the_list(analyses, device):
+    """Llama's mask and position arithmetic (`eq → all` on 4 or 8 bytes, `sub → ne`, ...) is in analysis.json,
+    ranked last and flagged, but not in the top list, and the report says so."""
+    doc = analyses[f"{device}hf_llama"].doc
+    cands = doc["candidates"]
+    small = [c for c in cands if c["negligible"]]
+    (eq_all,) = [c for c in cands if _ops(c) == ["eq", "all"]]
+    assert eq_all["bytes_saved"] <= 8 and eq_all in small
+    assert cands[-len(small):] == small and not any(c["negligible"] for c in cands[:-len(small)])
+    best = max(c["est_time_saved_us"] for c in cands)
+    most = max(c["bytes_saved"] for c in cands)
+    for c in small:
+        assert c["est_time_saved_us"] < 0.01 * best or (c["est_time_saved_us"] < 0.1 * best and (
+            c["bytes_saved"] < 0.001 * most or c["bytes_saved"] < 1024 * c["occurrences"]))
+    listed = [c for c in cands if not c["negligible"]]
+    assert listed[0]["est_time_saved_us"] == best and len(listed) >= 6
+    # Not negligible: anything saving real traffic, however small next to the best (GPT-2's final LayerNorm).
+    gpt2 = analyses[f"{device}hf_gpt2"].doc["candidates"]
+    assert not any(c["negligible"] for c in gpt2 if c["bytes_saved"] >= 0.005 * max(x["bytes_saved"] for x in gpt2)
+                   and c["est_time_saved_us"] >= 0.01 * max(x["est_time_saved_us"] for x in gpt2))
+    out = _terminal(doc, top=len(cands))
+    table = out.split("Top fusion candidates")[1].split("not listed")[0]
+    assert f"({len(listed)} of {len(listed)})" in table
+    for c in small:
+        assert f" {c['id']} " not in table
+    assert f"{len(small)} more candidates not listed: " in out and "negligible" in out
+
+
+def test_cpu_trace_promises_no_share_of_cpu_time(analyses):
+    """On a CPU trace the fused kernels run in Triton's interpreter: the estimate is what a GPU would save by
+    the bytes model (bytes at its bandwidth + launches), and no percentage of the CPU time is claimed."""
+    from advisor.report.html import render_html
+
+    doc = analyses["cpu/hf_llama"].doc
+    est = doc["estimate"]
+    assert est["basis"] == "gpu_bytes_model" and est["device"] == "cuda"
+    for c in doc["candidates"]:
+        assert c["share_of_iteration"] is None
+        assert c["est_time_saved_us"] == pytest.approx(
+            c["bytes_saved"] / est["bandwidth_Bps"] * 1e6 + c["kernels_saved"] * est["launch_us"], rel=1e-6)
+        assert c["est_cpu_time_saved_us"] > 0  # the CPU-time figure stays in analysis.json
+    out = _terminal(doc)
+    row = out[out.index("Fusion could save"):out.index("Time by op class")]
+    assert "on a GPU by the bytes model" in row and "%" not in row, row
+    assert "GPU est." in out
+    html = render_html(doc)
+    assert "a GPU could save per iteration, by the bytes model" in html and "fusion could save per iteration (" not in html
+    gpu = analyses["hf_llama"].doc
+    assert gpu["estimate"]["basis"] == "measured" and gpu["candidates"][0]["share_of_iteration"] > 0
+
+
+@pytest.mark.parametrize("device", ["", "cpu/"])
+def test_time_per_iteration_shows_median_and_spread(analyses, device):
+    doc = analyses[f"{device}hf_llama"].doc
+    sp = doc["totals"]["time_us_per_iteration"]
+    assert sp["iterations"] == doc["steady_state"]["iterations"] == 2
+    assert sp["min"] <= sp["median"] <= sp["max"] and sp["min"] > 0
+    assert sp["median"] == pytest.approx(doc["totals"]["time_us"])  # two iterations: the median is the mean
+    row = next(line for line in _terminal(doc).splitlines() if "Per iteration" in line)
+    assert "median" in row and "range" in row and "2 iterations" in row, row
+
+
+def test_candidate_ids_do_not_depend_on_timings(tmp_path):
+    """The same trace with another bandwidth and launch cost (as a second profile of the same script gets):
+    the estimates and the ranking move, the ids stay with their patterns."""
+    import shutil
+
+    src = SAMPLES / "hf_llama"
+    shutil.copytree(src, tmp_path / "run")
+    meta_path = tmp_path / "run" / "trace" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    before = analyze(src).doc["candidates"]
+    meta["bandwidth_Bps"], meta["launch_us"] = meta["bandwidth_Bps"] / 40, meta["launch_us"] * 40
+    meta_path.write_text(json.dumps(meta))
+    after = analyze(tmp_path / "run").doc["candidates"]
+    rank = lambda cs: [c["pattern_id"] for c in cs]  # noqa: E731
+    assert rank(before) != rank(after)  # the new device model reorders them...
+    assert {c["pattern_id"]: c["id"] for c in before} == {c["pattern_id"]: c["id"] for c in after}  # ...not the ids
+    assert sorted(int(c["id"][1:]) for c in after) == list(range(1, len(after) + 1))

@@ -10,15 +10,25 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from advisor.analyze.cost import DeviceModel, GroupCost, est_time_saved_us, group_costs
+from advisor.analyze.cost import (DeviceModel, GroupCost, bytes_model_saved_us, est_time_saved_us, gpu_model,
+                                 group_costs)
 from advisor.analyze.fusion import Group, find_groups, not_generated
-from advisor.analyze.patterns import op_label, pattern_id, signature, signatures, title
+from advisor.analyze.patterns import family, op_label, pattern_id, signature, signatures, title
 from advisor.graph.dataflow import build_graph
 from advisor.graph.dtypes import torch_dtype_name
 from advisor.graph.nodes import Graph
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, write_json
 from advisor.ops.registry import MEMORY_BOUND, OpClass
 from advisor.trace.load import gc_paused, load_trace
+
+# A candidate is negligible when it saves under 1% of the best one's estimated time; or, its time under 10% of the
+# best's, when what it saves is launches alone: under 1 KiB of traffic per occurrence (a mask's `eq -> all` on 4
+# bytes) or under 0.1% of the most bytes any candidate saves. It stays in analysis.json, ranked after all the
+# others, and the reports leave it out of their lists (and say so). The best candidate by time never is.
+NEGLIGIBLE_SHARE = 0.01
+NEGLIGIBLE_LAUNCHES_SHARE = 0.10
+NEGLIGIBLE_BYTES_SHARE = 0.001
+NEGLIGIBLE_BYTES = 1024
 
 CLASS_ORDER = ["matmul", "attention", "pointwise", "reduction", "norm", "data_movement", "view", "other"]
 
@@ -55,7 +65,8 @@ class Analysis:
     def __repr__(self) -> str:
         d, tot, cands = self.doc["device"], self.doc["totals"], self.doc["candidates"]
         noun = "kernels" if tot["time_kind"] == "gpu" else "ops"
-        best = f"; best: {cands[0]['title'].split(':')[0]}, est. {cands[0]['est_time_saved_us']:.1f} µs" if cands else ""
+        gpu = " on a GPU" if self.doc["estimate"]["basis"] == "gpu_bytes_model" else ""
+        best = f"; best: {cands[0]['title'].split(':')[0]}, est. {cands[0]['est_time_saved_us']:.1f} µs{gpu}" if cands else ""
         return (f"<Analysis {d['name']} ({d['type']}): {self.doc['steady_state']['iterations']} iterations, "
                 f"{tot['kernels']} {noun} and {tot['time_us']:.1f} µs per iteration; {len(cands)} candidates{best}>")
 
@@ -64,14 +75,19 @@ class Analysis:
         d, tot, cands = self.doc["device"], self.doc["totals"], self.doc["candidates"]
         lines = [f"{d['name']} ({d['type']}), {self.doc['steady_state']['iterations']} steady-state iterations",
                  f"per iteration: {tot['kernels']} {'kernels' if tot['time_kind'] == 'gpu' else 'ops'}, "
-                 f"{tot['time_us']:.1f} µs {tot['time_kind'].upper()} time, "
+                 f"{tot['time_us']:.1f} µs {tot['time_kind'].upper()} time{_spread(tot)}, "
                  f"{tot['memory_bound_share']:.0%} of it memory-bound"]
         if self.doc["low_confidence"]:
             lines.append("low confidence: no execution trace joined, dataflow guessed from shapes and order")
-        lines.append(f"{len(cands)} fusion candidates" + (f", the top {min(top, len(cands))}:" if cands else ""))
-        for c in cands[:top]:
+        listed = [c for c in cands if not c["negligible"]]
+        lines.append(f"{len(cands)} fusion candidates" + (f", the top {min(top, len(listed))}:" if listed else ""))
+        gpu = self.doc["estimate"]["basis"] == "gpu_bytes_model"
+        for c in listed[:top]:
+            share = "on a GPU, bytes model" if gpu else f"{c['share_of_iteration']:.1%}"
             lines.append(f"  {c['id']:>4}  {c['title'][:70]:<70}  x{c['occurrences']:<4} "
-                         f"est. {c['est_time_saved_us']:9.1f} µs ({c['share_of_iteration']:.1%})")
+                         f"est. {c['est_time_saved_us']:9.1f} µs ({share})")
+        if len(listed) < len(cands):
+            lines.append(f"  and {len(cands) - len(listed)} negligible (in `doc['candidates']`, ranked last)")
         return "\n".join(lines)
 
     def to_json(self, path: Path) -> Path:
@@ -115,37 +131,49 @@ class _Pattern:
     est_time_saved_us: float = 0
     measured_us: float = 0
     intermediate_bytes: int = 0
+    est_cpu_time_saved_us: float = 0  # CPU traces: the CPU-time estimate, for reference
 
-    def add(self, g: Group, c: GroupCost, device: DeviceModel) -> None:
+    def add(self, g: Group, c: GroupCost, device: DeviceModel, gpu: DeviceModel | None, ests: dict) -> None:
+        """`gpu`: on a CPU trace, the GPU whose bytes model states the saving. `ests`: id(group) -> its estimate."""
         self.groups.append(g)
         self.kernels_saved += c.kernels - 1
         self.bytes_unfused += c.bytes_unfused
         self.bytes_fused += c.bytes_fused
         self.bytes_saved += c.bytes_saved
-        self.est_time_saved_us += est_time_saved_us(c, g, device)
+        est = est_time_saved_us(c, g, device)
+        if gpu is not None:
+            self.est_cpu_time_saved_us += est
+            est = bytes_model_saved_us(c, gpu)
+        ests[id(g)] = est
+        self.est_time_saved_us += est
         self.measured_us += c.measured_us
         self.intermediate_bytes += c.intermediate_bytes
 
 
 def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.DataFrame) -> Analysis:
     groups = find_groups(graph)
-    pid_of: dict[str, str] = {}  # signature -> pattern id
+    pid_of: dict[str, str] = {}  # family of a signature -> pattern id (its first signature's)
     pattern_of: dict[int, str] = {}  # id(group) -> pattern id
     by_pattern: dict[str, _Pattern] = {}
+    gpu = gpu_model() if device.type == "cpu" else None
+    ests: dict[int, float] = {}
     for g, sig, cost in zip(groups, signatures(graph, groups), group_costs(graph, groups, device)):
-        pid = pid_of.get(sig) or pid_of.setdefault(sig, pattern_id(sig))
+        fam = family(sig)
+        pid = pid_of.get(fam) or pid_of.setdefault(fam, pattern_id(sig))
         pattern_of[id(g)] = pid
         if pid not in by_pattern:
             by_pattern[pid] = _Pattern(g, sig, [])
-        by_pattern[pid].add(g, cost, device)
+        by_pattern[pid].add(g, cost, device, gpu, ests)
     iters = graph.iterations
     records, group_map = [], {}
     totals = _totals(graph)
+    totals["est_time_saved_us"] = _potential(groups, ests) / iters
     for pid, pat in by_pattern.items():
         first, extends = pat.first, pat.first.extends
+        name = title(graph, first, pat.groups)
         rec = {
-            "pattern_id": pid, "pattern": pat.sig, "title": title(graph, first),
-            "kind": _kind(graph, first, title(graph, first)),
+            "pattern_id": pid, "pattern": pat.sig, "title": name,
+            "kind": _kind(graph, first, name),
             "ops": [graph.nodes[m].op for m in first.members],
             "kernels": _uniq(k for m in first.members for k in graph.nodes[m].kernels),
             "modules": _uniq(module for g in pat.groups for m in g.members if (module := graph.nodes[m].module)),
@@ -155,10 +183,11 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
             "bytes_fused": _per_iter(pat.bytes_fused, iters),
             "bytes_saved": _per_iter(pat.bytes_saved, iters),
             "est_time_saved_us": pat.est_time_saved_us / iters,
+            **({"est_cpu_time_saved_us": pat.est_cpu_time_saved_us / iters} if gpu else {}),
             "measured_time_us": pat.measured_us / iters,
             "intermediate_bytes": _per_iter(pat.intermediate_bytes, iters),
             "confidence": graph.confidence,
-            "extends_pattern": (pattern_of.get(id(extends)) or pattern_id(signature(graph, extends))) if extends else None,
+            "extends_pattern": _pattern_of(graph, extends, pattern_of, pid_of) if extends else None,
             "graph": _graph_view(graph, first),
             "program": program_of(graph, first),
         }
@@ -167,11 +196,21 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
             rec["not_generated"] = refused
         records.append(rec)
         group_map[pid] = pat.groups
-    records.sort(key=lambda r: (-r["est_time_saved_us"], -r["bytes_saved"]))
+    best_us = max((r["est_time_saved_us"] for r in records), default=0.0)
+    best_bytes = max((r["bytes_saved"] for r in records), default=0)
+    for r in records:
+        us, saved = r["est_time_saved_us"], r["bytes_saved"]
+        launches_only = saved < NEGLIGIBLE_BYTES_SHARE * best_bytes or saved < NEGLIGIBLE_BYTES * r["occurrences"]
+        r["negligible"] = bool(us < NEGLIGIBLE_SHARE * best_us or (launches_only and us < NEGLIGIBLE_LAUNCHES_SHARE * best_us))
+    # Ids do not depend on timings, so a candidate keeps its id between `analyze` and `apply` (which profiles
+    # again): numbered by what the shapes alone decide, the bytes saved first. The rank is by estimated time.
+    for n, r in enumerate(sorted(records, key=_stable_key), 1):
+        r["id"] = f"c{n}"
+    records.sort(key=lambda r: (r["negligible"], -r["est_time_saved_us"], _stable_key(r)))
     for rank, r in enumerate(records, 1):
-        r["id"] = f"c{rank}"
         r["rank"] = rank
-        r["share_of_iteration"] = r["est_time_saved_us"] / totals["time_us"] if totals["time_us"] else 0.0
+        # A CPU trace's estimate is what a GPU would save: no share of the CPU time is promised.
+        r["share_of_iteration"] = None if gpu else r["est_time_saved_us"] / totals["time_us"] if totals["time_us"] else 0.0
     id_of = {r["pattern_id"]: r["id"] for r in records}
     for r in records:
         r["extends"] = id_of.get(r["extends_pattern"])
@@ -185,6 +224,7 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
         "steady_state": {"iterations": iters,
                          "source": (meta.get("steady_state") or {}).get("source", "whole")},
         "totals": totals,
+        "estimate": _estimate_basis(device, gpu),
         "unknown_ops": graph.unknown_ops.assign(count=lambda d: d["count"] / iters,
                                                 time_us=lambda d: d["time_us"] / iters).to_dict("records"),
         "low_confidence": graph.confidence == "low",
@@ -216,6 +256,64 @@ def analyze_cli(trace, et=None, out=None, top: int = 10, console=None) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ pieces
+def _spread(totals: dict) -> str:
+    sp = totals.get("time_us_per_iteration") or {}
+    if sp.get("iterations", 0) < 2:
+        return ""
+    return f" (median {sp['median']:.1f} µs, range {sp['min']:.1f} – {sp['max']:.1f} over {sp['iterations']} iterations)"
+
+
+def _pattern_of(graph: Graph, g: Group, pattern_of: dict, pid_of: dict) -> str:
+    """The pattern id of group `g`: its own when it is a candidate, else its family's, else its signature's hash."""
+    if id(g) in pattern_of:
+        return pattern_of[id(g)]
+    sig = signature(graph, g)
+    return pid_of.get(family(sig)) or pattern_id(sig)
+
+
+def _stable_key(r: dict) -> tuple:
+    return (-r["bytes_saved"], -r["kernels_saved"], -r["occurrences"], r["pattern_id"])
+
+
+def _estimate_basis(device: DeviceModel, gpu: DeviceModel | None) -> dict:
+    """What `est_time_saved_us` means, for the reports to say."""
+    if gpu is None:
+        return {"basis": "measured", "device": device.type, "bandwidth_Bps": device.bandwidth_Bps,
+                "launch_us": device.launch_us,
+                "note": "the unfused kernels' measured time minus a roofline estimate of the fused kernel"}
+    return {"basis": "gpu_bytes_model", "device": gpu.type, "bandwidth_Bps": gpu.bandwidth_Bps,
+            "launch_us": gpu.launch_us,
+            "note": "what a GPU would save by the bytes model (bytes saved at its bandwidth plus the launches saved); "
+                    "the fused kernels are Triton kernels, which on the CPU run in the interpreter"}
+
+
+def _potential(groups: list[Group], ests: dict[int, float]) -> float:
+    """What fusing every candidate could save, each op counted once. Candidates that share ops are alternatives
+    (an epilogue and the pointwise group it extends, the gate and the up projection's epilogue of one SwiGLU,
+    attention and its softmax): of each set of groups linked by shared ops, the best alone counts. An epilogue's
+    estimate is on top of its base group's (see cost.est_time_saved_us), so alone it is worth both."""
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, g in enumerate(groups):
+        for m in g.members:
+            j = owner.setdefault(m, i)
+            if j != i:
+                parent[root(i)] = root(j)
+    best: dict[int, float] = {}
+    for i, g in enumerate(groups):
+        alone = ests[id(g)] + (ests.get(id(g.extends), 0.0) if g.kind == "epilogue" and g.extends is not None else 0.0)
+        r = root(i)
+        best[r] = max(best.get(r, 0.0), alone)
+    return sum(best.values())
+
+
 def _per_iter(total: float, iters: int):
     v = total / iters
     return int(round(v)) if abs(v - round(v)) < 1e-9 else round(v, 3)
@@ -238,15 +336,21 @@ def _totals(graph: Graph) -> dict:
     by_class = {c: 0.0 for c in CLASS_ORDER}
     key = {c: c.value if c.value in by_class else "other" for c in OpClass}  # (Enum .value is slow)
     kernels, mem, cuda = 0, 0, graph.device_type == "cuda"
+    per_iter = [0.0] * max(iters, 1)
     for n in graph.nodes:  # one pass; each sum in node order, as ever
         t = n.time_us
         by_class[key[n.cls]] += t
         kernels += len(n.kernels) if cuda else 1
         if n.cls in MEMORY_BOUND:
             mem += t
+        if 0 <= n.iteration < len(per_iter):
+            per_iter[n.iteration] += t
     total = sum(by_class.values())
     return {"kernels": _per_iter(kernels, iters), "time_us": total / iters,
             "time_kind": "gpu" if cuda else "cpu",
+            # The spread over the recorded iterations: one figure hides a noisy run (CPU times swing).
+            "time_us_per_iteration": {"median": float(np.median(per_iter)), "min": min(per_iter),
+                                      "max": max(per_iter), "iterations": len(per_iter)},
             "by_class": {k: v / iters for k, v in by_class.items()},
             "memory_bound_share": mem / total if total else 0.0}
 

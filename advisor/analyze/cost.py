@@ -122,6 +122,20 @@ def est_time_saved_us(cost: GroupCost, group: Group, device: DeviceModel) -> flo
     return max(cost.measured_us - cost.predicted_fused_us, 0.0)
 
 
+def gpu_model() -> DeviceModel:
+    """The GPU a CPU trace's savings are stated for: the default table's bandwidth and launch cost."""
+    t = DEFAULT_DEVICE["cuda"]
+    return DeviceModel("cuda", "GPU (bytes model)", t["bandwidth_Bps"], t["launch_us"], t["flops"], t["matmul_flops"],
+                       "table")
+
+
+def bytes_model_saved_us(cost: GroupCost, device: DeviceModel) -> float:
+    """What fusing saves by the bytes model alone: the bytes no longer moved at `device`'s bandwidth plus the
+    launches no longer made. What a CPU trace's candidates would save on a GPU: the fused kernels are Triton
+    kernels, which on the CPU run in the interpreter, so a share of the CPU time is no promise at all."""
+    return max(cost.bytes_saved, 0) / device.bandwidth_Bps * 1e6 + max(cost.kernels - 1, 0) * device.launch_us
+
+
 def _flops(node) -> float:
     """Arithmetic of one op, by its registry entry's flops rule."""
     info = lookup(node.op)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Iterator
 
 from advisor.analyze.fusion import Group
@@ -50,6 +51,23 @@ def _node_part(n: Node) -> tuple[str, list[str], list[str], str]:
     return op_label(n), operands, scalars, out_s
 
 
+_FLOAT = re.compile(r"(?<=[,(])-?(?:\d+\.\d*(?:e[-+]?\d+)?|\d+e[-+]?\d+|inf|nan)(?=[,)])")
+_CLASS = re.compile(r"\[([^\]]*)\]")
+
+
+def family(sig: str) -> str:
+    """What makes two pure pointwise chains one candidate: their signature less float constants and, when every
+    operand is the same shape (no broadcast), less the rank. An optimizer's update runs once per parameter shape
+    with a step size that changes every step; that is one chain, not one candidate per shape and step. (The
+    generated kernel is the first occurrence's; the patcher's guards keep it off the others' shapes and
+    constants.) Row groups, epilogues and attention keep their exact signature."""
+    if "|" in sig:
+        return sig
+    if all(set(c) <= {"n"} for c in _CLASS.findall(sig)):
+        sig = _CLASS.sub(lambda m: "[n]" if m.group(1) else "[]", sig)
+    return _FLOAT.sub("f", sig)
+
+
 def pattern_id(sig: str) -> str:
     return hashlib.sha1(sig.encode()).hexdigest()[:12]
 
@@ -67,12 +85,37 @@ def op_label(n: Node) -> str:
     return name
 
 
-def title(graph: Graph, group: Group) -> str:
+def title(graph: Graph, group: Group, occurrences: list[Group] | None = None) -> str:
+    """`Name: op → op → op`. An epilogue names the projection(s) whose matmul anchors it, over `occurrences`
+    (default: `group` alone): Llama's gate and up SwiGLU epilogues are two patterns that read alike otherwise."""
     # An epilogue reads anchor-first, whatever the execution order of the ops it absorbs.
     order = sorted(group.members, key=lambda m: (m != group.anchor, m))
     labels = [op_label(graph.nodes[m]) for m in order]
     chain = " → ".join(labels)
-    return f"{_name(labels, group)}: {chain}"
+    name = _name(labels, group)
+    if group.kind == "epilogue" and group.anchor is not None:
+        where = projections(graph, occurrences or [group])
+        if where:
+            name = f"{name[:-1]}, {where})" if name.endswith(")") else f"{name} ({where})"
+    return f"{name}: {chain}"
+
+
+def projections(graph: Graph, groups: list[Group], limit: int = 3) -> str:
+    """The anchors' module names, without the layer path: `gate_proj`, `conv1/conv2`, `c_fc`; "" when unknown."""
+    names = []
+    for g in groups:
+        path = graph.nodes[g.anchor].module if g.anchor is not None else None
+        if path:
+            names.append(_leaf(path))
+    names = list(dict.fromkeys(names))
+    return "/".join(names[:limit]) + (f"/+{len(names) - limit}" if len(names) > limit else "")
+
+
+def _leaf(path: str) -> str:
+    """`Llama.model.layers.0.mlp.gate_proj` -> `gate_proj`; an index keeps its parent: `Sequential.0`."""
+    parts = path.split(".")
+    tail = parts[-1]
+    return ".".join(parts[-2:]) if tail.isdigit() and len(parts) > 1 else tail
 
 
 def _name(labels: list[str], group: Group) -> str:
@@ -99,6 +142,8 @@ def _name(labels: list[str], group: Group) -> str:
     if s & {"cudnn_batch_norm", "batch_norm", "_native_batch_norm_legit_no_training", "native_batch_norm"}:
         extra = (" + residual add" if "add" in s else "") + (" + ReLU" if "relu" in s else "")
         return "BatchNorm" + extra
+    if {"addcdiv", "lerp"} <= s or {"addcdiv", "addcmul"} <= s:
+        return "Adam/AdamW update"  # exp_avg.lerp_, exp_avg_sq.mul_.addcmul_, sqrt, div, param.addcdiv_
     if "silu" in s and "mul" in s:
         return "SwiGLU"
     if "gelu" in s or {"tanh", "pow"} <= s:

@@ -13,8 +13,8 @@ from advisor.report.highlight import highlight_python
 from advisor.report.next_step import next_steps
 from advisor.report.style import candidate_color, class_color, class_label
 from advisor.report.svg import class_bars, e, timeline, timeline_legend
-from advisor.report.units import (fmt_bw, fmt_bytes, fmt_int, fmt_ms, fmt_pct, fmt_sci, fmt_time, module_groups,
-                                  modules_summary)
+from advisor.report.units import (fmt_bw, fmt_bytes, fmt_count, fmt_int, fmt_ms, fmt_pct, fmt_sci, fmt_time,
+                                  module_groups, modules_summary)
 
 # The CSP makes "fetches nothing" a property the browser enforces, not just a promise of this code.
 CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
@@ -33,10 +33,17 @@ def _summary(a: dict, apply: Optional[dict]) -> str:
     kind = "GPU" if tot.get("time_kind") == "gpu" else "CPU"
     pot, t = M.potential_saving(a), M.total_time_us(a)
     noun = M.work_noun(a)
+    sp_it = M.iteration_spread(a)
+    per_iter = f"{kind} time per iteration" + (
+        f" (median {fmt_time(sp_it.get('median'))}, range {fmt_time(sp_it.get('min'))} – {fmt_time(sp_it.get('max'))}, "
+        f"{fmt_int(sp_it.get('iterations'))} iterations)" if sp_it else "")
+    saving = ("a GPU could save per iteration, by the bytes model (not CPU time: on the CPU the kernels run in "
+              "Triton's interpreter)" if M.gpu_estimate(a) else
+              f"fusion could save per iteration ({fmt_pct(pot / t) if t else '–'}), alternatives counted once")
     tiles = [_tile(fmt_int(tot.get("kernels")), f"{noun} per iteration"),
-             _tile(fmt_time(tot.get("time_us")), f"{kind} time per iteration"),
+             _tile(fmt_time(tot.get("time_us")), per_iter),
              _tile(fmt_pct(tot.get("memory_bound_share")), f"of time in memory-bound {noun}"),
-             _tile(fmt_time(pot), f"fusion could save per iteration ({fmt_pct(pot / t) if t else '–'})", "hi"),
+             _tile(fmt_time(pot), saving, "hi"),
              _tile(fmt_int(len(M.candidates(a))), "fusion candidates")]
     sp = M.speedup(apply)
     if sp:  # a slowdown is never shown in green
@@ -60,15 +67,16 @@ def _breakable(path: str) -> str:
 def _table(a: dict, apply: Optional[dict], colors: Dict[str, str]) -> str:
     pats = M.patterns_by_candidate(apply)
     # "\n" in a header becomes a line break: two-line headers keep the number columns narrow.
-    heads = [("#", "num"), ("Pattern", "text"), ("Module(s)", "text"), ("Occ.", "num"),
-             ("Launches\nsaved", "num"), ("Bytes\nsaved", "num"), ("Est.\nsaved", "num")]
+    gpu_est = M.gpu_estimate(a)
+    heads = [("Id", "num"), ("Pattern", "text"), ("Module(s)", "text"), ("Occ.", "num"), ("Launches\nsaved", "num"),
+             ("Bytes\nsaved", "num"), ("GPU est.\n(bytes model)" if gpu_est else "Est.\nsaved", "num")]
     if pats:
         heads += [("Measured\nsaved", "num"), ("Kernel", "text")]
     th = "".join(f'<th data-type="{t}" class="{"num" if t == "num" else ""}"'
                  f'{" aria-sort=ascending" if i == 0 else ""}>{e(h).replace(chr(10), "<br>")}</th>'
                  for i, (h, t) in enumerate(heads))
     rows = []
-    for c in M.candidates(a):
+    for c in M.listed(a):
         cid = str(c.get("id"))
         head, chain = M.title_parts(c)
         tags = f'<span class="badge">{e(c.get("kind", "?"))}</span>'
@@ -81,15 +89,15 @@ def _table(a: dict, apply: Optional[dict], colors: Dict[str, str]) -> str:
             raw = M.num(v)
             return f'<td class="num" data-v="{"" if raw is None else raw!r}">{e(text)}</td>'
 
-        cells = [num(c.get("rank"), c.get("rank", "")),
+        cells = [num(c.get("rank"), cid),  # sorted by rank, named by the id (stable between analyze and apply)
                  f'<td class="pat" data-v="{e(head)}"><span class="chip" style="background:{colors.get(cid, "#888")}"></span> '
                  f'<a href="#cand-{e(cid)}"><b>{e(head)}</b></a> {tags}<div class="chain">{e(chain)}</div></td>',
                  f'<td class="mods">{mods}</td>',
-                 num(c.get("occurrences"), fmt_int(c.get("occurrences"))),
-                 num(c.get("kernels_saved"), fmt_int(c.get("kernels_saved"))),
+                 num(c.get("occurrences"), fmt_count(c.get("occurrences"))),
+                 num(c.get("kernels_saved"), fmt_count(c.get("kernels_saved"))),
                  num(c.get("bytes_saved"), fmt_bytes(c.get("bytes_saved"))),
                  f'<td class="num" data-v="{M.num(c.get("est_time_saved_us"), "")}"><b>{e(fmt_time(c.get("est_time_saved_us")))}</b>'
-                 f'<div class="caption">{e(fmt_pct(share))}</div></td>']
+                 + ("" if gpu_est else f'<div class="caption">{e(fmt_pct(share))}</div>') + '</td>']
         if pats:
             p = pats.get(cid)
             meas, st = M.measured_saved_per_iter(p, c), M.status(p)
@@ -106,8 +114,14 @@ def _table(a: dict, apply: Optional[dict], colors: Dict[str, str]) -> str:
         items = ", ".join(f"<code>{e(u.get('name', '?'))}</code> ×{e(fmt_int(u.get('count')))} ({e(fmt_time(u.get('time_us')))})"
                           for u in unknown)
         note = f'<p class="caption">Unknown ops (not modelled, counted as “other”): {items}</p>'
-    foot = '<p class="caption">Est. saved is per iteration over all occurrences; measured saved is the fused kernel\'s ' \
-           'saving per call × occurrences. Click a header to sort.</p>'
+    foot = '<p class="caption">Est. saved is per iteration over all occurrences' + (
+        " (on a CPU trace: what a GPU would save by the bytes model)" if gpu_est else "") + \
+        '; measured saved is the fused kernel\'s saving per call × occurrences. An epilogue\'s estimate is on top of ' \
+        'the group it extends (fusing it fuses that group too). Click a header to sort.</p>'
+    small = M.negligible(a)
+    if small:
+        foot += (f'<p class="caption">{len(small)} more candidate{"s" if len(small) != 1 else ""} not listed: '
+                 f'{e(M.negligible_words(small))}</p>')
     return (f'<section class="card"><h2>Fusion candidates</h2><div class="tablewrap">'
             f'<table id="candidates-table" class="sortable"><thead><tr>{th}</tr></thead><tbody>{"".join(rows)}</tbody>'
             f'</table></div>{foot}{note}</section>')
@@ -203,10 +217,12 @@ def _candidate(a: dict, c: dict, p: Optional[dict], color: str) -> str:
         badges.append(f'<span class="badge {st}">{STATUS_LABEL[st]}</span>')
     with_k, n_ops = node_count(c)
     occ = M.num(c.get("occurrences"), 1) or 1
-    facts = [("Occurrences", fmt_int(c.get("occurrences"))),
+    facts = [("Occurrences", f"{fmt_count(c.get('occurrences'))} per iteration"),
              (f"{M.work_noun(a).capitalize()} per occurrence", f"{with_k} → 1" if with_k else "–"),
-             ("Launches saved", f"{fmt_int(c.get('kernels_saved'))} per iteration"),
-             ("Est. saved", f"{fmt_time(c.get('est_time_saved_us'))} per iteration ({fmt_pct(M.share(c, a))}), "
+             ("Launches saved", f"{fmt_count(c.get('kernels_saved'))} per iteration"),
+             ("Est. saved" + (" on a GPU (bytes model)" if M.gpu_estimate(a) else ""),
+              f"{fmt_time(c.get('est_time_saved_us'))} per iteration"
+              + ("" if M.gpu_estimate(a) else f" ({fmt_pct(M.share(c, a))})") + ", "
                             f"{fmt_time(M.num(c.get('est_time_saved_us'), 0) / occ)} per occurrence"),
              ("Unfused kernels take", f"{fmt_time(c.get('measured_time_us'))} per iteration")]
     dl = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in facts)
@@ -216,7 +232,7 @@ def _candidate(a: dict, c: dict, p: Optional[dict], color: str) -> str:
     legend = "".join(f'<span class="key"><i style="background:{class_color(k)}"></i>{e(class_label(k))}</span>'
                      for k in classes_in(c))
     return (f'<article class="card candidate" id="cand-{e(cid)}" data-c="{e(cid)}"><header>'
-            f'<span class="rank" style="background:{color}">#{e(c.get("rank", "?"))}</span><h3>{e(head)}</h3>'
+            f'<span class="rank" style="background:{color}">{e(c.get("id", "?"))}</span><h3>{e(head)}</h3>'
             f'{"".join(badges)}</header><div class="chain">{e(chain)}</div>'
             f'<div class="cols"><dl class="facts">{dl}</dl>{_bytes_bars(c)}</div>'
             f'<div class="dataflow">{dataflow_svg(c)}</div>'
@@ -260,7 +276,7 @@ def render_html(analysis: dict, apply: Optional[dict] = None, out=None) -> str:
     a = analysis
     cands = M.candidates(a)
     colors = {str(c.get("id")): candidate_color(i) for i, c in enumerate(cands)}
-    titles = {str(c.get("id")): f"#{c.get('rank', '?')} {M.title_parts(c)[0]}" for c in cands}
+    titles = {str(c.get("id")): f"{c.get('id', '?')} {M.title_parts(c)[0]}" for c in cands}
     pats = M.patterns_by_candidate(apply)
     dev, src = a.get("device") or {}, a.get("source") or {}
     warn = ""
@@ -279,7 +295,7 @@ def render_html(analysis: dict, apply: Optional[dict] = None, out=None) -> str:
     ]
     if isinstance(apply, dict):
         sections.append(_after_apply(apply))
-    sections += [_candidate(a, c, pats.get(str(c.get("id"))), colors[str(c.get("id"))]) for c in cands]
+    sections += [_candidate(a, c, pats.get(str(c.get("id"))), colors[str(c.get("id"))]) for c in M.listed(a)]
     body = "".join(sections)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'

@@ -26,11 +26,42 @@ def candidates(analysis: dict) -> List[dict]:
     return sorted(cs, key=lambda c: (num(c.get("rank"), 1e9), str(c.get("id", ""))))
 
 
+def listed(analysis: dict) -> List[dict]:
+    """The candidates the reports list: all but the negligible ones (in analysis.json, ranked last)."""
+    return [c for c in candidates(analysis) if not c.get("negligible")]
+
+
+def negligible(analysis: dict) -> List[dict]:
+    return [c for c in candidates(analysis) if c.get("negligible")]
+
+
+def negligible_words(small: List[dict]) -> str:
+    ids = ", ".join(str(c.get("id")) for c in small[:6]) + (", …" if len(small) > 6 else "")
+    return (f"{ids}, negligible: each saves under 1% of the best candidate's estimated time, or little more than "
+            "launches (under 1 KiB per occurrence, or under 0.1% of the most bytes any saves) with under 10% of that "
+            "time (in analysis.json, ranked last).")
+
+
+def gpu_estimate(analysis: dict) -> bool:
+    """A CPU trace's estimates state what a GPU would save by the bytes model, not a share of the CPU time."""
+    return (analysis.get("estimate") or {}).get("basis") == "gpu_bytes_model"
+
+
 def total_time_us(analysis: dict) -> Optional[float]:
     return num((analysis.get("totals") or {}).get("time_us"))
 
 
+def iteration_spread(analysis: dict) -> Optional[dict]:
+    """{median, min, max, iterations} of the time per recorded iteration, when more than one was recorded."""
+    spread = (analysis.get("totals") or {}).get("time_us_per_iteration")
+    if not isinstance(spread, dict) or (num(spread.get("iterations"), 0) or 0) < 2:
+        return None
+    return spread
+
+
 def share(c: dict, analysis: dict) -> Optional[float]:
+    if gpu_estimate(analysis):
+        return None
     s = num(c.get("share_of_iteration"))
     if s is None:
         t, est = total_time_us(analysis), num(c.get("est_time_saved_us"))
@@ -101,7 +132,26 @@ def measured_saved_per_iter(p: Optional[dict], c: dict) -> Optional[float]:
 
 
 def potential_saving(analysis: dict) -> float:
-    return sum(num(c.get("est_time_saved_us"), 0.0) for c in candidates(analysis))
+    """What fusion could save per iteration, each op counted once: candidates that share ops are alternatives
+    (the analyzer's `totals.est_time_saved_us`). For an analysis.json without it: an epilogue adds its estimate
+    to its base group's (it is counted on top of it), and of the epilogues of one base only the best counts."""
+    total = num((analysis.get("totals") or {}).get("est_time_saved_us"))
+    if total is not None:
+        return total
+    cs = candidates(analysis)
+    extra: Dict[str, float] = {}
+    out = 0.0
+    for c in cs:
+        est = num(c.get("est_time_saved_us"), 0.0)
+        base = c.get("extends")
+        if base and c.get("kind") == "epilogue":
+            extra[base] = max(extra.get(base, 0.0), est)
+        elif base:  # attention over its softmax group: one or the other
+            extra[base] = max(extra.get(base, 0.0), est - next((num(b.get("est_time_saved_us"), 0.0) for b in cs
+                                                               if b.get("id") == base), 0.0))
+        else:
+            out += est
+    return out + sum(max(v, 0.0) for v in extra.values())
 
 
 def low_confidence_reasons(analysis: dict) -> List[str]:

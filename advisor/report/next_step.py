@@ -57,7 +57,7 @@ def _script_command(analysis: dict, out: Optional[Path]) -> Optional[str]:
 
 
 def next_steps(analysis: dict, apply: Optional[dict] = None, out: Optional[Path] = None) -> List[Step]:
-    cands = M.candidates(analysis)
+    cands = M.listed(analysis)
     if not cands:
         return []
     top = cands[:10]

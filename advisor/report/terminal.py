@@ -13,7 +13,7 @@ from rich.text import Text
 from advisor.report import model as M
 from advisor.report.next_step import next_steps
 from advisor.report.style import class_color, class_label, ordered_classes
-from advisor.report.units import (fmt_bw, fmt_bytes, fmt_int, fmt_ms, fmt_pct, fmt_time, modules_summary)
+from advisor.report.units import (fmt_bw, fmt_bytes, fmt_count, fmt_int, fmt_ms, fmt_pct, fmt_time, modules_summary)
 
 STATUS_TEXT = {
     "patched": ("✓ patched", "green"),
@@ -60,13 +60,12 @@ def _summary(analysis: dict, apply: Optional[dict]) -> Panel:
         g.add_row("Steady state", f"{fmt_int(ss.get('iterations'))} iterations, found by {ss.get('source', '?')}")
     kind = "GPU" if totals.get("time_kind") == "gpu" else "CPU"
     noun = M.work_noun(analysis)
-    g.add_row("Per iteration", f"{fmt_int(totals.get('kernels'))} {noun} · {fmt_time(totals.get('time_us'))} {kind} time")
+    g.add_row("Per iteration", f"{fmt_int(totals.get('kernels'))} {noun} · {fmt_time(totals.get('time_us'))} {kind} time"
+              + spread_words(analysis))
     g.add_row("Memory-bound", f"{fmt_pct(totals.get('memory_bound_share'))} of the time is in memory-bound {noun}")
-    pot, t = M.potential_saving(analysis), M.total_time_us(analysis)
-    n = len(M.candidates(analysis))
-    if n:
-        g.add_row("Fusion could save", f"up to {fmt_time(pot)}" + (f" ({fmt_pct(pot / t)})" if t else "")
-                  + f" per iteration, over {n} candidate{'s' if n != 1 else ''}")
+    line = saving_words(analysis)
+    if line:
+        g.add_row("Fusion could save", line)
     e2e = (apply or {}).get("end_to_end") if isinstance(apply, dict) else None
     if isinstance(e2e, dict):
         sp = M.num(e2e.get("speedup"))
@@ -80,6 +79,30 @@ def _summary(analysis: dict, apply: Optional[dict]) -> Panel:
     body = Group(g, Text(""), Text("Time by op class", style="bold"), _class_bars(analysis))
     return Panel(body, title="[bold]fusion-advisor report[/]", title_align="left", border_style="blue",
                  padding=(0, 1), expand=False)
+
+
+def spread_words(analysis: dict) -> str:
+    """` (median 7.4 ms, 7.1–7.6 ms over 3 iterations)`: one figure would hide a noisy run."""
+    sp = M.iteration_spread(analysis)
+    if not sp:
+        return ""
+    return (f" (median {fmt_time(sp.get('median'))}, range {fmt_time(sp.get('min'))} – {fmt_time(sp.get('max'))}, "
+            f"{fmt_int(sp.get('iterations'))} iterations)")
+
+
+def saving_words(analysis: dict) -> str:
+    """The "could save" line: overlapping alternatives counted once; on a CPU trace, what a GPU would save."""
+    n = len(M.candidates(analysis))
+    if not n:
+        return ""
+    pot, t = M.potential_saving(analysis), M.total_time_us(analysis)
+    over = f"over {n} candidate{'s' if n != 1 else ''} (alternatives counted once)"
+    if M.gpu_estimate(analysis):
+        est = analysis.get("estimate") or {}
+        return (f"about {fmt_time(pot)} per iteration on a GPU by the bytes model ({fmt_bw(est.get('bandwidth_Bps'))}, "
+                f"{fmt_time(est.get('launch_us'))} a launch) {over}; no CPU saving is promised: on the CPU the fused "
+                "kernels run in Triton's interpreter")
+    return f"up to {fmt_time(pot)}" + (f" ({fmt_pct(pot / t)})" if t else "") + f" per iteration {over}"
 
 
 def _pattern_cell(c: dict) -> Text:
@@ -113,28 +136,30 @@ def _candidates_table(analysis: dict, apply: Optional[dict], top: int, width: in
     # Narrow terminals fold the module column into the pattern cell rather than truncate numbers.
     narrow = width < (110 if has_apply else 100)
     mod_w = max(16, width - (60 if has_apply else 50)) if narrow else max(26, min(34, (width - (62 if has_apply else 52)) // 2))
-    n_all = len(M.candidates(analysis))
+    n_all = len(M.listed(analysis))
     t = Table(title=f"Top fusion candidates ({min(top, n_all)} of {n_all})", title_justify="left",
               title_style="bold", box=box.SIMPLE_HEAVY, header_style="bold", pad_edge=False)
-    t.add_column("#", justify="right", no_wrap=True)
+    t.add_column("Id", justify="right", no_wrap=True)  # stable between analyze and apply (kernel files, apply.json)
     t.add_column("Pattern", min_width=20, overflow="fold")
     if not narrow:
         t.add_column("Module(s)", width=mod_w, overflow="fold")
     t.add_column("Occ.", justify="right", no_wrap=True)
     t.add_column("Launches\nsaved", justify="right", no_wrap=True)
     t.add_column("Bytes\nsaved", justify="right", no_wrap=True)
-    t.add_column("Est. saved\n(share)", justify="right", no_wrap=True)
+    gpu_est = M.gpu_estimate(analysis)
+    t.add_column("GPU est.\n(bytes model)" if gpu_est else "Est. saved\n(share)", justify="right", no_wrap=True)
     if has_apply:
         t.add_column("Measured\nsaved", justify="right", no_wrap=True)
-    for c in M.candidates(analysis)[:top]:
+    for c in M.listed(analysis)[:top]:
         mods = "\n".join(_wrap_dotted(m, mod_w) for m in modules_summary(c.get("modules") or [], limit=64))
         pattern = _pattern_cell(c)
         if narrow and mods:
             pattern.append("\n" + mods, style="cyan")
         est = Text(fmt_time(c.get("est_time_saved_us")), style="bold")
-        est.append(f"\n{fmt_pct(M.share(c, analysis))}", style="dim")
-        row = [str(c.get("rank", "")), pattern] + ([] if narrow else [mods])
-        row += [fmt_int(c.get("occurrences")), fmt_int(c.get("kernels_saved")), fmt_bytes(c.get("bytes_saved")), est]
+        if not gpu_est:
+            est.append(f"\n{fmt_pct(M.share(c, analysis))}", style="dim")
+        row = [str(c.get("id", "")), pattern] + ([] if narrow else [mods])
+        row += [fmt_count(c.get("occurrences")), fmt_count(c.get("kernels_saved")), fmt_bytes(c.get("bytes_saved")), est]
         if has_apply:
             p = pats.get(str(c.get("id")))
             meas = M.measured_saved_per_iter(p, c)
@@ -152,11 +177,18 @@ def _footnotes(analysis: dict, apply: Optional[dict], top: int) -> list:
     pats = M.patterns_by_candidate(apply)
     if pats:
         out.append(Text("Measured saved = the fused kernel's saving per call × occurrences.", style="dim"))
-        for c in M.candidates(analysis)[:top]:
+        for c in M.listed(analysis)[:top]:
             p = pats.get(str(c.get("id")))
             why = M.status_reason(p)
             if why:
-                out.append(Text.assemble((f"  #{c.get('rank')} ", "bold"), (f"{STATUS_TEXT[M.status(p)][0]}: ", "yellow"), why))
+                out.append(Text.assemble((f"  {c.get('id')} ", "bold"), (f"{STATUS_TEXT[M.status(p)][0]}: ", "yellow"), why))
+    small = M.negligible(analysis)
+    if small:
+        out.append(Text.assemble((f"{len(small)} more candidate{'s' if len(small) != 1 else ''} not listed: ", "bold"),
+                                 (M.negligible_words(small), "dim")))
+    if M.candidates(analysis) and any(c.get("extends") for c in M.listed(analysis)[:top]):
+        out.append(Text("An epilogue's estimate is on top of the group it extends: the two are alternatives "
+                        "(fusing the epilogue fuses its group too), counted once in what fusion could save.", style="dim"))
     unknown = [u for u in analysis.get("unknown_ops") or [] if isinstance(u, dict)]
     if unknown:
         parts = ", ".join(f"{u.get('name', '?')} ×{fmt_int(u.get('count'))} ({fmt_time(u.get('time_us'))})" for u in unknown)
@@ -184,7 +216,7 @@ def _next_steps(analysis: dict, apply: Optional[dict], out) -> Optional[Panel]:
 def render_terminal(analysis: dict, apply: Optional[dict], console: Console, top: int = 10, out=None) -> None:
     """`out`: the directory the reports are in, for the commands of the next-step box."""
     console.print(_summary(analysis, apply))
-    if M.candidates(analysis):
+    if M.listed(analysis):
         console.print(_candidates_table(analysis, apply, top, console.width))
     else:
         console.print(Text("No fusion candidates found.", style="bold"))

@@ -80,6 +80,17 @@ def fmt_int(n, missing: str = "–") -> str:
     return missing if v is None else f"{int(round(v)):,}"
 
 
+def fmt_count(n, missing: str = "–") -> str:
+    """A count per iteration: whole numbers as integers, a fraction as one (a pattern that runs once in three
+    iterations is 0.33 per iteration, never "0")."""
+    v = _num(n)
+    if v is None:
+        return missing
+    if abs(v - round(v)) < 1e-9 or abs(v) >= 100:
+        return f"{int(round(v)):,}"
+    return f"{v:.2g}" if abs(v) < 1 else f"{v:.3g}"
+
+
 def fmt_sci(x, missing: str = "–") -> str:
     v = _num(x)
     if v is None:
