@@ -17,11 +17,6 @@ _use_interpreter()  # before anything imports triton: see advisor.interpreter
 
 from advisor.collect.region import region  # noqa: E402,F401
 
-# The stage package advisor.analyze is loaded before the function of that name is defined: a package
-# loaded later (by the function's first call) would be set by Python as the attribute `advisor.analyze`,
-# replacing the function. Loaded first, the function defined below takes the name for good.
-import advisor.analyze as _analyze_package  # noqa: E402,F401  (its __init__ is empty: nothing heavy)
-
 
 def analyze(path, et=None):
     """Analyse a trace; returns an `Analysis` (`print(a.summary())`; `a.candidates`, `a.ops`, `a.kernels`
@@ -31,7 +26,7 @@ def analyze(path, et=None):
     TensorBoard trace directory (`torch.profiler.tensorboard_trace_handler`; its newest *.pt.trace.json).
     et: an execution trace file, when `path` is a bare Kineto file.
     """
-    from advisor.analyze.api import analyze as analyze_trace  # pandas: imported when first needed
+    from advisor.analysis.api import analyze as analyze_trace  # pandas: imported when first needed
 
     return analyze_trace(path, et=et)
 

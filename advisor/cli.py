@@ -89,7 +89,7 @@ def run(
 
         script = Path(demo.__file__)
     _profile(script, args, out, device=device.value, region=region, schedule=chosen)
-    from advisor.analyze.api import analyze_cli
+    from advisor.analysis.api import analyze_cli
 
     _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top))
 
@@ -103,7 +103,7 @@ def analyze(
     top: int = top_option(),
 ):
     """Find fusion candidates in a trace and estimate what each saves; writes analysis.json and the reports."""
-    from advisor.analyze.api import analyze_cli
+    from advisor.analysis.api import analyze_cli
 
     located = locate(trace)
     _report_written(analyze_cli(located.trace, et=et, out=out or located.out, top=top))
@@ -133,7 +133,7 @@ def generate(
         if located.analysis.parent != out_dir:  # the report reads it beside apply.json
             _write_json(out_dir / "analysis.json", doc)
     else:
-        from advisor.analyze.api import analyze as run_analysis
+        from advisor.analysis.api import analyze as run_analysis
 
         with console.status("analysing trace…"):
             result = run_analysis(located.trace)

@@ -2,7 +2,7 @@
 file. A reader that finds another version refuses the file (`advisor.report.load`) instead of misreading
 it; bump a file's version when a key changes meaning or goes away, not when one is added.
 
-    analysis.json  what `analyze` found (advisor.analyze.api); the report reads it
+    analysis.json  what `analyze` found (advisor.analysis.api); the report reads it
     apply.json     what was generated, patched and kept: written by `generate` (workflows.generate, its
                    `patterns`), `optimize` (workflows.live_model) and `apply` (workflows.user_script)
     meta.json      how the trace was collected (collect.runner, bench.trace); the analyzer reads it

@@ -32,7 +32,7 @@ TARGET_S, TARGET_GB, TARGET_LINEAR = 60.0, 4.0, 1.5
 ANALYZE = r"""
 import json, sys, time, resource
 sys.path.insert(0, sys.argv[2])
-from advisor.analyze import api  # (`import advisor.analyze.api as api` finds the function advisor.analyze)
+from advisor.analysis import api
 phases = {}
 def timed(name, f):
     def g(*a, **k):

@@ -715,7 +715,7 @@ def process_warmup(device: str) -> None:
     advisor's and Inductor's imports, CUDA/cuBLAS, Triton's driver, dynamo + AOTAutograd first use."""
     import torch
 
-    import advisor.analyze.api  # noqa: F401
+    import advisor.analysis.api  # noqa: F401
     import advisor.workflows.live_model  # noqa: F401
     import advisor.patching  # noqa: F401
     import advisor.patching.verify  # noqa: F401

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from advisor.analyze.api import analyze
+from advisor.analysis.api import analyze
 from advisor.collect.runner import profile_script
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -388,7 +388,7 @@ def test_run_command_profiles_the_demo_then_analyses(tmp_path):
     assert meta["script"].endswith("demo_workload.py") and meta["complete"] is True
     assert meta["steady_state"]["source"] == "module" and meta["steady_state"]["name"] == "DemoModel_0"
     try:
-        import advisor.analyze.api  # noqa: F401
+        import advisor.analysis.api  # noqa: F401
     except Exception:
         assert proc.returncode != 0 and "analysis stage cannot be loaded" in proc.stderr
     else:

@@ -291,7 +291,7 @@ class _Batch(torch.nn.Module):
 def test_fuzz_through_the_profiler_and_analyzer(tmp_path_factory):
     """Batches of random programs run under torch.profiler + the ET observer, analysed; every candidate's
     kernel validates (or is refused with a reason), is patched in, and the patched model matches eager."""
-    from advisor.analyze.api import analyze
+    from advisor.analysis.api import analyze
     from advisor.bench.trace import profile_calls
     from advisor.patching import build_plan, occurrence_modules, patch, unpatch
     from advisor.workflows.kernels import kernel_specs

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from advisor.analyze.api import analyze
-from advisor.analyze.fusion import node_domain
+from advisor.analysis.api import analyze
+from advisor.analysis.fusion import node_domain
 from advisor.bench.trace import profile_calls
 from advisor.workflows.generate import generate_candidates
 from advisor.ops.args import bind

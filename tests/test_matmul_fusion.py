@@ -280,7 +280,7 @@ def _plain(title) -> str:
 
 @pytest.fixture(scope="module")
 def sample_results(tmp_path_factory):
-    from advisor.analyze.api import analyze
+    from advisor.analysis.api import analyze
     from advisor.workflows.generate import ANCHORED, generate_candidates
 
     out = {}
@@ -317,7 +317,7 @@ def test_sample_trace_anchored_candidates(sample_results, workload):
 @pytest.mark.parametrize("workload", ["hf_gpt2_eager", "hf_bert_eager", "splade"])
 def test_sample_trace_programs_in_bf16(workload):
     """The recorded attention and SPLADE programs (4-d, the trace's own strides and offsets) in bf16."""
-    from advisor.analyze.api import analyze
+    from advisor.analysis.api import analyze
 
     doc = analyze(CPU_SAMPLES / workload).doc
     (c,) = [c for c in doc["candidates"] if c["kind"] in ("attention", "matmul_reduction")]

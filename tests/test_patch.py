@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import advisor
-from advisor.analyze.api import analyze
+from advisor.analysis.api import analyze
 from advisor.bench.trace import profile_calls
 from advisor.patching import build_plan, occurrence_modules, only, patch, patched_modules, patches_off, \
     spec_from_candidate, unpatch

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from advisor.analyze.fusion import fusible
+from advisor.analysis.fusion import fusible
 from advisor.ops.lowering import TABLE, lowering, why_not_generated
 from advisor.ops.registry import OpClass, all_ops, lookup
 
@@ -46,7 +46,7 @@ class _Lgamma(torch.nn.Module):
 
 
 def test_candidate_with_a_not_generated_op_is_marked(tmp_path):
-    from advisor.analyze.api import analyze
+    from advisor.analysis.api import analyze
     from advisor.bench.trace import profile_calls
     from advisor.codegen import Unsupported, generate
 

@@ -117,7 +117,7 @@ def test_worker_threads_are_profiled_and_analysed(tmp_path, capsys):
     """)
     code, out, err = cli(["profile", p, "--out", tmp_path / "o", "--device", "cpu"], capsys)
     assert code == 0, err
-    from advisor.analyze.api import analyze
+    from advisor.analysis.api import analyze
 
     doc = analyze(tmp_path / "o").doc
     titles = {" → ".join(o.split("::")[1] for o in c["ops"]) for c in doc["candidates"]}
@@ -244,7 +244,7 @@ def test_meta_that_is_not_json(tmp_path, capsys):
 # ==================================================================================== models and ops
 def fuse(model, make_inputs, out: Path, granularity: str = "occurrence"):
     """profile -> analyze -> generate + validate -> patch, in this process; returns (analysis, specs, records, handle)."""
-    from advisor.analyze.api import analyze
+    from advisor.analysis.api import analyze
     from advisor.bench.trace import profile_calls
     from advisor.patching import build_plan, occurrence_modules, patch
     from advisor.workflows.kernels import kernel_specs

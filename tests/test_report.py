@@ -289,7 +289,7 @@ def test_cli_report_without_analysis_fails_in_one_line(tmp_path):
 # ------------------------------------------------------------------------------ real analyzer
 def test_renders_what_the_analyzer_writes(tmp_path):
     """The contract with stage 2: a real (CPU) analysis.json renders, with a dataflow per candidate."""
-    analyze = pytest.importorskip("advisor.analyze.api").analyze
+    analyze = pytest.importorskip("advisor.analysis.api").analyze
     from advisor.collect.runner import profile_script
 
     script = tmp_path / "seed.py"

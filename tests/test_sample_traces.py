@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from advisor.analyze.api import analyze
+from advisor.analysis.api import analyze
 from advisor.graph.dataflow import build_graph, steady_windows
 from advisor.trace.load import load_trace
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from advisor.analyze.api import analyze
+from advisor.analysis.api import analyze
 from advisor.trace import load as load_mod
 from advisor.trace.load import load_trace
 

@@ -127,7 +127,7 @@ def test_compare_rules():
 # ------------------------------------------------------------------------------- end to end
 @pytest.mark.parametrize("trace", SAMPLES, ids=lambda p: str(p.parent.relative_to(ROOT / "sample_traces")))
 def test_sample_trace_candidates(trace, tmp_path):
-    from advisor.analyze.api import analyze
+    from advisor.analysis.api import analyze
 
     doc = analyze(trace).doc
     applied = generate_candidates(doc, tmp_path)

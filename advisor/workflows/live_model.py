@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from advisor.analyze.api import analyze
+from advisor.analysis.api import analyze
 from advisor.bench.timing import Stopwatch
 from advisor.bench.trace import profile_calls
 from advisor.interpreter import use_interpreter_without_gpu

@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from advisor.analyze.api import analyze
+from advisor.analysis.api import analyze
 from advisor.bench.timing import time_configs, timing_meaningful
 from advisor.collect.region import observe_regions
 from advisor.collect.runner import profile_script, resolve_device

@@ -5,7 +5,7 @@ import hashlib
 import re
 from typing import Iterator
 
-from advisor.analyze.fusion import Group
+from advisor.analysis.fusion import Group
 from advisor.graph.nodes import Graph, Node, per_template
 from advisor.graph.dtypes import short as short_dtype
 from advisor.ops.registry import lookup

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from advisor.analyze.cost import (DeviceModel, GroupCost, bytes_model_saved_us, est_time_saved_us, gpu_model,
+from advisor.analysis.cost import (DeviceModel, GroupCost, bytes_model_saved_us, est_time_saved_us, gpu_model,
                                  group_costs)
-from advisor.analyze.fusion import Group, find_groups, not_generated
-from advisor.analyze.patterns import family, op_label, pattern_id, signature, signatures, title
+from advisor.analysis.fusion import Group, find_groups, not_generated
+from advisor.analysis.patterns import family, op_label, pattern_id, signature, signatures, title
 from advisor.graph.dataflow import build_graph
 from advisor.graph.dtypes import torch_dtype_name
 from advisor.graph.nodes import Graph
@@ -383,7 +383,7 @@ def _timeline(graph: Graph, groups_by_id: dict, keep: int = 5000) -> list:
 
 def _graph_view(graph: Graph, g: Group) -> dict:
     """The candidate's subgraph for dataflow diagrams: inputs -> op nodes -> outputs, sizes on edges."""
-    from advisor.analyze.cost import external_io
+    from advisor.analysis.cost import external_io
 
     local = {m: f"n{i}" for i, m in enumerate(g.members)}
     reads, escapes = external_io(graph, g.members)
@@ -414,7 +414,7 @@ def _graph_view(graph: Graph, g: Group) -> dict:
 
 def program_of(graph: Graph, g: Group) -> dict:
     """The candidate as a self-contained op program: what the generator lowers and validation replays."""
-    from advisor.analyze.cost import external_io
+    from advisor.analysis.cost import external_io
 
     reads, escapes = external_io(graph, g.members)
     names: dict[int, str] = {}

@@ -12,7 +12,7 @@ import math
 from typing import Iterator
 from dataclasses import dataclass
 
-from advisor.analyze.fusion import Group
+from advisor.analysis.fusion import Group
 from advisor.graph.nodes import Graph, per_template
 from advisor.ops.registry import OpClass, lookup
 
