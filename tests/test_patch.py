@@ -269,8 +269,9 @@ def test_package_is_callable_like_the_function(analyses):
 
 def test_layer_granularity_never_captures_several_layers(analyses):
     """`layer` (optimize's and apply's default): per-layer captures; the occurrences straddling two layers
-    (a layer's last residual add + the next one's input RMSNorm) and the model-level mask/rotary math stay
-    unfused, and the plan says which module it did not capture and why."""
+    (a layer's last residual add + the next one's input RMSNorm) and the model-level mask/rotary math are
+    left to one outer capture of the stack, which stays off (the layers run their own captures) until
+    selection switches it on, and the plan says which module the layer tier did not capture and why."""
     from advisor.patching.plan import spans_layers
 
     assert spans_layers("M.model", ["M.model.layers.0.mlp", "M.model.layers.1"])
@@ -281,8 +282,9 @@ def test_layer_granularity_never_captures_several_layers(analyses):
     plan, specs = plan_for(analyses["llama"], WANTED["llama"][0], "program", "layer")
     assert plan.skipped and all("repeated layers" in why for why in plan.skipped.values())
     h = patch(model, plan)
-    mods = sorted(q for q, _ in patched_modules(model))
+    mods = sorted(q for q, f in patched_modules(model) if not f.outer)
     assert mods and all(q.startswith("model.layers.") or q in ("model.norm", "model.rotary_emb") for q in mods), mods
+    assert [q for q, f in patched_modules(model) if f.outer] == ["model"] and not h.outer_on
     assert torch.equal(run(model, kw, x), ref)
     assert sum(h.sites(s.key) for s in specs) > 0
     unpatch(model)

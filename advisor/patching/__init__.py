@@ -28,7 +28,7 @@ from advisor.patching.modules import called_ancestor, contains, outermost, quali
 from advisor.patching.plan import Plan, PatternSpec, Target, build_plan, load_plan, manifest_entry, \
     occurrence_modules, spec_from_candidate
 
-__all__ = ["patch", "unpatch", "patches_off", "only", "Patched", "Plan", "PatternSpec", "Target", "build_plan",
+__all__ = ["patch", "unpatch", "patches_off", "only", "whole", "Patched", "Plan", "PatternSpec", "Target", "build_plan",
            "load_plan", "occurrence_modules", "spec_from_candidate", "patched_modules"]
 
 
@@ -79,6 +79,20 @@ class Patched:
         """Pattern keys whose launchers run (None: every patched one); set by selection (`enable`)."""
         return next((f.enabled for f in self.forwards.values()), None)
 
+    @property
+    def outer(self) -> list:
+        """The outer captures' forwards (see `capture`): over the layer captures, off until `set_outer`."""
+        return [f for f in self.forwards.values() if f.outer]
+
+    @property
+    def outer_on(self) -> bool:
+        return any(f.active for f in self.outer)
+
+    def set_outer(self, on: bool) -> None:
+        """Run the outer captures (True) or the layer captures inside them (False) from now on."""
+        for f in self.outer:
+            f.active = bool(on)
+
     def enable(self, keys) -> None:
         """Only these patterns run their launchers from now on; the others' sites run their original ops
         inside the captures (empty: the captures alone, replayed as CUDA graphs on a GPU)."""
@@ -94,10 +108,11 @@ class Patched:
         """apply.json's manifest: one entry per patched module and pattern (found there, by default)."""
         out = []
         for qual, mod, specs in self.modules:
-            log = self.forwards[qual].log()
+            f = self.forwards[qual]
+            log = f.log()
             for s in specs:
                 if log.count(s.key) or not matched_only:
-                    out.append(manifest_entry(s, qualified(self.model, qual), type(mod).__name__, log.count(s.key)))
+                    out.append(manifest_entry(s, qualified(self.model, qual), type(mod).__name__, log.count(s.key), f.outer))
         return out
 
     def unpatch(self) -> None:
@@ -110,14 +125,17 @@ def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
         plan = load_plan(Path(plan))
     unpatch(model)
     wanted: dict[str, list[str]] = {}
+    over: dict[str, list[str]] = {}  # outer targets: installed over the others, off until switched on
     unresolved = []
     for t in plan.targets:
         r = resolve(model, t.module)
         if r is None:
             unresolved.append(t.module)
             continue
-        keys = wanted.setdefault(called_ancestor(model, r[0]), [])
+        keys = (over if t.outer else wanted).setdefault(called_ancestor(model, r[0]), [])
         keys.extend(k for k in t.keys if k not in keys)
+    if not wanted:
+        wanted, over = over, {}  # only outer targets (a manifest of an outer capture): captured as usual
     if plan.targets and not wanted:
         raise AdvisorError(f"none of the plan's modules is in this {type(model).__name__} "
                            f"(the plan names {', '.join(sorted({t.module for t in plan.targets})[:3])}, ...)")
@@ -131,6 +149,13 @@ def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
         saved = mod.__dict__.get("forward")
         mod.forward = done.forwards[outer] = PatchedForward(mod, specs, saved)
         done.modules.append((outer, mod, specs))
+    for qual in outermost(list(over)):
+        if any(contains(q, qual) for q in done.forwards):
+            continue  # a capture of its own already holds it
+        specs = [plan.spec(k) for k in order if k in over[qual]]
+        mod = model.get_submodule(qual) if qual else model
+        mod.forward = done.forwards[qual] = PatchedForward(mod, specs, mod.__dict__.get("forward"), outer=True)
+        done.modules.append((qual, mod, specs))
     return done
 
 
@@ -163,6 +188,16 @@ def patches_off():
         yield
     finally:
         rewrite.set_off(old)
+
+
+@contextlib.contextmanager
+def whole(on: bool = True):
+    """Inside this block outer captures run (True) or step aside for the layer captures (False)."""
+    old = rewrite.set_outer(on)
+    try:
+        yield
+    finally:
+        rewrite.set_outer(old)
 
 
 @contextlib.contextmanager

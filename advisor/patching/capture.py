@@ -15,6 +15,11 @@ shared by every instance that captures them (`_SHARED`: same plan, same graph co
 layouts), so a 32-layer model pays dynamo's trace per layer but AOTAutograd and the rewrite once.
 A forward captures at most `EXTRA_CAPTURES` more graphs after `optimize` has checked it (new shapes,
 train mode): later new shapes run the original forward instead of recompiling inside the user's loop.
+An outer capture (`outer=True`: a module holding several patched layers, e.g. a decoder stack) runs
+only when switched on (`Patched.set_outer`, chosen by selection's timing): its one graph holds every
+layer, so it fuses across them (layer N's residual add with layer N+1's norm) and replays the whole
+stack as one CUDA graph. A patched forward reached while dynamo traces (inside an outer capture, or
+inside the user's own `torch.compile`) is transparent: dynamo inlines the original forward.
 Hooks registered (or removed) after patching on any module inside a captured one, and instance
 forwards replaced there, are not seen by dynamo's guards: `HookWatch` sees them and the module then
 runs its original forward, which honours them (said once). Nothing unpicklable is stored on the module.
@@ -69,6 +74,16 @@ class CaptureLog:
 
 
 _LOGS: dict[tuple, CaptureLog] = defaultdict(CaptureLog)
+
+
+def launched_sites(before: dict, after: dict) -> dict:
+    """{pattern key: (site, patched module) pairs whose launcher ran between two `Patched.launches()`
+    snapshots}: a pattern substituted once in a capture that ten layers share runs at ten sites."""
+    out: dict = {}
+    for (site, caller), n in after.items():
+        if n > before.get((site, caller), 0):
+            out[site.key] = out.get(site.key, 0) + 1
+    return out
 
 
 def log_for(key: tuple) -> CaptureLog:
@@ -260,8 +275,11 @@ class PatchedForward:
     """`module.forward` while patched. Holds plain data only (module, specs, the forward it replaced);
     its compiled function and hook watch are made on first use and never pickled or deep-copied."""
 
-    def __init__(self, module: torch.nn.Module, specs: list[PatternSpec], saved: Callable | None = None):
+    def __init__(self, module: torch.nn.Module, specs: list[PatternSpec], saved: Callable | None = None,
+                 outer: bool = False):
         self.module = module
+        self.outer = outer  # holds other patched modules; runs its capture only while switched on
+        self.active = not outer
         self.specs = specs
         self.saved = saved  # an instance-level forward that was there before us (None: the class's)
         self.failed: str | None = None
@@ -317,9 +335,15 @@ class PatchedForward:
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
         return self.original()(*args, **kwargs)
 
+    def on(self) -> bool:
+        forced = rewrite.outer_override() if self.outer else None
+        return self.active if forced is None else forced
+
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # traced by an outer capture (or the user's torch.compile): inlined
+            return self.original()(*args, **kwargs)
         m = self.module
-        if rewrite.patches_are_off() or _needs_autograd(m, args, kwargs):
+        if rewrite.patches_are_off() or not self.on() or _needs_autograd(m, args, kwargs):
             return self.original()(*args, **kwargs)
         if self.failed:
             return self._fall_back(self.failed, args, kwargs)
@@ -364,18 +388,21 @@ class PatchedForward:
         return out
 
     def __deepcopy__(self, memo):
-        new = PatchedForward(copy.deepcopy(self.module, memo), self.specs, copy.deepcopy(self.saved, memo))
-        new.failed, new.enabled = self.failed, self.enabled
+        new = PatchedForward(copy.deepcopy(self.module, memo), self.specs, copy.deepcopy(self.saved, memo), self.outer)
+        new.failed, new.enabled, new.active = self.failed, self.enabled, self.active
         return new
 
     def __reduce__(self):
-        return (PatchedForward, (self.module, self.specs, self.saved), {"failed": self.failed, "enabled": self.enabled})
+        return (PatchedForward, (self.module, self.specs, self.saved, self.outer),
+                {"failed": self.failed, "enabled": self.enabled, "active": self.active})
 
     def __setstate__(self, state: dict) -> None:
         self.failed, self.enabled = state.get("failed"), state.get("enabled")
+        self.active = state.get("active", not self.outer)
 
     def __repr__(self) -> str:
-        return f"<fusion-advisor patched forward of {type(self.module).__name__}: {', '.join(self.keys)}>"
+        tier = f"outer, {'on' if self.active else 'off'}; " if self.outer else ""
+        return f"<fusion-advisor patched forward of {type(self.module).__name__} ({tier}{', '.join(self.keys)})>"
 
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",

@@ -61,6 +61,7 @@ class PatternSpec:
 class Target:
     module: str  # trace path: qualified (`Root.a.b`) or an instance chain
     keys: list[str] = field(default_factory=list)
+    outer: bool = False  # captured over the other targets inside it, used only when switched on (selection)
 
 
 @dataclass
@@ -76,12 +77,18 @@ class Plan:
     def without(self, keys) -> "Plan":
         keys = set(keys)
         pats = [p for p in self.patterns if p.key not in keys]
-        tgts = [Target(t.module, [k for k in t.keys if k not in keys]) for t in self.targets]
+        tgts = [Target(t.module, [k for k in t.keys if k not in keys], t.outer) for t in self.targets]
         return Plan(pats, [t for t in tgts if t.keys], dict(self.skipped),
                     {k: v for k, v in self.uncaptured.items() if k not in keys})
 
     def only(self, keys) -> "Plan":
         return self.without({p.key for p in self.patterns} - set(keys))
+
+    def outer_only_keys(self) -> set:
+        """Patterns fused only by an outer capture (their occurrences span layers the inner tier captures
+        one by one): they run only when selection switches the outer capture on."""
+        inner = {k for t in self.targets if not t.outer for k in t.keys}
+        return {k for t in self.targets if t.outer for k in t.keys} - inner
 
 
 def spec_from_candidate(c: dict, replacement: str = "kernel", kernel_file: str | None = None,
@@ -117,12 +124,14 @@ def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[
     layer), at the price of a bigger graph for dynamo to capture.
 
     `layer` (what `optimize` and `apply` use) is `pattern` where that stays inside one repeated layer,
-    else `occurrence` widened to the repeated layer it is in (`layer_of`), and never captures a module
-    that holds several repeated layers: occurrences
-    whose ops straddle two layers (layer N's last residual add and layer N+1's first norm) stay
-    unfused. Capturing a whole model costs seconds of dynamo and AOTAutograd per process, and changes
-    what the model runs: transformers builds its attention masks differently under dynamo (an H100
-    8-layer Llama ran 3.7 ms, 31%, slower captured whole with every kernel off)."""
+    else `occurrence` widened to the repeated layer it is in (`layer_of`); a module that holds several
+    repeated layers is not captured in this tier. Instead it becomes one *outer* target (the innermost
+    module holding every occurrence, e.g. the decoder stack) over the layer targets, with every
+    pattern: its capture fuses what straddles two layers (layer N's last residual add and layer N+1's
+    first norm) and replays the stack as one graph, but costs seconds of dynamo per process and
+    changes what the model runs (transformers builds its attention masks differently under dynamo: an
+    H100 8-layer Llama once ran 31% slower captured whole with every kernel off), so it runs only when
+    selection has timed it faster than the layer tier (`Patched.set_outer`)."""
     if granularity not in GRANULARITIES:
         raise AdvisorError(f"granularity must be one of {', '.join(GRANULARITIES)} (got {granularity!r})")
     by_cand = {c["id"]: c for c in doc["candidates"]}
@@ -146,10 +155,14 @@ def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[
     skipped: dict = {}
     uncaptured: dict = {}
     if granularity == "layer":
+        every = list(targets)
         for m in [m for m in targets if spans_layers(m, list(targets))]:
-            skipped[m] = "holds several repeated layers: a capture would trace them all (these occurrences stay unfused)"
+            skipped[m] = "holds several repeated layers: fused only by the outer capture of the whole stack"
             for k in targets.pop(m).keys:
                 uncaptured.setdefault(k, []).append(m)
+        outer = lca(every)
+        if outer and (skipped or len(targets) > 1) and outer not in targets:
+            targets[outer] = Target(outer, [s.key for s in specs], outer=True)
     return Plan(list(specs), list(targets.values()), skipped, uncaptured)
 
 
@@ -174,11 +187,11 @@ def _numbered_prefix(path: str) -> str | None:
 
 
 # ------------------------------------------------------------------------------------ on disk
-def manifest_entry(spec: PatternSpec, module: str, cls: str, sites: int | None = None) -> dict:
+def manifest_entry(spec: PatternSpec, module: str, cls: str, sites: int | None = None, outer: bool = False) -> dict:
     return {"module": module, "class": cls, "candidate": spec.candidate, "pattern_id": spec.pattern_id,
             "title": spec.title, "pattern": spec.signature, "replacement": spec.replacement,
             "kernel_file": spec.kernel_file, "guard": spec.guard_text(), "guard_spec": spec.guard(),
-            "sites": sites, "program": program_text(spec.program)}
+            "sites": sites, "program": program_text(spec.program), "outer": outer}
 
 
 def load_plan(out_dir: Path) -> Plan:
@@ -207,7 +220,7 @@ def load_plan(out_dir: Path) -> Plan:
             s = spec_from_candidate(c, e.get("replacement", "kernel"), e.get("kernel_file"),
                                     (e.get("guard_spec") or {}).get("device_type"))
             specs.setdefault(s.key, s)
-            t = targets.setdefault(e["module"], Target(e["module"]))
+            t = targets.setdefault((e["module"], bool(e.get("outer"))), Target(e["module"], outer=bool(e.get("outer"))))
             if s.key not in t.keys:
                 t.keys.append(s.key)
         return Plan(list(specs.values()), list(targets.values()))

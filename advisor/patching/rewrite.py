@@ -50,6 +50,17 @@ def set_caller(token) -> Any:
     return old
 
 
+def outer_override() -> bool | None:
+    """Whether outer captures run (True/False) inside a `whole` block; None: each as selection set it."""
+    return getattr(_RUNTIME, "outer", None)
+
+
+def set_outer(on: bool | None) -> bool | None:
+    old = outer_override()
+    _RUNTIME.outer = on
+    return old
+
+
 def patches_are_off() -> bool:
     return getattr(_RUNTIME, "off", False)
 

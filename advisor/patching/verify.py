@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_map
 
 from advisor.bench.compare import Comparison, compare_outputs
 from advisor.bench.timing import Stopwatch
-from advisor.patching import Patched, only, patch, patches_off
+from advisor.patching import Patched, only, patch, patches_off, whole
+from advisor.patching.capture import launched_sites
 
 
 @dataclass
@@ -91,3 +92,26 @@ def float32_reference(module: torch.nn.Module, args: tuple, kwargs: dict) -> Cal
             del twin
 
     return run
+
+
+def check_outer(call: Callable[[], object], handle: Patched, exact: Callable[[], object] | None = None) -> dict:
+    """Runs the outer captures (the whole stack as one graph, see `capture`) once against the unpatched
+    model. Returns {pattern key: sites launched} of that call; on different outputs (or a capture that
+    fails) the outer captures are marked failed, never to run, and the layer captures stay in charge."""
+    live = [f for f in handle.outer if not f.failed]
+    if not live:
+        return {}
+    with patches_off():
+        ref = call()
+    before = handle.launches()
+    with whole(True):
+        out = call()
+    after = handle.launches()
+    cmp = compare_outputs(ref, out)
+    if not cmp.ok and exact is not None and (exact_out := exact()) is not None:
+        cmp = compare_outputs(ref, out, exact_out)
+    if not cmp.ok:
+        for f in live:
+            f.failed = f"outer capture: outputs differ from the unpatched model ({cmp.reason})"
+        return {}
+    return launched_sites(before, after)

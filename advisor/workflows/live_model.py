@@ -33,7 +33,7 @@ from advisor.patching.verify import check, float32_reference
 from advisor.workflows import plan_cache
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.outcome import interpreter_only, launched_sites, pattern_status
-from advisor.workflows.selection import keep_faster, time_patterns
+from advisor.workflows.selection import keep_faster, mark_kept, time_patterns
 
 @dataclass
 class OptimizeReport:
@@ -107,6 +107,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
             handle = patch(model, plan)
             enabled = json.loads((out_dir / "apply.json").read_text()).get("enabled")
             handle.enable(None if enabled is None else frozenset(enabled))  # as selected when it was stored
+            handle.set_outer(bool(json.loads((out_dir / "apply.json").read_text()).get("outer")))
     else:
         with phases("profile"):
             trace_dir = profile_calls(call, out_dir, device, calls)
@@ -138,11 +139,19 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         call()
     with phases("check"):
         call_in_inference_mode()
-    records = pattern_status(records, specs, handle, chk.dropped, doc, launched_sites(before, handle.launches()))
+    launched = launched_sites(before, handle.launches())
+    records = pattern_status(records, specs, handle, chk.dropped, doc, launched)
     selection = timed = None
     if select is not False and not reused:  # a reused plan was selected when it was stored
         with phases("select"):
-            selected, selection = keep_faster(call, handle, device, records, iters)
+            selected, selection = keep_faster(call, handle, device, records, iters,
+                                              float32_reference(model, args, kwargs))
+            if selection.get("outer"):  # handed back whole: its inference-mode graph too, not in the user's loop
+                call_in_inference_mode()
+        if selection.get("outer_sites") is not None and selection.get("state"):
+            # statuses as selection left them: patterns fused only across layers are patched or not kept by it
+            records = _final_status(records, specs, selected, chk.dropped, doc,
+                                    selection["outer_sites"] if selection.get("outer") else launched, selection)
         timed = selection.pop("timing", None)
         if selected is not handle or selection.get("state") not in (None, "all"):
             timed, handle = None, selected  # what runs now is not the all-patched state timed first
@@ -155,11 +164,23 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
            "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
            "plan_key_parts": key_parts, "selection": selection,
            "enabled": sorted(handle.enabled) if handle.enabled is not None else None,
+           "outer": handle.outer_on,
            "skipped_targets": getattr(plan, "skipped", {})}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
         plan_cache.store(out_dir, key)
     return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds, selection)
+
+
+def _final_status(records, specs, handle, dropped, doc, launched, selection) -> list:
+    """Statuses once selection chose between the layer captures and the outer ones (patterns fused only
+    across layers are patched, or not kept, by that choice)."""
+    records = pattern_status(records, specs, handle, dropped, doc, launched, selected=True)
+    key_of = {s.candidate: s.key for s in handle.plan.patterns}
+    enabled = handle.enabled if handle.enabled is not None else frozenset(key_of.values())
+    mark_kept(records, key_of, enabled, True)
+    selection["kept"] = [r["candidate"] for r in records if r.get("kept")]
+    return records
 
 
 def split_inputs(example_inputs) -> tuple[tuple, dict]:

@@ -6,19 +6,25 @@ script built (`user_script.Handles`); both answer `sites`, `site_objects`, `reje
 """
 from __future__ import annotations
 
+from advisor.patching.capture import launched_sites  # noqa: F401  (re-exported: the workflows' name for it)
 from advisor.status import Status
 
 
 def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict | None = None,
-                   launched: dict | None = None) -> list:
+                   launched: dict | None = None, selected: bool = False) -> list:
     """Each apply.json pattern record plus whether it is patched, where, and if not why (`status_code`
     and `status`). `launched`: {pattern key: sites whose launcher ran on the example inputs}; without
-    it, sites substituted in the captured graphs count."""
+    it, sites substituted in the captured graphs count. `selected`: selection has timed the states
+    (an outer capture left off was then measured slower, not merely untried)."""
     by_cand = {s.candidate: s for s in specs}
     captured_keys = {k for t in getattr(getattr(handle, "plan", None), "targets", []) for k in t.keys}
     skipped = getattr(getattr(handle, "plan", None), "skipped", {}) or {}
     uncaptured = getattr(getattr(handle, "plan", None), "uncaptured", {}) or {}
     enabled = getattr(handle, "enabled", None)  # a reused plan: what selection kept when it was stored
+    plan = getattr(handle, "plan", None)
+    outer_only = plan.outer_only_keys() if plan is not None else set()
+    outer_on = getattr(handle, "outer_on", False)
+    outer_names = [q or "the model" for q, f in getattr(handle, "forwards", {}).items() if f.outer]
     out = []
     for r in records:
         r = dict(r)
@@ -41,6 +47,14 @@ def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict 
             where = f"{mods[0]}{f' (+{len(mods) - 1} more)' if len(mods) > 1 else ''}: {skipped.get(mods[0])}" \
                 if mods else "no module of the model holds all its ops"
             code, why = Status.NOT_CAPTURED, f"not patched: its occurrences span modules that are not captured ({where})"
+        elif s.key in outer_only and not outer_on:
+            where = outer_names[0] if outer_names else "the modules holding its occurrences"
+            mods = uncaptured.get(s.key) or [where]
+            code, why = Status.NOT_KEPT if selected else Status.NOT_CAPTURED, \
+                f"not patched: its ops lie in {mods[0]}, which holds several captured layers; fused only by the " \
+                f"outer capture of {where}, which " + \
+                ("selection measured no faster than the layer captures" if selected else
+                 "runs only once selection has timed it faster than the layer captures (on a GPU)")
         elif not sites and handle is not None and not getattr(handle, "reached", True):
             code, why = Status.NOT_CALLED, "not patched: no module of the plan was called"
         elif not substituted:
@@ -79,14 +93,4 @@ def interpreter_only(records: list, specs: list) -> list:
             r["status_code"] = Status(r.get("status_code") or Status.NOT_GENERATED)
             r["status"] = r.get("reason") or "no kernel"
         out.append(r)
-    return out
-
-
-def launched_sites(before: dict, after: dict) -> dict:
-    """{pattern key: (site, patched module) pairs whose launcher ran between two `Patched.launches()`
-    snapshots}: a pattern substituted once in a capture that ten layers share runs at ten sites."""
-    out: dict = {}
-    for (site, caller), n in after.items():
-        if n > before.get((site, caller), 0):
-            out[site.key] = out.get(site.key, 0) + 1
     return out

@@ -7,10 +7,12 @@ Triton's interpreter) nothing is timed and nothing dropped.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from advisor.bench import timing  # read at call time: tests replace its clocks
-from advisor.patching import only, patch, patches_off
+from advisor.patching import only, patch, patches_off, whole
+from advisor.patching.verify import check_outer
 from advisor.status import Status
 
 
@@ -18,9 +20,23 @@ from advisor.status import Status
 class Option:
     """One state the model can be handed back in, and what it measured."""
 
-    name: str  # "all" | "kept" | "captured" (captures replayed, every site on its original ops)
+    name: str  # "all" | "kept" | "captured" (captures replayed, every site on its original ops) | "whole*"
     enabled: frozenset | None  # pattern keys whose launchers run (None: every one)
     ms: float
+    outer: bool = False  # the outer capture (the whole stack as one graph) instead of the layer captures
+
+
+DESCRIBE = {"all": "every patched pattern", "kept": "the {n} patterns that saved time alone",
+            "captured": "the captured layers replayed as CUDA graphs, every site on its original ops",
+            "whole": "the whole stack captured as one graph (fusing across layers), every pattern",
+            "whole_kept": "the whole stack captured as one graph, with the {n} patterns that saved time alone"}
+
+
+@contextlib.contextmanager
+def state(enabled, outer: bool):
+    """The model runs in one selectable state inside this block."""
+    with whole(outer), only(enabled):
+        yield
 
 
 def choose(before_ms: float, noise_ms: float, options: list[Option]) -> Option | None:
@@ -31,10 +47,12 @@ def choose(before_ms: float, noise_ms: float, options: list[Option]) -> Option |
     return best if best is not None and best.ms < before_ms - margin else None
 
 
-def keep_faster(call, handle, device: str, records: list, iters: int = 20) -> tuple:
+def keep_faster(call, handle, device: str, records: list, iters: int = 20, exact=None) -> tuple:
     """On a GPU, never leave the model slower: time each patched pattern alone (`time_patterns`); then time,
     side by side with the unpatched model, every pattern on, only those that saved time alone, and the
-    captures with no kernel (their CUDA-graph replay alone), and hand back the fastest (`choose`) as
+    captures with no kernel (their CUDA-graph replay alone), the outer captures where the plan has them
+    (each whole stack as one graph; checked against the unpatched outputs first, `exact` as in `check`,
+    their launched sites in `outer_sites`), and hand back the fastest (`choose`) as
     timed, or the model unpatched. Marks `kept` (and why not) on the records; returns (the handle now in
     force, the decision). Without meaningful timing nothing is dropped."""
     patched = [r for r in records if r.get("patched")]
@@ -50,15 +68,23 @@ def keep_faster(call, handle, device: str, records: list, iters: int = 20) -> tu
     alone_kept = frozenset(key_of[r["candidate"]] for r in patched
                            if ((r.get("applied_alone") or {}).get("saved_us_per_iter") or 0) > 0)
     every = frozenset(key_of[r["candidate"]] for r in patched)
-    states = {"all": None, "captured": frozenset()}
+    states = {"all": (None, False), "captured": (frozenset(), False)}
     if alone_kept and alone_kept != every:
-        states["kept"] = alone_kept
+        states["kept"] = (alone_kept, False)
+    if handle.outer:
+        out["outer_sites"] = check_outer(call, handle, exact)
+        out["outer_check"] = next((f.failed for f in handle.outer if f.failed), "outputs as unpatched")
+    if any(not f.failed for f in handle.outer):
+        states["whole"] = (None, True)
+        if "kept" in states:
+            states["whole_kept"] = (alone_kept, True)
     # The final comparison, in one interleaved run: what is chosen is what was timed last.
-    t = timing.time_configs(call, {"before": patches_off, **{k: (lambda e: lambda: only(e))(e) for k, e in states.items()}},
-                     device, iters=iters)
+    t = timing.time_configs(call, {"before": patches_off, **{k: (lambda e, o: lambda: state(e, o))(*eo)
+                                                             for k, eo in states.items()}},
+                            device, iters=iters)
     before = t["before"].median_ms
     noise = max(x.spread_ms for x in t.values())
-    options = [Option(k, e, t[k].median_ms) for k, e in states.items()]
+    options = [Option(k, e, t[k].median_ms, o) for k, (e, o) in states.items()]
     out["final"] = {k: round(v.median_ms, 4) for k, v in t.items()} | {"noise_ms": round(noise, 4)}
     best = choose(before, noise, options)
     if best is None:
@@ -68,21 +94,29 @@ def keep_faster(call, handle, device: str, records: list, iters: int = 20) -> tu
         enabled = frozenset()
     else:
         handle.enable(best.enabled)
+        handle.set_outer(best.outer)
         enabled = every if best.enabled is None else best.enabled
-        what = {"all": "every patched pattern", "kept": f"the {len(enabled)} patterns that saved time alone",
-                "captured": "the captured layers replayed as CUDA graphs, every site on its original ops"}[best.name]
+        what = DESCRIBE[best.name].format(n=len(enabled))
         out["decision"] = f"kept {what}: {before:.3f} -> {best.ms:.3f} ms end to end (noise {noise:.3f} ms)"
         out["state"] = best.name
+        out["outer"] = best.outer
     out["enabled"] = sorted(enabled) if best is not None else None
-    out["kept"] = [r["candidate"] for r in patched if key_of[r["candidate"]] in enabled and best is not None]
-    for r in patched:
-        r["kept"] = r["candidate"] in out["kept"]
+    mark_kept(records, key_of, enabled if best is not None else frozenset(), best is not None)
+    out["kept"] = [r["candidate"] for r in records if r.get("kept")]
+    return handle, out
+
+
+def mark_kept(records: list, key_of: dict, enabled: frozenset, anything_kept: bool) -> None:
+    """`kept` and the status of each patched record once selection has chosen which patterns run."""
+    for r in records:
+        if not r.get("patched"):
+            continue
+        r["kept"] = key_of[r["candidate"]] in enabled
         r["status_code"] = Status.PATCHED if r["kept"] else Status.NOT_KEPT
         alone = (r.get("applied_alone") or {}).get("saved_us_per_iter")
         r["status"] = "patched" if r["kept"] else \
             (f"not kept: {alone:+.0f} µs per call alone" if alone is not None else "not kept") + \
-            ("" if best is not None or alone is None or alone <= 0 else ", but no patched state was faster end to end")
-    return handle, out
+            ("" if anything_kept or alone is None or alone <= 0 else ", but no patched state was faster end to end")
 
 
 def time_patterns(call, handle, device: str, iters: int, records: list) -> dict:
