@@ -280,6 +280,8 @@ def table(doc: dict) -> str:
         kept = ", ".join(p["title"].split(":")[0] for p in r["patterns"] if p["status_code"] == "patched")
         state = (r.get("selection") or {}).get("state")
         kept = kept or ("the captures alone (CUDA-graph replay, no kernel)" if state == "captured" else "unpatched")
+        if state in ("whole", "whole_kept"):
+            kept = "whole stack as one capture: " + kept
         rows.append(f"| {name} | {t['eager']['median_ms']:.3f} ({t['eager']['spread_ms']:.2f}) | "
                     f"{t['advisor']['median_ms']:.3f} ({s['advisor']:.2f}x) | "
                     f"{t['compile']['median_ms']:.3f} ({s['compile']:.2f}x) | {r['optimize_s']} | "
