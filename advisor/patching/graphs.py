@@ -136,13 +136,15 @@ class Graphed:
         self.out_bytes = out_bytes
         self.recordings: OrderedDict = OrderedDict()
         self.failed: str | None = None
+        self.not_replayed: dict[str, int] = {}  # why calls ran op by op -> how many (diagnostics)
         _LIVE.add(self)
 
     def __call__(self, *args):
         if self.failed or not replay_enabled():
             return self.fn(*args)
         key = self._key(args)
-        if key is None:
+        if isinstance(key, str):
+            self.not_replayed[key] = self.not_replayed.get(key, 0) + 1
             return self.fn(*args)
         rec = self.recordings.get(key)
         if rec is None:
@@ -158,27 +160,27 @@ class Graphed:
                 self.recordings.popitem(last=False)
         return self._run(rec, args)
 
-    def _key(self, args) -> tuple | None:
-        """What a recording depends on beyond the capture's guards, or None when it cannot be replayed."""
+    def _key(self, args) -> tuple | str:
+        """What a recording depends on beyond the capture's guards, or why it cannot be replayed."""
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return None
+            return "autograd"
         parts = [rewrite.enabled_keys()]
         copied = self.out_bytes
         for a in args:
             if not isinstance(a, torch.Tensor):
                 parts.append(("v", a))
             elif a.device.type != self.recorder.device_type:
-                return None
+                return "an input off the GPU"
             elif isinstance(a, torch.nn.Parameter):
                 parts.append(a.data_ptr())
             else:
                 nbytes = a.untyped_storage().nbytes()
                 if nbytes > MAX_STORAGE_RATIO * max(1, a.numel() * a.element_size()) and nbytes > 1 << 20:
-                    return None
+                    return f"an input's storage ({nbytes >> 20} MiB) far larger than its view"
                 parts.append((nbytes, a.storage_offset()))
                 copied += nbytes
         if self.ops is not None and 2 * copied / COPY_BYTES_PER_S > self.ops * HOST_S_PER_OP:
-            return None  # the copies would cost the GPU more than the launches cost the host
+            return "copies in and out would cost more than the launches"
         return tuple(parts)
 
     def _record(self, args) -> Recording:
