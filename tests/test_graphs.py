@@ -92,6 +92,20 @@ def test_not_replayed_when_it_cannot_be():
     assert g.recorder.records == 1 and len(g.recordings) == 1
 
 
+def test_a_host_scalar_input_is_read_by_value_one_recording_per_value():
+    """HF layers pass 0-dim CPU tensors beside GPU ones: a kernel reads such a tensor by value at launch,
+    so it is part of the recording's key (a new value records anew); a larger CPU tensor is refused."""
+    class OnTheGpu(ReplayOnCpu):
+        device_type = "cuda"
+
+    g = Graphed(lambda s: [torch.arange(3.0) * s], OnTheGpu())
+    for v in (2.0, 3.0, 2.0, 3.0):
+        assert torch.equal(g(torch.tensor(v))[0], torch.arange(3.0) * v)
+    assert g.recorder.records == 2 and not g.not_replayed
+    g(torch.ones(3))
+    assert list(g.not_replayed) == ["an input off the GPU (cpu, shape [3])"]
+
+
 def test_a_failed_recording_runs_op_by_op_from_then_on():
     g = Graphed(affine, ReplayOnCpu(fail=True))
     w = torch.nn.Parameter(torch.ones(2), requires_grad=False)

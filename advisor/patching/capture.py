@@ -341,7 +341,11 @@ class PatchedForward:
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # traced by an outer capture (or the user's torch.compile): inlined
-            return self.original()(*args, **kwargs)
+            # (a plain call: dynamo cannot trace `function.__get__`, and a graph break inside the outer
+            # capture's layer loop made dynamo skip the whole stack's frame)
+            if self.saved is not None:
+                return self.saved(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
         m = self.module
         if rewrite.patches_are_off() or not self.on() or _needs_autograd(m, args, kwargs):
             return self.original()(*args, **kwargs)

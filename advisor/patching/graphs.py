@@ -8,6 +8,7 @@ GELU fused, device busy 19.0 -> 14.6 ms, call 25.8 -> 25.3 ms). A CUDA graph rep
 The contract of a CUDA graph is fixed addresses, so:
 - parameters are read in place: a graph is recorded per set of parameter addresses (twelve layers that
   share one captured function get twelve graphs);
+- a 0-dim CPU tensor is read by value at launch: it is part of the recording's key, never copied;
 - every other tensor input is copied into a static buffer with the input's storage size, offset and
   strides (the graph may read through `as_strided` views relative to the storage), before each replay;
 - every output is copied out after the replay: nothing handed to the caller is overwritten later;
@@ -169,8 +170,10 @@ class Graphed:
         for a in args:
             if not isinstance(a, torch.Tensor):
                 parts.append(("v", a))
+            elif _host_scalar(a, self.recorder.device_type):
+                parts.append(("host scalar", a.dtype, a.item()))  # read by value at launch: part of the graph
             elif a.device.type != self.recorder.device_type:
-                return "an input off the GPU"
+                return f"an input off the GPU ({a.device.type}, shape {list(a.shape)})"
             elif isinstance(a, torch.nn.Parameter):
                 parts.append(a.data_ptr())
             else:
@@ -184,8 +187,9 @@ class Graphed:
         return tuple(parts)
 
     def _record(self, args) -> Recording:
-        inputs = [_static_like(a) if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) else None
-                  for a in args]
+        dev = self.recorder.device_type
+        inputs = [_static_like(a) if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
+                  and not _host_scalar(a, dev) else None for a in args]
         static_args = [a if s is None else s for a, s in zip(args, inputs)]
         _copy_in(inputs, args)
         replay, outs = self.recorder.record(self.fn, static_args)
@@ -196,6 +200,12 @@ class Graphed:
         _copy_in(rec.inputs, args)
         rec.replay()
         return _copy_out(rec.outputs)
+
+
+def _host_scalar(a: torch.Tensor, device_type: str) -> bool:
+    """A 0-dim CPU tensor beside device tensors (HF layers pass some): kernels take it by value at
+    launch, so a recording is keyed by its value instead of copying it (one graph per value seen)."""
+    return a.dim() == 0 and a.device.type == "cpu" and device_type != "cpu"
 
 
 def _static_like(a: torch.Tensor) -> torch.Tensor:
