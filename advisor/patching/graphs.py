@@ -188,8 +188,8 @@ class Graphed:
 
     def _record(self, args) -> Recording:
         dev = self.recorder.device_type
-        inputs = [_static_like(a) if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
-                  and not _host_scalar(a, dev) else None for a in args]
+        inputs = [_static_like(a, pinned=_host_scalar(a, dev))
+                  if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) else None for a in args]
         static_args = [a if s is None else s for a, s in zip(args, inputs)]
         _copy_in(inputs, args)
         replay, outs = self.recorder.record(self.fn, static_args)
@@ -203,15 +203,18 @@ class Graphed:
 
 
 def _host_scalar(a: torch.Tensor, device_type: str) -> bool:
-    """A 0-dim CPU tensor beside device tensors (HF layers pass some): kernels take it by value at
-    launch, so a recording is keyed by its value instead of copying it (one graph per value seen)."""
+    """A 0-dim CPU tensor beside device tensors (HF layers pass some). A kernel may take it by value at
+    launch (baked into the graph: the recording is keyed by its value, one graph per value seen) or
+    copy it to the GPU (legal while recording only from pinned memory: its static buffer is pinned)."""
     return a.dim() == 0 and a.device.type == "cpu" and device_type != "cpu"
 
 
-def _static_like(a: torch.Tensor) -> torch.Tensor:
+def _static_like(a: torch.Tensor, pinned: bool = False) -> torch.Tensor:
     """A tensor laid out like `a` (size, strides, storage offset) on a storage of its own, as large."""
+    pin = pinned and torch.cuda.is_available()
     with torch.inference_mode(False):  # a normal tensor: copied into inside or outside inference mode
-        storage = torch.empty(a.untyped_storage().nbytes(), dtype=torch.uint8, device=a.device).untyped_storage()
+        storage = torch.empty(a.untyped_storage().nbytes(), dtype=torch.uint8, device=a.device,
+                              pin_memory=pin).untyped_storage()
         return torch.empty(0, dtype=a.dtype, device=a.device).set_(storage, a.storage_offset(), a.size(), a.stride())
 
 
