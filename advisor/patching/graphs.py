@@ -122,9 +122,27 @@ class CudaRecorder:
             try:
                 outs = fn(*args)
             finally:
-                graph.capture_end()
+                try:
+                    graph.capture_end()
+                except Exception:
+                    self._abandon(device, pool)
+                    raise
         torch.cuda.current_stream(device).wait_stream(stream)
         return graph.replay, list(outs)
+
+    @classmethod
+    def _abandon(cls, device: torch.device, pool) -> None:
+        """After a recording the GPU invalidated (a synchronising op inside it), `capture_end` raises before
+        telling the allocator the recording is over, so every later recording into the pool failed
+        ('beginAllocateToPool: already recording'): end it here, and record the next ones in a new pool
+        (graphs already recorded keep theirs)."""
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is not None:
+            try:
+                end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+            except Exception:  # already ended (the failure came later): nothing to undo
+                pass
+        cls._pools.pop(device, None)
 
 
 class Graphed:
