@@ -26,10 +26,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import traceback
 import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -170,7 +172,7 @@ class Graphed:
             try:
                 rec = self._record(args)
             except Exception as e:  # an op that cannot be recorded: this function runs op by op from now on
-                self.failed = f"{type(e).__name__}: {e}"
+                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{_where(e)}"
                 warnings.warn(f"fusion-advisor: CUDA graph of a patched forward not used ({self.failed})",
                               RuntimeWarning, stacklevel=2)
                 return self.fn(*args)
@@ -218,6 +220,13 @@ class Graphed:
         _copy_in(rec.inputs, args)
         rec.replay()
         return _copy_out(rec.outputs)
+
+
+def _where(e: BaseException) -> str:
+    """` (at file:line, ...)`: the innermost frames a recording failed in (which op could not be recorded)."""
+    frames = traceback.extract_tb(e.__traceback__)[-3:]
+    return " (at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line or ''}".strip() for f in reversed(frames)) + ")" \
+        if frames else ""
 
 
 def _host_scalar(a: torch.Tensor, device_type: str) -> bool:
