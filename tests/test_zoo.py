@@ -257,6 +257,26 @@ def test_other_shapes(zoo):
                              run(zoo.ref, other)))
 
 
+def test_whole_stack(zoo):
+    """The outer capture over the layers (one graph for the whole stack, fusing across layers), which
+    selection switches on where it measures faster on a GPU: switched on here, it gives the unpatched
+    model's outputs on the example inputs and on other shapes, whatever dynamo makes of the stack."""
+    zoo.ready()
+    handle = zoo.report.handle
+    if not handle.outer:
+        pytest.skip(f"{zoo.arch.name}: the plan has no outer capture (one capture holds every pattern)")
+    other = zoo.arch.inputs(*zoo.arch.other)
+    try:
+        handle.set_outer(True)
+        bad = differences(f"{zoo.arch.name} (whole stack, example inputs)", run(zoo.model, zoo.inputs),
+                          run(zoo.ref, zoo.inputs))
+        bad += differences(f"{zoo.arch.name} (whole stack, (batch, size) = {zoo.arch.other})", run(zoo.model, other),
+                           run(zoo.ref, other))
+    finally:
+        handle.set_outer(False)
+    _assert_none(bad)
+
+
 def _buffers(name: str, model, ref) -> list[str]:
     b, r = dict(model.named_buffers()), dict(ref.named_buffers())
     return [f"{name}: buffer `{k}` differs after the call" for k in r
