@@ -54,7 +54,8 @@ def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict 
                 f"not patched: its ops lie in {mods[0]}, which holds several captured layers; fused only by the " \
                 f"outer capture of {where}, which " + \
                 ("selection measured no faster than the layer captures" if selected else
-                 "runs only once selection has timed it faster than the layer captures (on a GPU)")
+                 "runs only where selection has timed it faster than the layer captures (`advisor.optimize` "
+                 "on a GPU; `apply` does not try it yet)")
         elif not sites and handle is not None and not getattr(handle, "reached", True):
             code, why = Status.NOT_CALLED, "not patched: no module of the plan was called"
         elif not substituted:
