@@ -656,7 +656,8 @@ def _mark(adv: dict, kept: set) -> None:
 def slim_pattern(p: dict) -> dict:
     """An apply.json pattern record without the kernel source, plus estimate vs measured."""
     alone = p.get("applied_alone") or {}
-    est, meas = p.get("est_time_saved_us"), alone.get("saved_us_per_iter")
+    # the estimate for the sites actually patched (selection.estimate_for_sites), else the whole pattern's
+    est, meas = alone.get("est_saved_us_per_iter", p.get("est_time_saved_us")), alone.get("saved_us_per_iter")
     out = {"candidate": p.get("candidate"), "pattern_id": p.get("pattern_id"), "title": p.get("title"),
            "occurrences": p.get("occurrences"), "validated": p.get("validated"), "patched": bool(p.get("patched")),
            "sites": p.get("sites"), "status": p.get("status") or p.get("reason"),

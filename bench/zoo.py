@@ -269,6 +269,24 @@ def _geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
+def _us(x) -> str:
+    return f"{x:.0f}" if isinstance(x, (int, float)) else "–"
+
+
+def estimates(doc: dict) -> str:
+    """How many kept patterns' measured saving lies within ±25% of the analyzer's estimate for their sites."""
+    pairs = []
+    for r in doc["results"].values():
+        for p in r.get("patterns", []):
+            alone = p.get("applied_alone") or {}
+            est, meas = alone.get("est_saved_us_per_iter"), alone.get("saved_us_per_iter")
+            if p.get("status_code") == "patched" and isinstance(est, (int, float)) and est > 0 \
+                    and isinstance(meas, (int, float)):
+                pairs.append(abs(meas / est - 1) <= 0.25)
+    return (f"Estimate vs measured: {sum(pairs)} of {len(pairs)} kept patterns within ±25% of the analyzer's estimate "
+            "for the sites patched (target: 80%).") if pairs else ""
+
+
 def table(doc: dict) -> str:
     rows = ["| model | eager ms (spread) | advisor ms (x) | compile ms (x) | optimize s | compile 1st s | kernels e/a/c | "
             "handed back |", "|---|---|---|---|---|---|---|---|"]
@@ -300,7 +318,7 @@ def markdown(doc: dict) -> str:
     out = ["# Model zoo on the GPU, timed in the user's loop (bench/zoo.py)", "",
            "Each model in its own process: eager (untouched copy), `advisor.optimize` with its defaults, and "
            "`torch.compile` (default), timed interleaved with CUDA events in `with torch.no_grad(): model(...)`; "
-           "bf16, random weights. Speedups are over this process's eager.", "", table(doc), ""]
+           "bf16, random weights. Speedups are over this process's eager.", "", table(doc), "", estimates(doc), ""]
     for name, r in doc["results"].items():
         if "error" in r:
             continue
@@ -317,7 +335,8 @@ def markdown(doc: dict) -> str:
                 "| pattern | status | est. µs | measured alone µs |", "|---|---|---|---|"]
         for p in r["patterns"]:
             alone = (p.get("applied_alone") or {}).get("saved_us_per_iter")
-            out.append(f"| {p['candidate']} {p['title']} | {p['status']} | {p.get('est_time_saved_us')} | {alone} |")
+            est = (p.get("applied_alone") or {}).get("est_saved_us_per_iter", p.get("est_time_saved_us"))
+            out.append(f"| {p['candidate']} {p['title']} | {p['status']} | {_us(est)} | {_us(alone)} |")
         out.append("")
     return "\n".join(out)
 
