@@ -168,3 +168,44 @@ def test_selection_hands_back_the_whole_stack_when_it_is_faster(tmp_path, monkey
     assert json.loads((again.out_dir / "apply.json").read_text())["plan_reused"]
     assert again.handle.outer_on
     torch.testing.assert_close(logits(fresh, batch()), logits(untouched, batch()), rtol=1e-4, atol=1e-4)
+
+
+def test_apply_keeps_the_whole_stack_when_it_is_faster(tmp_path, monkeypatch):
+    """`fusion-advisor apply` selects as `optimize` does: on the script's recorded steady-state call it
+    checks the outer capture, times it beside the layer captures (fake clocks here, everything else
+    real) and keeps it where faster; apply.json says so and `advisor.patch(model, OUT)` switches it on."""
+    from rich.console import Console
+
+    import advisor.workflows.user_script as user_script
+    from advisor.patching import load_plan
+
+    def time_patterns(call, handle, device, iters, records):
+        for r in records:
+            if r.get("patched"):
+                r["applied_alone"] = {"saved_us_per_iter": 10.0, "spread_us": 1.0}
+        return {"timing_meaningful": True, "before_ms": 10.0, "after_ms": 8.0, "speedup": 1.25, "iters": 20,
+                "method": "fake clock", "noise_ms": 0.01}
+
+    final = {"before": 10.0, "after": 8.0, "whole": 6.0}
+
+    def time_configs(call, configs, device, iters=20):
+        for make in configs.values():
+            with make():
+                call()
+        return {k: _Clock(final[k]) for k in configs}
+
+    monkeypatch.setattr(user_script, "timing_meaningful", lambda device: True)
+    monkeypatch.setattr(user_script, "time_patterns", time_patterns)
+    monkeypatch.setattr(user_script, "time_configs", time_configs)
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "apply"
+    with open("/dev/null", "w") as sink:
+        doc = user_script.apply_script(root / "examples" / "hf_llama.py", ["--device", "cpu"], out, top=12,
+                                       device="cpu", console=Console(file=sink))
+    assert doc["outer"] and doc["selection"]["outer"] and "whole stack" in doc["selection"]["decision"], doc["selection"]
+    assert any(e["outer"] for e in doc["manifest"])
+    plan = load_plan(out)
+    outer_only = {s.candidate for s in plan.patterns if s.key in plan.outer_only_keys()}
+    assert plan.outer_on and outer_only
+    assert all(p["status_code"] == Status.PATCHED for p in doc["patterns"] if p["candidate"] in outer_only), \
+        [(p["candidate"], p["status"]) for p in doc["patterns"]]

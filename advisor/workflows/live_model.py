@@ -107,7 +107,6 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
             handle = patch(model, plan)
             enabled = json.loads((out_dir / "apply.json").read_text()).get("enabled")
             handle.enable(None if enabled is None else frozenset(enabled))  # as selected when it was stored
-            handle.set_outer(bool(json.loads((out_dir / "apply.json").read_text()).get("outer")))
     else:
         with phases("profile"):
             trace_dir = profile_calls(call, out_dir, device, calls)

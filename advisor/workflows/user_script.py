@@ -35,7 +35,8 @@ from advisor.status import Status
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.outcome import pattern_status
 from advisor.workflows.script_session import Session, intercept_roots, run_script
-from advisor.workflows.selection import time_patterns
+from advisor.patching.verify import check_outer
+from advisor.workflows.selection import mark_kept, state, time_patterns
 
 class Handles:
     """The patch handles of every model instance the script built, read as one."""
@@ -66,6 +67,21 @@ class Handles:
 
     def rejected(self, key):
         return [r for log in self._logs(key) for r in log.rejected.get(key, [])]
+
+    @property
+    def outer(self) -> list:
+        return [f for h in self.session.handles for f in h.outer]
+
+    @property
+    def outer_on(self) -> bool:
+        return any(h.outer_on for h in self.session.handles)
+
+    def set_outer(self, on: bool) -> None:
+        for h in self.session.handles:
+            h.set_outer(on)
+
+    def launches(self) -> dict:
+        return {k: n for h in self.session.handles for k, n in h.launches().items()}
 
     def manifest(self):
         out, seen = [], set()
@@ -105,12 +121,17 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
         with console.status("timing the steady state before and after …"):
             e2e = _benchmark(script, args, dev, steady, session, handles, records, iters)
             selection = select(records, e2e, session.recorded.get(root_class(steady.get("name") or "")), dev, iters,
-                               session.plan)
+                               session.plan, handles)
+        if selection.get("outer_sites") is not None:  # the whole stack kept: statuses as it runs the patterns
+            records = pattern_status(records, specs, handles, session.dropped, analysis.doc, selection["outer_sites"],
+                                     selected=True)
+            key_of = {sp.candidate: sp.key for sp in specs}
+            mark_kept(records, key_of, frozenset(key_of[c] for c in selection["kept"] if c in key_of), True)
         kept = set(selection["kept"])
         manifest = [e for e in handles.manifest() if e["candidate"] in kept]
         doc = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": dev,
                "script": str(script), "args": args, "patterns": records, "manifest": manifest,
-               "selection": selection,
+               "selection": selection, "outer": bool(selection.get("outer")),
                "checks": session.checks, "errors": session.errors, "end_to_end": e2e,
                "skipped_targets": plan.skipped}
         if not session.handles:
@@ -140,10 +161,12 @@ def _benchmark(script, args, dev, steady, session, handles, records, iters) -> d
             "note": "per-pattern contributions are measured only when the steady state is a module call"}
 
 
-def select(records: list, e2e: dict, recorded, dev: str, iters: int, plan) -> dict:
+def select(records: list, e2e: dict, recorded, dev: str, iters: int, plan, handles=None) -> dict:
     """What the plan keeps, as `optimize` decides it: patterns that save time alone, and only if together
     they beat the unpatched steady state (re-timed with just those when some were dropped); otherwise
-    none, and apply.json's manifest is empty (`advisor.patch(model, OUT)` then changes nothing).
+    none, and apply.json's manifest is empty (`advisor.patch(model, OUT)` then changes nothing). With a
+    recorded module call and an outer capture in the plan, the whole stack as one capture (checked
+    against the unpatched outputs first) is timed beside them and kept where it is faster.
     Marks `kept`, `status_code` and `status` on the records."""
     patched = [r for r in records if r.get("patched")]
     if not patched or not e2e.get("timing_meaningful"):
@@ -159,19 +182,50 @@ def select(records: list, e2e: dict, recorded, dev: str, iters: int, plan) -> di
         before, after = t["before"].median_ms, t["after"].median_ms
     elif kept and len(kept) < len(patched):
         kept = patched  # no per-pattern re-timing without a recorded module call: judged as a whole
+    whole = _time_whole(recorded, handles, plan, kept, dev, iters) if kept else None
+    if whole is not None and whole["whole_ms"] < whole["after_ms"]:
+        handles.set_outer(True)
+        kept = kept + [r for r in records if r not in kept and r["candidate"] in whole["outer_only"]]
+        before, after = whole["before_ms"], whole["whole_ms"]
     if not kept or after >= before:
         decision = (f"nothing kept: the patched steady state is not faster ({before:.3f} -> {after:.3f} ms)"
                     if kept else "nothing kept: no pattern saves time alone")
         kept = []
+        if handles is not None:
+            handles.set_outer(False)
     else:
         decision = f"kept {len(kept)} of {len(patched)}: {before:.3f} -> {after:.3f} ms"
+        if handles is not None and handles.outer_on:
+            decision += " (the whole stack as one capture, fusing across layers)"
     for r in patched:
         r["kept"] = r in kept
         if not r["kept"]:
             a = alone[r["candidate"]]
             r["status_code"] = Status.NOT_KEPT
             r["status"] = "not kept: " + (f"{a:+.0f} µs per call alone" if a is not None else "the whole set is not faster")
-    return {"decision": decision, "kept": [r["candidate"] for r in kept], "before_ms": before, "after_ms": after}
+    out = {"decision": decision, "kept": [r["candidate"] for r in kept], "before_ms": before, "after_ms": after}
+    if whole is not None:
+        out["outer"] = bool(handles.outer_on and kept)
+        out["outer_sites"] = whole["sites"] if out["outer"] else None
+        out["whole_ms"] = whole["whole_ms"]
+    return out
+
+
+def _time_whole(recorded, handles, plan, kept: list, dev: str, iters: int) -> dict | None:
+    """The recorded steady-state call with the outer captures on (after a check of their outputs), timed
+    against the unpatched and the layer-captured state with the `kept` patterns; None where the plan has
+    no outer capture or the script's steady state is not one module call."""
+    if recorded is None or handles is None or not handles.outer:
+        return None
+    sites = check_outer(recorded.replay, handles)
+    if not any(not f.failed for f in handles.outer):
+        return None
+    keys = {s.key for s in plan.patterns if s.candidate in {r["candidate"] for r in kept}} | plan.outer_only_keys()
+    t = time_configs(recorded.replay, {"before": patches_off, "after": lambda: state(keys, False),
+                                       "whole": lambda: state(keys, True)}, dev, iters=iters)
+    handles.set_outer(False)
+    return {"before_ms": t["before"].median_ms, "after_ms": t["after"].median_ms, "whole_ms": t["whole"].median_ms,
+            "sites": sites, "outer_only": {s.candidate for s in plan.patterns if s.key in plan.outer_only_keys()}}
 
 
 def _script_timing(script, args, dev, steady, plan, iters: int, max_runs: int = 10) -> dict:
