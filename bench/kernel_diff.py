@@ -87,7 +87,8 @@ def main() -> int:
         torch.cuda.synchronize()
         walls[k] = round((time.perf_counter() - t0) * 100, 3)  # ms per call
     doc = {"model": a.model, "shape": shape, "wall_ms": walls, "states": {k: kernels(f) for k, f in states.items()},
-           "graphs": [{"ops": g.ops, "recordings": len(g.recordings), "failed": g.failed, "not_replayed": g.not_replayed}
+           "graphs": [{"ops": g.ops, "recordings": len(g.recordings), "failed": g.failed, "not_replayed": g.not_replayed,
+                       "trace": g.failed_trace}
                       for g in list(graphs._LIVE)],
            "fallbacks": report.handle.fallbacks()}
     from torch._dynamo.utils import counters

@@ -157,6 +157,7 @@ class Graphed:
         self.out_bytes = out_bytes
         self.recordings: OrderedDict = OrderedDict()
         self.failed: str | None = None
+        self.failed_trace: str | None = None
         self.not_replayed: dict[str, int] = {}  # why calls ran op by op -> how many (diagnostics)
         _LIVE.add(self)
 
@@ -173,6 +174,7 @@ class Graphed:
                 rec = self._record(args)
             except Exception as e:  # an op that cannot be recorded: this function runs op by op from now on
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{_where(e)}"
+                self.failed_trace = traceback.format_exc()  # the whole of it, for a bug report
                 warnings.warn(f"fusion-advisor: CUDA graph of a patched forward not used ({self.failed})",
                               RuntimeWarning, stacklevel=2)
                 return self.fn(*args)
