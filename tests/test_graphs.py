@@ -175,3 +175,34 @@ def test_clear_recordings_frees_them_and_the_next_call_records_again():
     clear_recordings()
     assert not g.recordings
     assert torch.equal(g(w, torch.zeros(2))[0], torch.ones(2)) and g.recorder.records == 2
+
+
+def test_host_to_gpu_copies_of_safe_sources_become_recordable():
+    """A CUDA graph records a host-to-GPU copy only from pinned memory, asynchronously (Mistral's captures
+    copy a 0-dim step counter and its mask code's tensor constants, and never replayed). A 0-dim CPU input
+    (pinned and keyed by value by `Graphed`) and a graph constant (pinned once) become non_blocking
+    copies; other host tensors and copies that stay on the host are left alone."""
+    from advisor.patching.host_copies import make_host_copies_recordable
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    step, big, x = g.placeholder("step"), g.placeholder("big"), g.placeholder("x")
+    step.meta["val"], big.meta["val"], x.meta["val"] = torch.tensor(3), torch.ones(4), torch.ones(4)
+    lifted = g.call_function(aten.lift_fresh_copy.default, (g.get_attr("_tensor_constant0"),))
+    cuda = torch.device("cuda", 0)
+    copies = [g.call_function(aten._to_copy.default, (step,), {"dtype": torch.int64, "device": cuda}),
+              g.call_function(aten._to_copy.default, (lifted,), {"device": cuda}),
+              g.call_function(aten._to_copy.default, (big,), {"device": cuda}),
+              g.call_function(aten._to_copy.default, (x,), {"dtype": torch.float16})]
+    g.output(tuple(copies))
+    root = torch.nn.Module()
+    root._tensor_constant0 = torch.tensor([1, 2])
+    gm = torch.fx.GraphModule(root, g)
+    pinned = []
+    assert make_host_copies_recordable(gm, pin=lambda t: pinned.append(t) or t.clone()) == 2
+    by_input = {n.args[0].name: n for n in gm.graph.nodes if n.target is aten._to_copy.default}
+    assert by_input["step"].kwargs["non_blocking"] and by_input["_tensor_constant0"].kwargs["non_blocking"]
+    assert "non_blocking" not in by_input["big"].kwargs and "non_blocking" not in by_input["x"].kwargs
+    assert not any(n.target is aten.lift_fresh_copy.default for n in gm.graph.nodes)  # the GPU copy is fresh
+    assert len(pinned) == 1 and torch.equal(gm._tensor_constant0, torch.tensor([1, 2]))
+    assert make_host_copies_recordable(gm, pin=lambda t: pinned.append(t) or t) == 0  # done once

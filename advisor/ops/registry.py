@@ -153,6 +153,10 @@ for _n in _UNARY + _BINARY + _ALIASES + _CONVERT + _IDENTITY_IN_EVAL:
     register(f"aten::{_n}", OpClass.POINTWISE)
     register(f"aten::{_n.rstrip('_')}_", OpClass.POINTWISE, inplace=True)
 register("aten::copy_", OpClass.POINTWISE, inplace=True, tags=frozenset({"convert"}))
+# `_to_copy` may also move a tensor between devices: patching makes host-to-GPU ones recordable.
+_REGISTRY["aten::_to_copy"] = replace(_REGISTRY["aten::_to_copy"], tags=frozenset({"device_copy"}))
+# A fresh host copy of a graph's tensor constant (dynamo's graphs; never a GPU kernel).
+register("aten::lift_fresh_copy", OpClass.COMPOSITE, tags=frozenset({"constant_lift"}))
 register("aten::fill_", OpClass.POINTWISE, inplace=True)
 register("aten::zero_", OpClass.POINTWISE, inplace=True)
 

@@ -46,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from advisor.patching import rewrite
 from advisor.patching.graphs import Graphed
+from advisor.patching.host_copies import make_host_copies_recordable
 from advisor.patching.match import Pattern, find
 from advisor.patching.plan import PatternSpec
 from advisor.patching.program import program_graph, run_program
@@ -147,6 +148,8 @@ class Backend:
 
         def inference(g, _):
             self.rewrite(g)
+            if self.device.type == "cuda":
+                make_host_copies_recordable(g)
             run = g.forward if self.device.type != "cuda" else \
                 Graphed(g.forward, ops=_ops(g.graph), out_bytes=_output_bytes(g.graph))
             return make_boxed_func(_counted(run))

@@ -1,0 +1,79 @@
+"""Host-to-GPU copies inside a captured graph, made recordable as CUDA graphs.
+
+A CUDA graph records a copy from host memory only when the memory is pinned and the copy asynchronous:
+a plain `_to_copy(x, device="cuda")` of a CPU tensor stops the recording ("operation not permitted when
+stream is capturing"), and the captured module then runs op by op, slower than eager (the H100 zoo's
+Mistral: its layers copy a 0-dim step counter to the GPU, its whole stack the tensor constants its mask
+code creates). Two sources are made safe, both pinned and never changed while a recording may read them:
+- a 0-dim CPU graph input: `graphs.Graphed` keys each recording by its value and keeps it in a pinned
+  buffer (see `graphs._host_scalar`);
+- a tensor constant of the graph (`get_attr`, read through `lift_fresh_copy`): pinned here, once.
+The copy reading one of them becomes `non_blocking`. Any other host tensor is left as it is: its
+recording fails, says where (`Graphed.failed`), and that capture runs op by op.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.fx import GraphModule, Node
+
+from advisor.ops.registry import lookup
+
+
+def _tagged(node: Node, tag: str) -> bool:
+    if node.op != "call_function" or not hasattr(node.target, "name"):
+        return False
+    info = lookup(node.target.name().split(".")[0])
+    return info is not None and tag in info.tags
+
+
+def _attr(gm: GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set_attr(gm: GraphModule, target: str, value) -> None:
+    *path, last = target.split(".")
+    owner = gm
+    for part in path:
+        owner = getattr(owner, part)
+    setattr(owner, last, value)
+
+
+def make_host_copies_recordable(gm: GraphModule, pin: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
+    """Rewrites `gm` in place; returns how many host-to-GPU copies became recordable. `pin` pins a
+    constant (tests on a machine without a GPU pass a stand-in)."""
+    pin = pin or (lambda t: t.pin_memory())
+    changed = 0
+    for node in list(gm.graph.nodes):
+        device = node.kwargs.get("device") if _tagged(node, "device_copy") else None
+        if device is None or torch.device(device).type != "cuda" or node.kwargs.get("non_blocking"):
+            continue
+        src = node.args[0]
+        if isinstance(src, Node) and _tagged(src, "constant_lift") and len(src.users) == 1 \
+                and isinstance(src.args[0], Node) and src.args[0].op == "get_attr":
+            node.replace_input_with(src, src.args[0])  # the copy to the GPU is fresh already
+            gm.graph.erase_node(src)
+            src = node.args[0]
+        if not isinstance(src, Node):
+            continue
+        if src.op == "get_attr":
+            const = _attr(gm, src.target)
+            if not isinstance(const, torch.Tensor) or const.device.type != "cpu":
+                continue
+            _set_attr(gm, src.target, pin(const))
+        elif src.op == "placeholder":
+            v = src.meta.get("val")
+            if not (isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu"):
+                continue
+        else:
+            continue
+        node.kwargs = {**node.kwargs, "non_blocking": True}
+        changed += 1
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
