@@ -94,9 +94,10 @@ def grads_of(bw: Backward, saved, gouts, meta) -> list:
 class Trainable:
     """What a site runs when autograd needs it: the fused Function, where a validated backward exists."""
 
-    def __init__(self, program: dict, forward: Callable):
+    def __init__(self, program: dict, forward: Callable, launch: Callable | None = None):
         self.program = program
-        self.forward = forward  # inputs (tensors or numbers) -> outputs
+        self.forward = forward  # inputs (tensors or numbers) -> outputs, checked against the site's layouts
+        self.launch = launch or forward  # the same, unchecked: validation runs it at other sizes
         self.digest = digest(program)
         self.float_outputs = backward.float_outputs(program)
 
@@ -115,7 +116,7 @@ class Trainable:
                 if bw is None:
                     bw = _BACKWARDS[key] = build(self.program, key[1], xs[0].device if isinstance(xs[0], torch.Tensor)
                                                  else next(x.device for x in xs if isinstance(x, torch.Tensor)),
-                                                 self.forward)
+                                                 self.launch)
         return bw
 
     def __call__(self, xs) -> tuple | None:

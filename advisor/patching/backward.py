@@ -88,6 +88,14 @@ def example_inputs(program: dict, scalars: dict, device) -> list:
     return out
 
 
+def rules() -> dict:
+    """The derivative rules in use: {aten op overload: its decomposition}. Autograd's own formulas produce
+    the backward ops (`tanh_backward`, ...); these say what they compute in ops the generator lowers."""
+    from torch._decomp import core_aten_decompositions
+
+    return core_aten_decompositions()
+
+
 class _Decomposing(_Recorder):
     """The recorder, with every op the generator does not lower (and that is no view) replaced by its
     decomposition, recorded op by op."""
@@ -96,9 +104,7 @@ class _Decomposing(_Recorder):
 
     def __init__(self, inputs):
         super().__init__(inputs)
-        from torch._decomp import core_aten_decompositions
-
-        self.table = core_aten_decompositions()
+        self.table = rules()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
