@@ -46,6 +46,7 @@ class Backward:
     reason: str | None = None
     errors: dict = field(default_factory=dict)
     source: str = ""  # the generated backward kernel module's code
+    launches: int = 0  # backward passes run through it
 
 
 def digest(program: dict) -> str:
@@ -70,6 +71,7 @@ class FusedFunction(torch.autograd.Function):
     def backward(ctx, *gouts):
         # Output grads arrive materialised (zeros for an unused output); the kernel reads them dense.
         floats = [gouts[j].contiguous() for j in ctx.floats]
+        ctx.bw.launches += 1
         return (None, None, *grads_of(ctx.bw, ctx.saved_tensors, floats, ctx.meta))
 
 
@@ -124,6 +126,19 @@ class Trainable:
         if not bw.validated:
             return None
         return FusedFunction.apply(self.forward, bw, *xs)
+
+
+def summary() -> list[dict]:
+    """Every backward derived in this process: for which program and inputs, whether it validated (or
+    why not), how often it ran, and the bytes kept between the passes versus eager's estimate."""
+    out = []
+    for (dig, (needs, scalars, shapes)), bw in list(_BACKWARDS.items()):
+        d = bw.derived
+        out.append({"program": dig, "needs_grad": list(needs), "shapes": [list(s) if s else None for s in shapes],
+                    "validated": bw.validated, "reason": bw.reason, "launches": bw.launches,
+                    "saved_bytes": d.saved_bytes if d else None, "eager_saved_bytes": d.eager_saved_bytes if d else None,
+                    "errors": {k: v for k, v in bw.errors.items() if k != "shapes"}})
+    return out
 
 
 def _number(x):
