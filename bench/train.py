@@ -204,11 +204,11 @@ def markdown(doc: dict) -> str:
     for name, r in doc["results"].items():
         adv = r.get("modes", {}).get("advisor", {})
         if adv.get("backwards"):
-            out += [f"## {name}: derived backwards", "", "| program | validated | launches | saved MB | eager saved MB (est.) | reason |",
+            out += [f"## {name}: derived backwards", "", "| pattern | validated | launches | saved MB | eager saved MB (est.) | reason |",
                     "|---|---|---|---|---|---|"]
             for b in adv["backwards"]:
                 mb = lambda v: f"{v / 2**20:.1f}" if v else "—"  # noqa: E731
-                out.append(f"| {b['program']} | {b['validated']} | {b['launches']} | {mb(b['saved_bytes'])} | "
+                out.append(f"| {b.get('pattern') or b['program']} | {b['validated']} | {b['launches']} | {mb(b['saved_bytes'])} | "
                            f"{mb(b['eager_saved_bytes'])} | {(b['reason'] or '')[:160]} |")
             out.append("")
     return "\n".join(out)

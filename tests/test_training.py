@@ -93,6 +93,22 @@ def test_only_inputs_needing_grads_get_one():
     assert len(bw.derived.program["outputs"]) == 1
 
 
+def test_save_or_recompute_is_decided_by_bytes():
+    """Residual add + RMSNorm: reading the sum `h` (an output) keeps one tensor between the passes instead
+    of both addends; where an output may be written in place later, the backward recomputes from inputs."""
+    xs = [torch.randn(4, 16), torch.randn(4, 16), torch.randn(16)]
+    prog, t = trainable(add_rms, xs)
+    leaves = [x.clone().requires_grad_() for x in xs]
+    bw = t.backward_for(leaves)
+    assert bw.validated and bw.derived.saved_outputs == [1] and bw.derived.saved == [2]  # h and the weight
+    assert bw.derived.saved_bytes == (4 * 16 + 16) * 4
+    mod = load_module(generate(prog).path)
+    strict = ag.Trainable(prog, ag.module_forward(mod.run, prog), keep_outputs=False)
+    bw2 = strict.backward_for(leaves)
+    assert bw2.validated and bw2.derived.saved_outputs == [] and bw2.derived.saved == [0, 1, 2]
+    assert bw2.derived.saved_bytes > bw.derived.saved_bytes
+
+
 def test_planted_wrong_derivative_is_caught(monkeypatch):
     """A wrong rule for tanh's derivative: the derived kernel computes it faithfully, validation against
     autograd in float64 rejects it, and the call runs the original ops (the Trainable returns None)."""

@@ -47,6 +47,7 @@ class Backward:
     errors: dict = field(default_factory=dict)
     source: str = ""  # the generated backward kernel module's code
     launches: int = 0  # backward passes run through it
+    label: str = ""  # the pattern it serves (the first site that asked)
 
 
 def digest(program: dict) -> str:
@@ -62,7 +63,7 @@ class FusedFunction(torch.autograd.Function):
         d = bw.derived
         ctx.bw = bw
         ctx.meta = [(x.shape, x.dtype) if isinstance(x, torch.Tensor) else None for x in xs]
-        ctx.save_for_backward(*[xs[k] for k in d.saved])
+        ctx.save_for_backward(*[xs[k] for k in d.saved], *[outs[j] for j in d.saved_outputs])
         ctx.floats = [j for j, o in enumerate(outs) if o.is_floating_point()]
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return outs
@@ -78,7 +79,8 @@ class FusedFunction(torch.autograd.Function):
 def grads_of(bw: Backward, saved, gouts, meta) -> list:
     """Each input's gradient: a kernel output or an output grad, reduced over broadcast dims, in its dtype."""
     d = bw.derived
-    res = bw.module.run(*saved, *gouts) if bw.module is not None else ()
+    n = len(d.saved)  # the kernel's inputs: saved inputs, output grads, saved outputs
+    res = bw.module.run(*saved[:n], *gouts, *saved[n:]) if bw.module is not None else ()
     out: list = [None] * len(meta)
     for g in d.grads:
         shape, dtype = meta[g.input]
@@ -96,8 +98,11 @@ def grads_of(bw: Backward, saved, gouts, meta) -> list:
 class Trainable:
     """What a site runs when autograd needs it: the fused Function, where a validated backward exists."""
 
-    def __init__(self, program: dict, forward: Callable, launch: Callable | None = None):
+    def __init__(self, program: dict, forward: Callable, launch: Callable | None = None, keep_outputs: bool = True,
+                 label: str = ""):
         self.program = program
+        self.label = label
+        self.keep_outputs = keep_outputs  # the backward may read the forward's outputs (see backward.derive)
         self.forward = forward  # inputs (tensors or numbers) -> outputs, checked against the site's layouts
         self.launch = launch or forward  # the same, unchecked: validation runs it at other sizes
         self.digest = digest(program)
@@ -107,7 +112,7 @@ class Trainable:
         needs = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
         scalars = tuple((k, _number(x)) for k, (x, s) in enumerate(zip(xs, self.program["inputs"])) if is_scalar_slot(s))
         shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in xs)
-        return needs, scalars, shapes
+        return needs, scalars, shapes, self.keep_outputs
 
     def backward_for(self, xs) -> Backward:
         key = (self.digest, self.key(xs))
@@ -119,6 +124,7 @@ class Trainable:
                     bw = _BACKWARDS[key] = build(self.program, key[1], xs[0].device if isinstance(xs[0], torch.Tensor)
                                                  else next(x.device for x in xs if isinstance(x, torch.Tensor)),
                                                  self.launch)
+                    bw.label = self.label
         return bw
 
     def __call__(self, xs) -> tuple | None:
@@ -132,11 +138,11 @@ def summary() -> list[dict]:
     """Every backward derived in this process: for which program and inputs, whether it validated (or
     why not), how often it ran, and the bytes kept between the passes versus eager's estimate."""
     out = []
-    for (dig, (needs, scalars, shapes)), bw in list(_BACKWARDS.items()):
+    for (dig, (needs, scalars, shapes, _)), bw in list(_BACKWARDS.items()):
         d = bw.derived
-        out.append({"program": dig, "needs_grad": list(needs), "shapes": [list(s) if s else None for s in shapes],
+        out.append({"program": dig, "pattern": bw.label, "needs_grad": list(needs), "shapes": [list(s) if s else None for s in shapes],
                     "validated": bw.validated, "reason": bw.reason, "launches": bw.launches,
-                    "saved_bytes": d.saved_bytes if d else None, "eager_saved_bytes": d.eager_saved_bytes if d else None,
+                    "saved_bytes": d.saved_bytes if d else None, "saves_outputs": bool(d and d.saved_outputs), "eager_saved_bytes": d.eager_saved_bytes if d else None,
                     "errors": {k: v for k, v in bw.errors.items() if k != "shapes"}})
     return out
 
@@ -147,10 +153,10 @@ def _number(x):
 
 def build(program: dict, key: tuple, device, forward: Callable) -> Backward:
     """Derive, generate and validate the backward for one key; never raises."""
-    needs, scalars, shapes = key
+    needs, scalars, shapes, keep_outputs = key
     try:
         shaped = _at_shapes(program, shapes)
-        d = backward.derive(shaped, needs, dict(scalars), device)
+        d = backward.derive(shaped, needs, dict(scalars), device, keep_outputs)
         module, source = None, ""
         if d.program["outputs"]:
             gen = generate(d.program)
@@ -158,6 +164,7 @@ def build(program: dict, key: tuple, device, forward: Callable) -> Backward:
         bw = Backward(d, module, False, source=source)
         ok, reason, errors = check(program, bw, key, device, forward)
         bw.validated, bw.reason, bw.errors = ok, reason, errors
+        bw.launches = 0  # validation's own backward passes do not count
         return bw
     except Unsupported as e:
         return Backward(None, None, False, f"no backward: {e}")
@@ -182,7 +189,7 @@ def check(program: dict, bw: Backward, key: tuple, device, forward: Callable) ->
     from advisor.validate.inputs import draw
     from advisor.validate.shapes import cases
 
-    needs, scalars, _ = key
+    needs, scalars = key[0], key[1]
     ir = read_program(program)
     through = max((v.dtype for v in list(ir.values.values()) + list(ir.inputs) if v.dtype in TOLERANCES),
                   key=lambda dt: TOLERANCES[dt].rel_l2, default=None)

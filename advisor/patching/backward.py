@@ -12,11 +12,13 @@ decomposition from `torch._decomp` into ops it does lower. So every pointwise op
 lowering gets its backward without a rule written here, and the backward of a pointwise chain is a
 pointwise program, of a row norm a row program.
 
-Save versus recompute: the backward program reads the forward's *inputs* and recomputes every
-intermediate in registers (a pointwise or row recompute reads nothing the backward does not read
-anyway), so the autograd Function saves only the inputs the backward reads, never an intermediate:
-`saved_bytes` is what it keeps between the passes, `eager_saved_bytes` what eager's autograd keeps for
-the same ops (the tensors its backward formulas hold), for the report.
+Save versus recompute, by bytes: intermediates are never saved; the backward recomputes them in
+registers (a pointwise or row recompute reads nothing the backward does not read anyway). Two
+derivations are compared: one that reads only the forward's inputs, and one that reads the forward's
+outputs wherever it would recompute them (residual add + RMSNorm then keeps the sum `h`, one tensor,
+instead of both addends); the one keeping fewer bytes between the passes wins, ties going to the
+outputs. `saved_bytes` is what the Function keeps, `eager_saved_bytes` an estimate of what eager's
+autograd keeps for the same ops, for the report.
 
 Parameter and broadcast gradients: autograd reduces a broadcast operand's gradient over the broadcast
 dims (`sum` over leading dims), a column reduction the row generator does not do. The program is cut
@@ -55,6 +57,7 @@ class Derived:
     saved: list  # forward input indices the backward reads (what the Function saves)
     grads: list  # [Grad], one per input that needs a gradient
     outputs: int  # forward outputs that take a gradient (float ones), in order
+    saved_outputs: list = field(default_factory=list)  # forward output indices it reads instead of recomputing
     saved_bytes: int = 0
     eager_saved_bytes: int = 0
     notes: list = field(default_factory=list)
@@ -121,11 +124,13 @@ class _Decomposing(_Recorder):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def derive(program: dict, needs: tuple, scalars: dict, device) -> Derived:
+def derive(program: dict, needs: tuple, scalars: dict, device, allow_saved_outputs: bool = True) -> Derived:
     """The vjp of `program` for the inputs flagged in `needs` (one bool per input), as a program.
 
     `scalars`: input index -> the wrapped scalar's value (baked into the derived program: one backward
-    per distinct value, as each site's eps or scale is one literal). Raises Unsupported with the reason."""
+    per distinct value, as each site's eps or scale is one literal). `allow_saved_outputs`: the backward
+    may read the forward's outputs instead of recomputing them (where that saves fewer bytes; not where
+    a later op writes into an output in place). Raises Unsupported with the reason."""
     specs = program["inputs"]
     wrt = [k for k in differentiable(program) if needs[k]]
     if not wrt:
@@ -139,12 +144,15 @@ def derive(program: dict, needs: tuple, scalars: dict, device) -> Derived:
     grads_in = [torch.randn(ref[j].shape, dtype=ref[j].dtype, device=device) for j in outs]
     tensors = [k for k, s in enumerate(specs) if not is_scalar_slot(s)]
 
+    forward_values: list = []  # the forward's outputs as recomputed inside the recording
+
     def vjp(*args):
         ins = list(xs)
         for k, t in zip(tensors, args[:len(tensors)]):
             ins[k] = t.detach().requires_grad_(k in wrt) if k in wrt else t
         with torch.enable_grad():
             res = run_program(program, ins)
+            forward_values.extend(res)
             got = torch.autograd.grad([res[j] for j in outs], [ins[k] for k in wrt], list(args[len(tensors):]),
                                       allow_unused=True)
         return got
@@ -159,7 +167,30 @@ def derive(program: dict, needs: tuple, scalars: dict, device) -> Derived:
         ids[k] = None if t is None else rec.values.get(_key(t))
         if t is not None and ids[k] is None:
             raise Unsupported(f"the gradient of input {k} is no value the backward computed")
-    return _cut(program, recorded, tensors, outs, wrt, ids)
+    recompute = _cut(program, recorded, tensors, outs, wrt, ids)
+    if not allow_saved_outputs:
+        return recompute
+    out_ids = {rec.values.get(_key(t)): j for j, t in enumerate(forward_values) if isinstance(t, torch.Tensor)}
+    out_ids.pop(None, None)
+    reuse = _cut(program, _reading_outputs(recorded, out_ids, forward_values), tensors, outs, wrt, ids)
+    # Ties go to the saved outputs: their consumers (a matmul, the next norm) usually keep them alive anyway.
+    return reuse if reuse.saved_bytes <= recompute.saved_bytes else recompute
+
+
+def _reading_outputs(rec: dict, out_ids: dict, values: list) -> dict:
+    """The recorded vjp reading the forward's outputs (new inputs `sv{j}`) wherever it reads their
+    recomputed values; the recompute nodes nobody reads any more drop out in `_cut`."""
+    def swap(a):
+        if "ref" in a and a["ref"] in out_ids:
+            return {**a, "ref": f"sv{out_ids[a['ref']]}"}
+        if "list" in a:
+            return {**a, "list": [swap(r) for r in a["list"]]}
+        return a
+
+    nodes = [{**n, "args": [swap(a) for a in n["args"]]} for n in rec["nodes"]]
+    extra = [{"id": f"sv{j}", "shape": list(values[j].shape), "strides": list(values[j].stride()),
+              "dtype": str(values[j].dtype)[6:], "storage_offset": 0} for j in sorted(set(out_ids.values()))]
+    return {"inputs": rec["inputs"] + extra, "nodes": nodes, "outputs": []}
 
 
 def _cut(program: dict, rec: dict, tensors: list, outs: list, wrt: list, ids: dict) -> Derived:
@@ -185,26 +216,45 @@ def _cut(program: dict, rec: dict, tensors: list, outs: list, wrt: list, ids: di
             if n["op"] not in _TAIL_OPS or len(refs) != 1 or any("list" in a for a in n["args"]):
                 raise Unsupported(f"a gradient is computed past a reduction over rows by {n['op']}")
             vid, reduce = refs[0]["ref"], True
-        if not vid.startswith("in"):
+        if not vid.startswith(("in", "sv")):
             if vid not in kernel_outputs:
                 kernel_outputs.append(vid)
             grads.append(Grad(k, "kernel", kernel_outputs.index(vid), reduce))
             continue
         j = int(vid[2:])
-        if j < n_fw:  # the gradient is a forward input (an odd program): not worth a kernel
-            raise Unsupported("a gradient equals a forward input")
+        if vid.startswith("sv") or j < n_fw:  # the gradient is a forward value (an odd program)
+            raise Unsupported("a gradient equals a forward input or output")
         grads.append(Grad(k, "grad", j - n_fw, reduce))
     head = [n for n in nodes if n["id"] not in tail]
     head = _live(head, kernel_outputs)
     read = {r["ref"] for n in head for a in n["args"] for r in (a.get("list") or ([a] if "ref" in a else []))}
     saved = [k for j, k in enumerate(tensors) if f"in{j}" in read]
-    kept = [f"in{j}" for j, k in enumerate(tensors) if k in saved] + [f"in{n_fw + i}" for i in range(len(outs))]
-    inputs = [s for s in rec["inputs"] if s["id"] in kept]
-    prog = {"inputs": inputs, "nodes": head, "outputs": kernel_outputs}
-    d = Derived(prog, saved, grads, len(outs))
-    d.saved_bytes = sum(_bytes(program["inputs"][k]) for k in saved)
+    saved_outputs = sorted(int(r[2:]) for r in read if r.startswith("sv"))
+    kept = [f"in{j}" for j, k in enumerate(tensors) if k in saved] + [f"in{n_fw + i}" for i in range(len(outs))] \
+        + [f"sv{j}" for j in saved_outputs]
+    by_id = {s["id"]: s for s in rec["inputs"]}
+    prog = _renumbered([by_id[i] for i in kept], head, kernel_outputs)
+    d = Derived(prog, saved, grads, len(outs), saved_outputs=saved_outputs)
+    d.saved_bytes = sum(_bytes(program["inputs"][k]) for k in saved) + sum(_bytes(by_id[f"sv{j}"]) for j in saved_outputs)
     d.eager_saved_bytes = _eager_saved(program)
     return d
+
+
+def _renumbered(inputs: list, nodes: list, outputs: list) -> dict:
+    """The program with its inputs named by position (`in0`, `in1`, ...), as the generator names the
+    launcher's arguments and size symbols."""
+    names = {s["id"]: f"in{k}" for k, s in enumerate(inputs)}
+
+    def ren(a):
+        if "ref" in a and a["ref"] in names:
+            return {**a, "ref": names[a["ref"]]}
+        if "list" in a:
+            return {**a, "list": [ren(r) for r in a["list"]]}
+        return a
+
+    return {"inputs": [{**s, "id": names[s["id"]]} for s in inputs],
+            "nodes": [{**n, "args": [ren(a) for a in n["args"]]} for n in nodes],
+            "outputs": [names.get(o, o) for o in outputs]}
 
 
 def _column_reduction(n: dict) -> bool:

@@ -217,8 +217,30 @@ class Backend:
         if trainable(spec):
             from advisor.patching.autograd import Trainable  # torch.autograd machinery: loaded for training only
 
-            site.trainable = Trainable(spec.program, site.forward, site.launch)
+            site.trainable = Trainable(spec.program, site.forward, site.launch, _outputs_kept_intact(m), site.label)
         return site
+
+
+def _outputs_kept_intact(m) -> bool:
+    """Whether the backward may keep the site's outputs (instead of recomputing them): every use of each,
+    through views, stays inside this graph and none writes into it (autograd would refuse the saved
+    tensor at backward time, after an in-place write by the caller or by a later op)."""
+    from advisor.patching.match import is_transparent
+
+    inside = m.g_nodes()
+    stack = [u for o in m.outputs for u in o.users]
+    while stack:
+        u = stack.pop()
+        if u in inside:
+            continue
+        if u.op == "output":
+            return False
+        target = getattr(u.target, "_schema", None)
+        if target is not None and any(a.alias_info is not None and a.alias_info.is_write for a in target.arguments):
+            return False
+        if is_transparent(u):
+            stack.extend(u.users)
+    return True
 
 
 def trainable(spec: PatternSpec) -> bool:
