@@ -184,3 +184,41 @@ def test_tiny_llama_trains_through_fused_kernels_like_eager(tmp_path):
     assert all(b["validated"] or b["reason"] for b in used), used
     for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=n)
+
+
+class Rotate(torch.nn.Module):
+    """A rotate-half + scale + residual, the shape of a rotary embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return torch.cat([x[..., 8:].neg(), x[..., :8]], -1) * self.w + x
+
+
+def test_a_pattern_without_a_backward_trains_at_eager_cost(tmp_path):
+    """Only the weight needs a gradient: its backward (a column sum of g * rotated x) is generated and used.
+    Once the input needs one too, cat's backward has no kernel: that call and every later one run the
+    original forward, said once in `fallbacks()`, with eager's gradients."""
+    import advisor
+    from advisor.patching.capture import NO_BACKWARD
+
+    model = Rotate()
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 32, 16)
+    report = advisor.optimize(model, (x,), out=tmp_path, reuse=False, interpret=True)
+    assert report.applied, str(report)
+    model(x).pow(2).mean().backward()
+    twin(x).pow(2).mean().backward()
+    torch.testing.assert_close(model.w.grad, twin.w.grad, rtol=1e-5, atol=1e-5)
+    assert [b["launches"] for b in ag.summary() if b["validated"]] == [1]
+    assert not report.handle.fallbacks()
+    xg = x.clone().requires_grad_()
+    for _ in range(2):
+        model(xg).pow(2).mean().backward()
+    assert report.handle.fallbacks() == {"Rotate": {NO_BACKWARD: 1}}, report.handle.fallbacks()
+    xt = x.clone().requires_grad_()
+    twin(xt).pow(2).mean().backward()
+    twin(xt).pow(2).mean().backward()
+    torch.testing.assert_close(xg.grad, xt.grad, rtol=1e-5, atol=1e-5)

@@ -33,6 +33,11 @@ from advisor.codegen import Unsupported, generate, load_module
 from advisor.codegen.read import read_program
 from advisor.patching import backward
 from advisor.patching.program import is_scalar_slot
+from advisor.validate import interpreted
+from advisor.validate.compare import TOLERANCES, compare
+from advisor.validate.inputs import draw
+from advisor.validate.reference import run_reference
+from advisor.validate.shapes import cases, row_class
 
 _LOCK = threading.Lock()
 _BACKWARDS: dict[tuple, "Backward"] = {}  # (program digest, key) -> derived and validated (or why not)
@@ -184,11 +189,6 @@ def _at_shapes(program: dict, shapes: tuple) -> dict:
 # ------------------------------------------------------------------------------------ validation
 def check(program: dict, bw: Backward, key: tuple, device, forward: Callable) -> tuple[bool, str | None, dict]:
     """(ok, reason, worst errors): the Function's gradients against autograd on the program (fp64 and native)."""
-    from advisor.validate import interpreted
-    from advisor.validate.compare import TOLERANCES, compare
-    from advisor.validate.inputs import draw
-    from advisor.validate.shapes import cases
-
     needs, scalars = key[0], key[1]
     ir = read_program(program)
     through = max((v.dtype for v in list(ir.values.values()) + list(ir.inputs) if v.dtype in TOLERANCES),
@@ -226,8 +226,6 @@ def check(program: dict, bw: Backward, key: tuple, device, forward: Callable) ->
 
 def _row_symbols(ir) -> list:
     """Every size symbol in the row width's class (row programs), else none."""
-    from advisor.validate.shapes import row_class
-
     rep = row_class(ir)
     if rep is None:
         return []
@@ -254,8 +252,6 @@ def _fused_grads(forward, bw, xs, needs, gouts) -> dict:
 
 
 def _reference_grads(ir, case, xs, needs, gouts, mode: str) -> dict:
-    from advisor.validate.reference import run_reference
-
     inputs, views = {}, {}
     for k, (inp, x) in enumerate(zip(ir.inputs, xs)):
         if not isinstance(x, torch.Tensor):

@@ -94,7 +94,7 @@ def example_inputs(program: dict, scalars: dict, device) -> list:
 def rules() -> dict:
     """The derivative rules in use: {aten op overload: its decomposition}. Autograd's own formulas produce
     the backward ops (`tanh_backward`, ...); these say what they compute in ops the generator lowers."""
-    from torch._decomp import core_aten_decompositions
+    from torch._decomp import core_aten_decompositions  # torch's decomposition tables: loaded for training only
 
     return core_aten_decompositions()
 

@@ -42,9 +42,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from advisor.ops.registry import OpClass, op_class
 from advisor.patching import rewrite
 from advisor.patching.graphs import Graphed
-from advisor.patching.match import Pattern, find
+from advisor.patching.match import Pattern, find, is_transparent
 from advisor.patching.plan import PatternSpec
 from advisor.patching.program import program_graph, run_program
 
@@ -157,7 +158,7 @@ class Backend:
         op by op under autograd: each site runs the fused Function (generated backward) where one
         validated, its original ops elsewhere, and autograd differentiates every other op as eager does.
         None (AOTAutograd's path, eager's ops) when the graph does not trace."""
-        from torch._guards import detect_fake_mode
+        from torch._guards import detect_fake_mode  # tracing internals: loaded when a graph needs grads
         from torch.fx.experimental.proxy_tensor import make_fx
 
         try:
@@ -225,8 +226,6 @@ def _outputs_kept_intact(m) -> bool:
     """Whether the backward may keep the site's outputs (instead of recomputing them): every use of each,
     through views, stays inside this graph and none writes into it (autograd would refuse the saved
     tensor at backward time, after an in-place write by the caller or by a later op)."""
-    from advisor.patching.match import is_transparent
-
     inside = m.g_nodes()
     stack = [u for o in m.outputs for u in o.users]
     while stack:
@@ -247,15 +246,13 @@ def trainable(spec: PatternSpec) -> bool:
     """Whether a pattern may get a generated backward: a generated kernel of pointwise and row ops (the
     stand-in replacements stay bit-identical to eager, gradients included; matmul-anchored kernels
     have no derived backward yet). Whether it gets one is decided per site, by validation."""
-    from advisor.ops.registry import OpClass, op_class
-
     return spec.replacement == "kernel" and bool(spec.program.get("nodes")) and not any(
         op_class(n["op"]) in (OpClass.MATMUL, OpClass.ATTENTION) for n in spec.program["nodes"])
 
 
 def _share_key(digest: str, gm: torch.fx.GraphModule, example_inputs) -> tuple | None:
     """What makes two dynamo graphs interchangeable: the plan, the code, every input's layout and grad
-    flag. Graphs holding constants (`get_attr`) are never shared: their values are not in the code."""
+    flag, the grad mode. Graphs holding constants (`get_attr`) are never shared: their values are not in the code."""
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         return None
     metas = []
@@ -266,7 +263,9 @@ def _share_key(digest: str, gm: torch.fx.GraphModule, example_inputs) -> tuple |
             metas.append(("v", type(x).__name__, x))
         else:
             return None  # symbolic values and other objects: not worth reasoning about
-    return (digest, gm.code, tuple(metas))
+    # Grad mode too: dynamo recompiles on it, and an inference graph handed to a call that needs grads
+    # would return outputs without a grad_fn.
+    return (digest, gm.code, tuple(metas), torch.is_grad_enabled())
 
 
 _RAN = threading.local()  # counts rewritten graphs run in this thread: did a call take the patched path?
@@ -323,6 +322,7 @@ def _fresh(fn: Callable) -> Callable:
 
 # ------------------------------------------------------------------------------------ the forward
 EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
+NO_BACKWARD = "no fused backward validated here: calls needing gradients run the original forward"
 
 
 class PatchedForward:
@@ -394,8 +394,21 @@ class PatchedForward:
 
     def __call__(self, *args, **kwargs):
         m = self.module
-        if rewrite.patches_are_off() or (not self.trains and _needs_autograd(m, args, kwargs)):
+        grad = _needs_autograd(m, args, kwargs)
+        if rewrite.patches_are_off() or (grad and not self.trains):
             return self.original()(*args, **kwargs)
+        if grad:
+            fused = rewrite.fused_runs()
+            out = self._call(m, args, kwargs)
+            if rewrite.fused_runs() == fused:
+                # No site here has a validated backward for these inputs: the capture would only replay
+                # eager's ops op by op, so training calls run the original forward from now on.
+                self.trains = False
+                self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
+            return out
+        return self._call(m, args, kwargs)
+
+    def _call(self, m, args, kwargs):
         if self.failed:
             return self._fall_back(self.failed, args, kwargs)
         fn = self._compiled or self._compile()

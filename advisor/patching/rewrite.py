@@ -51,6 +51,11 @@ def set_caller(token) -> Any:
     return old
 
 
+def fused_runs() -> int:
+    """Site calls in this thread that ran a fused forward with its generated backward (under autograd)."""
+    return getattr(_RUNTIME, "fused", 0)
+
+
 def patches_are_off() -> bool:
     return getattr(_RUNTIME, "off", False)
 
@@ -118,6 +123,8 @@ class Site:
                 if outs is None:  # no validated backward for these inputs
                     self.stats["fell_back"] += 1
                     return self.fallback(*xs)
+                if grad:
+                    _RUNTIME.fused = fused_runs() + 1
                 self.stats["launched"] += 1
                 caller = getattr(_RUNTIME, "caller", None)
                 self.callers[caller] = self.callers.get(caller, 0) + 1
