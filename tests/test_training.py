@@ -36,6 +36,7 @@ def add_rms(x, r, w):
 
 FAMILIES = {  # name: (function, input shapes, expected kernel kind of the backward)
     "rmsnorm": (rms, [(5, 24), (24,)], "rows"),
+    "rmsnorm-odd-width": (rms, [(2, 7, 13), (13,)], "rows"),  # 3-d, weight grad summed over two dims
     "residual+rmsnorm": (add_rms, [(5, 24), (5, 24), (24,)], "rows"),
     "layernorm": (lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5), [(5, 24), (24,), (24,)], "rows"),
     "softmax": (lambda x: torch.softmax(x.float() * 0.125, -1).to(x.dtype), [(5, 24)], "rows"),

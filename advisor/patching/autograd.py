@@ -111,11 +111,11 @@ class Trainable:
         self.forward = forward  # inputs (tensors or numbers) -> outputs, checked against the site's layouts
         self.launch = launch or forward  # the same, unchecked: validation runs it at other sizes
         self.digest = digest(program)
-        self.float_outputs = backward.float_outputs(program)
 
     def key(self, xs) -> tuple:
         needs = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
-        scalars = tuple((k, _number(x)) for k, (x, s) in enumerate(zip(xs, self.program["inputs"])) if is_scalar_slot(s))
+        specs = self.program["inputs"]
+        scalars = tuple((k, _number(x)) for k, (x, s) in enumerate(zip(xs, specs)) if is_scalar_slot(s))
         shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in xs)
         return needs, scalars, shapes, self.keep_outputs
 
@@ -126,9 +126,8 @@ class Trainable:
             with _LOCK:
                 bw = _BACKWARDS.get(key)
                 if bw is None:
-                    bw = _BACKWARDS[key] = build(self.program, key[1], xs[0].device if isinstance(xs[0], torch.Tensor)
-                                                 else next(x.device for x in xs if isinstance(x, torch.Tensor)),
-                                                 self.launch)
+                    device = next(x.device for x in xs if isinstance(x, torch.Tensor))
+                    bw = _BACKWARDS[key] = build(self.program, key[1], device, self.launch)
                     bw.label = self.label
         return bw
 
@@ -145,9 +144,11 @@ def summary() -> list[dict]:
     out = []
     for (dig, (needs, scalars, shapes, _)), bw in list(_BACKWARDS.items()):
         d = bw.derived
-        out.append({"program": dig, "pattern": bw.label, "needs_grad": list(needs), "shapes": [list(s) if s else None for s in shapes],
-                    "validated": bw.validated, "reason": bw.reason, "launches": bw.launches,
-                    "saved_bytes": d.saved_bytes if d else None, "saves_outputs": bool(d and d.saved_outputs), "eager_saved_bytes": d.eager_saved_bytes if d else None,
+        out.append({"program": dig, "pattern": bw.label, "needs_grad": list(needs),
+                    "shapes": [list(s) if s else None for s in shapes], "validated": bw.validated,
+                    "reason": bw.reason, "launches": bw.launches, "saved_bytes": d.saved_bytes if d else None,
+                    "saves_outputs": bool(d and d.saved_outputs),
+                    "eager_saved_bytes": d.eager_saved_bytes if d else None,
                     "errors": {k: v for k, v in bw.errors.items() if k != "shapes"}})
     return out
 

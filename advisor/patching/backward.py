@@ -235,7 +235,8 @@ def _cut(program: dict, rec: dict, tensors: list, outs: list, wrt: list, ids: di
     by_id = {s["id"]: s for s in rec["inputs"]}
     prog = _renumbered([by_id[i] for i in kept], head, kernel_outputs)
     d = Derived(prog, saved, grads, len(outs), saved_outputs=saved_outputs)
-    d.saved_bytes = sum(_bytes(program["inputs"][k]) for k in saved) + sum(_bytes(by_id[f"sv{j}"]) for j in saved_outputs)
+    d.saved_bytes = sum(_bytes(program["inputs"][k]) for k in saved) \
+        + sum(_bytes(by_id[f"sv{j}"]) for j in saved_outputs)
     d.eager_saved_bytes = _eager_saved(program)
     return d
 
