@@ -169,6 +169,8 @@ class Backend:
                 fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
                          for x in example_inputs]
                 g = make_fx(gm, tracing_mode="real")(*fakes)
+            # Unused outputs (native_layer_norm's mean and rstd) stay as nodes; patterns never hold them.
+            g.graph.eliminate_dead_code()
         except Exception as e:
             self.log.errors.append(f"training graph not traced: {type(e).__name__}: {e}"[:300])
             return None
