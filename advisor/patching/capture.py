@@ -3,10 +3,13 @@
 `torch.compile(type(m).forward, backend=Backend(specs), dynamic=False)`: dynamo captures the forward
 (with its guards on shapes, dtypes, devices, strides and module attributes: a call outside them
 recompiles, and the new graph is matched afresh), AOTAutograd lowers it to functional aten ops, and
-`Backend` rewrites the *inference* graph only; the returned code runs the graph's aten ops one by one
+`Backend` rewrites the inference graph; the returned code runs the graph's aten ops one by one
 (no TorchInductor), on a GPU replayed from CUDA graphs (`graphs.Graphed`: one launch instead of one
-Python call per op). Training graphs are never rewritten, and a patched forward runs the original
-code whenever autograd needs it (grad enabled and a parameter or input requiring grad).
+Python call per op). A graph that needs gradients (grad enabled and a parameter or input requiring
+grad) is traced to aten ops without AOTAutograd and rewritten with sites that run the fused forward
+and its generated backward as one autograd Function (`autograd.py`) where that backward validated;
+`Backend.training`. A patched forward whose patterns cannot have a backward (stand-ins, matmul
+anchors) runs the original code whenever autograd needs it.
 
 Each patched module instance gets its own compiled function (its own dynamo cache: HF layers guard on
 their integer `layer_idx`, so 32 layers sharing one cache would exhaust dynamo's recompile limit of 8
@@ -44,10 +47,11 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from advisor.ops.registry import OpClass, op_class
 from advisor.patching import rewrite
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import make_host_copies_recordable
-from advisor.patching.match import Pattern, find
+from advisor.patching.match import Pattern, find, is_transparent
 from advisor.patching.plan import PatternSpec
 from advisor.patching.program import program_graph, run_program
 
@@ -133,6 +137,7 @@ class Backend:
         self.digest = digest
         self.captures = 0  # graphs dynamo handed us for this instance (first captures and recompiles)
         self.device = torch.device("cpu")  # of the graph being rewritten
+        self.trains = any(trainable(s) for s in specs)  # graphs needing grads get sites with a backward
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
@@ -154,11 +159,41 @@ class Backend:
                 Graphed(g.forward, ops=_ops(g.graph), out_bytes=_output_bytes(g.graph))
             return make_boxed_func(_counted(run))
 
-        compiled = aot_module_simplified(gm, example_inputs, fw_compiler=plain, bw_compiler=plain,
-                                         inference_compiler=inference)
+        compiled = None
+        if self.trains and torch.is_grad_enabled() and any(
+                isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+            compiled = self.training(gm, example_inputs)
+        if compiled is None:
+            compiled = aot_module_simplified(gm, example_inputs, fw_compiler=plain, bw_compiler=plain,
+                                             inference_compiler=inference)
         if key is not None:
             _SHARED[key] = compiled
         return compiled
+
+    def training(self, gm: torch.fx.GraphModule, example_inputs) -> Callable | None:
+        """A graph that needs gradients: traced to aten ops (not through AOTAutograd, which would split it
+        into forward and backward graphs and differentiate our sites' original ops), rewritten, and run
+        op by op under autograd: each site runs the fused Function (generated backward) where one
+        validated, its original ops elsewhere, and autograd differentiates every other op as eager does.
+        None (AOTAutograd's path, eager's ops) when the graph does not trace."""
+        from torch._guards import detect_fake_mode  # tracing internals: loaded when a graph needs grads
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        try:
+            # In dynamo's own fake mode: a fresh one (tracing_mode="fake") adds size symbols to a shape
+            # environment dynamo then fails to build its guards from.
+            mode = detect_fake_mode(example_inputs)
+            with mode:
+                fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+                         for x in example_inputs]
+                g = make_fx(gm, tracing_mode="real")(*fakes)
+            # Unused outputs (native_layer_norm's mean and rstd) stay as nodes; patterns never hold them.
+            g.graph.eliminate_dead_code()
+        except Exception as e:
+            self.log.errors.append(f"training graph not traced: {type(e).__name__}: {e}"[:300])
+            return None
+        self.rewrite(g)
+        return _counted(g.forward)
 
     def rewrite(self, gm: torch.fx.GraphModule) -> None:
         self.log.graphs += 1
@@ -196,15 +231,48 @@ class Backend:
 
     def _site(self, spec: PatternSpec, m) -> rewrite.Site:
         fallback = rewrite.make_fallback(m, spec.program["inputs"])
-        return rewrite.Site(key=spec.key, label=f"{spec.candidate} {spec.title}", launcher=_launcher(spec, fallback),
+        site = rewrite.Site(key=spec.key, label=f"{spec.candidate} {spec.title}", launcher=_launcher(spec, fallback),
                             fallback=fallback, inputs=[rewrite.InputSpec.of(s) for s in spec.program["inputs"]],
                             outputs=rewrite.output_layouts(m), device_type=spec.device_type,
                             scalar_device=self.device if spec.replacement == "kernel" else "cpu")
+        if trainable(spec):
+            from advisor.patching.autograd import Trainable  # torch.autograd machinery: loaded for training only
+
+            site.trainable = Trainable(spec.program, site.forward, site.launch, _outputs_kept_intact(m), site.label)
+        return site
+
+
+def _outputs_kept_intact(m) -> bool:
+    """Whether the backward may keep the site's outputs (instead of recomputing them): every use of each,
+    through views, stays inside this graph and none writes into it (autograd would refuse the saved
+    tensor at backward time, after an in-place write by the caller or by a later op)."""
+    inside = m.g_nodes()
+    stack = [u for o in m.outputs for u in o.users]
+    while stack:
+        u = stack.pop()
+        if u in inside:
+            continue
+        if u.op == "output":
+            return False
+        target = getattr(u.target, "_schema", None)
+        if target is not None and any(a.alias_info is not None and a.alias_info.is_write for a in target.arguments):
+            return False
+        if is_transparent(u):
+            stack.extend(u.users)
+    return True
+
+
+def trainable(spec: PatternSpec) -> bool:
+    """Whether a pattern may get a generated backward: a generated kernel of pointwise and row ops (the
+    stand-in replacements stay bit-identical to eager, gradients included; matmul-anchored kernels
+    have no derived backward yet). Whether it gets one is decided per site, by validation."""
+    return spec.replacement == "kernel" and bool(spec.program.get("nodes")) and not any(
+        op_class(n["op"]) in (OpClass.MATMUL, OpClass.ATTENTION) for n in spec.program["nodes"])
 
 
 def _share_key(digest: str, gm: torch.fx.GraphModule, example_inputs) -> tuple | None:
     """What makes two dynamo graphs interchangeable: the plan, the code, every input's layout and grad
-    flag. Graphs holding constants (`get_attr`) are never shared: their values are not in the code."""
+    flag, the grad mode. Graphs holding constants (`get_attr`) are never shared: their values are not in the code."""
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         return None
     metas = []
@@ -215,7 +283,9 @@ def _share_key(digest: str, gm: torch.fx.GraphModule, example_inputs) -> tuple |
             metas.append(("v", type(x).__name__, x))
         else:
             return None  # symbolic values and other objects: not worth reasoning about
-    return (digest, gm.code, tuple(metas))
+    # Grad mode too: dynamo recompiles on it, and an inference graph handed to a call that needs grads
+    # would return outputs without a grad_fn.
+    return (digest, gm.code, tuple(metas), torch.is_grad_enabled())
 
 
 _RAN = threading.local()  # counts rewritten graphs run in this thread: did a call take the patched path?
@@ -272,6 +342,7 @@ def _fresh(fn: Callable) -> Callable:
 
 # ------------------------------------------------------------------------------------ the forward
 EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
+NO_BACKWARD = "no fused backward validated here: calls needing gradients run the original forward"
 
 
 class PatchedForward:
@@ -293,6 +364,12 @@ class PatchedForward:
         self._budget: int | None = None  # calls allowed to capture, in total (None: until `settle`)
         self._capturing_calls = 0  # calls that made dynamo capture at least one graph
         self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
+
+    @functools.cached_property
+    def trains(self) -> bool:
+        """Calls that need gradients go through the capture (sites with a generated backward); without
+        a pattern that may have one they run the original forward, at eager's cost."""
+        return any(trainable(s) for s in self.specs)
 
     @property
     def keys(self) -> tuple:
@@ -350,8 +427,22 @@ class PatchedForward:
                 return self.saved(*args, **kwargs)
             return type(self.module).forward(self.module, *args, **kwargs)
         m = self.module
-        if rewrite.patches_are_off() or not self.on() or _needs_autograd(m, args, kwargs):
+        grad = _needs_autograd(m, args, kwargs)
+        # An outer capture never trains: under autograd its layers' captures (with their backwards) do.
+        if rewrite.patches_are_off() or not self.on() or (grad and (self.outer or not self.trains)):
             return self.original()(*args, **kwargs)
+        if grad:
+            fused = rewrite.fused_runs()
+            out = self._call(m, args, kwargs)
+            if rewrite.fused_runs() == fused:
+                # No site here has a validated backward for these inputs: the capture would only replay
+                # eager's ops op by op, so training calls run the original forward from now on.
+                self.trains = False
+                self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
+            return out
+        return self._call(m, args, kwargs)
+
+    def _call(self, m, args, kwargs):
         if self.failed:
             return self._fall_back(self.failed, args, kwargs)
         fn = self._compiled or self._compile()

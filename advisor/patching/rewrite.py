@@ -6,7 +6,8 @@ layout, else an `as_strided` of the source tensor at the offset the reads imply.
 passed as the literal G holds (a Python number; eager would have wrapped it the same way).
 
 A site runs the generated launcher only when its guard holds (dtype, device type, shape and strides
-of every input as validated, no input requiring grad, the pattern enabled); otherwise, or if the
+of every input as validated, the pattern enabled); under autograd (an input requiring grad) it runs
+the fused forward + generated backward (`trainable`) where one validated; otherwise, or if the
 launcher fails or returns something else than the program's outputs, it runs `fallback`: the
 original matched ops, replayed on the same inputs (each read re-created as the same view), so the
 result is bit for bit what the unpatched graph computes.
@@ -61,6 +62,11 @@ def set_outer(on: bool | None) -> bool | None:
     return old
 
 
+def fused_runs() -> int:
+    """Site calls in this thread that ran a fused forward with its generated backward (under autograd)."""
+    return getattr(_RUNTIME, "fused", 0)
+
+
 def patches_are_off() -> bool:
     return getattr(_RUNTIME, "off", False)
 
@@ -107,6 +113,9 @@ class Site:
     stats: dict = field(default_factory=lambda: {"launched": 0, "fell_back": 0})
     callers: dict = field(default_factory=dict)  # caller token (see `set_caller`) -> launches
     broken: str | None = None
+    # Under autograd: (inputs) -> outputs through the fused Function, or None where no validated
+    # backward exists (`advisor.patching.autograd.Trainable`); None here: the original ops always.
+    trainable: Callable | None = None
     _scalars: dict = field(default_factory=dict)
 
     @property
@@ -116,8 +125,17 @@ class Site:
     def __call__(self, *xs):
         keys = enabled_keys()
         if self.broken is None and (keys is None or self.key in keys) and self._guard(xs):
+            grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+            if grad and self.trainable is None:
+                self.stats["fell_back"] += 1
+                return self.fallback(*xs)  # autograd differentiates the original ops
             try:
-                outs = self._check(self.launcher(*self._launch_args(xs)))
+                outs = self.trainable(xs) if grad else self._check(self.launcher(*self._launch_args(xs)))
+                if outs is None:  # no validated backward for these inputs
+                    self.stats["fell_back"] += 1
+                    return self.fallback(*xs)
+                if grad:
+                    _RUNTIME.fused = fused_runs() + 1
                 self.stats["launched"] += 1
                 caller = getattr(_RUNTIME, "caller", None)
                 self.callers[caller] = self.callers.get(caller, 0) + 1
@@ -146,13 +164,14 @@ class Site:
     def _guard(self, xs) -> bool:
         if len(xs) != len(self.inputs):
             return False
-        grad = torch.is_grad_enabled()
-        for x, spec in zip(xs, self.inputs):
-            if not spec.accepts(x, self.device_type):
-                return False
-            if grad and isinstance(x, torch.Tensor) and x.requires_grad:
-                return False  # generated kernels have no backward yet
-        return True
+        return all(spec.accepts(x, self.device_type) for x, spec in zip(xs, self.inputs))
+
+    def launch(self, xs) -> tuple:
+        return self.launcher(*self._launch_args(xs))
+
+    def forward(self, xs) -> tuple:
+        """The launcher as the fused Function's forward (same argument handling and output checks)."""
+        return self._check(self.launch(xs))
 
     def _check(self, outs) -> tuple:
         outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)

@@ -1,0 +1,284 @@
+"""Fused forward + generated backward as one `torch.autograd.Function`, validated before any use.
+
+    t = Trainable(program, forward)     # forward: the site's launcher (inputs -> outputs)
+    outs = t(xs)                        # None: no validated backward here; run the original ops
+
+One generic Function serves every pattern: its forward runs the fused forward kernel and saves the
+inputs the backward reads (`backward.derive` decides: it recomputes intermediates, never saves them);
+its backward runs the backward kernel generated from the derived vjp program (`advisor.codegen`, the
+same generator), then the column reductions of broadcast operands (`sum_to_size`).
+
+A backward is derived, generated and validated once per (program, which inputs need grads, wrapped
+scalar values, input shapes): the derived program may hold sizes as literals (the `1/N` of a mean's
+backward), so a backward is never run at other sizes than it was derived for. Validation compares the
+Function's gradients, forward kernel and backward kernel together, with PyTorch's own autograd on the
+original program in float64 and in the native dtypes (`validate.compare`: the dtype's tolerance or
+twice eager's own error), at the real shape (rows capped), at odd row counts and at one row, with
+random output gradients. Anything that fails (an op with no decomposition, a kernel that does not
+compile, a gradient off by more than the tolerance) leaves that key without a backward: the site then
+runs its original ops and autograd differentiates those, at eager's cost.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from advisor.codegen import Unsupported, generate, load_module
+from advisor.codegen.read import read_program
+from advisor.patching import backward
+from advisor.patching.program import is_scalar_slot
+from advisor.validate import interpreted
+from advisor.validate.compare import TOLERANCES, compare
+from advisor.validate.inputs import draw
+from advisor.validate.reference import run_reference
+from advisor.validate.shapes import cases, row_class
+
+_LOCK = threading.Lock()
+_BACKWARDS: dict[tuple, "Backward"] = {}  # (program digest, key) -> derived and validated (or why not)
+
+
+@dataclass
+class Backward:
+    derived: backward.Derived | None
+    module: object  # the generated backward module (None when the kernel has no outputs: grads pass through)
+    validated: bool
+    reason: str | None = None
+    errors: dict = field(default_factory=dict)
+    source: str = ""  # the generated backward kernel module's code
+    launches: int = 0  # backward passes run through it
+    label: str = ""  # the pattern it serves (the first site that asked)
+
+
+def digest(program: dict) -> str:
+    return hashlib.sha1(json.dumps(program, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class FusedFunction(torch.autograd.Function):
+    """forward(forward launcher, Backward, *inputs) -> the program's outputs."""
+
+    @staticmethod
+    def forward(ctx, launch, bw: Backward, *xs):
+        outs = tuple(launch(xs))
+        d = bw.derived
+        ctx.bw = bw
+        ctx.meta = [(x.shape, x.dtype) if isinstance(x, torch.Tensor) else None for x in xs]
+        ctx.save_for_backward(*[xs[k] for k in d.saved], *[outs[j] for j in d.saved_outputs])
+        ctx.floats = [j for j, o in enumerate(outs) if o.is_floating_point()]
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *gouts):
+        # Output grads arrive materialised (zeros for an unused output); the kernel reads them dense.
+        floats = [gouts[j].contiguous() for j in ctx.floats]
+        ctx.bw.launches += 1
+        return (None, None, *grads_of(ctx.bw, ctx.saved_tensors, floats, ctx.meta))
+
+
+def grads_of(bw: Backward, saved, gouts, meta) -> list:
+    """Each input's gradient: a kernel output or an output grad, reduced over broadcast dims, in its dtype."""
+    d = bw.derived
+    n = len(d.saved)  # the kernel's inputs: saved inputs, output grads, saved outputs
+    res = bw.module.run(*saved[:n], *gouts, *saved[n:]) if bw.module is not None else ()
+    out: list = [None] * len(meta)
+    for g in d.grads:
+        shape, dtype = meta[g.input]
+        if g.source == "zero":
+            t = torch.zeros(shape, dtype=dtype, device=gouts[0].device)
+        else:
+            t = res[g.index] if g.source == "kernel" else gouts[g.index]
+            if g.reduce:
+                t = t.sum_to_size(shape)
+            t = t.to(dtype)
+        out[g.input] = t
+    return out
+
+
+class Trainable:
+    """What a site runs when autograd needs it: the fused Function, where a validated backward exists."""
+
+    def __init__(self, program: dict, forward: Callable, launch: Callable | None = None, keep_outputs: bool = True,
+                 label: str = ""):
+        self.program = program
+        self.label = label
+        self.keep_outputs = keep_outputs  # the backward may read the forward's outputs (see backward.derive)
+        self.forward = forward  # inputs (tensors or numbers) -> outputs, checked against the site's layouts
+        self.launch = launch or forward  # the same, unchecked: validation runs it at other sizes
+        self.digest = digest(program)
+
+    def key(self, xs) -> tuple:
+        needs = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+        specs = self.program["inputs"]
+        scalars = tuple((k, _number(x)) for k, (x, s) in enumerate(zip(xs, specs)) if is_scalar_slot(s))
+        shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in xs)
+        return needs, scalars, shapes, self.keep_outputs
+
+    def backward_for(self, xs) -> Backward:
+        key = (self.digest, self.key(xs))
+        bw = _BACKWARDS.get(key)
+        if bw is None:
+            with _LOCK:
+                bw = _BACKWARDS.get(key)
+                if bw is None:
+                    device = next(x.device for x in xs if isinstance(x, torch.Tensor))
+                    bw = _BACKWARDS[key] = build(self.program, key[1], device, self.launch)
+                    bw.label = self.label
+        return bw
+
+    def __call__(self, xs) -> tuple | None:
+        bw = self.backward_for(xs)
+        if not bw.validated:
+            return None
+        return FusedFunction.apply(self.forward, bw, *xs)
+
+
+def summary() -> list[dict]:
+    """Every backward derived in this process: for which program and inputs, whether it validated (or
+    why not), how often it ran, and the bytes kept between the passes versus eager's estimate."""
+    out = []
+    for (dig, (needs, scalars, shapes, _)), bw in list(_BACKWARDS.items()):
+        d = bw.derived
+        out.append({"program": dig, "pattern": bw.label, "needs_grad": list(needs),
+                    "shapes": [list(s) if s else None for s in shapes], "validated": bw.validated,
+                    "reason": bw.reason, "launches": bw.launches, "saved_bytes": d.saved_bytes if d else None,
+                    "saves_outputs": bool(d and d.saved_outputs),
+                    "eager_saved_bytes": d.eager_saved_bytes if d else None,
+                    "errors": {k: v for k, v in bw.errors.items() if k != "shapes"}})
+    return out
+
+
+def _number(x):
+    return x.item() if isinstance(x, torch.Tensor) else x
+
+
+def build(program: dict, key: tuple, device, forward: Callable) -> Backward:
+    """Derive, generate and validate the backward for one key; never raises."""
+    needs, scalars, shapes, keep_outputs = key
+    try:
+        shaped = _at_shapes(program, shapes)
+        d = backward.derive(shaped, needs, dict(scalars), device, keep_outputs)
+        module, source = None, ""
+        if d.program["outputs"]:
+            gen = generate(d.program)
+            module, source = load_module(gen.path), gen.code
+        bw = Backward(d, module, False, source=source)
+        ok, reason, errors = check(program, bw, key, device, forward)
+        bw.validated, bw.reason, bw.errors = ok, reason, errors
+        bw.launches = 0  # validation's own backward passes do not count
+        return bw
+    except Unsupported as e:
+        return Backward(None, None, False, f"no backward: {e}")
+    except Exception as e:  # a backward that cannot be built must never break the forward
+        return Backward(None, None, False, f"no backward: {type(e).__name__}: {e}"[:500])
+
+
+def _at_shapes(program: dict, shapes: tuple) -> dict:
+    """The program re-laid out at the run's input shapes (contiguous views keep their structure: the
+    recorded program already has these shapes wherever the site's guard let the call through)."""
+    for s, shape in zip(program["inputs"], shapes):
+        if shape is not None and list(shape) != list(s["shape"]):
+            raise Unsupported("called at other shapes than the program records")
+    return program
+
+
+# ------------------------------------------------------------------------------------ validation
+def check(program: dict, bw: Backward, key: tuple, device, forward: Callable) -> tuple[bool, str | None, dict]:
+    """(ok, reason, worst errors): the Function's gradients against autograd on the program (fp64 and native)."""
+    needs, scalars = key[0], key[1]
+    ir = read_program(program)
+    through = max((v.dtype for v in list(ir.values.values()) + list(ir.inputs) if v.dtype in TOLERANCES),
+                  key=lambda dt: TOLERANCES[dt].rel_l2, default=None)
+    row = _row_symbols(ir)
+    worst = {"rel_l2": 0.0, "max_abs": 0.0, "eager_rel_l2": 0.0, "eager_max_abs": 0.0}
+    g = torch.Generator(device=device).manual_seed(1)
+    scalar = dict(scalars)
+    shapes_seen = []
+    for case in cases(ir, interpreted()):
+        if row:  # the backward holds the row width as a literal: vary the rows only
+            case.values.update({t: ir.sizes.value[t] for t in row})
+        drawn = draw(ir, case, device, g)
+        xs = [scalar[k] if k in scalar else drawn[inp.id] for k, inp in enumerate(ir.inputs)]
+        shapes_seen.append([list(x.shape) for x in xs if isinstance(x, torch.Tensor)])
+        try:
+            with torch.no_grad(), np.errstate(all="ignore"):
+                outs = [o for o in forward(xs) if o.is_floating_point()]
+            gouts = [torch.randn(o.shape, generator=g, device=device).to(o.dtype) for o in outs]
+            mine = _fused_grads(forward, bw, xs, needs, gouts)
+            ref64 = _reference_grads(ir, case, xs, needs, gouts, "fp64")
+            native = _reference_grads(ir, case, xs, needs, gouts, "native")
+        except Exception as e:
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            return False, f"backward failed at the {case.name} shape: {type(e).__name__}: {msg}"[:500], worst
+        for k in mine:
+            c = compare(mine[k], ref64[k], native[k], f"grad of input {k} ({case.name} shape)", False, through)
+            if not c.ok:
+                return False, c.reason, {**worst, "failed": c.reason}
+            for w in worst:
+                worst[w] = max(worst[w], getattr(c, w))
+    worst["shapes"] = shapes_seen
+    return True, None, worst
+
+
+def _row_symbols(ir) -> list:
+    """Every size symbol in the row width's class (row programs), else none."""
+    rep = row_class(ir)
+    if rep is None:
+        return []
+    return [t for t in ir.sizes.parent if ir.sizes.find(t) == rep]
+
+
+def _leaf(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(leaf storage, view laid out as t) in `dtype`: gradients land on the view's elements."""
+    whole = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+    base = whole.detach().to(dtype, copy=True).requires_grad_()
+    return base, torch.as_strided(base, t.shape, t.stride(), t.storage_offset())
+
+
+def _fused_grads(forward, bw, xs, needs, gouts) -> dict:
+    args, views = list(xs), {}
+    for k, x in enumerate(xs):
+        if needs[k]:
+            _, views[k] = _leaf(x, x.dtype)
+            args[k] = views[k]
+    with torch.enable_grad(), np.errstate(all="ignore"):
+        outs = [o for o in FusedFunction.apply(forward, bw, *args) if o.is_floating_point()]
+        got = torch.autograd.grad(outs, [views[k] for k in sorted(views)], gouts, allow_unused=True)
+    return {k: (t if t is not None else torch.zeros_like(views[k])) for k, t in zip(sorted(views), got)}
+
+
+def _reference_grads(ir, case, xs, needs, gouts, mode: str) -> dict:
+    inputs, views = {}, {}
+    for k, (inp, x) in enumerate(zip(ir.inputs, xs)):
+        if not isinstance(x, torch.Tensor):
+            x = torch.tensor(x, dtype=inp.dtype)
+        if needs[k]:
+            _, views[k] = _leaf(x, torch.float64 if mode == "fp64" and x.is_floating_point() else x.dtype)
+            inputs[inp.id] = views[k]
+        else:
+            inputs[inp.id] = x
+    with torch.enable_grad():
+        env, _ = run_reference(ir, case, inputs, mode)
+        outs = [env[v.id] for v in ir.outputs[:ir.returned] if v.dtype.is_floating_point]
+        got = torch.autograd.grad(outs, [views[k] for k in sorted(views)],
+                                  [gv.to(o.dtype) for gv, o in zip(gouts, outs)], allow_unused=True)
+    return {k: (t if t is not None else torch.zeros_like(views[k])) for k, t in zip(sorted(views), got)}
+
+
+def module_forward(run: Callable, program: dict) -> Callable:
+    """A generated module's `run` as a Trainable forward: wrapped scalars become 0-dim tensors as
+    launchers take them (float64/int64 on the inputs' device)."""
+    specs = program["inputs"]
+
+    def forward(xs):
+        dev = next(x.device for x in xs if isinstance(x, torch.Tensor))
+        args = [torch.tensor(x, dtype=torch.int64 if isinstance(x, int) else torch.float64, device=dev)
+                if is_scalar_slot(s) and not isinstance(x, torch.Tensor) else x for x, s in zip(xs, specs)]
+        return run(*args)
+
+    return forward

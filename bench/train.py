@@ -1,0 +1,268 @@
+"""Training steps (issue 19): eager / torch.compile / fusion-advisor (/ Liger-Kernel where installed), one
+process per model.
+
+    PYTHONPATH=$PWD python3 bench/train.py --out $OUT/train            # GPU: the suite's full shapes, bf16
+    PYTHONPATH=$PWD python3 bench/train.py --quick --modes eager,advisor --out /tmp/train   # CPU smoke run
+
+One step = forward, loss (the model's own LM loss where it has labels, else mean square of its main
+output), backward, optimizer step (AdamW, fused on a GPU), zero_grad. Per mode the model is built
+afresh (same seed), so peak memory is that mode's alone: step ms (median of --steps after --warmup, CUDA
+events), peak GB (max allocated over the timed steps), first-step s (the first step, compile or
+capture included; the advisor's `optimize` is timed separately as `optimize_s`).
+
+The advisor mode: `advisor.optimize(model, inputs, select=False)` on the inference inputs (its selection
+times inference, which says nothing about training; every validated pattern is kept), then the model
+is trained: each fused pattern with a validated generated backward runs forward+backward as one
+autograd Function, the others their original ops (`advisor.patching.autograd.summary()` lists which).
+Liger-Kernel (`apply_liger_kernel_to_llama`) runs for Llama only where `liger_kernel` imports; it
+patches HF's classes for the whole process, so it runs last.
+
+Writes OUT.json (every number) and OUT.md (a table), printing the table. torch, the workloads and the
+advisor are imported inside the child's functions: the parent process only starts children and writes.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODELS = ["hf_llama", "hf_gpt2", "hf_bert", "timm_vit"]
+DEFAULT_MODELS = "hf_llama,hf_gpt2"  # ~3 min each on an H100 (two compiles, one optimize): the 8-minute budget
+MODES = ["eager", "compile", "advisor", "liger"]
+
+
+# ----------------------------------------------------------------------------------------- child
+def _loss(model, inputs, labels):
+    from workloads import main_output
+
+    args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), dict(inputs))
+    if labels is not None:
+        kwargs["labels"] = labels
+    out = model(*args, **kwargs)
+    loss = getattr(out, "loss", None)
+    return loss if loss is not None else main_output(out).float().pow(2).mean()
+
+
+class Clock:
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device == "cuda"
+        self.torch = torch
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def start(self):
+        if self.cuda:
+            self.s, self.e = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            self.s.record()
+        else:
+            self.t = time.perf_counter()
+
+    def ms(self) -> float:
+        if self.cuda:
+            self.e.record()
+            self.torch.cuda.synchronize()
+            return self.s.elapsed_time(self.e)
+        return (time.perf_counter() - self.t) * 1e3
+
+
+def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps: int, out_dir: Path) -> dict:
+    import torch
+
+    from workloads import build
+
+    w = build(name, device, quick)
+    model = w.model
+    lm = type(model).__name__.endswith(("LMHeadModel", "CausalLM"))  # HF LMs compute their own loss from labels
+    labels = w.inputs["input_ids"] if lm and isinstance(w.inputs, dict) else None
+    res = {"mode": mode, "shape": w.shape}
+    if mode == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401 (only where installed)
+
+        if not type(model).__name__.startswith("Llama"):
+            return {"mode": mode, "skipped": "Liger's patch here is for Llama only"}
+        apply_liger_kernel_to_llama()
+        w = build(name, device, quick)  # rebuilt: Liger patches the classes, models made after use its modules
+        model = w.model
+    if mode == "advisor":
+        import advisor
+
+        t0 = time.perf_counter()
+        report = advisor.optimize(model, w.inputs, select=False, out=out_dir / f"advisor-{name}",
+                                  **({"interpret": True} if device != "cuda" else {}))
+        res["optimize_s"] = round(time.perf_counter() - t0, 2)
+        res["patched"] = [p["title"] for p in report.applied]
+    model.train().requires_grad_(True)
+    if mode == "compile":
+        model = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if device == "cuda" else {}))
+    clock = Clock(device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(warmup + steps):
+        clock.sync()
+        t0 = time.perf_counter()
+        clock.start()
+        loss = _loss(model, w.inputs, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ms = clock.ms()
+        losses.append(loss.item())
+        if i == 0:
+            res["first_step_s"] = round(time.perf_counter() - t0, 2)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()  # the steady state: not compile's or validation's scratch
+        if i >= warmup:
+            times.append(ms)
+    res["step_ms"] = round(statistics.median(times), 3)
+    res["step_ms_min"] = round(min(times), 3)
+    res["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3) if device == "cuda" else None
+    res["losses"] = [round(x, 5) for x in losses]
+    if mode == "advisor":
+        from advisor.patching import autograd, patched_modules
+
+        res["backwards"] = autograd.summary()
+        res["fallbacks"] = {q: dict(f.fallbacks) for q, f in patched_modules(model) if f.fallbacks}
+    del model, opt, w
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: Path) -> int:
+    import advisor  # noqa: F401  (first: without a GPU it sets TRITON_INTERPRET before transformers imports triton)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    doc = {"model": name, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "torch": torch.__version__, "modes": {}}
+    from workloads import TITLES
+
+    doc["title"] = TITLES.get(name, name)
+    for mode in modes:
+        if mode == "liger":
+            try:
+                import liger_kernel  # noqa: F401
+            except ImportError:
+                doc["modes"][mode] = {"mode": mode, "skipped": "liger_kernel is not installed here"}
+                result.write_text(json.dumps(doc, indent=1, default=str))
+                continue
+        torch.manual_seed(0)
+        try:
+            doc["modes"][mode] = run_mode(name, mode, device, quick, warmup, steps, result.parent)
+        except Exception as e:  # one mode failing (compile on an odd model) must not lose the others
+            doc["modes"][mode] = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:500]}
+        result.write_text(json.dumps(doc, indent=1, default=str))
+        r = doc["modes"][mode]
+        print(f"{name} {mode}: {r.get('step_ms')} ms, peak {r.get('peak_gb')} GB, first step {r.get('first_step_s')} s"
+              + (f" ({r.get('error') or r.get('skipped')})" if r.get("error") or r.get("skipped") else ""), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- parent
+def table(doc: dict) -> str:
+    rows = ["| model | mode | step ms | × eager | peak GB | first step s | note |", "|---|---|---|---|---|---|---|"]
+    for name, r in doc["results"].items():
+        if "error" in r:
+            rows.append(f"| {name} | — | failed: {r['error'].splitlines()[-1][:120]} |||||")
+            continue
+        eager = r["modes"].get("eager", {}).get("step_ms")
+        for mode, m in r["modes"].items():
+            if "step_ms" not in m:
+                rows.append(f"| {name} | {mode} | {m.get('error') or m.get('skipped')} |||||")
+                continue
+            x = f"{eager / m['step_ms']:.2f}" if eager else "—"
+            note = ""
+            if mode == "advisor":
+                bws = m.get("backwards") or []
+                used = sum(1 for b in bws if b["validated"] and b["launches"])
+                note = (f"optimize {m.get('optimize_s')} s; {len(m.get('patched') or [])} patterns; "
+                        f"{used} of {len(bws)} derived backwards validated and used")
+            rows.append(f"| {name} | {mode} | {m['step_ms']} | {x} | {m.get('peak_gb')} | {m.get('first_step_s')} | {note} |")
+    return "\n".join(rows)
+
+
+def markdown(doc: dict) -> str:
+    out = ["# Training steps (bench/train.py, issue 19)", "",
+           "One process per model; per mode a fresh model (same seed). Step = forward, loss, backward, AdamW "
+           "(fused on a GPU) step; median after warm-up (CUDA events); peak = max allocated over the timed steps.",
+           "", table(doc), ""]
+    for name, r in doc["results"].items():
+        adv = r.get("modes", {}).get("advisor", {})
+        if adv.get("backwards"):
+            out += [f"## {name}: derived backwards", "", "| pattern | validated | launches | saved MB | eager saved MB (est.) | reason |",
+                    "|---|---|---|---|---|---|"]
+            for b in adv["backwards"]:
+                mb = lambda v: f"{v / 2**20:.1f}" if v else "—"  # noqa: E731
+                out.append(f"| {b.get('pattern') or b['program']} | {b['validated']} | {b['launches']} | {mb(b['saved_bytes'])} | "
+                           f"{mb(b['eager_saved_bytes'])} | {(b['reason'] or '')[:160]} |")
+            out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--out", type=Path, default=Path("reports/train-h100"))
+    p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=210.0, help="seconds per model (its process)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    names = [n for n in a.models.split(",") if n]
+    bad = [m for m in modes if m not in MODES] + [n for n in names if n not in MODELS]
+    if bad:
+        print(f"train: unknown model or mode: {', '.join(bad)} (models: {', '.join(MODELS)}; modes: {', '.join(MODES)})",
+              file=sys.stderr)
+        return 2
+    if a.child:
+        return child(a.child, modes, a.quick, a.warmup, a.steps, a.result)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"results": {}, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                    text=True).stdout.strip()}
+    for name in names:
+        result = a.out.parent / f".train-{name}.json"
+        result.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        cmd = [sys.executable, __file__, "--child", name, "--result", str(result), "--modes", ",".join(modes),
+               "--warmup", str(a.warmup), "--steps", str(a.steps)] + (["--quick"] if a.quick else [])
+        try:
+            proc = subprocess.run(cmd, timeout=a.timeout, capture_output=True, text=True, env=os.environ.copy())
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
+        except subprocess.TimeoutExpired as e:
+            tail = [(e.stdout or b"").decode(errors="replace")[-2000:] if isinstance(e.stdout, bytes) else (e.stdout or ""),
+                    f"timed out after {a.timeout:.0f} s"]
+        res = json.loads(result.read_text()) if result.exists() else {"model": name, "error": "\n".join(tail)}
+        if "timed out" in tail[-1] and "error" not in res:
+            res["note"] = tail[-1] + " (the modes listed finished)"
+        res["wall_s"] = round(time.perf_counter() - t0, 1)
+        result.unlink(missing_ok=True)
+        doc["results"][name] = res
+        print("\n".join(t for t in tail if t.startswith(name) or "Error" in t)[-3000:], flush=True)
+        a.out.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
+    a.out.with_suffix(".md").write_text(markdown(doc))
+    print(table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
