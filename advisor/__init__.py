@@ -33,7 +33,7 @@ def analyze(path, et=None):
 
 def optimize(model, example_inputs, top: int = 5, out=None, replacement: str = "kernel", calls: int = 3,
              benchmark: bool = False, iters: int = 20, granularity: str = "layer", reuse: bool = True,
-             select: bool | None = None, interpret: bool = False):
+             select: bool | None = None, interpret: bool = False, train: bool = False):
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
 
         report = advisor.optimize(model, (input_ids,), top=5)
@@ -48,13 +48,16 @@ def optimize(model, example_inputs, top: int = 5, out=None, replacement: str = "
     `root`); reuse: re-apply a stored plan for the same model and input shapes; select: on a GPU keep
     only what is faster (default on); interpret: without a GPU, patch anyway with kernels running in
     Triton's interpreter (for checks and tests: 100-2,000x slower than the model's own ops, so off by
-    default: the model is then left as it was and the report says why).
+    default: the model is then left as it was and the report says why); train: calls that need
+    gradients run the fused kernels with their generated, validated backwards (off by default: on the
+    H100 a Llama training step ran 0.79x eager that way, so training runs the original forward, at
+    eager's time and memory).
     """
     from advisor.workflows.live_model import optimize as optimize_model  # torch, dynamo, triton: when called
 
     return optimize_model(model, example_inputs, top=top, out=out, replacement=replacement, calls=calls,
                           benchmark=benchmark, iters=iters, granularity=granularity, reuse=reuse, select=select,
-                          interpret=interpret)
+                          interpret=interpret, train=train)
 
 
 def patch(model, plan):

@@ -99,7 +99,7 @@ def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps:
         import advisor
 
         t0 = time.perf_counter()
-        report = advisor.optimize(model, w.inputs, select=False, out=out_dir / f"advisor-{name}",
+        report = advisor.optimize(model, w.inputs, select=False, train=True, out=out_dir / f"advisor-{name}",
                                   **({"interpret": True} if device != "cuda" else {}))
         res["optimize_s"] = round(time.perf_counter() - t0, 2)
         res["patched"] = [p["title"] for p in report.applied]

@@ -93,6 +93,12 @@ class Patched:
         for f in self.outer:
             f.active = bool(on)
 
+    def train_fused(self, on: bool) -> None:
+        """Calls needing gradients run the fused kernels with their generated backwards (True), or the
+        original forward at eager's cost (False, the default)."""
+        for f in self.forwards.values():
+            f.train_fused = bool(on)
+
     def enable(self, keys) -> None:
         """Only these patterns run their launchers from now on; the others' sites run their original ops
         inside the captures (empty: the captures alone, replayed as CUDA graphs on a GPU)."""

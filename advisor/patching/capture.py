@@ -364,11 +364,17 @@ class PatchedForward:
         self._budget: int | None = None  # calls allowed to capture, in total (None: until `settle`)
         self._capturing_calls = 0  # calls that made dynamo capture at least one graph
         self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
+        self.train_fused = False  # see `trains`
+
+    @property
+    def trains(self) -> bool:
+        """Calls that need gradients go through the capture (sites with a generated backward) when asked
+        (`Patched.train_fused`) and a pattern may have one; else they run the original forward, at eager's
+        cost (the default: measured slower than eager on the H100's Llama, see reports/train-h100.md)."""
+        return self.train_fused and self._may_train
 
     @functools.cached_property
-    def trains(self) -> bool:
-        """Calls that need gradients go through the capture (sites with a generated backward); without
-        a pattern that may have one they run the original forward, at eager's cost."""
+    def _may_train(self) -> bool:
         return any(trainable(s) for s in self.specs)
 
     @property
@@ -437,7 +443,7 @@ class PatchedForward:
             if rewrite.fused_runs() == fused:
                 # No site here has a validated backward for these inputs: the capture would only replay
                 # eager's ops op by op, so training calls run the original forward from now on.
-                self.trains = False
+                self._may_train = False
                 self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
             return out
         return self._call(m, args, kwargs)
@@ -487,16 +493,17 @@ class PatchedForward:
 
     def __deepcopy__(self, memo):
         new = PatchedForward(copy.deepcopy(self.module, memo), self.specs, copy.deepcopy(self.saved, memo), self.outer)
-        new.failed, new.enabled, new.active = self.failed, self.enabled, self.active
+        new.failed, new.enabled, new.active, new.train_fused = self.failed, self.enabled, self.active, self.train_fused
         return new
 
     def __reduce__(self):
         return (PatchedForward, (self.module, self.specs, self.saved, self.outer),
-                {"failed": self.failed, "enabled": self.enabled, "active": self.active})
+                {"failed": self.failed, "enabled": self.enabled, "active": self.active, "train_fused": self.train_fused})
 
     def __setstate__(self, state: dict) -> None:
         self.failed, self.enabled = state.get("failed"), state.get("enabled")
         self.active = state.get("active", not self.outer)
+        self.train_fused = state.get("train_fused", False)
 
     def __repr__(self) -> str:
         tier = f"outer, {'on' if self.active else 'off'}; " if self.outer else ""

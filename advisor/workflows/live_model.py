@@ -74,7 +74,7 @@ def describe_timing(e2e: dict) -> str:
 def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "layer", reuse: bool = True, select: bool | None = None,
-             interpret: bool = False) -> OptimizeReport:
+             interpret: bool = False, train: bool = False) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
     use_interpreter_without_gpu()
@@ -130,6 +130,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
                              "kept": []}}
         write_json(out_dir / "apply.json", out)
         return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds, out["selection"])
+    handle.train_fused(train)
     before = handle.launches()
     with phases("check"):  # the first patched call captures the modules (dynamo) and runs the kernels
         chk = check(call, handle, float32_reference(model, args, kwargs))
@@ -157,6 +158,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     e2e = (timed or time_patterns(call, handle, device, iters, records)) if benchmark else None
     if selection is not None or e2e is not None:
         clear_recordings()  # graphs recorded for the states timed above (each pattern alone, ...)
+    handle.train_fused(train)  # (selection may have handed back a new handle)
     handle.settle()
     out = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e,
