@@ -60,13 +60,13 @@ def test_workers_generate_what_one_process_does(optimized, tmp_path, monkeypatch
     """The same candidates generated in two spawned workers and in process: the same kernels, the same
     validation records, in the same order."""
     from advisor.workflows import workers
-    from advisor.workflows.generate import generate_candidates
+    from advisor.workflows.generate import generate_candidates, warm_worker
 
     doc = json.loads((optimized.out_dir / "analysis.json").read_text())
     monkeypatch.setenv(workers.ENV, "0")
     serial = generate_candidates(doc, tmp_path / "serial", top=4)
     monkeypatch.setenv(workers.ENV, "2")
-    pool = workers.start(2)
+    pool = workers.start(2, warm_worker)
     assert pool is not None
     pids = set(pool.map(workers._ready, range(8)))
     assert os.getpid() not in pids and len(pids) <= 2

@@ -81,7 +81,7 @@ def _in_workers(chosen: list, out_dir: Path) -> list | None:
     if n == 0:
         return None
     try:
-        pool = workers.start(n)
+        pool = workers.start(n, warm=warm_worker)
         return list(pool.map(_job, chosen, [out_dir] * len(chosen))) if pool else None
     except (BrokenProcessPool, OSError, RuntimeError) as e:
         workers.discard()
@@ -115,6 +115,11 @@ def pattern_record(c: dict, **fields) -> dict:
     return {"candidate": c["id"], "pattern_id": c["pattern_id"], "title": c.get("title"), "kernel_file": None,
             "validated": False, "reason": None, "errors": None, "measured": None, "source": None, "cached": None,
             "device_type": None, **fields}
+
+
+def warm_worker() -> None:
+    """A compile worker's start-up: nothing to do beyond importing this module (and with it torch, triton
+    and the generator), which naming this function as the pool's initializer does."""
 
 
 def _job(c: dict, out_dir: Path) -> dict:

@@ -2,7 +2,7 @@
 
 Most of a cold start is Triton compiling each kernel (Python front end, then ptxas) at each validation
 shape; threads share one GIL for the Python part, so candidates go to worker processes instead. The
-pool is started once per process (`start()`; the first `generate` starts it if nobody did) and kept
+pool is started once per process (`start_soon()` before profiling, so that it starts meanwhile; else the first `generate` starts it) and kept
 for later calls; each worker imports torch, triton and the generator once.
 
 Workers are spawned, never forked (a forked CUDA context is unusable), and without re-importing the
@@ -17,7 +17,6 @@ import atexit
 import multiprocessing
 import multiprocessing.spawn
 import os
-import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor
 
@@ -42,11 +41,11 @@ def wanted(jobs: int, interpreted: bool) -> int:
     return n if n > 1 else 0
 
 
-def start(n: int | None = None) -> ProcessPoolExecutor | None:
-    """The shared pool with at least `n` workers (started now, so that their imports overlap whatever
-    the caller does next, e.g. profiling); None when workers are off or could not start."""
+def start(n: int, warm=None) -> ProcessPoolExecutor | None:
+    """The shared pool with at least `n` workers, all started before this returns; None when `n` < 2.
+    `warm`: a module-level function each worker runs first (pickled by reference, so its module and
+    what that imports, torch and triton, load at start-up rather than with the first job)."""
     global _pool, _size
-    n = wanted(0, _interpreted()) if n is None else n
     if n <= 1:
         return None
     with _lock:
@@ -57,12 +56,27 @@ def start(n: int | None = None) -> ProcessPoolExecutor | None:
         prep = multiprocessing.spawn.get_preparation_data
         multiprocessing.spawn.get_preparation_data = _without_main(prep)
         try:
-            _pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_init)
+            _pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=warm)
             _size = n
             list(_pool.map(_ready, range(n)))  # every worker started now, while the patch is in place
         finally:
             multiprocessing.spawn.get_preparation_data = prep
         return _pool
+
+
+def start_soon(warm=None) -> None:
+    """Start the pool in the background (returns at once), as many workers as `wanted` allows: a caller
+    about to profile and analyse calls this first, so that the workers' imports run meanwhile; `start`
+    later waits for it (one lock)."""
+    n = wanted(0, os.environ.get("TRITON_INTERPRET") == "1")  # as advisor.validate.interpreted, before torch
+    threading.Thread(target=_start_quietly, args=(n, warm), name="fusion-advisor-workers", daemon=True).start()
+
+
+def _start_quietly(n: int, warm) -> None:
+    try:
+        start(n, warm)
+    except Exception:  # noqa: BLE001  (the generate stage tries again and says why in one line)
+        discard()
 
 
 def discard() -> None:
@@ -82,21 +96,9 @@ def _without_main(prep):
         d = prep(name)
         d.pop("init_main_from_path", None)
         d.pop("init_main_from_name", None)
-        d["sys_path"] = sys.path  # the parent's path: advisor importable from a checkout (PYTHONPATH, tests)
         return d
     return data
 
 
-def _init() -> None:
-    import advisor  # noqa: F401  (first: sets the interpreter up where there is no GPU, as in the parent)
-    import advisor.workflows.generate  # noqa: F401  (torch, triton and the generator, once per worker)
-
-
 def _ready(_: int) -> int:
     return os.getpid()
-
-
-def _interpreted() -> bool:
-    from advisor.validate import interpreted  # function-level: triton only when someone asks
-
-    return interpreted()
