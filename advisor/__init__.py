@@ -64,7 +64,7 @@ def patch(model, plan):
     from advisor.patching import patch as patch_model  # torch and dynamo: imported when first needed
     from advisor.workflows import bundle  # zipfile: imported when first needed
 
-    return patch_model(model, bundle.load(plan) if bundle.is_bundle(plan) else plan)
+    return bundle.patch(model, plan) if bundle.is_bundle(plan) else patch_model(model, plan)
 
 
 def save_bundle(plan, path):

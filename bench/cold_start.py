@@ -44,8 +44,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="hf_llama,deit_small", help="comma-separated workload or zoo names")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--top", type=int, default=5, help="optimize's top (its default)")
-    p.add_argument("--budget", type=float, default=420.0, help="seconds for all runs; later runs are skipped")
-    p.add_argument("--timeout", type=float, default=200.0, help="seconds per child process")
+    p.add_argument("--budget", type=float, default=440.0, help="seconds for all runs: a child is killed at the end "
+                   "of it, later runs are skipped")
+    p.add_argument("--timeout", type=float, default=200.0, help="seconds per child process at most")
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, interpret=True, no torch.compile runs")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "RUN"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -59,10 +60,11 @@ def main(argv=None) -> int:
     for model in models:
         for run in runs:
             rec = {"model": model, "run": run}
-            if time.time() - t_start > a.budget:
+            left = a.budget - (time.time() - t_start)
+            if left < 20:
                 rec["status"] = f"skipped: the {a.budget:.0f} s budget was spent"
             else:
-                rec.update(spawn(a, model, run))
+                rec.update(spawn(a, model, run, min(a.timeout, left)))
             records.append(rec)
             print(json.dumps(rec), flush=True)
     doc = {"smoke": a.smoke, "models": models, "records": records, "wall_s": round(time.time() - t_start, 1)}
@@ -79,21 +81,21 @@ def caches(out: Path, model: str, run: str) -> dict:
     return {k: str(out / "caches" / f"{model}-{group}" / k.lower()) for k in CACHES}
 
 
-def spawn(a, model: str, run: str) -> dict:
+def spawn(a, model: str, run: str, timeout: float) -> dict:
     env = {**os.environ, **caches(a.out, model, run), "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", model, run, "--out", str(a.out),
-           "--top", str(a.top), "--timeout", str(a.timeout), *(["--smoke"] if a.smoke else [])]
+           "--top", str(a.top), *(["--smoke"] if a.smoke else [])]
     log, result = a.out / f"{model}-{run}.log", a.out / f"{model}-{run}.json"
     result.unlink(missing_ok=True)
     t0 = time.time()
     try:
         with open(log, "w") as f:
-            r = subprocess.run(cmd, env=env, timeout=a.timeout, stdout=f, stderr=subprocess.STDOUT)
+            r = subprocess.run(cmd, env=env, timeout=timeout, stdout=f, stderr=subprocess.STDOUT)
         status = "ok" if r.returncode == 0 and result.is_file() else \
             f"exit {r.returncode}: {(log.read_text().strip().splitlines() or [''])[-1][:300]}"
     except subprocess.TimeoutExpired:
-        status = f"timeout after {a.timeout:.0f} s"
+        status = f"timeout after {timeout:.0f} s"
     rec = json.loads(result.read_text()) if status == "ok" else {}
     return {"status": status, "process_s": round(time.time() - t0, 1), **rec}
 

@@ -147,6 +147,18 @@ def load(path, dest: Path | None = None) -> Path:
     return dest
 
 
+def patch(model, path):
+    """`advisor.patch` from a bundle: its plan unpacked (`load`), patched in, and the patterns that
+    `optimize`'s selection kept enabled, as a reused plan is (`advisor.workflows.live_model`)."""
+    from advisor.patching import patch as patch_model  # function-level: dynamo only when a bundle is patched
+
+    folder = load(path)
+    handle = patch_model(model, folder)
+    enabled = json.loads((folder / "apply.json").read_text()).get("enabled")
+    handle.enable(None if enabled is None else frozenset(enabled))
+    return handle
+
+
 def install(z: zipfile.ZipFile, names: list, root: Path | None = None) -> int:
     """Copy the bundle's Triton cache entries into Triton's cache (each whole, or not at all); returns
     how many were new."""

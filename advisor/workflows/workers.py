@@ -2,8 +2,8 @@
 
 Most of a cold start is Triton compiling each kernel (Python front end, then ptxas) at each validation
 shape; threads share one GIL for the Python part, so candidates go to worker processes instead. The
-pool is started once per process (`start_soon()` before profiling, so that it starts meanwhile; else the first `generate` starts it) and kept
-for later calls; each worker imports torch, triton and the generator once.
+pool is started once per `generate` (`start_soon()` before profiling, so that it starts meanwhile; else
+`generate` starts it), and discarded after it: each worker holds a CUDA context (~0.5 GB of GPU memory).
 
 Workers are spawned, never forked (a forked CUDA context is unusable), and without re-importing the
 user's `__main__`: a script that calls `optimize` at top level, unguarded by `if __name__ ...`, would
