@@ -160,3 +160,19 @@ def test_bundle_cli(optimized, tmp_path):
         main(["bundle", str(tmp_path), "-o", str(tmp_path / "q.fab")])
     assert e.value.code == 2 and not (tmp_path / "q.fab").exists()
     assert not bundle.is_bundle(tmp_path / "p.fab.missing") and bundle.is_bundle(tmp_path / "p.fab")
+
+
+def test_workers_that_cannot_start_fall_back_in_one_line(optimized, tmp_path, monkeypatch, capsys):
+    from advisor.workflows import workers
+    from advisor.workflows.generate import generate_candidates
+
+    def refuse(n, warm=None):
+        raise OSError("no processes here")
+
+    monkeypatch.setenv(workers.ENV, "2")
+    monkeypatch.setattr(workers, "start", refuse)
+    doc = json.loads((optimized.out_dir / "analysis.json").read_text())
+    done = generate_candidates(doc, tmp_path / "g", top=2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "compile workers unavailable" in err[0] and "no processes here" in err[0], err
+    assert any(p["validated"] for p in done["patterns"])
