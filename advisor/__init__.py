@@ -61,11 +61,24 @@ def optimize(model, example_inputs, top: int = 5, out=None, replacement: str = "
 
 
 def patch(model, plan):
-    """Patch `model` in place with a plan (a `Plan`, or an `apply`/`optimize` output directory whose
-    apply.json names it); returns a `Patched` handle (`handle.manifest()`, `handle.unpatch()`)."""
+    """Patch `model` in place with a plan (a `Plan`, an `apply`/`optimize` output directory whose
+    apply.json names it, or a bundle file from `save_bundle`); returns a `Patched` handle
+    (`handle.manifest()`, `handle.unpatch()`)."""
     from advisor.patching import patch as patch_model  # torch and dynamo: imported when first needed
+    from advisor.workflows import bundle  # zipfile: imported when first needed
 
-    return patch_model(model, plan)
+    return bundle.patch(model, plan) if bundle.is_bundle(plan) else patch_model(model, plan)
+
+
+def save_bundle(plan, path):
+    """Write a portable plan bundle to `path` and return it: `plan` (an `OptimizeReport`, or an
+    `apply`/`optimize` output directory) with its kernels' compiled Triton binaries and the versions
+    they were built with. `advisor.patch(model, path)` in another process or on another machine with
+    the same GPU, torch and Triton patches from it without profiling, generating or compiling; where
+    those differ it says so in one line and the kernels compile on first use."""
+    from advisor.workflows.bundle import save  # torch and triton: imported when first needed
+
+    return save(plan, path)
 
 
 def unpatch(model):

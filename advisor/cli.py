@@ -166,6 +166,19 @@ def report(
     _report_written(render_reports(directory, top=top))
 
 
+@app.command()
+def bundle(
+    directory: Path = typer.Argument(..., help="OUT of `optimize` or `apply` (holding analysis.json and apply.json)."),
+    output: Path = typer.Option(..., "-o", "--output", help="The bundle file to write (e.g. plan.fab)."),
+):
+    """Write a portable plan bundle: the plan, its kernels and their compiled Triton binaries (patch with
+    `advisor.patch(model, FILE)`: no profiling, generating or compiling where GPU, torch and Triton match)."""
+    from advisor.workflows.bundle import save
+
+    path = save(directory, output)
+    Console().print(f"Bundle: {path}")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def apply(
     ctx: typer.Context,
@@ -224,7 +237,7 @@ def _write_json(path: Path, doc: dict) -> None:
 
 # Commands that run no user code: once their files are written, the process ends without tearing down
 # the analysis (freeing the graph of a 1M-kernel trace object by object took ~20 s at exit).
-FAST_EXIT = {"analyze", "generate", "report"}
+FAST_EXIT = {"analyze", "generate", "report", "bundle"}
 
 
 def _click_exceptions():

@@ -1,24 +1,32 @@
 #!/usr/bin/env python
-"""Where `advisor.optimize`'s cold start goes, per workload: empty caches, then warm caches in a new process.
+"""Cold start per model and phase: fusion-advisor with empty caches, warm caches and from a bundle,
+beside torch.compile's first call with empty and warm caches; Triton compiles counted in each.
 
-    python bench/cold_start.py --workloads seed,hf_llama --out /tmp/cold      # full shapes (GPU)
-    python bench/cold_start.py --quick --device cpu --workloads hf_llama      # tiny shapes
+    PYTHONPATH=$PWD python3 bench/cold_start.py --out $OUT/cold_start                 # GPU, default models
+    PYTHONPATH=$PWD python3 bench/cold_start.py --models hf_llama,deit_small --out /tmp/cs
+    PYTHONPATH=$PWD python3 bench/cold_start.py --smoke --out /tmp/cs                 # CPU, a tiny model, seconds
 
-Each run is a child process (as a user's second run would be): build the workload (bench/workloads.py),
-one eager call, then `advisor.optimize(model, inputs, top=N)` and the first optimised call, under
-cProfile. Prints and writes OUT/cold_start.jsonl (one line per run: wall seconds, `phases_s`, what
-was patched), OUT/<workload>-<empty|warm>.txt (the costliest functions by cumulative and own time) and
-.err (the child's output; the stacks of all threads if it overruns). As in bench/suite.py the process's
-one-time costs (imports, CUDA and dynamo first use) are paid before the clock starts.
+Models: bench/workloads.py names (`hf_llama`, `seed`, ...) or bench/zoo.py's (`deit_small`, `qwen2`, ...).
+Every run is its own child process, one after another (as a user's first and second run would be);
+each child pays its process costs (imports, CUDA, dynamo's first use: bench.suite.process_warmup)
+before its clock starts, then builds the model and calls it once eagerly. Per model:
+
+- `advisor-empty`: fresh FUSION_ADVISOR_CACHE, TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR; `advisor.optimize`
+  (its `phases_s`: profile, analyze, generate, patch, check = the first patched call, select), then
+  the first call after it; the plan is then bundled (`advisor.save_bundle`).
+- `advisor-warm`: the same caches, a new process: `optimize` reuses the stored plan.
+- `advisor-bundle`: fresh caches, a new process: `advisor.patch(model, bundle)` and the first call.
+- `compile-empty` / `compile-warm`: `torch.compile(model)`'s first call with fresh, then the same caches.
+
+`triton_compiles`: entries Triton's caches gained during the timed part (a bundle's installed binaries
+not counted). Writes OUT/cold_start.json and OUT/cold_start.md; OUT/<model>-<run>.log is each child's
+output. Runs past `--budget` seconds are skipped and said so; a child past `--timeout` is killed.
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import subprocess
 import sys
 import tempfile
@@ -26,94 +34,182 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RUNS = ("advisor-empty", "advisor-warm", "advisor-bundle", "compile-empty", "compile-warm")
+CACHES = ("FUSION_ADVISOR_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+SMOKE_MODEL = "seed"  # bench/workloads.py's log(relu(x + b)), at its quick size: one kernel
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", default="seed,hf_llama")
-    p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="cold-start-")))
-    p.add_argument("--device", default=None)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--top", type=int, default=8)
-    p.add_argument("--timeout", type=float, default=240.0, help="per child process, seconds")
-    p.add_argument("--child", nargs=2, metavar=("WORKLOAD", "LABEL"), help=argparse.SUPPRESS)
-    a = p.parse_args()
+    p.add_argument("--models", default="hf_llama,deit_small", help="comma-separated workload or zoo names")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--top", type=int, default=5, help="optimize's top (its default)")
+    p.add_argument("--budget", type=float, default=440.0, help="seconds for all runs: a child is killed at the end "
+                   "of it, later runs are skipped")
+    p.add_argument("--timeout", type=float, default=200.0, help="seconds per child process at most")
+    p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, interpret=True, no torch.compile runs")
+    p.add_argument("--child", nargs=2, metavar=("MODEL", "RUN"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.out = a.out or Path(tempfile.mkdtemp(prefix="cold-start-"))
     if a.child:
         return child(a, *a.child)
     a.out.mkdir(parents=True, exist_ok=True)
-    for name in a.workloads.split(","):
-        env = {**os.environ, "FUSION_ADVISOR_CACHE": str(a.out / f"cache-{name}"),
-               "TRITON_CACHE_DIR": str(a.out / f"triton-{name}")}
-        for label in ("empty", "warm"):
-            cmd = [sys.executable, __file__, "--child", name, label, "--out", str(a.out), "--top", str(a.top),
-                   *(["--quick"] if a.quick else []), *(["--device", a.device] if a.device else [])]
-            t0 = time.time()
-            err = a.out / f"{name}-{label}.err"
-            try:
-                with open(err, "w") as f:
-                    r = subprocess.run(cmd, env=env, timeout=a.timeout, stdout=f, stderr=subprocess.STDOUT, text=True)
-                last = err.read_text().strip().splitlines()[-1:]
-                status = "ok" if r.returncode == 0 else f"exit {r.returncode}: {last}"
-            except subprocess.TimeoutExpired:
-                status = f"timeout after {a.timeout:.0f} s"
-            if status != "ok":
-                with open(a.out / "cold_start.jsonl", "a") as f:
-                    f.write(json.dumps({"workload": name, "cache": label, "status": status,
-                                        "wall_s": round(time.time() - t0, 1)}) + "\n")
-            print(f"{name} {label}: {status} ({time.time() - t0:.1f} s with start-up)", flush=True)
-    for line in (a.out / "cold_start.jsonl").read_text().splitlines():
-        print(line)
+    models = [SMOKE_MODEL] if a.smoke else [m for m in a.models.split(",") if m]
+    runs = RUNS[:3] if a.smoke else RUNS
+    t_start, records = time.time(), []
+    for model in models:
+        for run in runs:
+            rec = {"model": model, "run": run}
+            left = a.budget - (time.time() - t_start)
+            if left < 20:
+                rec["status"] = f"skipped: the {a.budget:.0f} s budget was spent"
+            else:
+                rec.update(spawn(a, model, run, min(a.timeout, left)))
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+    doc = {"smoke": a.smoke, "models": models, "records": records, "wall_s": round(time.time() - t_start, 1)}
+    (a.out / "cold_start.json").write_text(json.dumps(doc, indent=1))
+    (a.out / "cold_start.md").write_text(markdown(doc))
+    print(markdown(doc))
+    print(f"written: {a.out / 'cold_start.json'}, {a.out / 'cold_start.md'}")
     return 0
 
 
-def child(a, name: str, label: str) -> int:
-    import faulthandler
+def caches(out: Path, model: str, run: str) -> dict:
+    """The cache folders of a run: warm runs share their empty run's, a bundle starts from nothing."""
+    group = {"advisor-warm": "advisor-empty", "compile-warm": "compile-empty"}.get(run, run)
+    return {k: str(out / "caches" / f"{model}-{group}" / k.lower()) for k in CACHES}
 
-    faulthandler.dump_traceback_later(max(5.0, a.timeout - 10), exit=False)  # where a run that overruns is
-    sys.path.insert(0, str(ROOT))
+
+def spawn(a, model: str, run: str, timeout: float) -> dict:
+    env = {**os.environ, **caches(a.out, model, run), "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", model, run, "--out", str(a.out),
+           "--top", str(a.top), *(["--smoke"] if a.smoke else [])]
+    log, result = a.out / f"{model}-{run}.log", a.out / f"{model}-{run}.json"
+    result.unlink(missing_ok=True)
+    t0 = time.time()
+    try:
+        with open(log, "w") as f:
+            r = subprocess.run(cmd, env=env, timeout=timeout, stdout=f, stderr=subprocess.STDOUT)
+        status = "ok" if r.returncode == 0 and result.is_file() else \
+            f"exit {r.returncode}: {(log.read_text().strip().splitlines() or [''])[-1][:300]}"
+    except subprocess.TimeoutExpired:
+        status = f"timeout after {timeout:.0f} s"
+    rec = json.loads(result.read_text()) if status == "ok" else {}
+    return {"status": status, "process_s": round(time.time() - t0, 1), **rec}
+
+
+# ----------------------------------------------------------------------------------------- child
+def child(a, model: str, run: str) -> int:
+    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
     import torch
 
-    import advisor  # noqa: F401  (before triton: the interpreter on a machine without a GPU)
-    from bench import workloads
+    import advisor  # noqa: F401  (before triton: the interpreter where there is no GPU)
     from bench.suite import process_warmup
 
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    process_warmup(device)  # imports and first-use costs of the process, paid before timing as in the suite
-    w = workloads.build(name, device, a.quick)
-    args, kwargs = w.args_kwargs()
-    with torch.inference_mode():
-        w.model(*args, **kwargs)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    from advisor.workflows.live_model import optimize
+    device = "cpu" if a.smoke else ("cuda" if torch.cuda.is_available() else "cpu")
+    process_warmup(device)
+    m, inputs = build(model, device, a.smoke)
+    args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), dict(inputs))
 
-    prof = cProfile.Profile()
+    def call():
+        with torch.no_grad():
+            m(*args, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    call()  # the eager call a user's script makes anyway
+    bundle = a.out / f"{model}.fab"
+    before = triton_entries()
+    rec: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     t0 = time.perf_counter()
-    prof.enable()
-    report = optimize(w.model, w.inputs, top=a.top, out=a.out / f"{name}-{label}")
-    with torch.inference_mode():
-        w.model(*args, **kwargs)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    prof.disable()
-    wall = time.perf_counter() - t0
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
-    try:  # what dynamo did: cProfile does not see inside its frame evaluation
-        from torch._dynamo.utils import compile_times, counters
+    if run.startswith("compile"):
+        compiled = torch.compile(m)
+        with torch.no_grad():
+            compiled(*args, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        rec["first_call_s"] = round(time.perf_counter() - t0, 3)
+    elif run == "advisor-bundle":
+        handle = advisor.patch(m, bundle)
+        rec["patch_s"] = round(time.perf_counter() - t0, 3)
+        t1 = time.perf_counter()
+        call()
+        rec["first_call_s"] = round(time.perf_counter() - t1, 3)
+        rec["patched_modules"] = len(handle.manifest())
+    else:
+        report = advisor.optimize(m, inputs, top=a.top, out=a.out / f"{model}-{run}", interpret=a.smoke)
+        rec["optimize_s"] = round(time.perf_counter() - t0, 3)
+        t1 = time.perf_counter()
+        call()
+        rec["first_call_s"] = round(time.perf_counter() - t1, 3)
+        rec.update(phases_s=report.phases_s, patched=[p["title"] for p in report.applied])
+    rec["to_first_call_s"] = round(time.perf_counter() - t0, 3)
+    installed = set()
+    if run == "advisor-bundle":
+        import zipfile
 
-        text.write("\n" + compile_times(repr="str") + "\n")
-        text.write(json.dumps({k: dict(v) for k, v in counters.items() if v}, default=str)[:4000] + "\n")
-    except Exception as e:  # pragma: no cover - a torch without these helpers
-        text.write(f"dynamo stats unavailable: {e}\n")
-    (a.out / f"{name}-{label}.txt").write_text(text.getvalue())
-    rec = {"workload": name, "cache": label, "status": "ok", "device": device, "wall_s": round(wall, 2),
-           "phases_s": report.phases_s, "check_s": report.check.get("seconds"), "patched": [p["title"] for p in report.applied],
-           "not_patched": {p["title"]: p.get("status") for p in report.patterns if not p.get("patched")}}
-    with open(a.out / "cold_start.jsonl", "a") as f:
-        f.write(json.dumps(rec) + "\n")
+        with zipfile.ZipFile(bundle) as z:
+            installed = set(json.loads(z.read("header.json")).get("binaries") or [])
+    rec["triton_compiles"] = len(triton_entries() - before - installed)
+    if run == "advisor-empty":
+        t2 = time.perf_counter()
+        advisor.save_bundle(report, bundle)
+        rec.update(bundle_s=round(time.perf_counter() - t2, 3), bundle_bytes=bundle.stat().st_size)
+    (a.out / f"{model}-{run}.json").write_text(json.dumps(rec))
     return 0
+
+
+def build(name: str, device: str, quick: bool):
+    """(model, inputs) of a bench/workloads.py or bench/zoo.py model."""
+    import torch
+
+    import workloads
+
+    if name in workloads.NAMES:
+        w = workloads.build(name, device, quick)
+        return w.model, w.inputs
+    import zoo
+
+    if name not in zoo.MODELS:
+        raise SystemExit(f"unknown model {name!r}: one of {', '.join(workloads.NAMES + list(zoo.MODELS))}")
+    model, inputs, _ = zoo.MODELS[name](device, torch.bfloat16 if device == "cuda" else torch.float32)
+    return model, inputs
+
+
+def triton_entries() -> set:
+    """Compiled-kernel entries in this process's Triton and Inductor caches (each holds a `__grp__` file)."""
+    out = set()
+    for key in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        root = os.environ.get(key)
+        if root and Path(root).is_dir():
+            out.update(str(g.parent) for g in Path(root).rglob("__grp__*.json"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ report
+def markdown(doc: dict) -> str:
+    cols = ["model", "run", "status", "to first call s", "profile", "analyze", "generate", "patch", "check",
+            "select", "first call s", "Triton compiles", "process s"]
+    lines = ["# Cold start" + (" (smoke: CPU, interpreter)" if doc.get("smoke") else ""), "",
+             "Seconds. `to first call`: from `optimize` / `patch` / `torch.compile` to the end of the first "
+             "call after it; phases are `optimize`'s (`check` = its first patched call); `process` "
+             "includes the child's start-up.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in doc["records"]:
+        ph = r.get("phases_s") or {}
+        if r.get("run") == "advisor-bundle":
+            ph = {"patch": r.get("patch_s")}
+        cells = [r["model"], r["run"], r.get("status", ""), _f(r.get("to_first_call_s")),
+                 *(_f(ph.get(k)) for k in ("profile", "analyze", "generate", "patch", "check", "select")),
+                 _f(r.get("first_call_s")), str(r.get("triton_compiles", "")), _f(r.get("process_s"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _f(x) -> str:
+    return "" if x is None else f"{x:.2f}"
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ def find(cands: list, ops: list) -> list:
 
 def generated(c: dict, tmp_path) -> dict:
     """The apply.json record `optimize` writes for a candidate: generated, validated (or why not)."""
-    from advisor.workflows.generate import _work
+    from advisor.workflows.generate import _job
 
-    entry, _, _ = _work(dict(c, id=c.get("id", "c")), tmp_path)
+    entry = _job(dict(c, id=c.get("id", "c")), tmp_path)
     return entry
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import types
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,28 +46,49 @@ def skip_reason(c: dict) -> str | None:
 def generate_candidates(doc: dict, out_dir: Path, top: int | None = None, on_result=None) -> dict:
     """Generate + validate the top `top` candidates of an analysis.json document; write apply.json.
 
-    On a GPU the candidates are worked on in threads: most of a cold start is Triton compiling
-    (ptxas runs as a subprocess, outside the GIL), and candidates share nothing but the caches, whose
-    writes are atomic. Under the interpreter (pure Python) they run one after another. Kernels with
-    validated alternatives (attention's SDPA) are then timed one at a time, alone on the GPU, and the
-    faster one becomes the module's `run` (`choose_launcher`)."""
+    Each candidate's generate + validate is one job, independent of the others: on a GPU the jobs go
+    to worker processes (`advisor.workflows.workers`; most of a cold start is Triton compiling, whose
+    Python front end holds the GIL), and the records come back in the candidates' order, the same as
+    one after another in process (which is what runs under the interpreter, or when the workers cannot
+    start: said in one line). Kernels with validated alternatives (attention's SDPA) are then timed
+    here, one at a time, alone on the GPU, and the faster one becomes the module's `run`
+    (`choose_launcher`)."""
     out_dir = Path(out_dir)
     chosen = doc.get("candidates", [])[: top or None]
-    workers = 1 if interpreted() else min(8, len(chosen))
-    if workers > 1:
-        with ThreadPoolExecutor(workers, thread_name_prefix="fusion-advisor-generate") as pool:
-            done = list(pool.map(lambda c: _work(c, out_dir), chosen))
-    else:
-        done = [_work(c, out_dir) for c in chosen]
+    entries = _in_workers(chosen, out_dir)
+    if entries is None:
+        entries = [_job(c, out_dir) for c in chosen]
     patterns = []
-    for entry, gen, module in done:
-        if gen is not None and not interpreted() and any(a.get("validated") for a in entry["alternatives"].values()):
-            try:
-                choose_launcher(entry, time_alternatives(gen, module, entry["alternatives"]))
+    for c, entry in zip(chosen, entries):
+        if not interpreted() and entry.get("validated") and \
+                any(a.get("validated") for a in (entry.get("alternatives") or {}).values()):
+            try:  # the module again, in this process: the generator's cache and Triton's make it cheap
+                gen = generate_anchored(c["program"], c["kind"])
+                choose_launcher(entry, time_alternatives(gen, load_module(gen.path), entry["alternatives"]))
             except Exception as e:  # timing is an optimisation: the validated kernel stays `run`
                 entry["launcher_note"] = f"alternatives not timed: {type(e).__name__}: {e}"[:300]
         patterns.append(_report(entry, on_result))
     return write_apply(out_dir, patterns)
+
+
+def _in_workers(chosen: list, out_dir: Path) -> list | None:
+    """Each candidate's record, worked on in the worker processes; None = do them in this process."""
+    from concurrent.futures.process import BrokenProcessPool  # function-level: only where workers run
+
+    from advisor.workflows import workers  # function-level: multiprocessing only on this path
+
+    n = workers.wanted(len(chosen), interpreted())
+    if n == 0:
+        return None
+    try:
+        pool = workers.start(n, warm=warm_worker)
+        return list(pool.map(_job, chosen, [out_dir] * len(chosen))) if pool else None
+    except (BrokenProcessPool, OSError, RuntimeError) as e:
+        print(f"fusion-advisor: compile workers unavailable ({type(e).__name__}: {e}); "
+              f"generating {len(chosen)} kernels in this process", file=sys.stderr)
+        return None
+    finally:  # each worker holds a CUDA context (~0.5 GB of GPU memory): not kept past the stage
+        workers.discard()
 
 
 def choose_launcher(entry: dict, times_ms: dict) -> dict:
@@ -97,12 +118,17 @@ def pattern_record(c: dict, **fields) -> dict:
             "device_type": None, **fields}
 
 
-def _work(c: dict, out_dir: Path) -> tuple[dict, object, object]:
-    """(apply.json entry, the generated module's record, the module) — the last two None unless a
-    matmul-anchored kernel validated."""
+def warm_worker() -> None:
+    """A compile worker's start-up: nothing to do beyond importing this module (and with it torch, triton
+    and the generator), which naming this function as the pool's initializer does."""
+
+
+def _job(c: dict, out_dir: Path) -> dict:
+    """Candidate `c`'s apply.json entry: its kernel generated, validated and written to OUT/kernels (a
+    job for a worker process: plain data in, plain data out)."""
     entry = pattern_record(c, reason=skip_reason(c))
     if entry["reason"] is not None:
-        return entry, None, None
+        return entry
     try:
         anchored = c.get("kind") in ANCHORED
         gen = generate_anchored(c["program"], c["kind"]) if anchored else generate(c["program"])
@@ -116,13 +142,11 @@ def _work(c: dict, out_dir: Path) -> tuple[dict, object, object]:
         source = header(c, check, interpreted()) + gen.code
         path = atomic_write(out_dir / "kernels" / f"{c['id']}_{slug(c.get('title') or '')}.py", source)
         entry.update(kernel_file=str(path), source=source)
-        if anchored and check.validated:
-            return entry, gen, module
     except Unsupported as e:
         entry["reason"] = str(e)
     except Exception as e:  # a generator bug must not stop the other candidates
         entry["reason"] = f"generator error: {type(e).__name__}: {e}"[:500]
-    return entry, None, None
+    return entry
 
 
 def write_apply(out_dir: Path, patterns: list) -> dict:

@@ -94,7 +94,7 @@ def plan_dir(key: str) -> Path:
 
 def store(out_dir: Path, key: str) -> Path:
     """Copy OUT's plan into the cache (kernel paths rewritten to the copy); returns the copy's folder."""
-    return _copy(Path(out_dir), plan_dir(key))
+    return copy_plan(Path(out_dir), plan_dir(key))
 
 
 def fetch(key: str, out_dir: Path) -> bool:
@@ -102,11 +102,12 @@ def fetch(key: str, out_dir: Path) -> bool:
     src = plan_dir(key)
     if not all((src / f).is_file() for f in FILES):
         return False
-    _copy(src, Path(out_dir))
+    copy_plan(src, Path(out_dir))
     return True
 
 
-def _copy(src: Path, dst: Path) -> Path:
+def copy_plan(src: Path, dst: Path) -> Path:
+    """Copy the plan in `src` (analysis.json, apply.json, kernels/) into `dst`, kernel paths rewritten to the copy."""
     dst.mkdir(parents=True, exist_ok=True)
     tmp = dst / ".plan.tmp"  # inside the destination: nothing is written next to a user's OUT
     shutil.rmtree(tmp, ignore_errors=True)

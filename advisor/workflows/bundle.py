@@ -1,0 +1,189 @@
+"""Portable plan bundles: a plan and its kernels' compiled Triton binaries in one file.
+
+`save` zips an `optimize`/`apply` output folder's plan (analysis.json, apply.json, kernels/*.py) with
+the entries of Triton's cache that hold those kernels' binaries, and a header of what they were built
+with (torch, triton, Python, GPU name and capability, fusion-advisor). `load` unpacks the plan into
+the cache folder and, where this machine matches the header, copies the binaries into Triton's cache,
+so that patching with it compiles nothing; where it does not, it says so in one line and the kernels
+compile on first use, as they would from a plan folder.
+
+Which cache entries: Triton names each entry's files after the kernel (`__grp__<name>.json`), and a
+plan's kernel names come from its sources, so an entry of every specialisation that ran (the
+validation shapes and the model's own) is found without knowing Triton's cache keys. An entry of
+another plan's kernel of the same name comes along too: harmless, as Triton looks entries up by key.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from advisor.codegen.cache import cache_dir
+from advisor.errors import AdvisorError
+from advisor.workflows.plan_cache import FILES, copy_plan
+
+FORMAT = 1
+MATCH = ("torch", "triton", "gpu", "capability")  # what a compiled binary depends on
+_JIT_NAME = re.compile(r"^@triton\.jit\s*\ndef\s+(\w+)\s*\(", re.M)
+
+
+def environment() -> dict:
+    """What this process would build binaries with."""
+    import platform
+
+    import torch
+    import triton
+
+    from advisor.version import __version__
+
+    gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    return {"format": FORMAT, "advisor": __version__, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name() if gpu else None,
+            "capability": list(torch.cuda.get_device_capability()) if gpu else None}
+
+
+def triton_cache_root() -> Path:
+    try:
+        from triton import knobs  # triton >= 3.4
+
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):
+        from triton.runtime.cache import default_cache_dir  # older triton
+
+        return Path(os.environ.get("TRITON_CACHE_DIR") or default_cache_dir())
+
+
+def kernel_names(plan_dir: Path) -> set:
+    """The names of the `@triton.jit` functions in a plan's kernel sources."""
+    names = set()
+    for f in sorted((plan_dir / "kernels").glob("*.py")):
+        names.update(_JIT_NAME.findall(f.read_text()))
+    return names
+
+
+def binary_entries(names: set, root: Path | None = None) -> list[Path]:
+    """Triton cache entries (folders) holding a compiled kernel named in `names`, sorted."""
+    root = root or triton_cache_root()
+    if not names or not root.is_dir():
+        return []
+    wanted = {f"__grp__{n}.json" for n in names}
+    return sorted(d for d in root.iterdir() if d.is_dir() and wanted & set(os.listdir(d)))
+
+
+def plan_folder(plan) -> Path:
+    """The output folder of an `OptimizeReport`, or a folder given as is (OUT or the folder holding it)."""
+    folder = Path(getattr(plan, "out_dir", plan))
+    if not all((folder / f).is_file() for f in FILES):
+        raise AdvisorError(f"{folder} holds no plan (analysis.json and apply.json from `optimize` or `apply`)")
+    return folder
+
+
+def save(plan, path) -> Path:
+    """Write `plan` (an `OptimizeReport` or its output folder) and its kernels' binaries to `path`."""
+    folder, path = plan_folder(plan), Path(path)
+    header = environment()
+    entries = binary_entries(kernel_names(folder)) if header["gpu"] else []
+    header["binaries"] = [d.name for d in entries]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+            z.writestr("header.json", json.dumps(header, indent=1))
+            for name in FILES:
+                z.write(folder / name, f"plan/{name}")
+            for f in sorted((folder / "kernels").glob("*.py")):
+                z.write(f, f"plan/kernels/{f.name}")
+            for d in entries:
+                for f in sorted(d.iterdir()):
+                    if f.is_file() and f.name != "lock":
+                        z.write(f, f"triton/{d.name}/{f.name}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def is_bundle(path) -> bool:
+    return isinstance(path, (str, Path)) and Path(path).is_file() and zipfile.is_zipfile(path)
+
+
+def load(path, dest: Path | None = None) -> Path:
+    """Unpack a bundle's plan (into `dest`, else the cache's `bundles/<digest>/`) and install its
+    binaries into Triton's cache if they were built here-alike; returns the plan's folder, ready for
+    `advisor.patch(model, folder)`."""
+    path = Path(path)
+    if not is_bundle(path):
+        raise AdvisorError(f"{path} is not a fusion-advisor bundle (write one with `fusion-advisor bundle OUT -o FILE`)")
+    data = path.read_bytes()
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        try:
+            header = json.loads(z.read("header.json"))
+        except KeyError:
+            raise AdvisorError(f"{path} is not a fusion-advisor bundle (no header.json)") from None
+        if header.get("format") != FORMAT:
+            raise AdvisorError(f"{path}: bundle format {header.get('format')}, this fusion-advisor reads {FORMAT}")
+        dest = Path(dest) if dest else cache_dir().parent / "bundles" / hashlib.sha256(data).hexdigest()[:16]
+        with tempfile.TemporaryDirectory(prefix="fusion-advisor-bundle-") as tmp:
+            _extract(z, "plan/", Path(tmp))
+            copy_plan(Path(tmp), dest)
+            if header.get("binaries"):
+                here = environment()
+                differ = [f"{k} {header.get(k)} (here {here.get(k)})" for k in MATCH if header.get(k) != here.get(k)]
+                if differ:
+                    print(f"fusion-advisor: {path.name} was built with {', '.join(differ)}: "
+                          f"its kernels compile on first use instead", file=sys.stderr)
+                else:
+                    install(z, header["binaries"])
+    return dest
+
+
+def patch(model, path):
+    """`advisor.patch` from a bundle: its plan unpacked (`load`), patched in, and the patterns that
+    `optimize`'s selection kept enabled, as a reused plan is (`advisor.workflows.live_model`)."""
+    from advisor.patching import patch as patch_model  # function-level: dynamo only when a bundle is patched
+
+    folder = load(path)
+    handle = patch_model(model, folder)
+    enabled = json.loads((folder / "apply.json").read_text()).get("enabled")
+    handle.enable(None if enabled is None else frozenset(enabled))
+    return handle
+
+
+def install(z: zipfile.ZipFile, names: list, root: Path | None = None) -> int:
+    """Copy the bundle's Triton cache entries into Triton's cache (each whole, or not at all); returns
+    how many were new."""
+    root = root or triton_cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    new = 0
+    for name in names:
+        target = root / name
+        if target.is_dir():
+            continue
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
+        _extract(z, f"triton/{name}/", tmp)
+        try:
+            os.replace(tmp, target)  # a concurrent run sees the entry whole, or not at all
+            new += 1
+        except OSError:  # another process installed it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return new
+
+
+def _extract(z: zipfile.ZipFile, prefix: str, into: Path) -> None:
+    for info in z.infolist():
+        rel = info.filename[len(prefix):] if info.filename.startswith(prefix) else None
+        if not rel or info.is_dir() or ".." in Path(rel).parts or Path(rel).is_absolute():
+            continue
+        target = into / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(z.read(info))
