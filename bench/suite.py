@@ -504,9 +504,12 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
 
     # ---- keep only what is faster (GPU): each pattern alone, then the kept set end to end
     if report is not None:
+        from advisor.patching.verify import float32_reference
+
         with c.phase("select") as ok, time_limit(c.left() - compile_reserve - final_reserve, "selection",
                                                  floor=min(30.0, 0.3 * c.left())):
-            select_patterns(c, report, m_adv, runner(m_adv), device, meaningful, compile_reserve + final_reserve)
+            select_patterns(c, report, m_adv, runner(m_adv), device, meaningful, compile_reserve + final_reserve,
+                            float32_reference(m_adv, args, kwargs))
         if not ok["ok"]:  # half-way through a re-patch: measure the advisor as it was left, say so
             adv["decision"] = f"selection failed, the model is measured as it was left: {c.r['errors'].get('select')}"
 
@@ -589,7 +592,8 @@ def finish(c: Child, meaningful: bool) -> None:
                              "ratio": round(meas / est, 3) if est else None}
 
 
-def select_patterns(c: Child, report, model, call, device: str, meaningful: bool, reserve: float = 0.0) -> None:
+def select_patterns(c: Child, report, model, call, device: str, meaningful: bool, reserve: float = 0.0,
+                    exact=None) -> None:
     """`advisor.workflows.selection.keep_faster`: each patched pattern timed alone, the ones that save time kept, and
     the kept set only if it beats eager end to end (else the model runs unpatched); what it decided goes
     into the workload's record. Skipped (all kept) when the budget has no time left for it."""
@@ -604,7 +608,8 @@ def select_patterns(c: Child, report, model, call, device: str, meaningful: bool
         c.r["skipped"]["select"] = adv["decision"]
         _mark(adv, set(adv["kept"]))
         return
-    _, sel = keep_faster(call, report.handle, device, report.patterns, iters=20)
+    # `exact`: the float32 reference the outer capture's check judges low-precision outputs by, as optimize's
+    _, sel = keep_faster(call, report.handle, device, report.patterns, iters=20, exact=exact)
     adv.update(decision=sel["decision"], kept=sel["kept"])
     if sel.get("all_patched"):
         adv["all_patched"] = sel["all_patched"]

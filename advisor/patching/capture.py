@@ -357,6 +357,7 @@ class PatchedForward:
         self.specs = specs
         self.saved = saved  # an instance-level forward that was there before us (None: the class's)
         self.failed: str | None = None
+        self.rejected: str | None = None  # an outer capture whose check failed: never switched on
         self.fallbacks: dict[str, int] = {}  # why calls ran the original forward -> how many
         self._compiled: Callable | None = None
         self._backend: Backend | None = None
@@ -422,6 +423,8 @@ class PatchedForward:
         return self.original()(*args, **kwargs)
 
     def on(self) -> bool:
+        if self.rejected:
+            return False
         forced = rewrite.outer_override() if self.outer else None
         return self.active if forced is None else forced
 

@@ -97,8 +97,8 @@ def float32_reference(module: torch.nn.Module, args: tuple, kwargs: dict) -> Cal
 def check_outer(call: Callable[[], object], handle: Patched, exact: Callable[[], object] | None = None) -> dict:
     """Runs the outer captures (the whole stack as one graph, see `capture`) once against the unpatched
     model. Returns {pattern key: sites launched} of that call; on different outputs (or a capture that
-    fails) the outer captures are marked failed, never to run, and the layer captures stay in charge."""
-    live = [f for f in handle.outer if not f.failed]
+    fails) the outer captures are marked rejected (or failed), never to run, and the layer captures stay in charge."""
+    live = [f for f in handle.outer if not f.failed and not f.rejected]
     if not live:
         return {}
     with patches_off():
@@ -112,6 +112,6 @@ def check_outer(call: Callable[[], object], handle: Patched, exact: Callable[[],
         cmp = compare_outputs(ref, out, exact_out)
     if not cmp.ok:
         for f in live:
-            f.failed = f"outer capture: outputs differ from the unpatched model ({cmp.reason})"
+            f.rejected = f"outer capture: outputs differ from the unpatched model ({cmp.reason})"
         return {}
     return launched_sites(before, after)

@@ -31,9 +31,11 @@ from advisor.patching import build_plan, load_plan, occurrence_modules, patch, u
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.verify import check, float32_reference
 from advisor.workflows import plan_cache
+from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.outcome import interpreter_only, launched_sites, pattern_status
 from advisor.workflows.selection import keep_faster, mark_kept, time_patterns
+from advisor.workflows.workers import start_soon
 
 @dataclass
 class OptimizeReport:
@@ -108,6 +110,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
             enabled = json.loads((out_dir / "apply.json").read_text()).get("enabled")
             handle.enable(None if enabled is None else frozenset(enabled))  # as selected when it was stored
     else:
+        if device == "cuda":  # the kernel workers start while the model is profiled and analysed
+            start_soon(warm_worker)
         with phases("profile"):
             trace_dir = profile_calls(call, out_dir, device, calls)
         with phases("analyze"):

@@ -25,6 +25,8 @@ def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict 
     outer_only = plan.outer_only_keys() if plan is not None else set()
     outer_on = getattr(handle, "outer_on", False)
     outer_names = [q or "the model" for q, f in getattr(handle, "forwards", {}).items() if f.outer]
+    outer_refused = next((f.rejected or f.failed for f in getattr(handle, "forwards", {}).values()
+                          if f.outer and (f.rejected or f.failed)), None)
     out = []
     for r in records:
         r = dict(r)
@@ -53,7 +55,8 @@ def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict 
             code, why = Status.NOT_KEPT if selected else Status.NOT_CAPTURED, \
                 f"not patched: its ops lie in {mods[0]}, which holds several captured layers; fused only by the " \
                 f"outer capture of {where}, which " + \
-                ("selection measured no faster than the layer captures" if selected else
+                (f"was not used ({outer_refused})" if outer_refused else
+                 "selection measured no faster than the layer captures" if selected else
                  "runs only where selection has timed it faster than the layer captures (`advisor.optimize` "
                  "on a GPU; `apply` does not try it yet)")
         elif not sites and handle is not None and not getattr(handle, "reached", True):
