@@ -276,3 +276,22 @@ def test_time_per_iteration_spread_over_three_iterations(adamw_trace):
     assert "3 iterations)" in out and "median" in out
     adam = next(line for line in out.splitlines() if "Adam/AdamW update" in line)
     assert " 4 " in adam and " 0 " not in adam, adam  # four occurrences per iteration, never `Occ. 0`
+
+
+def test_guessed_dataflow_never_crosses_iterations():
+    """Without an execution trace the dataflow is guessed from shapes and order; one iteration's last
+    output must not become the next one's input (that guess invented a 'Residual add + LayerNorm' across
+    iterations: issue 20 item 9). Every committed Kineto trace, read without its ET."""
+    import glob
+
+    import advisor
+
+    root = Path(__file__).resolve().parent.parent
+    traces = sorted(glob.glob(str(root / "sample_traces" / "**" / "kineto.json.gz"), recursive=True))
+    assert len(traces) >= 5
+    for path in traces:
+        g = advisor.analyze(path).graph
+        assert any(n.iteration != g.nodes[0].iteration for n in g.nodes), f"{path}: one iteration only"
+        cross = [(g.nodes[g.values[u.value].producer].op, n.op) for n in g.nodes for u in n.reads
+                 if g.values[u.value].producer >= 0 and g.nodes[g.values[u.value].producer].iteration != n.iteration]
+        assert not cross, f"{path}: {cross[:3]}"

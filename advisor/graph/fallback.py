@@ -4,7 +4,9 @@ Kineto records each op's input shapes and dtypes but not its outputs or tensor i
 ops nest by time (per thread) into a tree and become nodes by the same registry rule as with an ET;
 a node's output shape is presumed (broadcast of its inputs for pointwise ops, the input for norms);
 an input is taken to be the output of the node just before it when shape and dtype match and both
-ran in the same module subtree; anything else is an outside tensor.
+ran in the same module subtree, the same profiled iteration and the same thread (one iteration's last
+output is not the next one's input: that guess once invented a "Residual add + LayerNorm" across
+iterations); anything else is an outside tensor.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def nodes_from_kineto(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kern
     rows = ops.iloc[order]
     nodes: list[Node] = []
     values: list[Value] = []
-    recent: list[tuple[tuple, str, int, str]] = []  # (shape, dtype, value id, module) of the last output
+    recent: list[tuple] = []  # (shape, dtype, value id, module, (thread, iteration)) of the last output
     stack: list[tuple[float, int]] = []  # (end, owning node idx or -1) of enclosing ops
     cur_tid = None
     leaf = _leaves(rows) if not trace.has_gpu else None
@@ -97,7 +99,8 @@ def _guess_io(node: Node, r, values: list[Value], recent: list) -> None:
         if t in ITEMSIZE and isinstance(shape, list):
             shape = tuple(shape)
             nbytes = true_bytes(shape, None, ITEMSIZE[t])
-            vid = next((v for s, d, v, m in recent[-1:] if s == shape and d == t and _related(m, node.module)), None)
+            vid = next((v for s, d, v, m, w in recent[-1:]
+                        if s == shape and d == t and _related(m, node.module) and w == (r.tid, node.iteration)), None)
             if vid is None:
                 vid = len(values)
                 values.append(Value(vid, -1, -1, shape, (), t, nbytes))
@@ -108,14 +111,14 @@ def _guess_io(node: Node, r, values: list[Value], recent: list) -> None:
             node.args.append(("s", parse_concrete(concrete[pos] if pos < len(concrete) else "")))
     out = _presumed_output(node, tensor_shapes)
     if out is None:
-        recent.append(((None,), "", -1, node.module))  # an unknown output breaks the chain
+        recent.append(((None,), "", -1, node.module, None))  # an unknown output breaks the chain
     else:
         shape, t = out
         vid = len(values)
         nbytes = math.prod(shape) * ITEMSIZE.get(t, 4) if shape else ITEMSIZE.get(t, 4)
         values.append(Value(vid, -1, node.idx, shape, (), t, nbytes))
         node.writes.append(Use(vid, 0, nbytes, shape, (), t))
-        recent.append((shape, t, vid, node.module))
+        recent.append((shape, t, vid, node.module, (r.tid, node.iteration)))
 
 
 def _related(a: str, b: str) -> bool:
