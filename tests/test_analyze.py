@@ -295,3 +295,22 @@ def test_guessed_dataflow_never_crosses_iterations():
         cross = [(g.nodes[g.values[u.value].producer].op, n.op) for n in g.nodes for u in n.reads
                  if g.values[u.value].producer >= 0 and g.nodes[g.values[u.value].producer].iteration != n.iteration]
         assert not cross, f"{path}: {cross[:3]}"
+
+
+def test_the_readme_documents_every_field_analysis_json_writes():
+    """Issue 20: the README's analysis.json section names every key the writer writes (top level, totals,
+    estimate and each candidate), for a GPU trace and a CPU one."""
+    import advisor
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    section = readme.split("## analysis.json", 1)[1].split("\n## ", 1)[0]
+    for trace in ("hf_llama", "cpu/seed"):
+        doc = advisor.analyze(root / "sample_traces" / trace).doc
+        missing = [k for k in doc if f"| `{k}` |" not in section]
+        missing += [f"totals.{k}" for k in doc["totals"] if f"`{k}`" not in section]
+        missing += [f"totals.time_us_per_iteration.{k}" for k in doc["totals"]["time_us_per_iteration"]
+                    if f"`{k}`" not in section]
+        missing += [f"estimate.{k}" for k in doc["estimate"] if f"`{k}`" not in section]
+        missing += [f"candidate.{k}" for c in doc["candidates"] for k in c if f"`{k}`" not in section]
+        assert not missing, f"{trace}: undocumented: {sorted(set(missing))}"
