@@ -241,7 +241,8 @@ def test_adamw_chain_is_one_candidate_over_parameter_shapes(adamw_trace):
     assert c["kernels_saved"] == 4 * (len(c["ops"]) - 1)
     shapes = {tuple(a.graph.nodes[g.members[-1]].writes[0].shape) for g in a.groups[c["id"]]}
     assert shapes == {(128, 64), (128,), (64, 128), (64,)}, shapes  # every parameter shape, each step
-    assert all(c["occurrences"] >= 1 for c in a.doc["candidates"])
+    # (Other candidates may legitimately count under 1 per iteration: a chain the profiler saw in only some
+    # of the iterations, which happened under load in CI-like runs; the report prints 0.33, never 0.)
 
 
 def test_fractional_occurrences_never_read_zero():
