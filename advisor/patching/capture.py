@@ -131,13 +131,13 @@ def _launcher(spec: PatternSpec, fallback: Callable) -> Callable:
 class Backend:
     """Dynamo's backend for one patched module instance: AOTAutograd, then `rewrite` on inference graphs."""
 
-    def __init__(self, specs: list[PatternSpec], log: CaptureLog, digest: str):
+    def __init__(self, specs: list[PatternSpec], log: CaptureLog, digest: str, trains: bool = False):
         self.specs = specs
         self.log = log
         self.digest = digest
         self.captures = 0  # graphs dynamo handed us for this instance (first captures and recompiles)
         self.device = torch.device("cpu")  # of the graph being rewritten
-        self.trains = any(trainable(s) for s in specs)  # graphs needing grads get sites with a backward
+        self.trains = trains  # graphs needing grads get sites with a backward (`PatchedForward.trains`)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
@@ -413,7 +413,7 @@ class PatchedForward:
 
     def _compile(self) -> Callable:
         fn = self._target()[0]
-        self._backend = Backend(self.specs, self.log(), self.digest)
+        self._backend = Backend(self.specs, self.log(), self.digest, self._may_train)
         self._compiled = torch.compile(_fresh(fn), backend=self._backend, dynamic=False)
         self._watch = HookWatch(self.module)
         return self._compiled
@@ -421,6 +421,11 @@ class PatchedForward:
     def _fall_back(self, why: str, args, kwargs):
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
         return self.original()(*args, **kwargs)
+
+    @property
+    def refused(self) -> str | None:
+        """Why this capture may not run (a failed capture, or an outer capture its check rejected), else None."""
+        return self.rejected or self.failed
 
     def on(self) -> bool:
         if self.rejected:
@@ -430,11 +435,10 @@ class PatchedForward:
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # traced by an outer capture (or the user's torch.compile): inlined
-            # (a plain call: dynamo cannot trace `function.__get__`, and a graph break inside the outer
-            # capture's layer loop made dynamo skip the whole stack's frame)
-            if self.saved is not None:
-                return self.saved(*args, **kwargs)
-            return type(self.module).forward(self.module, *args, **kwargs)
+            # (a plain call, as `_target` spells it: dynamo cannot trace `function.__get__`, and a graph
+            # break inside the outer capture's layer loop made dynamo skip the whole stack's frame)
+            fn, lead = self._target()
+            return fn(*lead, *args, **kwargs)
         m = self.module
         grad = _needs_autograd(m, args, kwargs)
         # An outer capture never trains: under autograd its layers' captures (with their backwards) do.

@@ -8,7 +8,8 @@ GELU fused, device busy 19.0 -> 14.6 ms, call 25.8 -> 25.3 ms). A CUDA graph rep
 The contract of a CUDA graph is fixed addresses, so:
 - parameters are read in place: a graph is recorded per set of parameter addresses (twelve layers that
   share one captured function get twelve graphs);
-- a 0-dim CPU tensor is read by value at launch: it is part of the recording's key, never copied;
+- a 0-dim CPU tensor (HF layers pass some) is part of the recording's key by its value, and is copied
+  into a pinned buffer (a graph may copy it to the GPU: see `_host_scalar`);
 - every other tensor input is copied into a static buffer with the input's storage size, offset and
   strides (the graph may read through `as_strided` views relative to the storage), before each replay;
 - every output is copied out after the replay: nothing handed to the caller is overwritten later;

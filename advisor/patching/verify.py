@@ -98,7 +98,7 @@ def check_outer(call: Callable[[], object], handle: Patched, exact: Callable[[],
     """Runs the outer captures (the whole stack as one graph, see `capture`) once against the unpatched
     model. Returns {pattern key: sites launched} of that call; on different outputs (or a capture that
     fails) the outer captures are marked rejected (or failed), never to run, and the layer captures stay in charge."""
-    live = [f for f in handle.outer if not f.failed and not f.rejected]
+    live = [f for f in handle.outer if not f.refused]
     if not live:
         return {}
     with patches_off():

@@ -28,12 +28,13 @@ from advisor.bench.trace import profile_calls
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, unpatch
+from advisor.patching.capture import launched_sites
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.verify import check, float32_reference
 from advisor.workflows import plan_cache
 from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
-from advisor.workflows.outcome import interpreter_only, launched_sites, pattern_status
+from advisor.workflows.outcome import interpreter_only, pattern_status
 from advisor.workflows.selection import keep_faster, mark_kept, time_patterns
 from advisor.workflows.workers import start_soon
 

@@ -6,7 +6,6 @@ script built (`user_script.Handles`); both answer `sites`, `site_objects`, `reje
 """
 from __future__ import annotations
 
-from advisor.patching.capture import launched_sites  # noqa: F401  (re-exported: the workflows' name for it)
 from advisor.status import Status
 
 
@@ -17,16 +16,16 @@ def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict 
     it, sites substituted in the captured graphs count. `selected`: selection has timed the states
     (an outer capture left off was then measured slower, not merely untried)."""
     by_cand = {s.candidate: s for s in specs}
-    captured_keys = {k for t in getattr(getattr(handle, "plan", None), "targets", []) for k in t.keys}
-    skipped = getattr(getattr(handle, "plan", None), "skipped", {}) or {}
-    uncaptured = getattr(getattr(handle, "plan", None), "uncaptured", {}) or {}
-    enabled = getattr(handle, "enabled", None)  # a reused plan: what selection kept when it was stored
     plan = getattr(handle, "plan", None)
+    captured_keys = {k for t in getattr(plan, "targets", []) for k in t.keys}
+    skipped = getattr(plan, "skipped", {}) or {}
+    uncaptured = getattr(plan, "uncaptured", {}) or {}
+    enabled = getattr(handle, "enabled", None)  # a reused plan: what selection kept when it was stored
     outer_only = plan.outer_only_keys() if plan is not None else set()
     outer_on = getattr(handle, "outer_on", False)
-    outer_names = [q or "the model" for q, f in getattr(handle, "forwards", {}).items() if f.outer]
-    outer_refused = next((f.rejected or f.failed for f in getattr(handle, "forwards", {}).values()
-                          if f.outer and (f.rejected or f.failed)), None)
+    outer = [(q or "the model", f) for q, f in getattr(handle, "forwards", {}).items() if f.outer]
+    outer_names = [q for q, _ in outer]
+    outer_refused = next((f.refused for _, f in outer if f.refused), None)
     out = []
     for r in records:
         r = dict(r)

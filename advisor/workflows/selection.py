@@ -73,9 +73,8 @@ def keep_faster(call, handle, device: str, records: list, iters: int = 20, exact
         states["kept"] = (alone_kept, False)
     if handle.outer:
         out["outer_sites"] = check_outer(call, handle, exact)
-        out["outer_check"] = next((f.rejected or f.failed for f in handle.outer if f.rejected or f.failed),
-                                  "outputs as unpatched")
-    if any(not f.failed and not f.rejected for f in handle.outer):
+        out["outer_check"] = next((f.refused for f in handle.outer if f.refused), "outputs as unpatched")
+    if any(not f.refused for f in handle.outer):
         states["whole"] = (None, True)
         if "kept" in states:
             states["whole_kept"] = (alone_kept, True)

@@ -218,7 +218,7 @@ def _time_whole(recorded, handles, plan, kept: list, dev: str, iters: int) -> di
     if recorded is None or handles is None or not handles.outer:
         return None
     sites = check_outer(recorded.replay, handles)
-    if not any(not f.failed and not f.rejected for f in handles.outer):
+    if not any(not f.refused for f in handles.outer):
         return None
     keys = {s.key for s in plan.patterns if s.candidate in {r["candidate"] for r in kept}} | plan.outer_only_keys()
     t = time_configs(recorded.replay, {"before": patches_off, "after": lambda: state(keys, False),
