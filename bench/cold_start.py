@@ -147,12 +147,13 @@ def child(a, model: str, run: str) -> int:
         rec.update(phases_s=report.phases_s, patched=[p["title"] for p in report.applied])
     rec["to_first_call_s"] = round(time.perf_counter() - t0, 3)
     installed = set()
-    if run == "advisor-bundle":
+    if run == "advisor-bundle":  # the bundle's binaries, copied into Triton's cache by `patch`: not compiles
         import zipfile
 
         with zipfile.ZipFile(bundle) as z:
             installed = set(json.loads(z.read("header.json")).get("binaries") or [])
-    rec["triton_compiles"] = len(triton_entries() - before - installed)
+        rec["binaries_installed"] = len(installed)
+    rec["triton_compiles"] = len({e for e in triton_entries() - before if Path(e).name not in installed})
     if run == "advisor-empty":
         t2 = time.perf_counter()
         advisor.save_bundle(report, bundle)

@@ -306,16 +306,17 @@ def _fake_timings(monkeypatch, saves: dict, before: float, final: dict, noise: f
         return {"before_ms": before, "after_ms": final.get("all", before), "captured_only_ms": final.get("captured", before),
                 "speedup": before / final.get("all", before), "noise_ms": noise}
 
-    class T:
-        def __init__(self, ms):
+    class T:  # five interleaved rounds spread `noise`; the unpatched model's drift the other way
+        def __init__(self, ms, sign=-1):
             self.median_ms, self.spread_ms = ms, noise
+            self.rounds_ms = [ms + sign * noise * (i - 2) / 4 for i in range(5)]
 
     asked = []
 
-    def time_configs(call, configs, device, iters=20):
+    def time_configs(call, configs, device, iters=20, rounds=5):
         asked.append(sorted(configs))
         # states a test does not time (the whole-stack ones) measure slower than unpatched
-        return {k: T(before if k == "before" else final.get(k, before + 1.0)) for k in configs}
+        return {k: T(before, 1) if k == "before" else T(final.get(k, before + 1.0)) for k in configs}
 
     monkeypatch.setattr(selection, "time_patterns", time_patterns)
     monkeypatch.setattr(timing, "timing_meaningful", lambda device: device == "cuda")
@@ -332,13 +333,20 @@ def _enabled(model) -> set | None:
 
 
 def test_choose_takes_the_fastest_state_beyond_noise():
-    from advisor.workflows.selection import Option, choose
+    from advisor.workflows.selection import Option, choose, margin_ms
 
-    opts = [Option("all", None, 9.0), Option("kept", frozenset({"a"}), 8.5), Option("captured", frozenset(), 9.5)]
-    assert choose(10.0, 0.1, opts).name == "kept"
-    assert choose(10.0, 1.6, opts) is None  # 1.5 ms better, but the runs spread 1.6 ms: not shown faster
-    assert choose(10.0, 0.0, [Option("all", None, 9.95)]) is None  # under 1%: not worth a patched model
-    assert choose(10.0, 0.1, []) is None
+    before = [10.0, 10.1, 9.9]
+    opts = [Option("all", None, 9.0, rounds_ms=(9.0, 9.1, 8.9)), Option("kept", frozenset({"a"}), 8.5, rounds_ms=(8.5, 8.6, 8.4)),
+            Option("captured", frozenset(), 9.5, rounds_ms=(9.5, 9.6, 9.4))]
+    assert choose(10.0, before, opts).name == "kept"
+    # 1.5 ms better in the median, but round by round the difference moved 3.4 ms: not shown faster
+    wobbly = Option("kept", frozenset({"a"}), 8.5, rounds_ms=(8.5, 11.9, 8.4))
+    assert margin_ms(10.0, before, wobbly) == pytest.approx(1.65)
+    assert choose(10.0, before, [wobbly]) is None
+    # a host-bound model whose rounds moved 8 ms: every round still says 2x, and the pairs say so
+    assert choose(11.0, [11.0, 19.0, 10.5], [Option("whole", None, 5.4, True, (5.4, 13.0, 5.1))]).name == "whole"
+    assert choose(10.0, before, [Option("all", None, 9.95, rounds_ms=(9.95, 10.05, 9.85))]) is None  # under 1%
+    assert choose(10.0, before, []) is None
 
 
 def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkeypatch):
@@ -359,7 +367,7 @@ def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkey
         out = w.model(**w.inputs) if isinstance(w.inputs, dict) else w.model(*w.inputs)
     assert torch.isfinite(out.logits).all()
     # no state beats the unpatched model by more than the noise: it runs eager again
-    _fake_timings(monkeypatch, {}, before=10.0, final={"all": 9.9, "captured": 9.95}, noise=0.3)
+    _fake_timings(monkeypatch, {}, before=10.0, final={"all": 9.8, "captured": 9.75}, noise=0.3)
     c = _FakeChild()
     suite.select_patterns(c, report, w.model, call, "cuda", True)
     assert c.r["advisor"]["kept"] == [] and c.r["advisor"]["decision"].startswith("nothing kept")

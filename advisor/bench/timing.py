@@ -8,12 +8,14 @@ them `timing_meaningful: false` and claim no speedup.
 `time_configs` compares several configurations of one call (unpatched, patched, each pattern alone):
 each is warmed up for a fixed time first (GPU clocks and the allocator settle: on an H100 the first
 20 calls of an 8-layer Llama ran 25% slower than later ones), then they are timed in interleaved
-rounds, so drift hits all alike; `spread_ms` (max - min of a configuration's round medians) is the
-noise a difference must exceed.
+rounds, so drift hits all alike. Each configuration keeps its round medians (`rounds_ms`): two
+configurations are compared round by round (paired: a host stall or a clock change in one round hits
+both), and `spread_ms` (max - min of a configuration's round medians) says how much one drifted.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ class Timing:
     method: str  # "cuda_events" | "perf_counter"
     samples_ms: list = field(default_factory=list)
     spread_ms: float = 0.0  # max - min of the medians of interleaved rounds (time_configs)
+    rounds_ms: list = field(default_factory=list)  # the median of each interleaved round (time_configs)
 
     def as_dict(self) -> dict:
         return {"median_ms": round(self.median_ms, 4), "iters": self.iters, "method": self.method,
@@ -65,9 +68,6 @@ def time_call(fn: Callable[[], object], device: str, warmup: int = WARMUP, iters
 def time_configs(call: Callable[[], object], configs: dict, device: str, iters: int = ITERS, rounds: int = 3,
                  warmup_s: float = 0.5) -> dict:
     """{name: Timing} for `call()` under each configuration (name -> context-manager factory)."""
-    import contextlib
-    import math
-
     configs = {k: v or contextlib.nullcontext for k, v in configs.items()}
     for ctx in configs.values():
         with ctx():
@@ -88,7 +88,7 @@ def time_configs(call: Callable[[], object], configs: dict, device: str, iters: 
             medians[name].append(t.median_ms)
     method = "cuda_events" if device == "cuda" else "perf_counter"
     return {k: Timing(statistics.median(samples[k]), len(samples[k]), method, samples[k],
-                      max(medians[k]) - min(medians[k])) for k in configs}
+                      max(medians[k]) - min(medians[k]), medians[k]) for k in configs}
 
 
 def timing_meaningful(device: str) -> bool:

@@ -163,6 +163,7 @@ def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
         mod.forward = done.forwards[qual] = PatchedForward(mod, specs, mod.__dict__.get("forward"), outer=True)
         done.modules.append((qual, mod, specs))
     done.set_outer(plan.outer_on)  # as selection left it when the plan was written
+    done.enable(plan.enabled)
     return done
 
 

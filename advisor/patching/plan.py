@@ -71,6 +71,7 @@ class Plan:
     skipped: dict = field(default_factory=dict)  # module -> why it is not captured (granularity "layer")
     uncaptured: dict = field(default_factory=dict)  # pattern key -> modules of its occurrences not captured
     outer_on: bool = False  # selection kept the outer captures (apply.json `outer`): patch switches them on
+    enabled: frozenset | None = None  # the patterns selection left running (apply.json `enabled`; None: all)
 
     def spec(self, key: str) -> PatternSpec:
         return next(p for p in self.patterns if p.key == key)
@@ -80,7 +81,8 @@ class Plan:
         pats = [p for p in self.patterns if p.key not in keys]
         tgts = [Target(t.module, [k for k in t.keys if k not in keys], t.outer) for t in self.targets]
         return Plan(pats, [t for t in tgts if t.keys], dict(self.skipped),
-                    {k: v for k, v in self.uncaptured.items() if k not in keys}, self.outer_on)
+                    {k: v for k, v in self.uncaptured.items() if k not in keys}, self.outer_on,
+                    None if self.enabled is None else self.enabled - keys)
 
     def only(self, keys) -> "Plan":
         return self.without({p.key for p in self.patterns} - set(keys))
@@ -205,6 +207,9 @@ def load_plan(out_dir: Path) -> Plan:
     by_pid = {c["pattern_id"]: c for c in doc["candidates"]}
     specs: dict[str, PatternSpec] = {}
     manifest = applied.get("manifest") or []
+    validated = any(p.get("validated") and p.get("kernel_file") for p in applied.get("patterns", []))
+    if not manifest and applied.get("selection") is not None and validated:
+        return Plan([], [])  # selection kept nothing: patching with it changes nothing
     if manifest:
         targets: dict[str, Target] = {}
         records = {p.get("pattern_id"): p for p in applied.get("patterns") or []}
@@ -224,7 +229,9 @@ def load_plan(out_dir: Path) -> Plan:
             t = targets.setdefault((e["module"], bool(e.get("outer"))), Target(e["module"], outer=bool(e.get("outer"))))
             if s.key not in t.keys:
                 t.keys.append(s.key)
-        return Plan(list(specs.values()), list(targets.values()), outer_on=bool(applied.get("outer")))
+        enabled = applied.get("enabled")
+        return Plan(list(specs.values()), list(targets.values()), outer_on=bool(applied.get("outer")),
+                    enabled=None if enabled is None else frozenset(enabled))
     for p in applied.get("patterns", []):
         c = by_pid.get(p.get("pattern_id")) or next((x for x in doc["candidates"] if x["id"] == p.get("candidate")), None)
         if c is None or not p.get("validated") or not p.get("kernel_file"):

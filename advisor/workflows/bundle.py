@@ -148,15 +148,11 @@ def load(path, dest: Path | None = None) -> Path:
 
 
 def patch(model, path):
-    """`advisor.patch` from a bundle: its plan unpacked (`load`), patched in, and the patterns that
-    `optimize`'s selection kept enabled, as a reused plan is (`advisor.workflows.live_model`)."""
+    """`advisor.patch` from a bundle: its plan unpacked (`load`) and patched in, in the state `optimize`'s
+    selection left it (`Plan.enabled`)."""
     from advisor.patching import patch as patch_model  # function-level: dynamo only when a bundle is patched
 
-    folder = load(path)
-    handle = patch_model(model, folder)
-    enabled = json.loads((folder / "apply.json").read_text()).get("enabled")
-    handle.enable(None if enabled is None else frozenset(enabled))
-    return handle
+    return patch_model(model, load(path))
 
 
 def install(z: zipfile.ZipFile, names: list, root: Path | None = None) -> int:

@@ -107,9 +107,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         with phases("patch"):
             plan = load_plan(out_dir)
             specs = plan.patterns
-            handle = patch(model, plan)
-            enabled = json.loads((out_dir / "apply.json").read_text()).get("enabled")
-            handle.enable(None if enabled is None else frozenset(enabled))  # as selected when it was stored
+            handle = patch(model, plan)  # in the state selection left it when it was stored (`Plan.enabled`)
     else:
         if device == "cuda":  # the kernel workers start while the model is profiled and analysed
             start_soon(warm_worker)

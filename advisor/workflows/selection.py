@@ -15,6 +15,8 @@ from advisor.patching import only, patch, patches_off, whole
 from advisor.patching.verify import check_outer
 from advisor.status import Status
 
+ROUNDS = 5  # interleaved rounds of the final comparison: pairs enough for `margin_ms` to mean something
+
 
 @dataclass(frozen=True)
 class Option:
@@ -22,8 +24,9 @@ class Option:
 
     name: str  # "all" | "kept" | "captured" (captures replayed, every site on its original ops) | "whole*"
     enabled: frozenset | None  # pattern keys whose launchers run (None: every one)
-    ms: float
+    ms: float  # median over every timed call
     outer: bool = False  # the outer capture (the whole stack as one graph) instead of the layer captures
+    rounds_ms: tuple = ()  # the median of each interleaved round, paired with the unpatched model's rounds
 
 
 DESCRIBE = {"all": "every patched pattern", "kept": "the {n} patterns that saved time alone",
@@ -39,38 +42,63 @@ def state(enabled, outer: bool):
         yield
 
 
-def choose(before_ms: float, noise_ms: float, options: list[Option]) -> Option | None:
-    """The selection policy, on timings alone: the fastest option, if it beats the unpatched model by more
-    than the measurement's noise (and 1%); None: leave the model unpatched."""
-    best = min(options, key=lambda o: o.ms, default=None)
-    margin = max(noise_ms, 0.01 * before_ms)
-    return best if best is not None and best.ms < before_ms - margin else None
+def margin_ms(before_ms: float, before_rounds, option: Option) -> float:
+    """How much faster than the unpatched model an option must measure to be shown faster: 1% of the call,
+    and half the spread of the paired round differences (round r: unpatched minus option). Rounds are
+    interleaved, so a stall or clock change that slows both in one round cancels in the difference; a
+    host-bound model whose rounds moved 50% is still shown 2x faster when every round says so."""
+    diffs = [b - o for b, o in zip(before_rounds, option.rounds_ms)]
+    spread = (max(diffs) - min(diffs)) / 2 if len(diffs) > 1 else 0.0
+    return max(0.01 * before_ms, spread)
+
+
+def choose(before_ms: float, before_rounds, options: list[Option]) -> Option | None:
+    """The selection policy, on timings alone: the fastest option among those that beat the unpatched
+    model by more than their margin (`margin_ms`); None: leave the model unpatched."""
+    shown = [o for o in options if before_ms - o.ms > margin_ms(before_ms, before_rounds, o)]
+    return min(shown, key=lambda o: o.ms, default=None)
 
 
 def keep_faster(call, handle, device: str, records: list, iters: int = 20, exact=None) -> tuple:
-    """On a GPU, never leave the model slower: time each patched pattern alone (`time_patterns`); then time,
-    side by side with the unpatched model, every pattern on, only those that saved time alone, and the
-    captures with no kernel (their CUDA-graph replay alone), the outer captures where the plan has them
-    (each whole stack as one graph; checked against the unpatched outputs first, `exact` as in `check`,
-    their launched sites in `outer_sites`), and hand back the fastest (`choose`) as
-    timed, or the model unpatched. Marks `kept` (and why not) on the records; returns (the handle now in
-    force, the decision). Without meaningful timing nothing is dropped."""
+    """On a GPU, never leave the model slower: time each patched pattern alone (`time_patterns`), then
+    compare the states side by side with the unpatched model (`compare_states`) and hand back the one
+    chosen, as timed, or the model unpatched. Marks `kept` (and why not) on the records; returns (the
+    handle now in force, the decision). Without meaningful timing nothing is dropped."""
     patched = [r for r in records if r.get("patched")]
-    key_of = {s.candidate: s.key for s in handle.plan.patterns}
     if not patched:
         return handle, {"decision": "nothing patched", "kept": []}
     if not timing.timing_meaningful(device):
         return handle, {"decision": "all patched patterns kept (timing not meaningful here: no selection)",
                         "kept": [r["candidate"] for r in patched]}
     e2e = time_patterns(call, handle, device, iters, records)
+    best, out = compare_states(call, handle, device, records, iters, exact)
     out = {"all_patched": {k: e2e.get(k) for k in ("before_ms", "after_ms", "captured_only_ms", "speedup", "noise_ms")},
-           "timing": e2e}  # the whole of it: `optimize(benchmark=True)` need not time the same handle again
+           "timing": e2e, **out}  # the whole of it: `optimize(benchmark=True)` need not time the same handle again
+    if best is None:
+        handle = patch(handle.model, handle.plan.only(set()))  # every forward as it was
+    else:
+        handle.enable(best.enabled)
+        handle.set_outer(best.outer)
+    return handle, out
+
+
+def compare_states(call, handle, device: str, records: list, iters: int = 20, exact=None) -> tuple:
+    """The final comparison, shared by `optimize` and `apply`: side by side with the unpatched model, in
+    one interleaved run, every pattern on, only those that saved time alone (`applied_alone`, measured
+    by `time_patterns`), the captures with no kernel (their CUDA-graph replay alone), and the outer
+    captures where the plan has them (each whole stack as one graph; checked against the unpatched
+    outputs first, `exact` as in `check`, their launched sites in `outer_sites`). Chooses (`choose`),
+    marks `kept` on the records and returns (the option chosen or None, the decision as a dict);
+    `handle` is left in whatever state was timed last: the caller puts it in the chosen one."""
+    patched = [r for r in records if r.get("patched")]
+    key_of = {s.candidate: s.key for s in handle.plan.patterns}
     alone_kept = frozenset(key_of[r["candidate"]] for r in patched
                            if ((r.get("applied_alone") or {}).get("saved_us_per_iter") or 0) > 0)
     every = frozenset(key_of[r["candidate"]] for r in patched)
     states = {"all": (None, False), "captured": (frozenset(), False)}
     if alone_kept and alone_kept != every:
         states["kept"] = (alone_kept, False)
+    out: dict = {}
     if handle.outer:
         out["outer_sites"] = check_outer(call, handle, exact)
         out["outer_check"] = next((f.refused for f in handle.outer if f.refused), "outputs as unpatched")
@@ -78,32 +106,31 @@ def keep_faster(call, handle, device: str, records: list, iters: int = 20, exact
         states["whole"] = (None, True)
         if "kept" in states:
             states["whole_kept"] = (alone_kept, True)
-    # The final comparison, in one interleaved run: what is chosen is what was timed last.
     t = timing.time_configs(call, {"before": patches_off, **{k: (lambda e, o: lambda: state(e, o))(*eo)
                                                              for k, eo in states.items()}},
-                            device, iters=iters)
-    before = t["before"].median_ms
-    noise = max(x.spread_ms for x in t.values())
-    options = [Option(k, e, t[k].median_ms, o) for k, (e, o) in states.items()]
-    out["final"] = {k: round(v.median_ms, 4) for k, v in t.items()} | {"noise_ms": round(noise, 4)}
-    best = choose(before, noise, options)
+                            device, iters=iters, rounds=ROUNDS)
+    before = t["before"]
+    options = [Option(k, e, t[k].median_ms, o, tuple(t[k].rounds_ms)) for k, (e, o) in states.items()]
+    margins = {o.name: margin_ms(before.median_ms, before.rounds_ms, o) for o in options}
+    out["final"] = {k: round(v.median_ms, 4) for k, v in t.items()} | {"margin_ms": {k: round(m, 4) for k, m in margins.items()}}
+    best = choose(before.median_ms, before.rounds_ms, options)
     if best is None:
-        handle = patch(handle.model, handle.plan.only(set()))  # every forward as it was
-        out["decision"] = (f"nothing kept (the model runs unpatched): no state beats it beyond noise ({before:.3f} ms; "
-                           + ", ".join(f"{o.name} {o.ms:.3f}" for o in options) + f"; noise {noise:.3f} ms)")
+        out["decision"] = (f"nothing kept (the model runs unpatched): no state beats it beyond noise ({before.median_ms:.3f} ms; "
+                           + ", ".join(f"{o.name} {o.ms:.3f} (needs < {before.median_ms - margins[o.name]:.3f})"
+                                       for o in options) + ")")
         enabled = frozenset()
     else:
-        handle.enable(best.enabled)
-        handle.set_outer(best.outer)
         enabled = every if best.enabled is None else best.enabled
         what = DESCRIBE[best.name].format(n=len(enabled))
-        out["decision"] = f"kept {what}: {before:.3f} -> {best.ms:.3f} ms end to end (noise {noise:.3f} ms)"
+        out["decision"] = (f"kept {what}: {before.median_ms:.3f} -> {best.ms:.3f} ms end to end "
+                           f"(noise {margins[best.name]:.3f} ms)")
         out["state"] = best.name
         out["outer"] = best.outer
-    out["enabled"] = sorted(enabled) if best is not None else None
-    mark_kept(records, key_of, enabled if best is not None else frozenset(), best is not None)
+    # None: every pattern, those only an outer capture launches included
+    out["enabled"] = [] if best is None else None if best.enabled is None else sorted(best.enabled)
+    mark_kept(records, key_of, enabled, best is not None)
     out["kept"] = [r["candidate"] for r in records if r.get("kept")]
-    return handle, out
+    return best, out
 
 
 def mark_kept(records: list, key_of: dict, enabled: frozenset, anything_kept: bool) -> None:

@@ -35,8 +35,7 @@ from advisor.status import Status
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.outcome import pattern_status
 from advisor.workflows.script_session import Session, intercept_roots, run_script
-from advisor.patching.verify import check_outer
-from advisor.workflows.selection import mark_kept, state, time_patterns
+from advisor.workflows.selection import Option, choose, compare_states, mark_kept, time_patterns
 
 class Handles:
     """The patch handles of every model instance the script built, read as one."""
@@ -122,15 +121,19 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
             e2e = _benchmark(script, args, dev, steady, session, handles, records, iters)
             selection = select(records, e2e, session.recorded.get(root_class(steady.get("name") or "")), dev, iters,
                                session.plan, handles)
-        if selection.get("outer_sites") is not None:  # the whole stack kept: statuses as it runs the patterns
+        if selection.get("outer"):  # the whole stack kept: statuses as it runs the patterns
             records = pattern_status(records, specs, handles, session.dropped, analysis.doc, selection["outer_sites"],
                                      selected=True)
             key_of = {sp.candidate: sp.key for sp in specs}
-            mark_kept(records, key_of, frozenset(key_of[c] for c in selection["kept"] if c in key_of), True)
-        kept = set(selection["kept"])
-        manifest = [e for e in handles.manifest() if e["candidate"] in kept]
+            enabled = selection.get("enabled")
+            mark_kept(records, key_of, frozenset(key_of.values() if enabled is None else enabled), True)
+            selection["kept"] = [r["candidate"] for r in records if r.get("kept")]
+        # A state chosen (the captures alone included): every captured module, `enabled` saying which
+        # patterns run there, as `optimize` stores it; nothing chosen: an empty manifest, which patches nothing.
+        chosen = selection.get("state") is not None or bool(selection["kept"])
         doc = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": dev,
-               "script": str(script), "args": args, "patterns": records, "manifest": manifest,
+               "script": str(script), "args": args, "patterns": records,
+               "manifest": handles.manifest() if chosen else [], "enabled": selection.get("enabled"),
                "selection": selection, "outer": bool(selection.get("outer")),
                "checks": session.checks, "errors": session.errors, "end_to_end": e2e,
                "skipped_targets": plan.skipped}
@@ -162,70 +165,32 @@ def _benchmark(script, args, dev, steady, session, handles, records, iters) -> d
 
 
 def select(records: list, e2e: dict, recorded, dev: str, iters: int, plan, handles=None) -> dict:
-    """What the plan keeps, as `optimize` decides it: patterns that save time alone, and only if together
-    they beat the unpatched steady state (re-timed with just those when some were dropped); otherwise
-    none, and apply.json's manifest is empty (`advisor.patch(model, OUT)` then changes nothing). With a
-    recorded module call and an outer capture in the plan, the whole stack as one capture (checked
-    against the unpatched outputs first) is timed beside them and kept where it is faster.
+    """What the plan keeps, as `optimize` decides it. With the script's steady state recorded as one module
+    call, the same final comparison as `optimize`'s (`selection.compare_states`: every pattern, those that
+    saved time alone, the captures alone, the whole stack as one capture where the plan has it), on that
+    call, and the state chosen is the one the manifest describes. Without one (a region or whole-script
+    runs) the patched run is judged as a whole against the unpatched one, by the same policy (`choose`).
+    Kept nothing: apply.json's manifest is empty (`advisor.patch(model, OUT)` then changes nothing).
     Marks `kept`, `status_code` and `status` on the records."""
     patched = [r for r in records if r.get("patched")]
     if not patched or not e2e.get("timing_meaningful"):
         return {"decision": "every patched pattern kept (no timing here to select by)",
                 "kept": [r["candidate"] for r in patched]}
-    alone = {r["candidate"]: (r.get("applied_alone") or {}).get("saved_us_per_iter") for r in patched}
-    kept = [r for r in patched if alone[r["candidate"]] is None or alone[r["candidate"]] > 0]
-    before, after = e2e["before_ms"], e2e["after_ms"]
-    if kept and len(kept) < len(patched) and recorded is not None:
-        ids = {r["candidate"] for r in kept}
-        keys = {s.key for s in plan.patterns if s.candidate in ids}
-        t = time_configs(recorded.replay, {"before": patches_off, "after": lambda: only(keys)}, dev, iters=iters)
-        before, after = t["before"].median_ms, t["after"].median_ms
-    elif kept and len(kept) < len(patched):
-        kept = patched  # no per-pattern re-timing without a recorded module call: judged as a whole
-    whole = _time_whole(recorded, handles, plan, kept, dev, iters) if kept else None
-    if whole is not None and whole["whole_ms"] < whole["after_ms"]:
-        handles.set_outer(True)
-        kept = kept + [r for r in records if r not in kept and r["candidate"] in whole["outer_only"]]
-        before, after = whole["before_ms"], whole["whole_ms"]
-    if not kept or after >= before:
-        decision = (f"nothing kept: the patched steady state is not faster ({before:.3f} -> {after:.3f} ms)"
-                    if kept else "nothing kept: no pattern saves time alone")
-        kept = []
-        if handles is not None:
-            handles.set_outer(False)
-    else:
-        decision = f"kept {len(kept)} of {len(patched)}: {before:.3f} -> {after:.3f} ms"
-        if handles is not None and handles.outer_on:
-            decision += " (the whole stack as one capture, fusing across layers)"
-    for r in patched:
-        r["kept"] = r in kept
-        if not r["kept"]:
-            a = alone[r["candidate"]]
-            r["status_code"] = Status.NOT_KEPT
-            r["status"] = "not kept: " + (f"{a:+.0f} µs per call alone" if a is not None else "the whole set is not faster")
-    out = {"decision": decision, "kept": [r["candidate"] for r in kept], "before_ms": before, "after_ms": after}
-    if whole is not None:
-        out["outer"] = bool(handles.outer_on and kept)
-        out["outer_sites"] = whole["sites"] if out["outer"] else None
-        out["whole_ms"] = whole["whole_ms"]
-    return out
-
-
-def _time_whole(recorded, handles, plan, kept: list, dev: str, iters: int) -> dict | None:
-    """The recorded steady-state call with the outer captures on (after a check of their outputs), timed
-    against the unpatched and the layer-captured state with the `kept` patterns; None where the plan has
-    no outer capture or the script's steady state is not one module call."""
-    if recorded is None or handles is None or not handles.outer:
-        return None
-    sites = check_outer(recorded.replay, handles)
-    if not any(not f.refused for f in handles.outer):
-        return None
-    keys = {s.key for s in plan.patterns if s.candidate in {r["candidate"] for r in kept}} | plan.outer_only_keys()
-    t = time_configs(recorded.replay, {"before": patches_off, "after": lambda: state(keys, False),
-                                       "whole": lambda: state(keys, True)}, dev, iters=iters)
-    handles.set_outer(False)
-    return {"before_ms": t["before"].median_ms, "after_ms": t["after"].median_ms, "whole_ms": t["whole"].median_ms,
-            "sites": sites, "outer_only": {s.candidate for s in plan.patterns if s.key in plan.outer_only_keys()}}
+    if recorded is not None and handles is not None:
+        best, out = compare_states(recorded.replay, handles, dev, records, iters)
+        handles.set_outer(bool(best and best.outer))
+        out["before_ms"] = out["final"]["before"]
+        out["after_ms"] = best.ms if best else out["before_ms"]
+        return out
+    before = e2e["before_ms"]
+    rounds = [before, before]  # whole runs: no paired rounds, the margin is the policy's 1%
+    best = choose(before, rounds, [Option("all", None, e2e["after_ms"], rounds_ms=(e2e["after_ms"],) * 2)])
+    key_of = {s.candidate: s.key for s in plan.patterns}
+    mark_kept(records, key_of, frozenset(key_of.values()) if best else frozenset(), best is not None)
+    kept = [r["candidate"] for r in records if r.get("kept")]
+    decision = (f"kept every patched pattern: {before:.3f} -> {e2e['after_ms']:.3f} ms" if best else
+                f"nothing kept: the patched run is not faster beyond 1% ({before:.3f} -> {e2e['after_ms']:.3f} ms)")
+    return {"decision": decision, "kept": kept, "before_ms": before, "after_ms": e2e["after_ms"]}
 
 
 def _script_timing(script, args, dev, steady, plan, iters: int, max_runs: int = 10) -> dict:
