@@ -12,6 +12,13 @@ def op_names(c: dict) -> list[str]:
     return [op.split("::")[-1] for op in c["ops"]]
 
 
+def pattern_labels(c: dict) -> list[str]:
+    """The op labels of a candidate's canonical signature (`pattern`), in the order of `ops`: a cast reads as
+    the dtype it casts to (`to_fp32`), `clamp_min(0)` as `relu`."""
+    chain = c["pattern"].split("|")[0]
+    return [part.split("(", 1)[0] for part in chain.split("; ")]
+
+
 def _plain(name: str) -> str:
     """An in-place op counts as its op (`add_` is an add); `_to_copy` keeps its leading underscore."""
     return name.rstrip("_")
