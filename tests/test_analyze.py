@@ -12,6 +12,7 @@ import torch
 
 from advisor.analysis.api import analyze
 from advisor.collect.runner import profile_script
+from candidates import RESIDUAL_RMSNORM, ROTARY, SWIGLU, describe, find_candidate, op_names  # (tests/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +43,7 @@ def test_seed_example_bytes_exact(seed_trace):
     path, n = seed_trace
     a = analyze(path)
     cands = a.doc["candidates"]
-    assert len(cands) == 1, [c["title"] for c in cands]
+    assert len(cands) == 1, describe(cands)
     c = cands[0]
     assert c["bytes_unfused"] == 28 * n
     assert c["bytes_fused"] == 12 * n
@@ -90,20 +91,16 @@ def llama_analysis(tmp_path_factory):
     return analyze(_profile(ROOT / "examples" / "hf_llama.py", tmp_path_factory.mktemp("llama"), "--device", "cpu"))
 
 
-def _titles(a) -> list[str]:
-    return [c["title"] for c in a.doc["candidates"]]
-
-
 def test_llama_cpu_patterns(llama_analysis):
-    cands = {c["title"].split(":")[0]: c for c in llama_analysis.doc["candidates"]}
+    cands = llama_analysis.doc["candidates"]
     # The residual add and the RMSNorm chain it feeds, once per norm after a residual (2 layers: 3 + final).
-    rms = cands["Residual add + RMSNorm"]
-    assert [o.split("::")[1] for o in rms["ops"]] == ["add", "pow", "mean", "add", "rsqrt", "mul", "mul"]
+    rms = find_candidate(cands, RESIDUAL_RMSNORM)
+    assert op_names(rms) == ["add", "pow", "mean", "add", "rsqrt", "mul", "mul"]
     assert rms["occurrences"] == 4
-    swiglu = cands["SwiGLU"]
+    swiglu = find_candidate(cands, SWIGLU)
     assert swiglu["occurrences"] == 2 and swiglu["kernels_saved"] == 2
-    rotary = cands["Rotary embedding"]
-    assert [o.split("::")[1] for o in rotary["ops"]] == ["mul", "neg", "cat", "mul", "add"]
+    rotary = find_candidate(cands, ROTARY)
+    assert op_names(rotary) == ["mul", "neg", "cat", "mul", "add"]
     assert rotary["occurrences"] == 4  # q and k in each of 2 layers
     assert any(c["kind"] == "epilogue" and c["extends"] == swiglu["id"] for c in llama_analysis.doc["candidates"])
 
@@ -235,7 +232,7 @@ def test_adamw_chain_is_one_candidate_over_parameter_shapes(adamw_trace):
     a = analyze(adamw_trace)
     assert a.doc["steady_state"]["iterations"] == 3
     adam = [c for c in a.doc["candidates"] if any(o.endswith("addcdiv_") for o in c["ops"])]
-    assert len(adam) == 1, [(c["title"], c["occurrences"]) for c in adam]
+    assert len(adam) == 1, [(d, c["occurrences"]) for d, c in zip(describe(adam), adam)]
     (c,) = adam
     assert c["title"].startswith("Adam/AdamW update: ") and c["occurrences"] == 4
     assert c["kernels_saved"] == 4 * (len(c["ops"]) - 1)

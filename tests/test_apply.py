@@ -12,23 +12,25 @@ import torch
 import advisor
 from advisor.patching import build_plan, patch, patched_modules, patches_off, spec_from_candidate
 from advisor.patching.verify import check
+from candidates import (ATTENTION, RESIDUAL_LAYERNORM, RESIDUAL_RMSNORM, RMSNORM, ROTARY, SWIGLU, TANH_GELU,
+                        Structure, candidates_of, find_candidate, find_candidates, op_names, with_extended)
 from test_patch import inputs, run, tiny  # noqa: E402 (pytest puts tests/ on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def _titles(records, patched=True) -> set:
-    """Patched patterns by title; an epilogue counts as its chain too (`linear epilogue (SwiGLU)` is the
-    SwiGLU chain with its matmul: which of the two ranks first, and takes the ops, varies with CPU noise)."""
-    out = set()
-    for r in records:
-        if bool(r.get("patched")) == patched:
-            title = r["title"].split(":")[0]
-            out.add(title)
-            if " epilogue (" in title:
-                out.add(title.split(" epilogue (", 1)[1].rstrip(")").split(", ")[0])  # less the projection
-    return out
+def _analysis(out_dir) -> dict:
+    return json.loads((Path(out_dir) / "analysis.json").read_text())
+
+
+def _not_patched(structures, records, out_dir) -> list[Structure]:
+    """The structures no patched pattern has, its candidates read from OUT_DIR/analysis.json. An epilogue
+    counts as its chain too (`linear → silu → mul` is the SwiGLU chain with its matmul: which of the two
+    ranks first, and takes the ops, varies with CPU noise)."""
+    doc = _analysis(out_dir)
+    patched = with_extended(candidates_of([r for r in records if r.get("patched")], doc), doc)
+    return [s for s in structures if not find_candidates(patched, s)]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def optimized(tmp_path_factory):
 
 def test_optimize_patches_llama_and_writes_a_plan(optimized):
     model, kw, x, ref, report = optimized
-    assert {"Residual add + RMSNorm", "RMSNorm", "SwiGLU", "Rotary embedding"} <= _titles(report.patterns)
+    assert not _not_patched([RESIDUAL_RMSNORM, RMSNORM, SWIGLU, ROTARY], report.patterns, report.out_dir)
     assert report.check["ok"], report.check
     assert torch.allclose(run(model, kw, x), ref, rtol=1e-5, atol=1e-5)
     doc = json.loads((report.out_dir / "apply.json").read_text())
@@ -78,11 +80,11 @@ def test_a_kernel_that_changes_outputs_is_unpatched(tmp_path):
     model, kw = tiny("llama", layers=1)
     x = inputs("llama")
     a = analyze(profile_calls(lambda: run(model, kw, x), tmp_path, "cpu", calls=2))
-    swiglu = next(c for c in a.doc["candidates"] if c["title"].startswith("SwiGLU"))
+    swiglu = find_candidate(a.doc["candidates"], SWIGLU)
     bad = tmp_path / "bad_kernel.py"
     bad.write_text("import torch\n\ndef run(a, b):\n    return (torch.nn.functional.silu(a) * b * 1.01,)\n")
     specs = [spec_from_candidate(swiglu, "kernel", str(bad), "cpu"),
-             spec_from_candidate(next(c for c in a.doc["candidates"] if c["title"].startswith("Rotary")), "program")]
+             spec_from_candidate(find_candidate(a.doc["candidates"], ROTARY), "program")]
     h = patch(model, build_plan(specs, a.doc))
 
     def call():
@@ -100,10 +102,10 @@ def test_a_kernel_that_changes_outputs_is_unpatched(tmp_path):
 
 
 @pytest.mark.parametrize("name, must", [
-    ("llama", {"Residual add + RMSNorm", "SwiGLU", "Rotary embedding"}),
-    ("gpt2", {"Residual add + LayerNorm", "GELU"}),
-    ("bert", {"Residual add + LayerNorm"}),
-])
+    ("llama", [RESIDUAL_RMSNORM, SWIGLU, ROTARY]),
+    ("gpt2", [RESIDUAL_LAYERNORM, TANH_GELU]),
+    ("bert", [RESIDUAL_LAYERNORM]),
+], ids=["llama", "gpt2", "bert"])
 def test_apply_script_end_to_end(name, must, tmp_path):
     from rich.console import Console
 
@@ -111,7 +113,8 @@ def test_apply_script_end_to_end(name, must, tmp_path):
 
     doc = apply_script(ROOT / "examples" / f"hf_{name}.py", ["--device", "cpu"], tmp_path / name,
                        top=12, device="cpu", console=Console(file=open("/dev/null", "w")))
-    assert must <= _titles(doc["patterns"]), [(r["title"], r["status"]) for r in doc["patterns"]]
+    assert not _not_patched(must, doc["patterns"], tmp_path / name), \
+        [(r["title"], r["status"]) for r in doc["patterns"]]
     assert doc["checks"] and all(c["ok"] for c in doc["checks"])
     assert not doc["errors"]
     assert {e["pattern_id"] for e in doc["manifest"]} == {r["pattern_id"] for r in doc["patterns"] if r["patched"]}
@@ -137,7 +140,8 @@ def test_apply_cli(tmp_path):
                         "--replacement", "program"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((out / "apply.json").read_text())
-    assert [p["title"].split(":")[0] for p in doc["patterns"] if p["patched"]] == ["Pointwise chain"]
+    patched = candidates_of([p for p in doc["patterns"] if p["patched"]], _analysis(out))
+    assert [(c["kind"], op_names(c)) for c in patched] == [("pointwise", ["add", "relu", "log"])]
     assert doc["manifest"][0]["module"] == "Seed" and doc["manifest"][0]["class"] == "Seed"
     assert doc["checks"][0]["bit_identical"]
     assert "timing not meaningful" in r.stdout
@@ -230,7 +234,7 @@ def test_optimize_with_the_kv_cache_on(tmp_path, monkeypatch):
         ref = model(**x).logits
     report = advisor.optimize(model, x, top=6, out=tmp_path / "opt", interpret=True)  # CPU ranks are noisy
     assert report.check["ok"], report.check
-    assert {"Residual add + RMSNorm", "Rotary embedding"} <= _titles(report.patterns), \
+    assert not _not_patched([RESIDUAL_RMSNORM, ROTARY], report.patterns, report.out_dir), \
         [(p["title"], p["status"]) for p in report.patterns]
     with torch.inference_mode():
         assert torch.allclose(model(**x).logits, ref, rtol=1e-5, atol=1e-5)
@@ -260,7 +264,8 @@ def test_eager_attention_is_patched_end_to_end(name, tmp_path, monkeypatch):
     x = inputs(name)
     ref = run(model, kw, x)
     report = advisor.optimize(model, {**x, **kw}, top=4, out=tmp_path / "opt", interpret=True)
-    att = [p for p in report.patterns if p["title"].startswith("Attention")]
+    cands = candidates_of(report.patterns, _analysis(report.out_dir))
+    att = [p for p, c in zip(report.patterns, cands) if ATTENTION.matches(c)]
     assert att and att[0]["patched"], [(p["title"], p["status"]) for p in report.patterns]
     assert report.check["ok"]
     assert torch.allclose(run(model, kw, x), ref, rtol=1e-4, atol=1e-5)

@@ -6,7 +6,6 @@ and the committed CPU sample traces' anchored candidates must validate or say wh
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from advisor.ops import lowering
 from advisor.ops.lowering import Unsupported
 from advisor.validate import validate
 from advisor.workflows.generate import validate_alternatives
+from candidates import ATTENTION, ROTARY, Structure, find_candidates  # (pytest puts tests/ on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_SAMPLES = ROOT / "sample_traces" / "cpu"
@@ -261,25 +261,29 @@ def test_kind_is_detected_from_the_program():
 
 
 # ------------------------------------------------------------------------------------------ sample traces
-# CPU sample traces: the anchored candidates that must validate, and the stated reasons for the others.
+# CPU sample traces: the anchored candidates that must validate, and the stated reasons for the others (by
+# kind and ops: an epilogue's ops are its matmul's and the chain's it absorbs, in execution order).
+def _epilogue(*ops: str) -> Structure:
+    return Structure(kind="epilogue", ops=ops)
+
+
 VALIDATE = {
-    "hf_gpt2_eager": ["attention", "addmm epilogue (GELU)", "matmul epilogue (clone)"],
-    "hf_bert_eager": ["attention", "linear epilogue (GELU)", "matmul epilogue (clone)", "linear epilogue (tanh)"],
-    "splade": ["matmul_reduction", "linear epilogue (Pointwise chain)"],
-    "mlp_block": ["linear epilogue (GELU)", "linear epilogue (bias/residual add)"],
-    "hf_llama": ["linear epilogue (SwiGLU)"],
-    "timm_vit": ["linear epilogue (GELU)"],
+    "hf_gpt2_eager": [ATTENTION, Structure(kind="epilogue", has=("addmm", "pow", "tanh")),  # bias + tanh GELU
+                      _epilogue("matmul", "clone")],
+    "hf_bert_eager": [ATTENTION, _epilogue("linear", "gelu"), _epilogue("matmul", "clone"),
+                      _epilogue("linear", "tanh")],
+    "splade": [Structure(kind="matmul_reduction"), _epilogue("linear", "relu", "log1p", "mul")],
+    "mlp_block": [_epilogue("linear", "gelu"), _epilogue("linear", "add")],
+    "hf_llama": [Structure(kind="epilogue", has=("linear", "silu", "mul"))],  # gate_proj's and up_proj's SwiGLU
+    "timm_vit": [_epilogue("linear", "gelu")],
 }
-REFUSED = {"hf_llama": ["linear epilogue (Rotary embedding)"], "tv_resnet50": ["conv2d epilogue"]}
-
-
-def _plain(title) -> str:
-    """The title less the projection an epilogue names (`linear epilogue (GELU, dense): …` -> `linear epilogue (GELU): …`)."""
-    return re.sub(r", [^,()]+\):", "):", title or "", count=1)
+REFUSED = {"hf_llama": [Structure(kind="epilogue", has=("linear",) + ROTARY.has)],  # q/k projection + rotary
+           "tv_resnet50": [Structure(kind="epilogue", has=("conv2d",))]}
 
 
 @pytest.fixture(scope="module")
 def sample_results(tmp_path_factory):
+    """Per workload, each anchored candidate's generate record with the candidate's kind and ops."""
     from advisor.analysis.api import analyze
     from advisor.workflows.generate import ANCHORED, generate_candidates
 
@@ -288,8 +292,9 @@ def sample_results(tmp_path_factory):
         doc = analyze(CPU_SAMPLES / w).doc
         doc = dict(doc, candidates=[c for c in doc["candidates"] if c["kind"] in ANCHORED])
         res = generate_candidates(doc, tmp_path_factory.mktemp(w))
-        kinds = {c["id"]: c["kind"] for c in doc["candidates"]}
-        out[w] = [dict(p, kind=kinds[p["candidate"]]) for p in res["patterns"]]
+        cands = {c["id"]: c for c in doc["candidates"]}
+        out[w] = [dict(p, kind=cands[p["candidate"]]["kind"], ops=cands[p["candidate"]]["ops"])
+                  for p in res["patterns"]]
     return out
 
 
@@ -297,11 +302,11 @@ def sample_results(tmp_path_factory):
 def test_sample_trace_anchored_candidates(sample_results, workload):
     pats = sample_results[workload]
     for want in VALIDATE.get(workload, []):
-        hits = [p for p in pats if p["kind"] == want or _plain(p["title"]).startswith(want)]
-        assert hits and all(p["validated"] for p in hits), [(p["title"], p["reason"]) for p in hits]
+        hits = find_candidates(pats, want)
+        assert hits and all(p["validated"] for p in hits), (want, [(p["title"], p["reason"]) for p in hits])
     for want in REFUSED.get(workload, []):
-        hits = [p for p in pats if _plain(p["title"]).startswith(want)]
-        assert hits and all(not p["validated"] and p["kernel_file"] is None for p in hits)
+        hits = find_candidates(pats, want)
+        assert hits and all(not p["validated"] and p["kernel_file"] is None for p in hits), want
         assert all(p["reason"] == CONV_REASON or "not elementwise" in p["reason"]
                    or "not an elementwise epilogue" in p["reason"] for p in hits), \
             [p["reason"] for p in hits]

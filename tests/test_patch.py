@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import io
 import pickle
-import re
 
 import pytest
 import torch
@@ -19,6 +18,8 @@ from advisor.analysis.api import analyze
 from advisor.bench.trace import profile_calls
 from advisor.patching import build_plan, occurrence_modules, only, patch, patched_modules, patches_off, \
     spec_from_candidate, unpatch
+from candidates import (RESIDUAL_LAYERNORM, RESIDUAL_RMSNORM, RMSNORM, ROTARY, SWIGLU, TANH_GELU, Structure,
+                        describe, find_candidates)  # (pytest puts tests/ on sys.path)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -58,11 +59,13 @@ def run(model, kw, x, grad: bool = False):
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-# The patterns the issue names, by the analyzer's titles (a prefix of `title`), per model.
+# The patterns the issue names, by structure (kind and ops), per model.
+LLAMA_LAYER = [RESIDUAL_RMSNORM, RMSNORM, SWIGLU, ROTARY]
 WANTED = {
-    "llama": [["Residual add + RMSNorm", "RMSNorm", "SwiGLU", "Rotary embedding"]],
-    "gpt2": [["Residual add + LayerNorm", "GELU"], ["addmm epilogue (GELU)"]],  # bias+GELU: the addmm epilogue
-    "bert": [["Residual add + LayerNorm", "linear epilogue (GELU)"]],
+    "llama": [LLAMA_LAYER],
+    "gpt2": [[RESIDUAL_LAYERNORM, TANH_GELU],
+             [Structure(kind="epilogue", has=("addmm",) + TANH_GELU.has)]],  # bias+GELU: the addmm epilogue
+    "bert": [[RESIDUAL_LAYERNORM, Structure(kind="epilogue", ops=("linear", "gelu"))]],
 }
 
 
@@ -78,12 +81,12 @@ def analyses(tmp_path_factory):
     return out
 
 
-def pick(analysis, titles: list[str]) -> list[dict]:
+def pick(analysis, structures: list[Structure]) -> list[dict]:
+    """Every candidate of each structure (each must have one)."""
     found = []
-    for t in titles:
-        # An epilogue's title names its projection (`addmm epilogue (GELU, c_fc)`): matched without it.
-        hits = [c for c in analysis.doc["candidates"] if re.sub(r", [^,()]+\)$", ")", c["title"].split(":")[0]) == t]
-        assert hits, f"no candidate titled {t!r}: {[c['title'] for c in analysis.doc['candidates']]}"
+    for want in structures:
+        hits = find_candidates(analysis.doc["candidates"], want)
+        assert hits, f"no candidate is {want}: {describe(analysis.doc['candidates'])}"
         found += hits
     return found
 
@@ -93,8 +96,8 @@ def launched(h, key: str) -> int:
     return sum(site.stats["launched"] for site in h.site_objects(key))
 
 
-def plan_for(analysis, titles, replacement, granularity="occurrence", **kw):
-    specs = [spec_from_candidate(c, replacement, **kw) for c in pick(analysis, titles)]
+def plan_for(analysis, structures, replacement, granularity="occurrence", **kw):
+    specs = [spec_from_candidate(c, replacement, **kw) for c in pick(analysis, structures)]
     return build_plan(specs, analysis.doc, occurrence_modules(analysis), granularity), specs
 
 
@@ -128,7 +131,7 @@ def test_granularity_chooses_the_captured_modules(analyses, granularity, modules
     model, kw = tiny("bert")
     x = inputs("bert")
     ref = run(model, kw, x)
-    plan, specs = plan_for(analyses["bert"], ["Residual add + LayerNorm"], "program", granularity)
+    plan, specs = plan_for(analyses["bert"], [RESIDUAL_LAYERNORM], "program", granularity)
     h = patch(model, plan)
     assert sorted(q for q, _ in patched_modules(model)) == modules
     run(model, kw, x)
@@ -171,7 +174,7 @@ def test_backward_gives_unpatched_gradients(analyses):
 
 def test_guard_falls_back_outside_validated_shapes(analyses):
     model, kw = tiny("llama")
-    plan, specs = plan_for(analyses["llama"], ["SwiGLU"], "program")
+    plan, specs = plan_for(analyses["llama"], [SWIGLU], "program")
     h = patch(model, plan)
     run(model, kw, inputs("llama"))
     site = h.site_objects(specs[0].key)[0]
@@ -226,18 +229,18 @@ def test_patched_model_survives_copy_save_to_and_modes(analyses, tmp_path):
     assert not patched_modules(twin) and patched_modules(model)
 
 
-@pytest.mark.parametrize("name, titles", [
-    ("llama", ["Residual add + RMSNorm", "RMSNorm", "SwiGLU", "Rotary embedding"]),
-    ("gpt2", ["Residual add + LayerNorm", "GELU"]),
-    ("bert", ["Residual add + LayerNorm"]),
-])
-def test_generated_kernels_patch_and_match(analyses, name, titles, tmp_path):
+@pytest.mark.parametrize("name, structures", [
+    ("llama", LLAMA_LAYER),
+    ("gpt2", [RESIDUAL_LAYERNORM, TANH_GELU]),
+    ("bert", [RESIDUAL_LAYERNORM]),
+], ids=["llama", "gpt2", "bert"])
+def test_generated_kernels_patch_and_match(analyses, name, structures, tmp_path):
     """The generated Triton kernels (interpreter here): patched at every occurrence, outputs within tolerance."""
     from advisor.bench.compare import compare_outputs
     from advisor.workflows.kernels import kernel_specs
 
     a = analyses[name]
-    chosen = pick(a, titles)
+    chosen = pick(a, structures)
     doc = {**a.doc, "candidates": chosen}
     specs, records = kernel_specs(doc, len(chosen), "kernel", tmp_path, "cpu")
     assert len(specs) == len(chosen), [(r["title"], r["reason"]) for r in records if not r["validated"]]
@@ -260,7 +263,7 @@ def test_generated_kernels_patch_and_match(analyses, name, titles, tmp_path):
 
 def test_package_is_callable_like_the_function(analyses):
     model, kw = tiny("llama")
-    plan, _ = plan_for(analyses["llama"], ["SwiGLU"], "program")
+    plan, _ = plan_for(analyses["llama"], [SWIGLU], "program")
     h = advisor.patch(model, plan)
     assert patched_modules(model)
     advisor.unpatch(model)

@@ -15,6 +15,7 @@ import torch
 import advisor
 from advisor.patching import patched_modules
 from advisor.status import Status
+from candidates import RESIDUAL_RMSNORM, ROTARY, candidates_of  # (pytest puts tests/ on sys.path)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -60,7 +61,9 @@ def test_every_layer_runs_its_kernels_with_the_kv_cache_on(optimized):
     recompile limit (8) and the last ones silently ran unpatched. Now every layer launches."""
     model, untouched, report, caught = optimized
     assert not [w for w in caught if "recompile_limit" in w], caught
-    layer_patterns = [p for p in report.applied if p["title"].startswith(("Residual add + RMSNorm", "Rotary"))]
+    analysis = json.loads((report.out_dir / "analysis.json").read_text())
+    layer_patterns = [p for p, c in zip(report.applied, candidates_of(report.applied, analysis))
+                      if RESIDUAL_RMSNORM.matches(c) or ROTARY.matches(c)]
     assert layer_patterns, str(report)
     assert all(p["sites"] == 10 for p in layer_patterns), str(report)  # one per layer, counted by launches
     assert not report.handle.fallbacks(), report.handle.fallbacks()
