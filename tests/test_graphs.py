@@ -206,3 +206,24 @@ def test_host_to_gpu_copies_of_safe_sources_become_recordable():
     assert not any(n.target is aten.lift_fresh_copy.default for n in gm.graph.nodes)  # the GPU copy is fresh
     assert len(pinned) == 1 and torch.equal(gm._tensor_constant0, torch.tensor([1, 2]))
     assert make_host_copies_recordable(gm, pin=lambda t: pinned.append(t) or t) == 0  # done once
+
+
+def test_a_constant_is_pinned_outside_aotautograds_fake_mode(monkeypatch):
+    """AOTAutograd calls the inference compiler with its fake mode on; pinning a real constant there raised
+    ("Please convert all Tensors to FakeTensors", the H100 zoo's Mistral whole-stack capture failed on its
+    mask constant). The default pin runs on the real tensor (a stand-in pin here: no GPU to pin for)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from advisor.patching import host_copies
+
+    seen = []
+
+    def pin_memory(t):
+        seen.append(t.is_pinned())  # a real tensor's query: raises under the fake mode
+        return t.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    const = torch.tensor(4096)
+    with FakeTensorMode():
+        out = host_copies._pinned(const)
+    assert seen == [False] and torch.equal(out, const) and type(out) is torch.Tensor

@@ -43,10 +43,20 @@ def _set_attr(gm: GraphModule, target: str, value) -> None:
     setattr(owner, last, value)
 
 
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A pinned copy of a real constant. AOTAutograd calls the inference compiler with its fake mode still
+    on, where `pin_memory` on a real tensor raises ("Please convert all Tensors to FakeTensors": the
+    H100 zoo's Mistral, whose whole-stack graph holds its mask code's constants)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return t.pin_memory()
+
+
 def make_host_copies_recordable(gm: GraphModule, pin: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
     """Rewrites `gm` in place; returns how many host-to-GPU copies became recordable. `pin` pins a
     constant (tests on a machine without a GPU pass a stand-in)."""
-    pin = pin or (lambda t: t.pin_memory())
+    pin = pin or _pinned
     changed = 0
     for node in list(gm.graph.nodes):
         device = node.kwargs.get("device") if _tagged(node, "device_copy") else None
