@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from advisor.graph import dtypes
 from advisor.ops.lowering import Lowering, Unsupported
 
 
@@ -211,13 +212,9 @@ def _order(strides, shape) -> list:
     return sorted(range(len(shape)), key=lambda d: (shape[d] == 1 or strides[d] == 0, -strides[d], d))
 
 
-# torch's ScalarType codes, as ScalarType arguments arrive in traces
-SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64,
-                5: torch.float16, 6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
-
-
 def torch_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, str(name), None)
-    if not isinstance(dt, torch.dtype):
-        raise Unsupported(f"dtype {name!r}")
-    return dt
+    """The dtype a program names; a name torch has no dtype of makes the program not generated."""
+    try:
+        return dtypes.torch_dtype(name)
+    except ValueError:
+        raise Unsupported(f"dtype {name!r}") from None

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from advisor.analysis.program import tensor_reads
 from advisor.codegen.build import Builder
 from advisor.codegen.dag import Dag, Node
 from advisor.codegen.helpers import HELPERS, helper_source
@@ -123,7 +124,7 @@ def _read_epilogue_op(ctx: Anchored, spec: dict) -> Op:
         return _read_op(ctx.prog, spec)
     except Unsupported as e:
         outs = {a.op.outputs[0].id for a in ctx.anchors.values()}
-        refs = [r.get("ref") for arg in spec["args"] for r in ([arg] if "ref" in arg else arg.get("list", []))]
+        refs = [r["ref"] for arg in spec["args"] for r in tensor_reads(arg)]
         if any(r in outs for r in refs) and "view" in str(e):
             raise Unsupported(f"the epilogue reads the matmul output through a view that is not elementwise "
                               f"(a slice or split of its columns, e.g. rotary embeddings): {e}") from None

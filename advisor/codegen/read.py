@@ -3,9 +3,10 @@ sizes, refs as views (index maps), each op checked against its lowering and its 
 (`advisor.codegen.shapes`); raises Unsupported with the reason a program cannot be generated."""
 from __future__ import annotations
 
+from advisor.analysis.program import arg_values, node_schema
 from advisor.codegen.ir import Dim, Input, Op, Program, Reshape, Sizes, Value, View, torch_dtype
 from advisor.codegen.shapes import infer_shapes
-from advisor.ops.args import by_name, decode, schema_of
+from advisor.ops.args import by_name
 from advisor.ops.lowering import Unsupported, lowering, why_not_generated
 
 
@@ -88,12 +89,11 @@ def _track_inplace(p: Program, op: Op, target: View) -> None:
 def read_args(p: Program, spec: dict) -> tuple:
     """(schema, arguments by name): tensors as Views (lists of them), other values decoded."""
     schema = _schema(spec)
-    return schema, by_name(schema, [_view(p, a) if "ref" in a else [_view(p, r) for r in a["list"]] if "list" in a
-                                    else decode(a.get("value")) for a in spec["args"]])
+    return schema, by_name(schema, arg_values(spec, lambda ref: _view(p, ref)))
 
 
 def _schema(spec: dict):
-    sch = schema_of(spec["op"], spec.get("schema") or "", tuple("value" not in a for a in spec["args"]))
+    sch = node_schema(spec)
     if sch is None:
         raise Unsupported(f"no schema recorded for {spec['op']} and none of its overloads fits")
     return sch

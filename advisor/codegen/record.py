@@ -12,11 +12,9 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from advisor.codegen.ir import SCALAR_TYPES
+from advisor.graph.dtypes import scalar_type_code
 from advisor.ops.args import NONE
 from advisor.ops.registry import TRANSPARENT, lookup
-
-DTYPE_CODES = {dt: code for code, dt in SCALAR_TYPES.items()}
 
 
 class _Recorder(TorchDispatchMode):
@@ -61,7 +59,7 @@ class _Recorder(TorchDispatchMode):
         if isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
             return {"list": [self._arg(x) for x in v]}
         if isinstance(v, torch.dtype):
-            return {"value": DTYPE_CODES[v]}
+            return {"value": scalar_type_code(v)}
         if v is None or isinstance(v, (torch.device, torch.layout, torch.memory_format)):
             return {"value": NONE}
         return {"value": list(v) if isinstance(v, tuple) else v}

@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from advisor.analysis.program import tensor_reads
 from advisor.codegen.record import _Recorder, _key
+from advisor.graph.dtypes import torch_dtype
 from advisor.ops.lowering import Unsupported, lowering
 from advisor.ops.registry import OpClass, lookup
-from advisor.patching.program import dtype_of, is_scalar_slot, run_program, storage_numel
+from advisor.patching.program import is_scalar_slot, run_program, storage_numel
 
 _TAIL_OPS = {"aten::sum", "aten::_to_copy"}  # what may follow a column reduction on its way to a grad
 
@@ -66,13 +68,13 @@ class Derived:
 def differentiable(program: dict) -> list:
     """Indices of the program's float tensor inputs (wrapped scalars are constants, not inputs)."""
     return [k for k, s in enumerate(program["inputs"])
-            if not is_scalar_slot(s) and dtype_of(s["dtype"]).is_floating_point]
+            if not is_scalar_slot(s) and torch_dtype(s["dtype"]).is_floating_point]
 
 
 def float_outputs(program: dict) -> list:
     dtypes = {o["id"]: o["dtype"] for n in program["nodes"] for o in n["outputs"]}
     dtypes.update({s["id"]: s["dtype"] for s in program["inputs"]})
-    return [j for j, vid in enumerate(program["outputs"]) if dtype_of(dtypes[vid]).is_floating_point]
+    return [j for j, vid in enumerate(program["outputs"]) if torch_dtype(dtypes[vid]).is_floating_point]
 
 
 def example_inputs(program: dict, scalars: dict, device) -> list:
@@ -81,7 +83,7 @@ def example_inputs(program: dict, scalars: dict, device) -> list:
     g = torch.Generator(device="cpu").manual_seed(0)
     out = []
     for k, s in enumerate(program["inputs"]):
-        dt = dtype_of(s["dtype"])
+        dt = torch_dtype(s["dtype"])
         if is_scalar_slot(s):
             out.append(torch.tensor(scalars[k], dtype=dt, device=device))
             continue
@@ -199,7 +201,7 @@ def _cut(program: dict, rec: dict, tensors: list, outs: list, wrt: list, ids: di
     producer = {o["id"]: n for n in nodes for o in n["outputs"]}
     tail: set = set()  # node ids downstream of a column reduction
     for n in nodes:
-        refs = [r["ref"] for a in n["args"] for r in (a.get("list") or ([a] if "ref" in a else []))]
+        refs = [r["ref"] for a in n["args"] for r in tensor_reads(a)]
         if _column_reduction(n) or any(producer.get(r, {}).get("id") in tail for r in refs):
             tail.add(n["id"])
     grads: list[Grad] = []
@@ -227,7 +229,7 @@ def _cut(program: dict, rec: dict, tensors: list, outs: list, wrt: list, ids: di
         grads.append(Grad(k, "grad", j - n_fw, reduce))
     head = [n for n in nodes if n["id"] not in tail]
     head = _live(head, kernel_outputs)
-    read = {r["ref"] for n in head for a in n["args"] for r in (a.get("list") or ([a] if "ref" in a else []))}
+    read = {r["ref"] for n in head for a in n["args"] for r in tensor_reads(a)}
     saved = [k for j, k in enumerate(tensors) if f"in{j}" in read]
     saved_outputs = sorted(int(r[2:]) for r in read if r.startswith("sv"))
     kept = [f"in{j}" for j, k in enumerate(tensors) if k in saved] + [f"in{n_fw + i}" for i in range(len(outs))] \
@@ -279,13 +281,13 @@ def _live(nodes: list, outputs: list) -> list:
         if any(o["id"] in need for o in n["outputs"]):
             keep.append(n)
             for a in n["args"]:
-                for r in a.get("list") or ([a] if "ref" in a else []):
+                for r in tensor_reads(a):
                     need.add(r["ref"])
     return keep[::-1]
 
 
 def _bytes(spec: dict) -> int:
-    return math.prod(spec["shape"]) * dtype_of(spec["dtype"]).itemsize
+    return math.prod(spec["shape"]) * torch_dtype(spec["dtype"]).itemsize
 
 
 def _eager_saved(program: dict) -> int:

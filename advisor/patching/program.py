@@ -21,20 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
-from advisor.ops.args import NONE, split_top_level
-
-# c10::ScalarType order (stable across torch releases): how the execution trace writes a dtype.
-_SCALAR_TYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
-                 torch.float64, torch.complex32, torch.complex64, torch.complex128, torch.bool, None, None, None,
-                 torch.bfloat16]
-_MEMORY_FORMATS = [torch.contiguous_format, torch.preserve_format, torch.channels_last, torch.channels_last_3d]
-
-
-def dtype_of(name: str) -> torch.dtype:
-    d = getattr(torch, name, None)
-    if not isinstance(d, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return d
+from advisor.analysis.program import arg_values, as_torch, declared_types, node_schema, tensor_reads
+from advisor.graph.dtypes import torch_dtype
 
 
 def is_scalar_slot(spec: dict) -> bool:
@@ -43,35 +31,10 @@ def is_scalar_slot(spec: dict) -> bool:
 
 
 @lru_cache(maxsize=None)
-def resolve_op(schema: str) -> torch._ops.OpOverload:
-    """`aten::pow.Tensor_Scalar(Tensor self, ...)` -> torch.ops.aten.pow.Tensor_Scalar."""
-    qual = schema.split("(", 1)[0]
-    ns, rest = qual.split("::", 1)
-    name, overload = rest.split(".", 1) if "." in rest else (rest, "default")
-    return getattr(getattr(getattr(torch.ops, ns), name), overload)
-
-
-@lru_cache(maxsize=None)
-def _declared_types(op: torch._ops.OpOverload) -> list[str]:
-    """Declared argument types as the schema spells them (`ScalarType?`), which `arg.type` loses."""
-    text = str(op._schema)
-    parts = split_top_level(text[text.index("(") + 1: text.rindex(") ->")])
-    return [p.strip().split(" ")[0] for p in parts if p.strip() and p.strip() != "*"]
-
-
-def _convert(value: Any, declared: str, device: torch.device | None) -> Any:
-    if value == NONE or value is None:
-        return None
-    base = declared.rstrip("?")
-    if base == "ScalarType" and isinstance(value, int):
-        return _SCALAR_TYPES[value]
-    if base == "MemoryFormat" and isinstance(value, int):
-        return _MEMORY_FORMATS[value]
-    if base == "Layout" and isinstance(value, int):
-        return torch.strided if value == 0 else value
-    if base == "Device":
-        return device  # the trace's device is where it ran; the program runs where its inputs are
-    return value
+def _overload(qualname: str, overload: str) -> torch._ops.OpOverload:
+    """The op a schema names: ("aten::pow", "Tensor_Scalar") -> torch.ops.aten.pow.Tensor_Scalar."""
+    namespace, name = qualname.split("::", 1)
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
 
 
 def _view(t: torch.Tensor, base_spec: dict, ref: dict) -> torch.Tensor:
@@ -90,27 +53,23 @@ def _strides_equal(shape, a, b) -> bool:
 
 def call_node(node: dict, env: dict, device) -> tuple:
     """Run one program node; `env` maps value ids to (tensor-or-number, layout spec)."""
-    op = resolve_op(node["schema"])
-    declared = _declared_types(op)
-    arguments = op._schema.arguments
-    args, kwargs = [], {}
+    schema = node_schema(node)
+    if schema is None:
+        raise ValueError(f"no schema recorded for {node['op']} and none of its overloads fits")
+    declared, arguments = declared_types(schema), schema.arguments
 
-    def ref_value(r):
+    def read(r):
         v, spec = env[r["ref"]]
         return v if not isinstance(v, torch.Tensor) else _view(v, spec, r)
 
-    for i, a in enumerate(node["args"]):
-        if "ref" in a:
-            v = ref_value(a)
-        elif "list" in a:
-            v = [ref_value(r) for r in a["list"]]
-        else:
-            v = _convert(a.get("value"), declared[i] if i < len(declared) else "", device)
+    args, kwargs = [], {}
+    for i, v in enumerate(arg_values(node, read)):
+        v = as_torch(v, declared[i] if i < len(declared) else "", device)
         if i < len(arguments) and arguments[i].kwarg_only:
             kwargs[arguments[i].name] = v
         else:
             args.append(v)
-    out = op(*args, **kwargs)
+    out = _overload(schema.name, schema.overload_name)(*args, **kwargs)
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
@@ -169,7 +128,7 @@ def program_graph(program: dict, device: torch.device | str) -> torch.fx.GraphMo
         return run_program(program, vals)
 
     with FakeTensorMode():
-        bases = [torch.empty(storage_numel(program, k), dtype=dtype_of(specs[k]["dtype"]), device=device)
+        bases = [torch.empty(storage_numel(program, k), dtype=torch_dtype(specs[k]["dtype"]), device=device)
                  for k in tensor_idx]
         gm = make_fx(fn, tracing_mode="real")(*bases)
     gm.graph.eliminate_dead_code()  # unused outputs of multi-output ops (layer_norm's mean, rstd)
@@ -190,7 +149,7 @@ def storage_numel(program: dict, k: int) -> int:
     need = spec.get("storage_offset", 0) + extent(spec["shape"], spec["strides"])
     for n in program["nodes"]:
         for a in n["args"]:
-            for r in a.get("list", [a] if "ref" in a else []):
+            for r in tensor_reads(a):
                 if r["ref"] == spec["id"]:
                     need = max(need, r.get("storage_offset", 0) + extent(r["shape"], r["strides"]))
     return max(need, 1)

@@ -24,9 +24,10 @@ from typing import Any, Callable
 import torch
 from torch.fx import Graph, Node
 
+from advisor.graph.dtypes import torch_dtype
 from advisor.patching.match import Match, Pattern, compute_users, input_offset, is_transparent, layout, \
     same_strides, strip, val
-from advisor.patching.program import dtype_of, is_scalar_slot
+from advisor.patching.program import is_scalar_slot
 
 # Which patterns run their launcher: None = all; a set of pattern keys = only those (the rest fall
 # back). `off` bypasses patched forwards entirely (see capture.PatchedForward).
@@ -88,7 +89,7 @@ class InputSpec:
     def of(cls, spec: dict) -> "InputSpec":
         if is_scalar_slot(spec):
             return cls(True)
-        return cls(False, dtype_of(spec["dtype"]), tuple(spec["shape"]), tuple(spec["strides"]))
+        return cls(False, torch_dtype(spec["dtype"]), tuple(spec["shape"]), tuple(spec["strides"]))
 
     def accepts(self, x, device_type: str | None) -> bool:
         if self.scalar:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from advisor.codegen.ir import SCALAR_TYPES, Program, View
+from advisor.analysis.program import as_torch, declared_types
+from advisor.codegen.ir import Program, View
 from advisor.validate.shapes import Case
 
 
@@ -25,10 +26,10 @@ def run_reference(prog: Program, case: Case, inputs: dict, mode: str) -> tuple[d
             env["__row_width__"] = case.size(prog, first.shape[-1])
         args, kwargs = [], {}
         tensors = [env[v.src] for v in op.args.values() if isinstance(v, View) and env[v.src].dim() > 0]
-        for a in fn._schema.arguments:
+        for a, declared in zip(fn._schema.arguments, declared_types(fn._schema)):
             if a.name not in op.args:
                 continue
-            val = _arg(prog, case, env, op.args[a.name], a, mode, tensors)
+            val = _arg(prog, case, env, op.args[a.name], a, declared, mode, tensors)
             if a.kwarg_only:
                 kwargs[a.name] = val
             else:
@@ -40,7 +41,7 @@ def run_reference(prog: Program, case: Case, inputs: dict, mode: str) -> tuple[d
     return env, {k: env[k] for k in inputs}
 
 
-def _arg(prog: Program, case: Case, env: dict, v, schema_arg, mode: str, tensors: list):
+def _arg(prog: Program, case: Case, env: dict, v, schema_arg, declared: str, mode: str, tensors: list):
     if isinstance(v, View):
         src = prog.source(v.src)
         t = env[v.src]
@@ -52,15 +53,12 @@ def _arg(prog: Program, case: Case, env: dict, v, schema_arg, mode: str, tensors
         return _wrapped(v, tensors)
     if isinstance(v, list) and v and isinstance(v[0], View):
         return [view_of(prog, case, env[x.src], x) for x in v]
-    ty = str(schema_arg.type)
-    # torch renders a ScalarType argument's type as "int" (`Optional[int]`) in schemas it parses: the name
-    # tells it too. Missing it left explicit casts (`.to(bf16)`) in the fp64 "exact" answer, which then
-    # rejected kernels that are more accurate than eager (found by tests/test_fuzz.py).
-    if ("ScalarType" in ty or schema_arg.name.endswith("dtype")) and isinstance(v, int) and not isinstance(v, bool):
-        dt = SCALAR_TYPES.get(v, torch.float32)
-        return torch.float64 if mode == "fp64" and dt.is_floating_point else dt
-    if "MemoryFormat" in ty or "Layout" in ty or "Device" in ty:
-        return None
+    # By the declared type (a parsed schema says `int` for a ScalarType): an explicit cast (`.to(bf16)`) left
+    # in the fp64 "exact" answer rejected kernels more accurate than eager (found by tests/test_fuzz.py).
+    # No device: the reference runs where its inputs are.
+    v = as_torch(v, declared)
+    if isinstance(v, torch.dtype) and mode == "fp64" and v.is_floating_point:
+        return torch.float64
     if schema_arg.name == "half_to_float" and mode == "fp64":
         return False
     if schema_arg.name == "normalized_shape" and isinstance(v, list) and len(v) == 1:
