@@ -13,7 +13,7 @@ import pandas as pd
 from advisor.analysis.cost import (DeviceModel, GroupCost, bytes_model_saved_us, est_time_saved_us, gpu_model,
                                  group_costs)
 from advisor.analysis.fusion import Group, find_groups, not_generated
-from advisor.analysis.patterns import family, op_label, pattern_id, signature, signatures, title
+from advisor.analysis.patterns import NORMS, family, group_family, op_label, pattern_id, signature, signatures, title
 from advisor.graph.dataflow import build_graph
 from advisor.graph.dtypes import torch_dtype_name
 from advisor.graph.nodes import Graph
@@ -173,7 +173,7 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
         name = title(graph, first, pat.groups)
         rec = {
             "pattern_id": pid, "pattern": pat.sig, "title": name,
-            "kind": _kind(graph, first, name),
+            "kind": _kind(graph, first),
             "ops": [graph.nodes[m].op for m in first.members],
             "kernels": _uniq(k for m in first.members for k in graph.nodes[m].kernels),
             "modules": _uniq(module for g in pat.groups for m in g.members if (module := graph.nodes[m].module)),
@@ -323,10 +323,10 @@ def _uniq(items) -> list:
     return list(dict.fromkeys(items))
 
 
-def _kind(graph: Graph, g: Group, name: str) -> str:
+def _kind(graph: Graph, g: Group) -> str:
     if g.kind != "fusion":
         return g.kind
-    if "Norm" in name.split(":")[0]:
+    if group_family(graph, g) in NORMS:
         return "norm"  # LayerNorm, RMSNorm (however it is spelled in ops), BatchNorm
     return "reduction" if g.rows else "pointwise"
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from enum import Enum
 from typing import Iterator
 
 from advisor.analysis.fusion import Group
@@ -85,12 +86,19 @@ def op_label(n: Node) -> str:
     return name
 
 
+def _labels(graph: Graph, group: Group) -> list[str]:
+    # An epilogue reads anchor-first, whatever the execution order of the ops it absorbs.
+    return [op_label(graph.nodes[m]) for m in sorted(group.members, key=lambda m: (m != group.anchor, m))]
+
+
+def group_family(graph: Graph, group: Group) -> Family:
+    return family_of(_labels(graph, group), group)
+
+
 def title(graph: Graph, group: Group, occurrences: list[Group] | None = None) -> str:
     """`Name: op → op → op`. An epilogue names the projection(s) whose matmul anchors it, over `occurrences`
     (default: `group` alone): Llama's gate and up SwiGLU epilogues are two patterns that read alike otherwise."""
-    # An epilogue reads anchor-first, whatever the execution order of the ops it absorbs.
-    order = sorted(group.members, key=lambda m: (m != group.anchor, m))
-    labels = [op_label(graph.nodes[m]) for m in order]
+    labels = _labels(graph, group)
     chain = " → ".join(labels)
     name = _name(labels, group)
     if group.kind == "epilogue" and group.anchor is not None:
@@ -118,43 +126,78 @@ def _leaf(path: str) -> str:
     return ".".join(parts[-2:]) if tail.isdigit() and len(parts) > 1 else tail
 
 
-def _name(labels: list[str], group: Group) -> str:
+class Family(str, Enum):
+    """What a group computes, decided once from its ops (`family_of`): the candidate's kind and its title's
+    name both read it, never each other's text."""
+
+    ATTENTION = "attention"
+    MATMUL_REDUCTION = "matmul_reduction"
+    EPILOGUE = "epilogue"
+    RMSNORM = "rmsnorm"
+    LAYERNORM = "layernorm"
+    SOFTMAX = "softmax"
+    LOG_SOFTMAX = "log_softmax"
+    BATCHNORM = "batchnorm"
+    ADAM = "adam"
+    SWIGLU = "swiglu"
+    GELU = "gelu"
+    ROTARY = "rotary"
+    CAT = "cat"
+    ROWS = "rows"
+    POINTWISE = "pointwise"
+
+
+NORMS = frozenset({Family.RMSNORM, Family.LAYERNORM, Family.BATCHNORM})
+_LAYER_NORMS = {"layer_norm", "native_layer_norm"}
+_SOFTMAXES = {"softmax", "_softmax", "_safe_softmax"}
+_LOG_SOFTMAXES = {"log_softmax", "_log_softmax"}
+_BATCH_NORMS = {"cudnn_batch_norm", "batch_norm", "_native_batch_norm_legit_no_training", "native_batch_norm"}
+
+
+def family_of(labels: list[str], group: Group) -> Family:
+    """The family of a group whose ops read `labels` (in `title`'s order: an epilogue's anchor first)."""
     if group.kind == "attention":
-        return "Attention (unfused: scores materialised)"
+        return Family.ATTENTION
     if group.kind == "matmul_reduction":
-        return f"Matmul + reduction ({labels[-1]} over {labels[0]} output)"
+        return Family.MATMUL_REDUCTION
     if group.anchor is not None:
+        return Family.EPILOGUE
+    s = set(l.rstrip("_") for l in labels)
+    rules = [({"mean", "rsqrt"} <= s, Family.RMSNORM), (bool(s & _LAYER_NORMS), Family.LAYERNORM),
+             (bool(s & _SOFTMAXES) or {"amax", "exp", "sum"} <= s, Family.SOFTMAX),
+             (bool(s & _LOG_SOFTMAXES), Family.LOG_SOFTMAX), (bool(s & _BATCH_NORMS), Family.BATCHNORM),
+             ({"addcdiv", "lerp"} <= s or {"addcdiv", "addcmul"} <= s, Family.ADAM),
+             ("silu" in s and "mul" in s, Family.SWIGLU), ("gelu" in s or {"tanh", "pow"} <= s, Family.GELU),
+             ("cat" in s and "neg" in s, Family.ROTARY), ("cat" in s, Family.CAT), (bool(group.rows), Family.ROWS)]
+    return next((f for hit, f in rules if hit), Family.POINTWISE)
+
+
+def _name(labels: list[str], group: Group) -> str:
+    fam = family_of(labels, group)
+    s = set(l.rstrip("_") for l in labels)
+    prefix = "Residual add + " if labels and labels[0].rstrip("_") == "add" and group.rows else ""
+    if fam is Family.EPILOGUE:
         # labels[0] is the anchor (see title); name what it absorbs the same way as a plain group.
         rest = labels[1:]
         inner = _name(rest, Group(group.members[1:], group.numel, group.rows)) if len(rest) > 1 else \
             _SINGLE.get(rest[0].rstrip("_"), rest[0]) if rest else "pointwise"
         return f"{labels[0]} epilogue ({inner})"
-    s = set(l.rstrip("_") for l in labels)
-    prefix = "Residual add + " if labels and labels[0].rstrip("_") == "add" and group.rows else ""
-    if {"pow", "mean", "rsqrt"} <= s or {"mean", "rsqrt"} <= s:
-        return prefix + "RMSNorm"
-    if s & {"layer_norm", "native_layer_norm"}:
-        return prefix + "LayerNorm"
-    if s & {"softmax", "_softmax", "_safe_softmax"} or ({"amax", "exp", "sum"} <= s):
+    if fam is Family.MATMUL_REDUCTION:
+        return f"Matmul + reduction ({labels[-1]} over {labels[0]} output)"
+    if fam is Family.SOFTMAX:
         return "Softmax" + (" + mask/scale" if s & {"add", "mul", "div", "masked_fill"} else "")
-    if s & {"log_softmax", "_log_softmax"}:
-        return "LogSoftmax"
-    if s & {"cudnn_batch_norm", "batch_norm", "_native_batch_norm_legit_no_training", "native_batch_norm"}:
-        extra = (" + residual add" if "add" in s else "") + (" + ReLU" if "relu" in s else "")
-        return "BatchNorm" + extra
-    if {"addcdiv", "lerp"} <= s or {"addcdiv", "addcmul"} <= s:
-        return "Adam/AdamW update"  # exp_avg.lerp_, exp_avg_sq.mul_.addcmul_, sqrt, div, param.addcdiv_
-    if "silu" in s and "mul" in s:
-        return "SwiGLU"
-    if "gelu" in s or {"tanh", "pow"} <= s:
+    if fam is Family.BATCHNORM:
+        return "BatchNorm" + (" + residual add" if "add" in s else "") + (" + ReLU" if "relu" in s else "")
+    if fam is Family.GELU:
         return "GELU" + (" + residual" if "add" in s and "gelu" in s else "")
-    if "cat" in s and ("neg" in s):
-        return "Rotary embedding"
-    if "cat" in s:
-        return "Pointwise + cat"
-    if group.rows:
-        return "Row reduction chain"
-    return "Pointwise chain"
+    return (prefix if fam in (Family.RMSNORM, Family.LAYERNORM) else "") + _FAMILY_NAME[fam]
+
+
+_FAMILY_NAME = {Family.ATTENTION: "Attention (unfused: scores materialised)", Family.RMSNORM: "RMSNorm",
+                Family.LAYERNORM: "LayerNorm", Family.LOG_SOFTMAX: "LogSoftmax", Family.ADAM: "Adam/AdamW update",
+                # exp_avg.lerp_, exp_avg_sq.mul_.addcmul_, sqrt, div, param.addcdiv_
+                Family.SWIGLU: "SwiGLU", Family.ROTARY: "Rotary embedding", Family.CAT: "Pointwise + cat",
+                Family.ROWS: "Row reduction chain", Family.POINTWISE: "Pointwise chain"}
 
 
 _SINGLE = {"gelu": "GELU", "silu": "SiLU", "relu": "ReLU", "tanh": "tanh", "sigmoid": "sigmoid", "add": "bias/residual add",
