@@ -355,6 +355,13 @@ def test_choose_takes_the_fastest_state_beyond_noise():
     # a host-bound model whose rounds moved 8 ms: every round still says 2x, and the pairs say so
     assert choose(11.0, [11.0, 19.0, 10.5], [Option("whole", None, 5.4, True, (5.4, 13.0, 5.1))]).name == "whole"
     assert choose(10.0, before, [Option("all", None, 9.95, rounds_ms=(9.95, 10.05, 9.85))]) is None  # under 1%
+    # the unpatched model stalled in one round (a host-bound convnet): the paired spread is wide, but every
+    # round shows the captures faster by more than 1%, which is what the spread would hide
+    stalled = [7.8, 14.0, 6.5, 7.9, 7.7]
+    captured = Option("captured", frozenset(), 5.6, rounds_ms=(5.5, 5.6, 5.5, 5.7, 5.5))
+    assert margin_ms(7.8, stalled, captured) > 7.8 - 5.6 and choose(7.8, stalled, [captured]) is captured
+    # ... and one round where it was slower: the wide spread decides, as above
+    assert choose(7.8, stalled, [Option("captured", frozenset(), 5.6, rounds_ms=(5.5, 5.6, 5.5, 8.0, 5.5))]) is None
     assert choose(10.0, before, []) is None
 
 
