@@ -46,6 +46,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--compile", action="store_true", help="also torch.compile's kernels")
     a = p.parse_args()
     import torch
 
@@ -73,6 +74,8 @@ def main() -> int:
               "captured": run(model, lambda: state(frozenset(), False)), "all": run(model, lambda: state(None, False))}
     if report.handle.outer:
         states["whole"] = run(model, lambda: state(None, True))
+    if a.compile:  # what Inductor launches instead: the kernels to reach
+        states["compile"] = run(torch.compile(copy.deepcopy(untouched)))
     import time
 
     from advisor.patching import graphs
