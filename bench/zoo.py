@@ -83,6 +83,9 @@ LLM = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_ke
 MODELS = {
     "suite_llama": _suite("hf_llama"),  # issue 16's first finding: 0.79x right after optimize returned
     "suite_gpt2": _suite("hf_gpt2"),  # the suite's widest gap to torch.compile: its selection in full here
+    "suite_vit": _suite("timm_vit"),  # captured slower than eager (15.0 vs 12.9 ms): kernel_diff's subject
+    "suite_resnet50": _suite("tv_resnet50"),  # 1.13x vs compile's 1.69x
+    "suite_bert": _suite("hf_bert"),
     # decoder LLMs, grouped-query attention, KV cache on (their configs' default)
     "qwen2": _hf("Qwen2ForCausalLM", "Qwen2Config", 4, 512, 32000, **LLM),
     "mistral": _hf("MistralForCausalLM", "MistralConfig", 4, 512, 32000, **LLM),
