@@ -52,6 +52,7 @@ from advisor.patching import rewrite
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import make_host_copies_recordable
 from advisor.patching.match import Pattern, find, is_transparent
+from advisor.patching.noop_copies import drop_identity_copies
 from advisor.patching.plan import PatternSpec
 from advisor.patching.program import program_graph, run_program
 
@@ -152,6 +153,7 @@ class Backend:
             return make_boxed_func(g.forward)
 
         def inference(g, _):
+            drop_identity_copies(g)  # eval-mode dropout: eager runs no kernel for it, AOTAutograd a copy
             self.rewrite(g)
             if self.device.type == "cuda":
                 make_host_copies_recordable(g)
