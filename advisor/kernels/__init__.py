@@ -1,0 +1,2 @@
+"""Hand-written Triton kernels with their autograd Functions, for patterns whose backward is not a
+derivation of the forward's ops (`splade_head`: the SPLADE head trained without its logits)."""
