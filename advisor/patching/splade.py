@@ -22,7 +22,10 @@ import torch
 
 from advisor.graph.dtypes import torch_dtype
 
-CHAIN = ["aten::linear", "aten::relu", "aten::log1p", "aten::mul", "aten::amax"]
+# The projection as a trace records it (aten::linear) or as the dispatcher does (addmm / mm on the flattened
+# rows and the transposed weight), then the chain.
+PROJECTIONS = ("aten::linear", "aten::addmm", "aten::mm")
+CHAIN = ["aten::relu", "aten::log1p", "aten::mul", "aten::amax"]
 
 
 @dataclass(frozen=True)
@@ -37,16 +40,17 @@ class HeadRoles:
 def head_roles(program: dict) -> HeadRoles | None:
     """The roles of the inputs when the program is exactly the SPLADE head reduced over the sequence, else None."""
     nodes = program.get("nodes") or []
-    if [n["op"] for n in nodes] != CHAIN or len(program.get("outputs", [])) != 1:
+    if len(nodes) != 5 or nodes[0]["op"] not in PROJECTIONS or [n["op"] for n in nodes[1:]] != CHAIN \
+            or len(program.get("outputs", [])) != 1:
         return None
     inputs = {s["id"]: k for k, s in enumerate(program["inputs"])}
     linear, relu, log1p, mul, amax = nodes
     out = lambda n: n["outputs"][0]["id"]  # noqa: E731
     refs = lambda n: [a.get("ref") for a in n["args"]]  # noqa: E731
-    lin = refs(linear) + [None] * 3
-    hidden, weight, bias = inputs.get(lin[0]), inputs.get(lin[1]), inputs.get(lin[2])
-    if hidden is None or weight is None or (lin[2] is not None and bias is None):
+    operands = _projection_operands(linear, program["inputs"], inputs)
+    if operands is None:
         return None
+    hidden, weight, bias = operands
     if refs(relu)[0] != out(linear) or refs(log1p)[0] != out(relu):
         return None
     factors = refs(mul)[:2]
@@ -61,6 +65,8 @@ def head_roles(program: dict) -> HeadRoles | None:
     h, w, m = spec[hidden]["shape"], spec[weight]["shape"], spec[mask]["shape"]
     if len(h) != 3 or list(dim or []) not in ([1], [-2]) or len(w) != 2 or w[1] != h[2]:
         return None
+    if relu["args"][0]["shape"] != [h[0], h[1], w[0]] or (bias is not None and spec[bias]["shape"] != [w[0]]):
+        return None  # the chain runs on B x L x V logits; the bias is one value per vocabulary entry
     if len(m) != 3 or m[2] != 1 or m[0] not in (1, h[0]) or m[1] not in (1, h[1]):
         return None  # the mask must be one value per (batch row, position)
     dtype = spec[hidden]["dtype"]
@@ -68,6 +74,37 @@ def head_roles(program: dict) -> HeadRoles | None:
             or amax["outputs"][0]["dtype"] != dtype or (bias is not None and spec[bias]["dtype"] != dtype):
         return None  # one float dtype through the chain (a float32 mask on bf16 logits would promote it)
     return HeadRoles(hidden, weight, bias, mask)
+
+
+def _projection_operands(node: dict, specs: list, inputs: dict) -> tuple | None:
+    """(hidden, weight, bias or None) input positions of `hidden @ weight^T + bias`, or None. addmm / mm read
+    hidden as (B*L) x D rows and weight transposed (D x V); linear reads them as they are."""
+    args = node["args"]
+    if node["op"] == "aten::linear":
+        refs = [a.get("ref") for a in args] + [None]
+        hidden, weight, bias = inputs.get(refs[0]), inputs.get(refs[1]), inputs.get(refs[2])
+        return None if hidden is None or weight is None or (refs[2] is not None and bias is None) \
+            else (hidden, weight, bias)
+    if node["op"] == "aten::addmm":
+        if any(a.get("value", 1) != 1 for a in args[3:]):
+            return None  # beta, alpha
+        bias, rows, cols = inputs.get(args[0].get("ref")), args[1], args[2]
+        if bias is None:
+            return None
+    else:
+        bias, rows, cols = None, args[0], args[1]
+    hidden, weight = inputs.get(rows.get("ref")), inputs.get(cols.get("ref"))
+    if hidden is None or weight is None:
+        return None
+    h, w = specs[hidden], specs[weight]
+    if len(h["shape"]) != 3 or len(w["shape"]) != 2:
+        return None
+    (B, L, D), (hs_b, hs_l, hs_d) = h["shape"], h["strides"]
+    flat = rows["shape"] == [B * L, D] and rows["strides"] == [hs_l, hs_d] and (B == 1 or hs_b == L * hs_l)
+    transposed = cols["shape"] == w["shape"][::-1] and cols["strides"] == w["strides"][::-1]
+    same_start = rows.get("storage_offset", 0) == h.get("storage_offset", 0) and \
+        cols.get("storage_offset", 0) == w.get("storage_offset", 0)
+    return (hidden, weight, bias) if flat and transposed and same_start else None
 
 
 # ------------------------------------------------------------------------------------ the site's trainable
