@@ -24,7 +24,9 @@ times inference, which says nothing about training; every validated pattern is k
 is trained: each fused pattern with a validated generated backward runs forward+backward as one
 autograd Function, the others their original ops (`advisor.patching.autograd.summary()` lists which).
 Liger-Kernel (`apply_liger_kernel_to_llama`) runs for Llama only where `liger_kernel` imports; it
-patches HF's classes for the whole process, so it runs last.
+patches HF's classes for the whole process, so it runs last. The lce mode (causal LMs): eager, with the
+LM loss computed by `advisor.kernels.linear_cross_entropy` (linear + cross-entropy in row chunks, the
+N x V logits never held; what Liger's fused linear cross-entropy does).
 
 Writes OUT.json (every number) and OUT.md (a table), printing the table. torch, the workloads and the
 advisor are imported inside the child's functions: the parent process only starts children and writes.
@@ -45,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODELS = ["hf_llama", "hf_gpt2", "hf_bert", "timm_vit", "splade"]
 DEFAULT_MODELS = "hf_llama,hf_gpt2"  # ~3 min each on an H100 (two compiles, one optimize): the 8-minute budget
-MODES = ["eager", "compile", "advisor", "liger"]
+MODES = ["eager", "compile", "advisor", "lce", "liger"]
 
 
 # ----------------------------------------------------------------------------------------- child
@@ -106,6 +108,12 @@ def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps:
         apply_liger_kernel_to_llama()
         w = build(name, device, quick)  # rebuilt: Liger patches the classes, models made after use its modules
         model = w.model
+    if mode == "lce":  # eager, with the LM loss through advisor.kernels.linear_cross_entropy (no logits)
+        if labels is None:
+            return {"mode": mode, "skipped": "the fused linear + cross-entropy loss is for causal LMs"}
+        from advisor.kernels.linear_cross_entropy import fused_causal_lm_loss
+
+        fused_causal_lm_loss(model)
     if name == "splade":  # the encoder's output: its gradient is part of the step
         w.inputs[0].requires_grad_(True)
     if mode == "advisor":
