@@ -57,9 +57,9 @@ def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                        intermediate_size=128, vocab_size=200, max_position_embeddings=128,
-                                        use_cache=False))
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, vocab_size=200,
+                                        max_position_embeddings=128, use_cache=False))
 
 
 def test_hf_causal_lm_trains_like_eager_without_the_logits():
