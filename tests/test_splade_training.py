@@ -115,6 +115,19 @@ def test_the_head_program_is_recognised_and_others_are_not():
     assert splade.head_roles(other) is None
 
 
+def test_the_traced_candidate_is_recognised():
+    """What `optimize` patches: the matmul_reduction candidate the analyzer finds in a profiled SPLADE head
+    (aten::linear as the trace records it, the mask as a B x L x 1 view), and none of its sub-chains."""
+    from pathlib import Path
+
+    from advisor.analysis.api import analyze
+
+    doc = analyze(Path(__file__).resolve().parents[1] / "sample_traces" / "cpu" / "splade").doc
+    found = {c["kind"]: splade.head_roles(c["program"]) for c in doc["candidates"]}
+    assert found.pop("matmul_reduction") == splade.HeadRoles(hidden=0, weight=1, bias=2, mask=3)
+    assert set(found.values()) == {None}
+
+
 def test_planted_wrong_backward_is_caught(monkeypatch):
     """A forward that records each winner one position late (a forgotten tile offset, say): output right,
     gradients wrong. Validation rejects it, and the site's trainable answers None (eager's ops run)."""

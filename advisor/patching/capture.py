@@ -9,7 +9,7 @@ Python call per op). A graph that needs gradients (grad enabled and a parameter 
 grad) is traced to aten ops without AOTAutograd and rewritten with sites that run the fused forward
 and its generated backward as one autograd Function (`autograd.py`) where that backward validated;
 `Backend.training`. A patched forward whose patterns cannot have a backward (stand-ins, matmul
-anchors) runs the original code whenever autograd needs it.
+anchors other than the SPLADE head's, `splade.py`) runs the original code whenever autograd needs it.
 
 Each patched module instance gets its own compiled function (its own dynamo cache: HF layers guard on
 their integer `layer_idx`, so 32 layers sharing one cache would exhaust dynamo's recompile limit of 8
