@@ -2,6 +2,7 @@
 torch.compile of the same head, and a sweep of each kernel's tiles (to set the launch heuristics).
 
     PYTHONPATH=$PWD python3 bench/splade_kernels.py --out $OUT/splade-kernels      # ~1-2 min on an H100
+    PYTHONPATH=$PWD python3 bench/splade_kernels.py --smoke --out /tmp/sk   # CPU: interpreter, tiny shape, no compile
 
 The head: logits = hidden (B x L x D) @ W^T + bias, out = amax_L(log1p(relu(logits)) * mask); one
 step = forward + backward of out.float().mean(0).pow(2).sum() (SPLADE's FLOPS regulariser), gradients of
@@ -14,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -22,6 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def timed(fn, warmup=3, reps=10):
     import torch
 
+    if not torch.cuda.is_available():  # --smoke: checks the script runs, the times mean nothing
+        t0 = time.perf_counter()
+        fn()
+        return round((time.perf_counter() - t0) * 1e3, 3)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -39,6 +45,8 @@ def timed(fn, warmup=3, reps=10):
 def peak_extra_mb(fn):
     import torch
 
+    if not torch.cuda.is_available():
+        return None
     fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -55,6 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--vocab", type=int, default=30522)
+    p.add_argument("--smoke", action="store_true", help="CPU smoke run: Triton's interpreter, B=2 L=19 D=24 V=37")
     a = p.parse_args(argv)
 
     import torch
@@ -62,16 +71,16 @@ def main(argv=None) -> int:
     import advisor  # noqa: F401  (sets the interpreter up where there is no GPU: this bench needs one)
     from advisor.kernels import splade_head as sh
 
-    if not torch.cuda.is_available():
-        print("splade_kernels: needs a GPU", file=sys.stderr)
+    if not torch.cuda.is_available() and not a.smoke:
+        print("splade_kernels: needs a GPU (--smoke runs it on the CPU, tiny)", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    B, L, D, V = a.batch, a.seq, a.hidden, a.vocab
-    dt = torch.bfloat16
-    hidden = torch.randn(B, L, D, device="cuda", dtype=dt, requires_grad=True)
-    weight = (torch.randn(V, D, device="cuda") / D ** 0.5).to(dt).requires_grad_()
-    bias = torch.zeros(V, device="cuda", dtype=dt, requires_grad=True)
-    mask = (torch.rand(B, L, device="cuda") > 0.2).to(dt)[..., None]
+    B, L, D, V = (2, 19, 24, 37) if a.smoke else (a.batch, a.seq, a.hidden, a.vocab)
+    dt, dev = torch.bfloat16, "cpu" if a.smoke else "cuda"
+    hidden = torch.randn(B, L, D, device=dev, dtype=dt, requires_grad=True)
+    weight = (torch.randn(V, D, device=dev) / D ** 0.5).to(dt).requires_grad_()
+    bias = torch.zeros(V, device=dev, dtype=dt, requires_grad=True)
+    mask = (torch.rand(B, L, device=dev) > 0.2).to(dt)[..., None]
     params = [hidden, weight, bias]
 
     def step(head):
@@ -83,7 +92,7 @@ def main(argv=None) -> int:
         return run
 
     rows = []
-    compiled = torch.compile(sh.splade_head_reference)
+    compiled = sh.splade_head_reference if a.smoke else torch.compile(sh.splade_head_reference)
     for name, head in (("eager", sh.splade_head_reference), ("torch.compile", compiled),
                        ("SpladeHeadFunction", sh.SpladeHeadFunction.apply)):
         rows.append({"what": name, "step_ms": timed(step(head)), "peak_extra_mb": peak_extra_mb(step(head))})
@@ -91,7 +100,7 @@ def main(argv=None) -> int:
 
     # the kernels alone, and their tiles
     out, winner, slope = sh.splade_head_forward(hidden.detach(), weight.detach(), bias.detach(), mask)
-    g = torch.randn(B, V, device="cuda", dtype=dt)
+    g = torch.randn(B, V, device=dev, dtype=dt)
     parts = {"forward": lambda: sh.splade_head_forward(hidden.detach(), weight.detach(), bias.detach(), mask),
              "dweight+dbias": lambda: sh.splade_head_backward(g, hidden, weight, winner, slope, (False, True, True)),
              "dhidden": lambda: sh.splade_head_backward(g, hidden, weight, winner, slope, (True, False, False))}
@@ -123,7 +132,7 @@ def main(argv=None) -> int:
             print(rows[-1], flush=True)
         setattr(sh, attr, default)
 
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": [B, L, D, V], "rows": rows}
+    doc = {"device": torch.cuda.get_device_name() if not a.smoke else "cpu (smoke)", "torch": torch.__version__, "shape": [B, L, D, V], "rows": rows}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     table = ["| what | ms | peak extra MB |", "|---|---|---|"] + \
