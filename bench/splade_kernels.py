@@ -112,9 +112,12 @@ def main(argv=None) -> int:
                            for bl, bv, bd, w, s in [(64, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
                                                     (64, 256, 64, 8, 3), (128, 64, 64, 4, 3), (64, 128, 32, 4, 4),
                                                     (32, 128, 64, 4, 4)]],
-        "dhidden_config": [dict(BLOCK_L=bl, BLOCK_V=bv, BLOCK_D=bd, num_warps=w, num_stages=s)
-                           for bl, bv, bd, w, s in [(64, 64, 128, 4, 3), (64, 64, 128, 8, 3), (128, 64, 128, 8, 3),
-                                                    (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (64, 32, 256, 8, 3)]],
+        # BUCKETED False: every column for every sequence tile (L / BLOCK_L times the multiply-adds), for comparison
+        "dhidden_config": [dict(BLOCK_L=bl, BLOCK_V=bv, BLOCK_D=bd, num_warps=w, num_stages=s, BUCKETED=k)
+                           for bl, bv, bd, w, s, k in [(64, 64, 128, 4, 3, True), (64, 64, 128, 4, 3, False),
+                                                       (64, 64, 128, 8, 3, True), (128, 64, 128, 8, 3, True),
+                                                       (64, 128, 128, 8, 3, True), (128, 128, 64, 8, 3, True),
+                                                       (64, 32, 256, 8, 3, True), (32, 64, 128, 4, 3, True)]],
         "dweight_config": [dict(BLOCK_V=bv, BLOCK_D=bd, num_warps=w, num_stages=s)
                            for bv, bd, w, s in [(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (128, 128, 8, 2),
                                                 (32, 256, 8, 2)]],

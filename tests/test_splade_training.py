@@ -40,9 +40,12 @@ def grads(fn, xs, gout, needs=(True, True, True)):
     return out, torch.autograd.grad(out, want, gout)
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_function_matches_eager_on_odd_shapes(bias):
-    """L = 19 and V = 37 leave a tail in every tile (the interpreter's tiles are 16-32 wide); D = 24 too."""
+@pytest.mark.parametrize("bias,bucketed", [(True, True), (False, True), (True, False)])
+def test_function_matches_eager_on_odd_shapes(bias, bucketed, monkeypatch):
+    """L = 19 and V = 37 leave a tail in every tile (the interpreter's tiles are 16-32 wide); D = 24 too.
+    dhidden walks each sequence tile's own columns (bucketed, what L > BLOCK_L gets) or every column."""
+    config = sh.dhidden_config
+    monkeypatch.setattr(sh, "dhidden_config", lambda *a: dict(config(*a), BUCKETED=bucketed))
     xs = inputs(3, 19, 24, 37, bias=bias)
     gout = torch.randn(3, 37, generator=torch.Generator().manual_seed(1))
     out, got = grads(sh.SpladeHeadFunction.apply, xs, gout)

@@ -23,7 +23,9 @@ Backward, with c[b, v] = grad_out[b, v] * slope[b, v] (the gradient reaching the
                                                                    B x V x D multiply-adds, no matmul)
   dhidden[b, s] = sum_v [s*[b, v] == s] c[b, v] * weight[v, :]   (`_dhidden_kernel`: per b the one-hot
                   matrix P_b (L x V, column v holding c[b, v] at row s*[b, v]) times weight, built tile by
-                  tile in registers and fed to tl.dot: the forward's matmul FLOPs, never P in memory)
+                  tile in registers and fed to tl.dot, never P in memory; each sequence tile walks only the
+                  columns whose winner it holds (each batch row's columns sorted by winner first), so
+                  B x V x BLOCK_L x D multiply-adds, the forward's FLOPs / (L / BLOCK_L))
 
 Ties: PyTorch's amax splits the gradient evenly among tied maxima; this kernel gives it all to the first
 position holding the max. Where the max is 0 (every column whose logits are all <= 0 at unmasked
@@ -146,28 +148,42 @@ def _dweight_kernel(H, GRAD, WINNER, SLOPE, DW, DBIAS,
 
 
 @triton.jit
-def _dhidden_kernel(W, GRAD, WINNER, SLOPE, DH,
+def _dhidden_kernel(W, GRAD, WINNER, SLOPE, DH, ORDER, BOUNDS,
                     L, V, D, n_l_blocks,
                     stride_wv, stride_wd, stride_gb, stride_gv,
-                    BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BUCKETED: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # dhidden[b, l-tile, d-tile] = P_b[l-tile, :] @ weight[:, d-tile], with P_b[l, v] = c[b, v] where
-    # winner[b, v] == l: each BLOCK_L x BLOCK_V block of P is built in registers from two B x V rows.
-    pid = tl.program_id(0)  # (b, l-tile) on the fast axis: programs in flight stream the same weight columns
+    # winner[b, v] == l: each BLOCK_L x BLOCK_V block of P is built in registers from B x V rows.
+    # BUCKETED: only the columns whose winner lies in this l-tile (ORDER: each batch row's columns sorted by
+    # winner, BOUNDS: where each l-tile's run starts), the others' P blocks being all zero: L / BLOCK_L
+    # times fewer FLOPs and weight rows read than walking every column.
+    pid = tl.program_id(0)  # (b, l-tile) on the fast axis: programs in flight read the same weight columns
+    pid_l = pid % n_l_blocks
     b = (pid // n_l_blocks).to(tl.int64)
-    rl = (pid % n_l_blocks) * BLOCK_L + tl.arange(0, BLOCK_L)
+    rl = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     l_ok = rl < L
     d_ok = rd < D
+    if BUCKETED:
+        start = tl.load(BOUNDS + b * (n_l_blocks + 1) + pid_l)
+        end = tl.load(BOUNDS + b * (n_l_blocks + 1) + pid_l + 1)
+    else:
+        start = 0
+        end = V
     acc = tl.zeros([BLOCK_L, BLOCK_D], tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        rv = v0 + tl.arange(0, BLOCK_V)
-        v_ok = rv < V
-        c = tl.load(GRAD + b * stride_gb + rv * stride_gv, mask=v_ok, other=0.0).to(tl.float32) \
-            * tl.load(SLOPE + b * V + rv, mask=v_ok, other=0.0)
-        s = tl.load(WINNER + b * V + rv, mask=v_ok, other=-1)
+    for i0 in range(start, end, BLOCK_V):
+        ri = i0 + tl.arange(0, BLOCK_V)
+        ok = ri < end
+        if BUCKETED:
+            rv = tl.load(ORDER + b * V + ri, mask=ok, other=0)
+        else:
+            rv = ri
+        c = tl.load(GRAD + b * stride_gb + rv * stride_gv, mask=ok, other=0.0).to(tl.float32) \
+            * tl.load(SLOPE + b * V + rv, mask=ok, other=0.0)
+        s = tl.load(WINNER + b * V + rv, mask=ok, other=-1)
         p = tl.where(rl[:, None] == s[None, :], c[None, :], 0.0)
-        w = tl.load(W + rv[:, None] * stride_wv + rd[None, :] * stride_wd, mask=v_ok[:, None] & d_ok[None, :],
+        w = tl.load(W + rv[:, None] * stride_wv + rd[None, :] * stride_wd, mask=ok[:, None] & d_ok[None, :],
                     other=0.0)
         if UPCAST:
             w = w.to(tl.float32)
@@ -202,11 +218,14 @@ def dweight_config(V: int, D: int) -> dict:
 
 
 def dhidden_config(L: int, V: int, D: int) -> dict:
-    """A matmul whose left operand is built in registers: a 64 x 128 output tile (fp32 accumulator),
-    weight streamed 64 vocabulary rows at a time."""
-    if _INTERPRET:
-        return dict(BLOCK_L=_small(L), BLOCK_V=_small(V), BLOCK_D=_small(D), num_warps=4, num_stages=1)
-    return dict(BLOCK_L=64, BLOCK_V=64, BLOCK_D=128, num_warps=4, num_stages=3)
+    """A matmul whose left operand is built in registers: a 64 x 128 output tile (fp32 accumulator), weight
+    rows read 64 at a time. Bucketed (only the columns whose winner falls in the tile) wherever the sequence
+    spans more than one tile: the sort costs one B x V int32 sort, the dense walk L / BLOCK_L times the work."""
+    if _INTERPRET:  # 16-row tiles: a sequence of 17 or more is bucketed there too
+        cfg = dict(BLOCK_L=_small(L, most=16), BLOCK_V=_small(V), BLOCK_D=_small(D), num_warps=4, num_stages=1)
+    else:
+        cfg = dict(BLOCK_L=64, BLOCK_V=64, BLOCK_D=128, num_warps=4, num_stages=3)
+    return dict(cfg, BUCKETED=L > cfg["BLOCK_L"])
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -261,11 +280,20 @@ def splade_head_backward(grad_out, hidden, weight, winner, slope, needs: tuple) 
         dw = dw.to(weight.dtype) if needs[1] else None
     if needs[0]:
         dh = torch.empty(B, L, D, dtype=_store_dtype(hidden.dtype), device=hidden.device)
-        cfg = dhidden_config(L, V, D)
+        cfg = dict(dhidden_config(L, V, D))
+        bucketed = cfg.pop("BUCKETED")
         n_l_blocks = triton.cdiv(L, cfg["BLOCK_L"])
+        order = bounds = winner  # (unread unless bucketed)
+        if bucketed:
+            # each batch row's columns by winner, and where each l-tile's run of them starts (B x V int32 sort)
+            ranked, order = torch.sort(winner, dim=1, stable=True)
+            starts = torch.arange(0, n_l_blocks + 1, device=winner.device, dtype=torch.int32) * cfg["BLOCK_L"]
+            bounds = torch.searchsorted(ranked, starts.expand(B, -1).contiguous()).to(torch.int32)
+            order = order.to(torch.int32)
         grid = (B * n_l_blocks, triton.cdiv(D, cfg["BLOCK_D"]))
-        _dhidden_kernel[grid](weight, grad_out, winner, slope, dh, L, V, D, n_l_blocks, *weight.stride(),
-                              *grad_out.stride(), DOT_PRECISION=_dot_precision(weight.dtype),
+        _dhidden_kernel[grid](weight, grad_out, winner, slope, dh, order, bounds, L, V, D, n_l_blocks,
+                              *weight.stride(), *grad_out.stride(), BUCKETED=bucketed,
+                              DOT_PRECISION=_dot_precision(weight.dtype),
                               UPCAST=_INTERPRET and weight.dtype == torch.bfloat16, **cfg)
         dh = dh.to(hidden.dtype)
     return dh, dw, db
