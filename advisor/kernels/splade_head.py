@@ -285,8 +285,11 @@ def splade_head_backward(grad_out, hidden, weight, winner, slope, needs: tuple) 
         n_l_blocks = triton.cdiv(L, cfg["BLOCK_L"])
         order = bounds = winner  # (unread unless bucketed)
         if bucketed:
-            # each batch row's columns by winner, and where each l-tile's run of them starts (B x V int32 sort)
-            ranked, order = torch.sort(winner, dim=1, stable=True)
+            # each batch row's columns by winner, and where each l-tile's run of them starts (B x V int32 sort).
+            # Columns with a zero slope (max 0: relu'd or masked everywhere, most of a trained SPLADE model's)
+            # sort past the last tile: no program walks them (and tile 0, where they win, is not overloaded).
+            past = n_l_blocks * cfg["BLOCK_L"]
+            ranked, order = torch.sort(torch.where(slope != 0, winner, past), dim=1, stable=True)
             starts = torch.arange(0, n_l_blocks + 1, device=winner.device, dtype=torch.int32) * cfg["BLOCK_L"]
             bounds = torch.searchsorted(ranked, starts.expand(B, -1).contiguous()).to(torch.int32)
             order = order.to(torch.int32)
