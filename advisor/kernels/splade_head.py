@@ -26,6 +26,9 @@ Backward, with c[b, v] = grad_out[b, v] * slope[b, v] (the gradient reaching the
                   tile in registers and fed to tl.dot, never P in memory; each sequence tile walks only the
                   columns whose winner it holds (each batch row's columns sorted by winner first), so
                   B x V x BLOCK_L x D multiply-adds, the forward's FLOPs / (L / BLOCK_L))
+Bytes of the backward: dweight reads grad, slope and winner (B x V each) and B x V gathered hidden rows
+(B x V x D x 2 bytes in bf16, from L2: hidden is B x L x D), writes V x D; dhidden sorts winner (B x V),
+reads B x V gathered weight rows (each column once per batch row, zero-slope columns never), writes B x L x D.
 
 Ties: PyTorch's amax splits the gradient evenly among tied maxima; this kernel gives it all to the first
 position holding the max. Where the max is 0 (every column whose logits are all <= 0 at unmasked
