@@ -3,19 +3,31 @@ process per model.
 
     PYTHONPATH=$PWD python3 bench/train.py --out $OUT/train            # GPU: the suite's full shapes, bf16
     PYTHONPATH=$PWD python3 bench/train.py --quick --modes eager,advisor --out /tmp/train   # CPU smoke run
+    PYTHONPATH=$PWD python3 bench/train.py --models splade --modes eager,compile,advisor --out $OUT/train-splade
 
 One step = forward, loss (the model's own LM loss where it has labels, else mean square of its main
-output), backward, optimizer step (AdamW, fused on a GPU), zero_grad. Per mode the model is built
+output; the SPLADE head: the FLOPS regulariser, sum over the vocabulary of the batch-mean activation
+squared), backward, optimizer step (AdamW, fused on a GPU), zero_grad. Per mode the model is built
 afresh (same seed), so peak memory is that mode's alone: step ms (median of --steps after --warmup, CUDA
-events), peak GB (max allocated over the timed steps), first-step s (the first step, compile or
+events), peak GB (max allocated over the timed steps), peak extra MB (per timed step, the peak allocated
+during it minus what was allocated when it began: what the step itself needs on top of the model,
+its inputs and optimizer state; the max over the steps), first-step s (the first step, compile or
 capture included; the advisor's `optimize` is timed separately as `optimize_s`).
+
+`splade`: the SPLADE head (transformers' BERT-base MLM head, vocabulary 30522, on hidden states
+32 x 256 x 768 bf16 that require grad, as an encoder's output would, then the max over the sequence of
+log1p(relu(logits)) * mask). Eager and torch.compile hold the B x L x V logits; the advisor trains it
+through `advisor.kernels.splade_head` (never holding them).
 
 The advisor mode: `advisor.optimize(model, inputs, select=False)` on the inference inputs (its selection
 times inference, which says nothing about training; every validated pattern is kept), then the model
 is trained: each fused pattern with a validated generated backward runs forward+backward as one
 autograd Function, the others their original ops (`advisor.patching.autograd.summary()` lists which).
 Liger-Kernel (`apply_liger_kernel_to_llama`) runs for Llama only where `liger_kernel` imports; it
-patches HF's classes for the whole process, so it runs last.
+patches HF's classes for the whole process, so it runs last. The lce mode (causal LMs): eager, with the
+LM loss computed by `advisor.kernels.linear_cross_entropy` (linear + cross-entropy in row chunks, the
+N x V logits never held; what Liger's fused linear cross-entropy does); advisor_lce: both (not in the
+default modes: a second optimize per model).
 
 Writes OUT.json (every number) and OUT.md (a table), printing the table. torch, the workloads and the
 advisor are imported inside the child's functions: the parent process only starts children and writes.
@@ -34,19 +46,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MODELS = ["hf_llama", "hf_gpt2", "hf_bert", "timm_vit"]
+MODELS = ["hf_llama", "hf_gpt2", "hf_bert", "timm_vit", "splade"]
 DEFAULT_MODELS = "hf_llama,hf_gpt2"  # ~3 min each on an H100 (two compiles, one optimize): the 8-minute budget
-MODES = ["eager", "compile", "advisor", "liger"]
+MODES = ["eager", "compile", "advisor", "lce", "liger", "advisor_lce"]
+DEFAULT_MODES = "eager,compile,advisor,lce,liger"  # advisor_lce: a second optimize per model, asked for by name
 
 
 # ----------------------------------------------------------------------------------------- child
-def _loss(model, inputs, labels):
+def _loss(model, inputs, labels, name: str = ""):
     from workloads import main_output
 
     args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), dict(inputs))
     if labels is not None:
         kwargs["labels"] = labels
     out = model(*args, **kwargs)
+    if name == "splade":  # FLOPS regulariser (SPLADE's sparsity loss): sum_v (mean_b out[b, v])^2
+        return out.float().mean(0).pow(2).sum()
     loss = getattr(out, "loss", None)
     return loss if loss is not None else main_output(out).float().pow(2).mean()
 
@@ -95,9 +110,21 @@ def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps:
         apply_liger_kernel_to_llama()
         w = build(name, device, quick)  # rebuilt: Liger patches the classes, models made after use its modules
         model = w.model
-    if mode == "advisor":
-        import advisor
+    if mode in ("lce", "advisor_lce"):  # the LM loss through advisor.kernels.linear_cross_entropy (no logits)
+        if labels is None:
+            return {"mode": mode, "skipped": "the fused linear + cross-entropy loss is for causal LMs"}
+        from advisor.kernels.linear_cross_entropy import fused_causal_lm_loss
 
+        fused_causal_lm_loss(model)
+    if name == "splade":  # the encoder's output: its gradient is part of the step
+        w.inputs[0].requires_grad_(True)
+    if mode in ("advisor", "advisor_lce"):
+        import advisor
+        from advisor.patching import autograd, splade
+
+        # a fresh model: its backwards validated and counted afresh (the registries are per process)
+        autograd._BACKWARDS.clear()
+        splade._RECORDS.clear()
         t0 = time.perf_counter()
         report = advisor.optimize(model, w.inputs, select=False, train=True, out=out_dir / f"advisor-{name}",
                                   **({"interpret": True} if device != "cuda" else {}))
@@ -111,28 +138,37 @@ def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps:
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, losses, extra, peak = [], [], [], 0
+    leaves = [x for x in (w.inputs if isinstance(w.inputs, tuple) else ()) if getattr(x, "requires_grad", False)]
     for i in range(warmup + steps):
         clock.sync()
+        if device == "cuda" and i >= warmup:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         clock.start()
-        loss = _loss(model, w.inputs, labels)
+        loss = _loss(model, w.inputs, labels, name)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        for x in leaves:
+            x.grad = None
         ms = clock.ms()
+        if device == "cuda" and i >= warmup:
+            peak = max(peak, torch.cuda.max_memory_allocated())
+            extra.append(torch.cuda.max_memory_allocated() - before)
         losses.append(loss.item())
         if i == 0:
             res["first_step_s"] = round(time.perf_counter() - t0, 2)
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()  # the steady state: not compile's or validation's scratch
         if i >= warmup:
             times.append(ms)
     res["step_ms"] = round(statistics.median(times), 3)
     res["step_ms_min"] = round(min(times), 3)
-    res["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3) if device == "cuda" else None
+    # the steady state only (peaks reset before each timed step): not compile's or validation's scratch
+    res["peak_gb"] = round(peak / 2**30, 3) if device == "cuda" else None
+    res["peak_extra_mb"] = round(max(extra) / 2**20, 1) if extra else None
     res["losses"] = [round(x, 5) for x in losses]
-    if mode == "advisor":
+    if mode in ("advisor", "advisor_lce"):
         from advisor.patching import autograd, patched_modules
 
         res["backwards"] = autograd.summary()
@@ -176,31 +212,34 @@ def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: 
 
 # ----------------------------------------------------------------------------------------- parent
 def table(doc: dict) -> str:
-    rows = ["| model | mode | step ms | × eager | peak GB | first step s | note |", "|---|---|---|---|---|---|---|"]
+    rows = ["| model | mode | step ms | × eager | peak GB | peak extra MB | first step s | note |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, r in doc["results"].items():
         if "error" in r:
-            rows.append(f"| {name} | — | failed: {r['error'].splitlines()[-1][:120]} |||||")
+            rows.append(f"| {name} | — | failed: {r['error'].splitlines()[-1][:120]} ||||||")
             continue
         eager = r["modes"].get("eager", {}).get("step_ms")
         for mode, m in r["modes"].items():
             if "step_ms" not in m:
-                rows.append(f"| {name} | {mode} | {m.get('error') or m.get('skipped')} |||||")
+                rows.append(f"| {name} | {mode} | {m.get('error') or m.get('skipped')} ||||||")
                 continue
             x = f"{eager / m['step_ms']:.2f}" if eager else "—"
             note = ""
-            if mode == "advisor":
+            if mode in ("advisor", "advisor_lce"):
                 bws = m.get("backwards") or []
                 used = sum(1 for b in bws if b["validated"] and b["launches"])
                 note = (f"optimize {m.get('optimize_s')} s; {len(m.get('patched') or [])} patterns; "
                         f"{used} of {len(bws)} derived backwards validated and used")
-            rows.append(f"| {name} | {mode} | {m['step_ms']} | {x} | {m.get('peak_gb')} | {m.get('first_step_s')} | {note} |")
+            rows.append(f"| {name} | {mode} | {m['step_ms']} | {x} | {m.get('peak_gb')} | {m.get('peak_extra_mb')} | "
+                        f"{m.get('first_step_s')} | {note} |")
     return "\n".join(rows)
 
 
 def markdown(doc: dict) -> str:
     out = ["# Training steps (bench/train.py, issue 19)", "",
            "One process per model; per mode a fresh model (same seed). Step = forward, loss, backward, AdamW "
-           "(fused on a GPU) step; median after warm-up (CUDA events); peak = max allocated over the timed steps.",
+           "(fused on a GPU) step; median after warm-up (CUDA events); peak = max allocated over the timed steps; "
+           "peak extra = per step, the peak allocated minus what was allocated as it began (max over the steps).",
            "", table(doc), ""]
     for name, r in doc["results"].items():
         adv = r.get("modes", {}).get("advisor", {})
@@ -218,7 +257,7 @@ def markdown(doc: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of {', '.join(MODELS)}")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--out", type=Path, default=Path("reports/train-h100"))
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--warmup", type=int, default=3)

@@ -150,7 +150,9 @@ def summary() -> list[dict]:
                     "saves_outputs": bool(d and d.saved_outputs),
                     "eager_saved_bytes": d.eager_saved_bytes if d else None,
                     "errors": {k: v for k, v in bw.errors.items() if k != "shapes"}})
-    return out
+    from advisor.patching import splade  # the SPLADE head's hand-written Function, validated the same way
+
+    return out + splade.summary()
 
 
 def _number(x):

@@ -9,7 +9,7 @@ Python call per op). A graph that needs gradients (grad enabled and a parameter 
 grad) is traced to aten ops without AOTAutograd and rewritten with sites that run the fused forward
 and its generated backward as one autograd Function (`autograd.py`) where that backward validated;
 `Backend.training`. A patched forward whose patterns cannot have a backward (stand-ins, matmul
-anchors) runs the original code whenever autograd needs it.
+anchors other than the SPLADE head's, `splade.py`) runs the original code whenever autograd needs it.
 
 Each patched module instance gets its own compiled function (its own dynamo cache: HF layers guard on
 their integer `layer_idx`, so 32 layers sharing one cache would exhaust dynamo's recompile limit of 8
@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from advisor.ops.registry import OpClass, op_class
-from advisor.patching import rewrite
+from advisor.patching import rewrite, splade
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import make_host_copies_recordable
 from advisor.patching.match import Pattern, find, is_transparent
@@ -240,7 +240,9 @@ class Backend:
         if trainable(spec):
             from advisor.patching.autograd import Trainable  # torch.autograd machinery: loaded for training only
 
-            site.trainable = Trainable(spec.program, site.forward, site.launch, _outputs_kept_intact(m), site.label)
+            roles = splade.head_roles(spec.program)
+            site.trainable = splade.SpladeTrainable(spec.program, roles, site.label) if roles else \
+                Trainable(spec.program, site.forward, site.launch, _outputs_kept_intact(m), site.label)
         return site
 
 
@@ -267,7 +269,10 @@ def _outputs_kept_intact(m) -> bool:
 def trainable(spec: PatternSpec) -> bool:
     """Whether a pattern may get a generated backward: a generated kernel of pointwise and row ops (the
     stand-in replacements stay bit-identical to eager, gradients included; matmul-anchored kernels
-    have no derived backward yet). Whether it gets one is decided per site, by validation."""
+    have no derived backward yet), or the SPLADE head's matmul + reduction, which trains through its
+    hand-written Function (`splade.py`). Whether it gets one is decided per site, by validation."""
+    if spec.replacement == "kernel" and splade.head_roles(spec.program) is not None:
+        return True
     return spec.replacement == "kernel" and bool(spec.program.get("nodes")) and not any(
         op_class(n["op"]) in (OpClass.MATMUL, OpClass.ATTENTION) for n in spec.program["nodes"])
 
