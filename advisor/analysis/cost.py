@@ -4,7 +4,8 @@ Unfused bytes: what the group's kernels move today, each op reading its inputs a
 outputs (a broadcast input at its true size). Fused bytes: each outside input read once plus each
 output that escapes the group (read by an op outside it, or read by nobody: a final output) written
 once. Time: the kernels' measured time minus a roofline guess at the fused kernel,
-max(bytes / bandwidth, flops / peak) + one launch.
+max(bytes / bandwidth, flops / peak) + one launch. A padded GEMM (`padded_cost`) is predicted at the
+padded product's roofline plus its pad copies: it saves time, not bytes.
 """
 from __future__ import annotations
 

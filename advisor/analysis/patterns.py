@@ -104,9 +104,7 @@ def title(graph: Graph, group: Group, occurrences: list[Group] | None = None) ->
     (default: `group` alone): Llama's gate and up SwiGLU epilogues are two patterns that read alike otherwise."""
     labels = _labels(graph, group)
     chain = " → ".join(labels)
-    name = _name(labels, group)
-    if group.kind == "padded_matmul":
-        name = padded_name(graph, group, occurrences or [group])
+    name = padded_name(graph, group, occurrences or [group]) if group.kind == "padded_matmul" else _name(labels, group)
     if group.kind == "epilogue" and group.anchor is not None:
         where = projections(graph, occurrences or [group])
         if where:
@@ -115,7 +113,7 @@ def title(graph: Graph, group: Group, occurrences: list[Group] | None = None) ->
 
 
 def padded_name(graph: Graph, group: Group, occurrences: list[Group]) -> str:
-    """`GEMM with unaligned N=50257 → 50264 (lm_head)`: what is padded, and where."""
+    """`GEMM with unaligned N=50257 → 50264, padded (lm_head)`: what is padded, and where."""
     pad = unaligned_gemm(graph.nodes[group.members[0]])
     what = f"unaligned {pad.padded_dims}" if pad.padded_dims else f"unaligned {'/'.join(pad.unaligned)} layout"
     where = projections(graph, [Group(g.members, g.numel, anchor=g.members[0]) for g in occurrences])
@@ -210,8 +208,7 @@ def _name(labels: list[str], group: Group) -> str:
     return (prefix if fam in (Family.RMSNORM, Family.LAYERNORM) else "") + _FAMILY_NAME[fam]
 
 
-_FAMILY_NAME = {Family.ATTENTION: "Attention (unfused: scores materialised)", Family.PADDED_MATMUL: "Padded GEMM",
-                Family.RMSNORM: "RMSNorm",
+_FAMILY_NAME = {Family.ATTENTION: "Attention (unfused: scores materialised)", Family.RMSNORM: "RMSNorm",
                 Family.LAYERNORM: "LayerNorm", Family.LOG_SOFTMAX: "LogSoftmax", Family.ADAM: "Adam/AdamW update",
                 # exp_avg.lerp_, exp_avg_sq.mul_.addcmul_, sqrt, div, param.addcdiv_
                 Family.SWIGLU: "SwiGLU", Family.ROTARY: "Rotary embedding", Family.CAT: "Pointwise + cat",
