@@ -179,8 +179,9 @@ def header(c: dict, check, interp: bool) -> str:
     status = (f"Validated against PyTorch (fp64 and native) on {where}: rel_l2 {err.get('rel_l2', 0):.2g}, "
               f"max_abs {err.get('max_abs', 0):.2g} ({err.get('dtype')})." if check.validated
               else f"NOT validated: {check.reason}")
+    what = "Padding launcher (cuBLAS)" if c.get("kind") == "padded_matmul" else "Fused Triton kernel"
     lines = [
-        f"Fused Triton kernel for candidate {c['id']} (pattern {c['pattern_id']}): {c.get('title', '')}",
+        f"{what} for candidate {c['id']} (pattern {c['pattern_id']}): {c.get('title', '')}",
         "",
         f"Replaces: {', '.join(ops)}" + (f" in {', '.join(mods[:3])}{more}" if mods else ""),
         f"Estimated saving: {c.get('est_time_saved_us', 0):.1f} us per iteration "
