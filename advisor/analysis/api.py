@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from advisor.analysis.cost import (DeviceModel, GroupCost, bytes_model_saved_us, est_time_saved_us, gpu_model,
-                                 group_costs)
+                                 group_costs, padding_pays)
 from advisor.analysis.fusion import Group, find_groups, not_generated
 from advisor.analysis.patterns import NORMS, family, group_family, op_label, pattern_id, signature, signatures, title
 from advisor.graph.dataflow import build_graph
@@ -158,6 +158,8 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
     gpu = gpu_model() if device.type == "cpu" else None
     ests: dict[int, float] = {}
     for g, sig, cost in zip(groups, signatures(graph, groups), group_costs(graph, groups, device)):
+        if g.kind == "padded_matmul" and not padding_pays(cost, device):
+            continue
         fam = family(sig)
         pid = pid_of.get(fam) or pid_of.setdefault(fam, pattern_id(sig))
         pattern_of[id(g)] = pid
@@ -167,7 +169,7 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
     iters = graph.iterations
     records, group_map = [], {}
     totals = _totals(graph)
-    totals["est_time_saved_us"] = _potential(groups, ests) / iters
+    totals["est_time_saved_us"] = _potential([g for g in groups if id(g) in ests], ests) / iters
     for pid, pat in by_pattern.items():
         first, extends = pat.first, pat.first.extends
         name = title(graph, first, pat.groups)

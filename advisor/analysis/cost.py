@@ -4,7 +4,8 @@ Unfused bytes: what the group's kernels move today, each op reading its inputs a
 outputs (a broadcast input at its true size). Fused bytes: each outside input read once plus each
 output that escapes the group (read by an op outside it, or read by nobody: a final output) written
 once. Time: the kernels' measured time minus a roofline guess at the fused kernel,
-max(bytes / bandwidth, flops / peak) + one launch.
+max(bytes / bandwidth, flops / peak) + one launch. A padded GEMM (`padded_cost`) is predicted at the
+padded product's roofline plus its pad copies: it saves time, not bytes.
 """
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ import math
 from typing import Iterator
 from dataclasses import dataclass
 
+from advisor.analysis.alignment import PaddedGemm, unaligned_gemm
 from advisor.analysis.fusion import Group
 from advisor.graph.nodes import Graph, per_template
 from advisor.ops.registry import OpClass, lookup
 
 # When meta.json has no measured figures: sustained copy bandwidth (read + write) and launch cost.
+# `unaligned_matmul_flops`: what cuBLAS's unaligned (align1) GEMM kernels reach, for CPU traces' padded-matmul
+# estimates: GPT-2's bf16 LM head on the H100, 843 GFLOP in 8.7 ms (reports/kernels-suite_gpt2-h100.md).
 DEFAULT_DEVICE = {
-    "cuda": {"bandwidth_Bps": 3.0e12, "launch_us": 2.5, "flops": 50e12, "matmul_flops": 700e12},
+    "cuda": {"bandwidth_Bps": 3.0e12, "launch_us": 2.5, "flops": 50e12, "matmul_flops": 700e12,
+             "unaligned_matmul_flops": 97e12},
     "cpu": {"bandwidth_Bps": 10e9, "launch_us": 5.0, "flops": 100e9, "matmul_flops": 500e9},
 }
 
@@ -52,6 +57,7 @@ class GroupCost:
     measured_us: float
     predicted_fused_us: float
     intermediate_bytes: int = 0  # made and consumed inside the group: memory the fused kernel never allocates
+    padded: PaddedGemm | None = None  # padded_matmul groups: the GEMM and its padding
 
     @property
     def bytes_saved(self) -> int:
@@ -87,6 +93,9 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
     bases = {id(g.extends) for g in groups if g.kind == "epilogue" and g.extends is not None}
     io: dict[int, tuple] = {}  # id(group) -> external_io, kept for epilogue bases only
     for group in groups:
+        if group.kind == "padded_matmul":
+            yield padded_cost(graph, group, device)
+            continue
         reads, escapes = external_io(graph, group.members)
         if id(group) in bases:
             io[id(group)] = reads, escapes
@@ -115,6 +124,37 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
         yield GroupCost(int(unfused), int(fused), kernels, measured, predicted, between)
 
 
+def padded_cost(graph: Graph, group: Group, device: DeviceModel) -> GroupCost:
+    """A padded GEMM: it moves what the GEMM moved plus the pad copies (so `bytes_saved` is negative: padding
+    costs traffic, it saves time), and is predicted at the padded product's FLOP roofline plus the copies."""
+    n = graph.nodes[group.members[0]]
+    pad = unaligned_gemm(n)
+    return GroupCost(n.bytes, n.bytes + pad.copy_bytes, max(len(n.kernels), 1), n.time_us, padded_us(pad, device),
+                     0, pad)
+
+
+def padded_us(pad: PaddedGemm, device: DeviceModel) -> float:
+    """The padded GEMM at its FLOP roofline plus each pad copy at the copy bandwidth, each one launch."""
+    return (pad.padded_flops / device.matmul_flops * 1e6 + pad.copy_bytes / device.bandwidth_Bps * 1e6
+            + (1 + pad.copies) * device.launch_us)
+
+
+SLOW_UNALIGNED = 2.0  # a GPU trace's unaligned GEMM is worth padding when it measured this far above its roofline
+
+
+def padding_pays(cost: GroupCost, device: DeviceModel) -> bool:
+    """Whether a padded_matmul group is a candidate. On a GPU trace, by its measured time: far above the
+    unpadded GEMM's roofline (cuBLAS did drop to an unaligned kernel: some shapes it runs well regardless)
+    and above the padded prediction. A CPU trace measured CPU kernels: the unaligned GEMM is a GPU trap,
+    reported at every size with the GPU model's estimate (`bytes_model_saved_us`), zero where padding
+    would not pay."""
+    if device.type != "cuda":
+        return True
+    pad = cost.padded
+    roofline = pad.flops / device.matmul_flops * 1e6 + device.launch_us
+    return cost.measured_us > SLOW_UNALIGNED * roofline and cost.measured_us > cost.predicted_fused_us
+
+
 def est_time_saved_us(cost: GroupCost, group: Group, device: DeviceModel) -> float:
     if group.kind == "epilogue":
         # Incremental: the matmul output's round trip and one launch disappear.
@@ -132,7 +172,12 @@ def gpu_model() -> DeviceModel:
 def bytes_model_saved_us(cost: GroupCost, device: DeviceModel) -> float:
     """What fusing saves by the bytes model alone: the bytes no longer moved at `device`'s bandwidth plus the
     launches no longer made. What a CPU trace's candidates would save on a GPU: the fused kernels are Triton
-    kernels, which on the CPU run in the interpreter, so a share of the CPU time is no promise at all."""
+    kernels, which on the CPU run in the interpreter, so a share of the CPU time is no promise at all.
+    A padded GEMM saves no bytes: the unaligned kernel's modelled time less the padded one's."""
+    if cost.padded is not None:
+        pad = cost.padded
+        unaligned = pad.flops / DEFAULT_DEVICE["cuda"]["unaligned_matmul_flops"] * 1e6
+        return max(unaligned + device.launch_us - padded_us(pad, device), 0.0)
     return max(cost.bytes_saved, 0) / device.bandwidth_Bps * 1e6 + max(cost.kernels - 1, 0) * device.launch_us
 
 

@@ -20,6 +20,9 @@ Matmuls and convolutions are anchors; three more rules build on them:
    intermediate is read only inside the chain: the score matrix need never be written.
 8. Matmul + reduction: matmul -> pointwise -> a reduction over leading (non-contracted) dims of
    the matmul output (SPLADE's max over the sequence): the matmul output need never be written.
+9. Padded matmul: a GEMM alone whose leading dimension or base is not 16-byte aligned (GPT-2's logits,
+   N = 50257), which cuBLAS runs with a slow unaligned kernel: padded to alignment it runs at its FLOP
+   roofline (`alignment.py`; the analyzer keeps it only where that measures worth the pad copies).
 Everything else is a barrier.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from advisor.analysis.alignment import unaligned_gemm
 from advisor.graph.nodes import Graph, Node, per_template
 from advisor.ops.args import bind, reduced_dims
 from advisor.ops.lowering import why_not_generated
@@ -47,7 +51,7 @@ class Group:
     rows: tuple[int, int] | None = None
     anchor: int | None = None  # epilogue candidates: the matmul/conv node
     extends: "Group | None" = None  # epilogue candidates: the pointwise group they absorb
-    kind: str = "fusion"  # fusion | epilogue | attention | matmul_reduction
+    kind: str = "fusion"  # fusion | epilogue | attention | matmul_reduction | padded_matmul
 
 
 def fusible(info: OpInfo) -> bool:
@@ -120,7 +124,7 @@ def find_groups(graph: Graph) -> list[Group]:
     for g in fused:
         g.members.sort()
     return (fused + _epilogues(graph, domains, group_of) + _attention(graph, fused, group_of)
-            + _matmul_reductions(graph, domains, group_of))
+            + _matmul_reductions(graph, domains, group_of) + _padded_matmuls(graph))
 
 
 class _SharedValues:
@@ -259,6 +263,13 @@ def _matmul_reductions(graph: Graph, domains: list, group_of: dict[int, Group]) 
         out.append(Group(sorted({anchors[0], *members, r.idx}), _numel(r.reads[0].shape), None,
                          kind="matmul_reduction"))
     return out
+
+
+def _padded_matmuls(graph: Graph) -> list[Group]:
+    """Each GEMM that cuBLAS would run unaligned, alone (rule 9): whatever fuses with it elsewhere, padding is
+    about the GEMM's own kernel."""
+    return [Group([n.idx], _numel(n.writes[0].shape), None, kind="padded_matmul") for n in graph.nodes
+            if n.cls == OpClass.MATMUL and n.writes and unaligned_gemm(n) is not None]
 
 
 def _only_read_by(graph: Graph, producer: int, readers: set[int]) -> bool:

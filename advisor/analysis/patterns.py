@@ -6,6 +6,7 @@ import re
 from enum import Enum
 from typing import Iterator
 
+from advisor.analysis.alignment import unaligned_gemm
 from advisor.analysis.fusion import Group
 from advisor.graph.nodes import Graph, Node, per_template
 from advisor.graph.dtypes import short as short_dtype
@@ -40,6 +41,9 @@ def signatures(graph: Graph, groups: list[Group]) -> Iterator[str]:
             parts.append(f"{label}({','.join(srcs + scalars)})->{out_s}")
         rows = f"|rows:N{_bucket(group.rows[1])}" if group.rows else ""
         kind = f"|{group.kind}" if group.kind != "fusion" else ""
+        if group.kind == "padded_matmul":  # its sizes decide the padding: two unaligned GEMMs are two patterns
+            pad = unaligned_gemm(graph.nodes[group.members[0]])
+            kind += f"|M{pad.m}N{pad.n}K{pad.k}B{pad.batch}"
         yield "; ".join(parts) + rows + kind
 
 
@@ -100,12 +104,20 @@ def title(graph: Graph, group: Group, occurrences: list[Group] | None = None) ->
     (default: `group` alone): Llama's gate and up SwiGLU epilogues are two patterns that read alike otherwise."""
     labels = _labels(graph, group)
     chain = " → ".join(labels)
-    name = _name(labels, group)
+    name = padded_name(graph, group, occurrences or [group]) if group.kind == "padded_matmul" else _name(labels, group)
     if group.kind == "epilogue" and group.anchor is not None:
         where = projections(graph, occurrences or [group])
         if where:
             name = f"{name[:-1]}, {where})" if name.endswith(")") else f"{name} ({where})"
     return f"{name}: {chain}"
+
+
+def padded_name(graph: Graph, group: Group, occurrences: list[Group]) -> str:
+    """`GEMM with unaligned N=50257 → 50264, padded (lm_head)`: what is padded, and where."""
+    pad = unaligned_gemm(graph.nodes[group.members[0]])
+    what = f"unaligned {pad.padded_dims}" if pad.padded_dims else f"unaligned {'/'.join(pad.unaligned)} layout"
+    where = projections(graph, [Group(g.members, g.numel, anchor=g.members[0]) for g in occurrences])
+    return f"GEMM with {what}, padded" + (f" ({where})" if where else "")
 
 
 def projections(graph: Graph, groups: list[Group], limit: int = 3) -> str:
@@ -132,6 +144,7 @@ class Family(str, Enum):
 
     ATTENTION = "attention"
     MATMUL_REDUCTION = "matmul_reduction"
+    PADDED_MATMUL = "padded_matmul"
     EPILOGUE = "epilogue"
     RMSNORM = "rmsnorm"
     LAYERNORM = "layernorm"
@@ -160,6 +173,8 @@ def family_of(labels: list[str], group: Group) -> Family:
         return Family.ATTENTION
     if group.kind == "matmul_reduction":
         return Family.MATMUL_REDUCTION
+    if group.kind == "padded_matmul":
+        return Family.PADDED_MATMUL
     if group.anchor is not None:
         return Family.EPILOGUE
     s = set(l.rstrip("_") for l in labels)

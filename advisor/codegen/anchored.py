@@ -1,7 +1,7 @@
-"""Matmul-anchored candidates (epilogue, attention, matmul_reduction): which generator a program goes to
-(`detect_kind`), and the generated module with what it saves (`generate_anchored`). The generators
+"""Matmul-anchored candidates (epilogue, attention, matmul_reduction, padded_matmul): which generator a
+program goes to (`detect_kind`), and the generated module with what it saves (`generate_anchored`). The generators
 themselves: `matmul.epilogue_source`, `attention.attention_source`, `matmul_reduce.matmul_reduce_source`,
-all built on matmul.py's tiles."""
+all built on matmul.py's tiles, and `padded.padded_matmul_source` (no kernel: cuBLAS on padded operands)."""
 from __future__ import annotations
 
 import math
@@ -12,6 +12,7 @@ from advisor.codegen.attention import attention_source
 from advisor.codegen.matmul import ANCHOR_OPS, CONV_REASON, REDUCE_KINDS, RESHAPE, Anchored, _leading_reduction, \
     epilogue_source, is_conv, read_anchored
 from advisor.codegen.matmul_reduce import matmul_reduce_source
+from advisor.codegen.padded import padded_matmul_source
 from advisor.ops.lowering import Unsupported
 
 
@@ -44,7 +45,7 @@ def generate_anchored(program: dict, kind: str | None = None, use_cache: bool = 
         raise Unsupported(CONV_REASON)
     ctx = read_anchored(program)
     emit = {"epilogue": epilogue_source, "attention": attention_source,
-            "matmul_reduction": matmul_reduce_source}.get(kind)
+            "matmul_reduction": matmul_reduce_source, "padded_matmul": padded_matmul_source}.get(kind)
     if emit is None:
         raise Unsupported(f"candidate kind {kind!r} has no matmul-anchored generator")
     key = ctx.prog.key(GENERATOR_VERSION + kind)
@@ -63,6 +64,8 @@ def generate_anchored(program: dict, kind: str | None = None, use_cache: bool = 
 def saved_memory(ctx: Anchored, kind: str) -> tuple[int, str]:
     """Bytes of the intermediates eager writes and the fused kernel does not, at the recorded shapes."""
     p = ctx.prog
+    if kind == "padded_matmul":  # it allocates more, not less: the padded copies and product, freed on return
+        return 0, "the padded operands and product are temporaries beside the output, freed when it returns"
     outs = {v.id for v in p.outputs}
     inter = [v for o in p.ops for v in o.outputs if v.id not in outs and o.low is not RESHAPE]
     total = sum(math.prod(v.rec_shape) * v.dtype.itemsize for v in inter)

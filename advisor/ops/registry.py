@@ -48,6 +48,10 @@ class OpInfo:
     # Cost model. Bytes: every op moves its tensors' true sizes (read and written), whatever the op.
     # Flops: "output" counts one per output element; "matmul" 2 * output * K.
     flops: str = "output"
+    # GEMMs: the role of each argument position, space-separated: `a` ([.., M, K]), `b` ([.., K, N]), `w`
+    # (a [N, K] weight: linear's), `bias` (broadcast to the output), `-` (not a tensor). What the alignment
+    # rule (`advisor.analysis.alignment`) reads to find M, N, K and which tensors a padded GEMM copies.
+    gemm: str = ""
     # Code generation: the `advisor.ops.lowering.Lowering` attached to this entry, or why none is.
     lowering: object = None
     not_generated: str = ""
@@ -186,6 +190,9 @@ for _n in ["mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activati
            "mkldnn_convolution", "_scaled_mm", "_int_mm", "conv_transpose2d", "embedding_bag",
            "_fused_linear_gelu"]:
     register(f"aten::{_n}", OpClass.MATMUL, flops="matmul")
+for _n, _roles in [("mm", "a b"), ("bmm", "a b"), ("matmul", "a b"), ("linear", "a w bias"), ("addmm", "bias a b"),
+                   ("baddbmm", "bias a b")]:
+    register(f"aten::{_n}", OpClass.MATMUL, flops="matmul", gemm=_roles)
 
 for _n in ["scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",

@@ -1,0 +1,114 @@
+"""Padded GEMMs (`padded_matmul` candidates): the launcher of a GEMM that cuBLAS would run unaligned.
+
+No Triton kernel: the module zero-pads K and N to the 16-byte alignment (`advisor.analysis.alignment`
+says why), calls the same aten op on the padded operands, which cuBLAS then runs with its fast kernels,
+and hands back the first N columns. Zeros in K add nothing to any product; the padded columns of N are
+never handed out, so the result is the unpadded product's (within the GEMM's own rounding: cuBLAS may
+split K differently). The padding is worked out from the operands' shapes on every call, so the module
+is right at any size (validation runs it at odd ones); the patcher's guards keep it at the recorded ones.
+
+What it returns: a fresh tensor in eager's layout, the slice copied out of the padded result. Inductor
+returns the strided slice itself (row stride N_padded), which saves one pass over the output (GPT-2's
+logits: 0.8 GB read and written, about 0.55 ms of the H100's 1.8 ms for the padded head), but a caller's
+`.view` of logits (`logits.view(-1, V)` in loss code) fails on it, and inside a captured graph the ops
+after the site were traced against eager's strides. Eager's layout is the safe default until a
+measurement shows the copy matters where no one reshapes the result.
+"""
+from __future__ import annotations
+
+from advisor.codegen.ir import _order
+from advisor.codegen.matmul import Anchored, the_anchor
+from advisor.ops.lowering import Unsupported
+
+CALLS = {  # aten op -> the call on the padded operands (a, b, bias are the roles' names in `run`)
+    "aten::linear": "torch.nn.functional.linear(a, b, {bias})",
+    "aten::mm": "torch.mm(a, b)",
+    "aten::bmm": "torch.bmm(a, b)",
+    "aten::matmul": "torch.matmul(a, b)",
+    "aten::addmm": "torch.addmm(bias, a, b, beta={beta!r}, alpha={alpha!r})",
+    "aten::baddbmm": "torch.baddbmm(bias, a, b, beta={beta!r}, alpha={alpha!r})",
+}
+
+HELPERS = '''
+
+def _empty(shape, order, dtype, device):
+    """A new output, dense in the memory order eager produced (validation swaps in a NaN-filled one)."""
+    return torch.empty_permuted(shape, order, dtype=dtype, device=device)
+
+
+def _round_up(n):
+    return -(-n // ALIGN) * ALIGN
+
+
+def _aligned(t):
+    """Whether cuBLAS sees t as aligned: its base and every stride but the unit one a multiple of ALIGN."""
+    return t.storage_offset() % ALIGN == 0 and all(s % ALIGN == 0 for n, s in zip(t.shape, t.stride()) if n > 1 and s != 1)
+
+
+def _padded(t, sizes):
+    """t zero-padded at the end of each dim to `sizes`, as a new row-major tensor; t itself when it has those
+    sizes and is aligned already. One copy of t, and zeros written into the padding only."""
+    sizes = tuple(sizes)
+    if tuple(t.shape) == sizes and _aligned(t):
+        return t
+    out = torch.empty(sizes, dtype=t.dtype, device=t.device)
+    out[tuple(slice(0, n) for n in t.shape)].copy_(t)
+    for d, (n, p) in enumerate(zip(t.shape, sizes)):
+        if p != n:
+            out.narrow(d, n, p - n).zero_()
+    return out
+'''
+
+
+def padded_matmul_source(ctx: Anchored) -> str:
+    p = ctx.prog
+    anc = the_anchor(ctx, "padded_matmul")
+    if len(p.ops) != 1 or [v.id for v in p.outputs] != [anc.op.outputs[0].id]:
+        raise Unsupported("a padded_matmul program is one matmul and its output")
+    name = anc.op.name
+    if name not in CALLS:
+        raise Unsupported(f"{name}: no padded form")
+    ids = [i.id for i in p.inputs]
+    role = {"a": anc.a, "b": anc.b, **({"bias": anc.bias} if anc.bias is not None else {})}
+    for r, view in role.items():
+        if not view.identity or view.src not in ids:
+            raise Unsupported(f"{name} reads its {r} operand through a view: only whole inputs are padded")
+    out = p.outputs[0]
+    itemsize = out.dtype.itemsize
+    align = 16 // itemsize
+    order = tuple(_order(out.rec_strides, out.rec_shape))
+    # b is [.., K, N], or [N, K] for linear's weight: which of its last two dims is N decides its padding.
+    b_sizes = "(n_p, k_p)" if anc.b_nk else "(k_p, n_p)"
+    n_of_b = "b.shape[-2]" if anc.b_nk else "b.shape[-1]"
+    call = CALLS[name].format(bias="bias" if "bias" in role else "None", beta=anc.beta, alpha=anc.alpha)
+    unpack = ", ".join(next(r for r, v in role.items() if v.src == i) if any(v.src == i for v in role.values())
+                       else "_" for i in ids)
+    if len(set(v.src for v in role.values())) != len(role):
+        raise Unsupported(f"{name} reads one input as two operands")
+    lines = [
+        f"# {name} with K and N zero-padded to multiples of {align} elements (16 bytes of {str(out.dtype)[6:]}), so",
+        "# that cuBLAS runs its aligned kernels instead of its unaligned one: see advisor/codegen/padded.py.",
+        "import torch",
+        "",
+        f"ALIGN = {align}",
+        HELPERS,
+        "",
+        f"def run({', '.join(ids)}):",
+        f'    """{name}: the padded product, its first N columns copied out in eager\'s layout."""',
+        f"    {unpack}{',' if len(ids) == 1 else ''} = {', '.join(ids)}",
+        f"    n, k = {n_of_b}, a.shape[-1]",
+        "    n_p, k_p = _round_up(n), _round_up(k)",
+        "    a = _padded(a, (*a.shape[:-1], k_p))",
+        f"    b = _padded(b, (*b.shape[:-2], *{b_sizes}))",
+    ]
+    if "bias" in role:  # a bias along N (not one broadcast over it) gets the zero columns too
+        lines.append("    bias = _padded(bias, (*bias.shape[:-1], n_p)) if bias.dim() and bias.shape[-1] == n else bias")
+    lines += [
+        f"    result = {call}",
+        "    if n_p == n:  # only K or a layout was padded: the product is the output as it stands",
+        "        return (result,)",
+        f"    out0 = _empty((*result.shape[:-1], n), {order}, result.dtype, result.device)",
+        "    out0.copy_(result[..., :n])",
+        "    return (out0,)",
+    ]
+    return "\n".join(lines) + "\n"
