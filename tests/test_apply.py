@@ -75,7 +75,7 @@ def test_patch_from_an_output_directory(optimized):
 def test_a_kernel_that_changes_outputs_is_unpatched(tmp_path):
     """A (deliberately wrong) launcher: the check finds the mismatch, names the pattern, and unpatches it."""
     from advisor.analysis.api import analyze
-    from advisor.bench.trace import profile_calls
+    from advisor.collect.in_process import profile_calls
 
     model, kw = tiny("llama", layers=1)
     x = inputs("llama")

@@ -18,7 +18,7 @@ def _cache(tmp_path_factory, monkeypatch):
 def candidates(model, inputs: dict, tmp_path) -> list:
     """The analyzer's candidates for one profiled call of `model(**inputs)`."""
     from advisor.analysis.api import analyze
-    from advisor.bench.trace import profile_calls
+    from advisor.collect.in_process import profile_calls
 
     model.eval()
 

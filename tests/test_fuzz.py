@@ -292,7 +292,7 @@ def test_fuzz_through_the_profiler_and_analyzer(tmp_path_factory):
     """Batches of random programs run under torch.profiler + the ET observer, analysed; every candidate's
     kernel validates (or is refused with a reason), is patched in, and the patched model matches eager."""
     from advisor.analysis.api import analyze
-    from advisor.bench.trace import profile_calls
+    from advisor.collect.in_process import profile_calls
     from advisor.patching import build_plan, occurrence_modules, patch, unpatch
     from advisor.workflows.kernels import kernel_specs
 

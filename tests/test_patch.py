@@ -15,7 +15,7 @@ import torch
 
 import advisor
 from advisor.analysis.api import analyze
-from advisor.bench.trace import profile_calls
+from advisor.collect.in_process import profile_calls
 from advisor.patching import build_plan, occurrence_modules, only, patch, patched_modules, patches_off, \
     spec_from_candidate, unpatch
 from candidates import (RESIDUAL_LAYERNORM, RESIDUAL_RMSNORM, RMSNORM, ROTARY, SWIGLU, TANH_GELU, Structure,

@@ -246,7 +246,7 @@ def test_meta_that_is_not_json(tmp_path, capsys):
 def fuse(model, make_inputs, out: Path, granularity: str = "occurrence"):
     """profile -> analyze -> generate + validate -> patch, in this process; returns (analysis, specs, records, handle)."""
     from advisor.analysis.api import analyze
-    from advisor.bench.trace import profile_calls
+    from advisor.collect.in_process import profile_calls
     from advisor.patching import build_plan, occurrence_modules, patch
     from advisor.workflows.kernels import kernel_specs
 
