@@ -84,8 +84,8 @@ class Candidate:
     and what the analyzer estimates fusing its `occurrences` per iteration saves."""
 
     id: str  # c1, c2, ...: stable between `analyze` and `apply` (numbered by what the shapes decide)
-    pattern_id: str
     kind: Kind
+    pattern_id: str = ""  # the pattern family (absent from analysis.json before patterns had ids)
     title: str = ""  # display text: never branched on
     pattern: str = ""  # the canonical signature
     ops: tuple = ()  # aten op names of the first occurrence, in order
@@ -111,7 +111,7 @@ class Candidate:
 
     @classmethod
     def from_json(cls, doc: dict) -> "Candidate":
-        _check_keys(doc, CANDIDATE_KEYS, ("id", "pattern_id", "kind"), f"candidate {doc.get('id', '?')!r}"
+        _check_keys(doc, CANDIDATE_KEYS, ("id", "kind"), f"candidate {doc.get('id', '?')!r}"
                     if isinstance(doc, dict) else "candidate")
         fields = {k: (tuple(v) if k in CANDIDATE_TUPLES else v) for k, v in doc.items()}
         fields["kind"] = _enum(Kind, doc["kind"], "kind")
@@ -164,7 +164,7 @@ class PatternResult:
     A field left None was not reached by this run and is not written."""
 
     candidate: str  # the candidate id
-    pattern_id: str
+    pattern_id: str = ""
     title: str | None = None
     kernel_file: str | None = None
     validated: bool = False
@@ -191,10 +191,13 @@ class PatternResult:
     @classmethod
     def from_json(cls, doc: dict) -> "PatternResult":
         what = f"pattern {doc.get('candidate', '?')!r}" if isinstance(doc, dict) else "pattern"
-        _check_keys(doc, RESULT_KEYS, ("candidate", "pattern_id"), what)
+        _check_keys(doc, RESULT_KEYS, ("candidate",), what)
+        if ("status_code" in doc) != ("status" in doc):  # a sentence without its code would be read as words
+            raise RecordError(f"{what} has {'status_code' if 'status_code' in doc else 'status'} without "
+                              f"{'status' if 'status_code' in doc else 'status_code'}: a verdict is both")
         fields = {k: v for k, v in doc.items() if k not in ("status_code", "status")}
-        if doc.get("status_code") is not None:
-            fields["verdict"] = Verdict(doc["status_code"], doc.get("status") or "")
+        if "status_code" in doc:
+            fields["verdict"] = Verdict(doc["status_code"], doc["status"])
         return cls(**fields)
 
     def to_json(self) -> dict:

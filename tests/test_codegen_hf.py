@@ -38,10 +38,10 @@ def find(cands: list, ops: list) -> list:
 
 def generated(c: dict, tmp_path) -> dict:
     """The apply.json record `optimize` writes for a candidate: generated, validated (or why not)."""
+    from advisor.records import Candidate
     from advisor.workflows.generate import _job
 
-    entry = _job(dict(c, id=c.get("id", "c")), tmp_path)
-    return entry
+    return _job(Candidate.from_json(dict(c, id=c.get("id", "c"))), tmp_path).to_json()
 
 
 def assert_validated(c: dict, tmp_path) -> dict:
