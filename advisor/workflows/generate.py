@@ -61,7 +61,7 @@ def generate_candidates(doc: dict, out_dir: Path, top: int | None = None, on_res
 def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None = None,
                      on_result=None) -> list[PatternResult]:
     """`generate_candidates` on records: the top `top` candidates' results (apply.json is not written).
-    `on_result` is called with each result's apply.json record as it is final."""
+    `on_result` is called with each result as it is final."""
     out_dir = Path(out_dir)
     chosen = candidates[: top or None]
     entries = _in_workers(chosen, out_dir)
@@ -116,7 +116,7 @@ def choose_launcher(entry: PatternResult, times_ms: dict) -> PatternResult:
 
 def _report(entry: PatternResult, on_result) -> PatternResult:
     if on_result:
-        on_result(entry.to_json())
+        on_result(entry)
     return entry
 
 
