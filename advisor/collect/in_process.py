@@ -21,7 +21,7 @@ from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile
 from advisor.collect import steady
 from advisor.collect.measure import device_info, measure
 from advisor.collect.module_scopes import module_scopes
-from advisor.collect.native_log import quiet_profile, without_profiler_chatter
+from advisor.collect.native_log import quiet_profile, stop_execution_trace
 from advisor.collect.region import region
 from advisor.jsonio import META_SCHEMA_VERSION, write_json
 
@@ -46,11 +46,7 @@ def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: i
                         if device == "cuda":
                             torch.cuda.synchronize()
     finally:
-        try:
-            with without_profiler_chatter():
-                et.unregister_callback()
-        except Exception:  # pragma: no cover
-            pass
+        stop_execution_trace(et)
     prof.export_chrome_trace(str(kineto_tmp))
     events = json.loads(kineto_tmp.read_text()).get("traceEvents", [])
     _gzip(kineto_tmp, trace_dir / "kineto.json.gz")
