@@ -1,6 +1,6 @@
 """The generator: a candidate's program -> one readable Triton module (kernel + launcher), cached on disk.
 
-    gen = generate(candidate.program)       # read, lower, print (or reuse the cached module)
+    gen = generate(candidate["program"])   # read, lower, print (or reuse the cached module)
     mod = load_module(gen.path)             # mod.run(*inputs) -> outputs, like the aten ops
 
 Pieces: `ir` reads the program (symbolic sizes, views as index maps), `build` evaluates it into an

@@ -1,6 +1,6 @@
 """Matmul-anchored kernels (issue 10): a tiled Triton matmul whose epilogue is the candidate's chain.
 
-    gen = generate_anchored(candidate.program, candidate.kind.value)  # epilogue | attention | matmul_reduction
+    gen = generate_anchored(candidate["program"], candidate["kind"])  # epilogue | attention | matmul_reduction
     mod = load_module(gen.path)                                       # mod.run(*inputs) -> outputs
 
 The program is read like any other (`advisor.codegen.ir`), except that the matmul (`mm`, `addmm`,
