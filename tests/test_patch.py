@@ -243,7 +243,7 @@ def test_generated_kernels_patch_and_match(analyses, name, structures, tmp_path)
     chosen = pick(a, structures)
     doc = {**a.doc, "candidates": chosen}
     specs, records = kernel_specs(doc, len(chosen), "kernel", tmp_path, "cpu")
-    assert len(specs) == len(chosen), [(r["title"], r["reason"]) for r in records if not r["validated"]]
+    assert len(specs) == len(chosen), [(r.title, r.reason) for r in records if not r.validated]
     model, kw = tiny(name)
     x = inputs(name)
     ref = run(model, kw, x)
