@@ -143,17 +143,20 @@ def generate(
     for col in ("#", "pattern", "result", "rel_l2", "file"):
         table.add_column(col)
 
-    def show(e):
-        ok = "[green]validated[/]" if e["validated"] else f"[yellow]{e['reason']}[/]"
-        rel = f"{e['errors']['rel_l2']:.2g}" if e.get("errors") and e["validated"] else ""
-        table.add_row(e["candidate"], e.get("title") or "", ok, rel, Path(e["kernel_file"]).name if e["kernel_file"] else "")
+    shown = []
+
+    def show(r):  # an advisor.records.PatternResult
+        shown.append(r)
+        ok = "[green]validated[/]" if r.validated else f"[yellow]{r.reason}[/]"
+        rel = f"{r.errors['rel_l2']:.2g}" if r.errors and r.validated else ""
+        table.add_row(r.candidate, r.title or "", ok, rel, Path(r.kernel_file).name if r.kernel_file else "")
 
     with console.status("generating and validating kernels…"):
-        applied = generate_candidates(doc, Path(out_dir), top=top, on_result=show)
+        generate_candidates(doc, Path(out_dir), top=top, on_result=show)
     drop_stale_kernels(out_dir)
     console.print(table)
-    n_ok = sum(p["validated"] for p in applied["patterns"])
-    console.print(f"{n_ok} of {len(applied['patterns'])} patterns validated; results in [bold]{Path(out_dir) / 'apply.json'}[/]")
+    n_ok = sum(r.validated for r in shown)
+    console.print(f"{n_ok} of {len(shown)} patterns validated; results in [bold]{Path(out_dir) / 'apply.json'}[/]")
     _report_written(render_reports(out_dir, console, top=top, terminal=False))
 
 

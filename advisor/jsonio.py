@@ -5,7 +5,7 @@ it; bump a file's version when a key changes meaning or goes away, not when one 
     analysis.json  what `analyze` found (advisor.analysis.api); the report reads it
     apply.json     what was generated, patched and kept: written by `generate` (workflows.generate, its
                    `patterns`), `optimize` (workflows.live_model) and `apply` (workflows.user_script)
-    meta.json      how the trace was collected (collect.runner, bench.trace); the analyzer reads it
+    meta.json      how the trace was collected (collect.runner, collect.in_process); the analyzer reads it
 """
 from __future__ import annotations
 

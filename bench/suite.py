@@ -609,7 +609,7 @@ def select_patterns(c: Child, report, model, call, device: str, meaningful: bool
         _mark(adv, set(adv["kept"]))
         return
     # `exact`: the float32 reference the outer capture's check judges low-precision outputs by, as optimize's
-    _, sel = keep_faster(call, report.handle, device, report.patterns, iters=20, exact=exact)
+    _, sel, report.results = keep_faster(call, report.handle, device, report.results, iters=20, exact=exact)
     adv.update(decision=sel["decision"], kept=sel["kept"])
     # what the final comparison timed (every state, the whole stack's included) and why a state was refused
     adv["selection"] = {k: sel.get(k) for k in ("state", "final", "outer", "outer_check")}

@@ -75,7 +75,7 @@ def test_patch_from_an_output_directory(optimized):
 def test_a_kernel_that_changes_outputs_is_unpatched(tmp_path):
     """A (deliberately wrong) launcher: the check finds the mismatch, names the pattern, and unpatches it."""
     from advisor.analysis.api import analyze
-    from advisor.bench.trace import profile_calls
+    from advisor.collect.in_process import profile_calls
 
     model, kw = tiny("llama", layers=1)
     x = inputs("llama")
@@ -211,16 +211,20 @@ def test_kernels_need_triton_imported_in_interpreter_mode(tmp_path):
 
 
 def test_patterns_worth_under_half_a_percent_of_the_best_are_not_patched():
+    from advisor.records import Candidate, Kind
+    from advisor.status import Status
     from advisor.workflows.kernels import worth_patching
 
-    cands = [{"id": f"c{i}", "pattern_id": f"p{i}", "title": t, "est_time_saved_us": us}
-             for i, (t, us) in enumerate([("GELU", 716.0), ("Residual add + LayerNorm", 40.7), ("mask: sub → ne", 0.6),
-                                           ("add → sub", 0.0)], 1)]
+    cands = [Candidate(f"c{i}", kind, pattern_id=f"p{i}", title=t, est_time_saved_us=us)
+             for i, (t, kind, us) in enumerate([("GELU", Kind.POINTWISE, 716.0), ("Residual add + LayerNorm", Kind.NORM, 40.7),
+                                                 ("mask: sub → ne", Kind.POINTWISE, 0.6),
+                                                 ("add → sub", Kind.POINTWISE, 0.0)], 1)]
     keep, rest = worth_patching(cands)
-    assert [c["id"] for c in keep] == ["c1", "c2"]
-    assert [r["candidate"] for r in rest] == ["c3", "c4"] and not any(r["validated"] for r in rest)
-    assert rest[0]["reason"].startswith("not worth patching: estimated saving 0.6 µs")
-    assert worth_patching([{**cands[3]}])[0]  # nothing estimated at all: nothing to compare with, all kept
+    assert [c.id for c in keep] == ["c1", "c2"]
+    assert [r.candidate for r in rest] == ["c3", "c4"] and not any(r.validated for r in rest)
+    assert rest[0].reason.startswith("not worth patching: estimated saving 0.6 µs")
+    assert [r.code for r in rest] == [Status.NOT_WORTH] * 2 and rest[0].verdict.message == rest[0].reason
+    assert worth_patching(cands[3:])[0]  # nothing estimated at all: nothing to compare with, all kept
 
 
 def test_optimize_with_the_kv_cache_on(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ def _cache(tmp_path_factory, monkeypatch):
 def candidates(model, inputs: dict, tmp_path) -> list:
     """The analyzer's candidates for one profiled call of `model(**inputs)`."""
     from advisor.analysis.api import analyze
-    from advisor.bench.trace import profile_calls
+    from advisor.collect.in_process import profile_calls
 
     model.eval()
 
@@ -38,10 +38,10 @@ def find(cands: list, ops: list) -> list:
 
 def generated(c: dict, tmp_path) -> dict:
     """The apply.json record `optimize` writes for a candidate: generated, validated (or why not)."""
+    from advisor.records import Candidate
     from advisor.workflows.generate import _job
 
-    entry = _job(dict(c, id=c.get("id", "c")), tmp_path)
-    return entry
+    return _job(Candidate.from_json(dict(c, id=c.get("id", "c"))), tmp_path).to_json()
 
 
 def assert_validated(c: dict, tmp_path) -> dict:

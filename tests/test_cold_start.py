@@ -102,7 +102,7 @@ def test_bundle_patches_a_fresh_process_without_generating(optimized, tmp_path):
 import json, advisor
 import advisor.validate, advisor.workflows.generate as g, advisor.workflows.live_model as lm
 calls = []
-for mod, name in ((g, "_job"), (g, "generate_candidates"), (advisor.validate, "validate"), (lm, "profile_calls")):
+for mod, name in ((g, "_job"), (g, "generate_results"), (advisor.validate, "validate"), (lm, "profile_calls")):
     f = getattr(mod, name)
     setattr(mod, name, lambda *a, _f=f, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
 model, (x, b) = build()

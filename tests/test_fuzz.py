@@ -292,7 +292,7 @@ def test_fuzz_through_the_profiler_and_analyzer(tmp_path_factory):
     """Batches of random programs run under torch.profiler + the ET observer, analysed; every candidate's
     kernel validates (or is refused with a reason), is patched in, and the patched model matches eager."""
     from advisor.analysis.api import analyze
-    from advisor.bench.trace import profile_calls
+    from advisor.collect.in_process import profile_calls
     from advisor.patching import build_plan, occurrence_modules, patch, unpatch
     from advisor.workflows.kernels import kernel_specs
 
@@ -317,8 +317,8 @@ def test_fuzz_through_the_profiler_and_analyzer(tmp_path_factory):
         cands = analysis.doc["candidates"]
         specs, records = kernel_specs(analysis.doc, len(cands), "kernel", out, DEV)
         for r in records:
-            ok = r["validated"] or any(x in (r["reason"] or "") for x in REFUSALS + INTERPRETER_LIMITS)
-            assert ok, f"{r['title']}: {r['reason']}\n" + "\n".join(p.describe() for p in progs)
+            ok = r.validated or any(x in (r.reason or "") for x in REFUSALS + INTERPRETER_LIMITS)
+            assert ok, f"{r.title}: {r.reason}\n" + "\n".join(p.describe() for p in progs)
         handle = patch(model, build_plan(specs, analysis.doc, occurrence_modules(analysis), "root"))
         call()  # captures
         got = call()

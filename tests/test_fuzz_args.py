@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from advisor.analysis.api import analyze
 from advisor.analysis.fusion import node_domain
-from advisor.bench.trace import profile_calls
+from advisor.collect.in_process import profile_calls
 from advisor.workflows.generate import generate_candidates
 from advisor.ops.args import bind
 from advisor.ops.registry import OpClass

@@ -285,12 +285,13 @@ REFUSED = {"hf_llama": [Structure(kind="epilogue", has=("linear",) + ROTARY.has)
 def sample_results(tmp_path_factory):
     """Per workload, each anchored candidate's generate record with the candidate's kind and ops."""
     from advisor.analysis.api import analyze
-    from advisor.workflows.generate import ANCHORED, generate_candidates
+    from advisor.records import Kind
+    from advisor.workflows.generate import generate_candidates
 
     out = {}
     for w in sorted(set(VALIDATE) | set(REFUSED)):
         doc = analyze(CPU_SAMPLES / w).doc
-        doc = dict(doc, candidates=[c for c in doc["candidates"] if c["kind"] in ANCHORED])
+        doc = dict(doc, candidates=[c for c in doc["candidates"] if Kind(c["kind"]).anchored])
         res = generate_candidates(doc, tmp_path_factory.mktemp(w))
         cands = {c["id"]: c for c in doc["candidates"]}
         out[w] = [dict(p, kind=cands[p["candidate"]]["kind"], ops=cands[p["candidate"]]["ops"])
@@ -337,13 +338,16 @@ def test_sample_trace_programs_in_bf16(workload):
 def test_the_faster_validated_alternative_becomes_run(sample_results, tmp_path):
     """On a GPU attention's kernel and SDPA are timed alone after validation; the faster one is what the
     written module's `run` is, so the patcher needs no other path. (Here: the choice with given times.)"""
+    from advisor.records import PatternResult
     from advisor.workflows.generate import choose_launcher
 
     (att,) = [p for p in sample_results["hf_gpt2_eager"] if p["kind"] == "attention"]
-    entry = dict(att, kernel_file=str(atomic_write(tmp_path / "att.py", att["source"])))
-    slow = choose_launcher(dict(entry), {"kernel": 0.15, "sdpa": 0.2})
-    assert slow["launcher"] == "run" and load_module(Path(slow["kernel_file"]), "att_keep").run.__name__ == "run"
-    fast = choose_launcher(dict(entry), {"kernel": 0.2, "sdpa": 0.15})
-    mod = load_module(Path(fast["kernel_file"]), "att_sdpa")
-    assert fast["launcher"] == "run_sdpa" and mod.run is mod.run_sdpa and mod.run_kernel.__name__ == "run"
-    assert fast["launcher_ms"] == {"kernel": 0.2, "sdpa": 0.15} and "Measured faster" in fast["source"]
+    entry = PatternResult.from_json({k: v for k, v in att.items() if k not in ("kind", "ops")} |
+                                    {"kernel_file": str(atomic_write(tmp_path / "att.py", att["source"]))})
+    slow = choose_launcher(entry, {"kernel": 0.15, "sdpa": 0.2})
+    assert slow.launcher == "run" and load_module(Path(slow.kernel_file), "att_keep").run.__name__ == "run"
+    fast = choose_launcher(entry, {"kernel": 0.2, "sdpa": 0.15})
+    mod = load_module(Path(fast.kernel_file), "att_sdpa")
+    assert fast.launcher == "run_sdpa" and mod.run is mod.run_sdpa and mod.run_kernel.__name__ == "run"
+    assert fast.launcher_ms == {"kernel": 0.2, "sdpa": 0.15} and "Measured faster" in fast.source
+    assert entry.launcher is None and "Measured faster" not in entry.source  # the record given is left as it was

@@ -10,6 +10,7 @@ model must honour. Real HF Llama from a tiny config, real kernels in Triton's in
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -134,10 +135,9 @@ def test_selection_hands_back_the_whole_stack_when_it_is_faster(tmp_path, monkey
     asked = []
 
     def time_patterns(call, handle, device, iters, records):
-        for r in records:
-            if r.get("patched"):
-                r["applied_alone"] = {"saved_us_per_iter": 10.0, "spread_us": 1.0}
-        return {"before_ms": 10.0, "after_ms": 8.0, "captured_only_ms": 9.0, "speedup": 1.25, "noise_ms": 0.01}
+        records = [dataclasses.replace(r, applied_alone={"saved_us_per_iter": 10.0, "spread_us": 1.0}) if r.patched else r
+                   for r in records]
+        return {"before_ms": 10.0, "after_ms": 8.0, "captured_only_ms": 9.0, "speedup": 1.25, "noise_ms": 0.01}, records
 
     def time_configs(call, configs, device, iters=20, rounds=5):
         asked.append(sorted(configs))
@@ -181,11 +181,10 @@ def test_apply_keeps_the_whole_stack_when_it_is_faster(tmp_path, monkeypatch):
     from advisor.patching import load_plan
 
     def time_patterns(call, handle, device, iters, records):
-        for r in records:
-            if r.get("patched"):
-                r["applied_alone"] = {"saved_us_per_iter": 10.0, "spread_us": 1.0}
+        records = [dataclasses.replace(r, applied_alone={"saved_us_per_iter": 10.0, "spread_us": 1.0}) if r.patched else r
+                   for r in records]
         return {"timing_meaningful": True, "before_ms": 10.0, "after_ms": 8.0, "speedup": 1.25, "iters": 20,
-                "method": "fake clock", "noise_ms": 0.01}
+                "method": "fake clock", "noise_ms": 0.01}, records
 
     final = {"before": 10.0, "all": 8.0, "captured": 9.0, "whole": 6.0}
 

@@ -15,7 +15,7 @@ import advisor
 from advisor.analysis.alignment import aligned
 from advisor.analysis.api import analyze
 from advisor.analysis.cost import DeviceModel, GroupCost, padding_pays
-from advisor.bench.trace import profile_calls
+from advisor.collect.in_process import profile_calls
 from advisor.codegen import load_module
 from advisor.codegen.anchored import generate_anchored
 from advisor.codegen.cache import atomic_write

@@ -15,7 +15,7 @@ import torch
 
 import advisor
 from advisor.analysis.api import analyze
-from advisor.bench.trace import profile_calls
+from advisor.collect.in_process import profile_calls
 from advisor.patching import build_plan, occurrence_modules, only, patch, patched_modules, patches_off, \
     spec_from_candidate, unpatch
 from candidates import (RESIDUAL_LAYERNORM, RESIDUAL_RMSNORM, RMSNORM, ROTARY, SWIGLU, TANH_GELU, Structure,
@@ -243,7 +243,7 @@ def test_generated_kernels_patch_and_match(analyses, name, structures, tmp_path)
     chosen = pick(a, structures)
     doc = {**a.doc, "candidates": chosen}
     specs, records = kernel_specs(doc, len(chosen), "kernel", tmp_path, "cpu")
-    assert len(specs) == len(chosen), [(r["title"], r["reason"]) for r in records if not r["validated"]]
+    assert len(specs) == len(chosen), [(r.title, r.reason) for r in records if not r.validated]
     model, kw = tiny(name)
     x = inputs(name)
     ref = run(model, kw, x)

@@ -47,7 +47,7 @@ class _Lgamma(torch.nn.Module):
 
 def test_candidate_with_a_not_generated_op_is_marked(tmp_path):
     from advisor.analysis.api import analyze
-    from advisor.bench.trace import profile_calls
+    from advisor.collect.in_process import profile_calls
     from advisor.codegen import Unsupported, generate
 
     model, x, y = _Lgamma(), torch.randn(64), torch.randn(32)

@@ -246,7 +246,7 @@ def test_meta_that_is_not_json(tmp_path, capsys):
 def fuse(model, make_inputs, out: Path, granularity: str = "occurrence"):
     """profile -> analyze -> generate + validate -> patch, in this process; returns (analysis, specs, records, handle)."""
     from advisor.analysis.api import analyze
-    from advisor.bench.trace import profile_calls
+    from advisor.collect.in_process import profile_calls
     from advisor.patching import build_plan, occurrence_modules, patch
     from advisor.workflows.kernels import kernel_specs
 
@@ -310,10 +310,10 @@ def test_dtypes_through_profile_analyze_generate_patch(dtype, tmp_path):
     a, specs, records, h = fuse(model, lambda: (x, b), tmp_path)
     assert a.doc["candidates"], f"no candidate for {dtype}"
     for r in records:
-        assert r["validated"] or r["reason"], r
+        assert r.validated or r.reason, r
     run(model, x, b)
     assert_matches(run(model, x, b), want)
-    assert any(h.sites(s.key) for s in specs), [(r["title"], r["reason"]) for r in records]
+    assert any(h.sites(s.key) for s in specs), [(r.title, r.reason) for r in records]
     advisor.unpatch(model)
     assert all(torch.equal(g, w) for g, w in zip(run(model, x, b), want))
 
@@ -362,7 +362,7 @@ def test_noncontiguous_and_expanded_inputs(tmp_path):
     xs = _strided()
     want = run(model, *xs)
     _, specs, records, h = fuse(model, lambda: xs, tmp_path)
-    assert specs and all(r["validated"] for r in records), [(r["title"], r["reason"]) for r in records]
+    assert specs and all(r.validated for r in records), [(r.title, r.reason) for r in records]
     run(model, *xs)
     assert_matches(run(model, *xs), want)
     assert all(h.sites(s.key) for s in specs)
@@ -397,7 +397,7 @@ def test_inplace_ops_and_aliasing_views_keep_mutation_semantics(tmp_path):
     model = InPlace().to(DEV)
     twin = copy.deepcopy(model)
     _, specs, records, h = fuse(model, lambda: (x0.clone(), b), tmp_path)
-    assert specs, [(r["title"], r["reason"]) for r in records]
+    assert specs, [(r.title, r.reason) for r in records]
     run(model, x0.clone(), b)
     xa, xb = x0.clone(), x0.clone()
     got, want = run(model, xa, b), run(twin, xb, b)

@@ -200,7 +200,8 @@ def test_html_escapes_everything(analysis, applied):
 
 
 def test_html_tolerates_sparse_input():
-    sparse = {"schema_version": 1, "candidates": [{"id": "c1", "title": "Lonely: a → b", "graph": {
+    # a candidate is read as an `advisor.records.Candidate`: its id and kind are what make it one
+    sparse = {"schema_version": 1, "candidates": [{"id": "c1", "kind": "pointwise", "title": "Lonely: a → b", "graph": {
         "nodes": [{"id": "n0", "op": "aten::a"}, {"id": "n1", "op": "aten::b"}],
         "edges": [{"src": "n0", "dst": "n1"}, {"src": "n1", "dst": "n0"}, {"src": "n1", "dst": "ghost"}]}}]}
     html = render_html(sparse, {"schema_version": 1, "patterns": [{"candidate": "c1"}], "end_to_end": None})
@@ -362,7 +363,8 @@ def _apply_with(applied, **fields):
 
 def test_each_patterns_real_status(analysis, applied):
     """Validated but not found by the patcher is 'not patched', with the patcher's reason, never '✓ valid'."""
-    ap = _apply_with(applied, validated=True, patched=False, status="not found in the captured graphs")
+    ap = _apply_with(applied, validated=True, patched=False, status="not found in the captured graphs",
+                     status_code="not_matched")
     cid = ap["patterns"][0]["candidate"]
     html = render_html(analysis, ap)
     row = re.search(rf'<tr data-c="{cid}">.*?</tr>', html, re.S).group(0)
@@ -371,7 +373,8 @@ def test_each_patterns_real_status(analysis, applied):
     kept_out = _apply_with(applied, validated=True, patched=True, status="not kept: +3 µs per call alone",
                            status_code="not_kept")
     assert "not kept: +3 µs per call alone" in render_html(analysis, kept_out)
-    patched = render_html(analysis, _apply_with(applied, validated=True, patched=True, status="patched"))
+    patched = render_html(analysis, _apply_with(applied, validated=True, patched=True, status="patched",
+                                                status_code="patched"))
     assert "✓ patched" in re.search(rf'<tr data-c="{cid}">.*?</tr>', patched, re.S).group(0)
 
 

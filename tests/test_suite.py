@@ -6,6 +6,7 @@ Triton's interpreter, torch.compile's C++ backend); about 1.5-2 minutes on 2 cor
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -302,11 +303,10 @@ def _fake_timings(monkeypatch, saves: dict, before: float, final: dict, noise: f
     import advisor.workflows.selection as selection
 
     def time_patterns(call, handle, device, iters, records):
-        for r in records:
-            if r.get("patched"):
-                r["applied_alone"] = {"saved_us_per_iter": saves.get(r["candidate"], -5.0), "spread_us": 1.0}
+        records = [dataclasses.replace(r, applied_alone={"saved_us_per_iter": saves.get(r.candidate, -5.0), "spread_us": 1.0})
+                   if r.patched else r for r in records]
         return {"before_ms": before, "after_ms": final.get("all", before), "captured_only_ms": final.get("captured", before),
-                "speedup": before / final.get("all", before), "noise_ms": noise}
+                "speedup": before / final.get("all", before), "noise_ms": noise}, records
 
     class T:  # five interleaved rounds spread `noise`; the unpatched model's drift the other way
         def __init__(self, ms, sign=-1):
@@ -401,20 +401,22 @@ def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkey
 def test_select_keeps_the_captures_alone_when_they_are_what_is_faster(optimized_llama, monkeypatch):
     """Every pattern slower alone, the captured layers faster than eager (their CUDA-graph replay): the
     captures stay with every site on its original ops, and the decision says so."""
-    from advisor.workflows.selection import keep_faster
     from advisor.patching import patch
+    from advisor.status import Status
+    from advisor.workflows.selection import keep_faster
 
     w, call, report = optimized_llama
     handle = patch(w.model, report.handle.plan)
-    records = [dict(p) for p in report.patterns]
+    records = report.results
     _fake_timings(monkeypatch, {}, before=10.0, final={"all": 7.0, "captured": 6.0})
-    handle, sel = keep_faster(call, handle, "cuda", records)
+    handle, sel, after = keep_faster(call, handle, "cuda", records)
     assert sel["state"] == "captured" and sel["kept"] == [] and "CUDA graphs" in sel["decision"]
     assert _enabled(w.model) == frozenset()
+    assert all(r.code == Status.NOT_KEPT for r in after if r.patched) and after is not records
     # on the CPU nothing is selected: every patched pattern is kept, and said so
-    patched = {p["candidate"] for p in records if p.get("patched")}
+    patched = {r.candidate for r in records if r.patched}
     handle = patch(w.model, report.handle.plan)
-    _, sel = keep_faster(call, handle, "cpu", records)
+    _, sel, _ = keep_faster(call, handle, "cpu", records)
     assert patched and set(sel["kept"]) == patched and "not meaningful" in sel["decision"]
 
 
@@ -424,9 +426,9 @@ def test_keep_faster_hands_back_its_timing_when_it_keeps_the_handle(optimized_ll
     from advisor.workflows.selection import keep_faster
 
     w, call, report = optimized_llama
-    records = [dict(p) for p in report.patterns]
-    patched = {p["candidate"] for p in records if p.get("patched")}
+    records = report.results
+    patched = {r.candidate for r in records if r.patched}
     _fake_timings(monkeypatch, {cand: 10.0 for cand in patched}, before=10.0, final={"all": 9.0, "captured": 9.5})
-    handle, sel = keep_faster(call, report.handle, "cuda", records)
+    handle, sel, _ = keep_faster(call, report.handle, "cuda", records)
     assert handle is report.handle and set(sel["kept"]) == patched
     assert sel["timing"]["before_ms"] == 10.0 and sel["timing"]["after_ms"] == 9.0

@@ -11,7 +11,8 @@ import torch
 
 from advisor.codegen import generate, load_module
 from advisor.codegen.cache import atomic_write
-from advisor.workflows.generate import ANCHORED, MATMUL_REASON, generate_candidates
+from advisor.records import Kind
+from advisor.workflows.generate import MATMUL_REASON, generate_candidates
 from advisor.codegen.record import record_program
 from advisor.ops import lowering
 from advisor.validate import TOLERANCES, validate
@@ -132,7 +133,7 @@ def test_sample_trace_candidates(trace, tmp_path):
     doc = analyze(trace).doc
     applied = generate_candidates(doc, tmp_path)
     assert len(applied["patterns"]) == len(doc["candidates"])
-    anchored = {c["id"] for c in doc["candidates"] if c["kind"] in ANCHORED}
+    anchored = {c["id"] for c in doc["candidates"] if Kind(c["kind"]).anchored}
     for p in applied["patterns"]:
         if p["validated"]:
             src = Path(p["kernel_file"]).read_text()

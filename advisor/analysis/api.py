@@ -19,6 +19,7 @@ from advisor.graph.dtypes import torch_dtype_name
 from advisor.graph.nodes import Graph
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, write_json
 from advisor.ops.registry import MEMORY_BOUND, OpClass
+from advisor.records import Kind
 from advisor.trace.load import gc_paused, load_trace
 
 # A candidate is negligible when it saves under 1% of the best one's estimated time; or, its time under 10% of the
@@ -326,11 +327,12 @@ def _uniq(items) -> list:
 
 
 def _kind(graph: Graph, g: Group) -> str:
-    if g.kind != "fusion":
-        return g.kind
+    """analysis.json's `kind`: a value of `advisor.records.Kind` (the vocabulary every later stage reads)."""
+    if g.kind != "fusion":  # the rules that anchor a group on a matmul name it
+        return Kind(g.kind).value
     if group_family(graph, g) in NORMS:
-        return "norm"  # LayerNorm, RMSNorm (however it is spelled in ops), BatchNorm
-    return "reduction" if g.rows else "pointwise"
+        return Kind.NORM.value  # LayerNorm, RMSNorm (however it is spelled in ops), BatchNorm
+    return (Kind.REDUCTION if g.rows else Kind.POINTWISE).value
 
 
 def _totals(graph: Graph) -> dict:

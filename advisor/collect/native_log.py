@@ -52,3 +52,13 @@ def quiet_profile(prof):
     finally:
         with without_profiler_chatter():
             prof.__exit__(None, None, None)
+
+
+def stop_execution_trace(observer) -> None:
+    """Unregister an ExecutionTraceObserver quietly: called in a `finally`, after the run's own error if
+    there was one, so a failure to stop is not allowed to replace it."""
+    try:
+        with without_profiler_chatter():
+            observer.unregister_callback()
+    except Exception:  # pragma: no cover
+        pass

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from advisor.collect.native_log import without_profiler_chatter
+from advisor.collect.native_log import stop_execution_trace
 from advisor.collect.schedule import ProfilerWindow, Schedule
 from advisor.errors import AdvisorError
 from advisor.jsonio import META_SCHEMA_VERSION, write_json
@@ -324,11 +324,7 @@ def profile_script(
                             if outcome.error is None:
                                 outcome.complete, outcome.error = False, f"{type(e).__name__}: {e}"
         finally:
-            try:
-                with without_profiler_chatter():
-                    et.unregister_callback()
-            except Exception:  # pragma: no cover
-                pass
+            stop_execution_trace(et)
 
     timings["profile"] = time.perf_counter() - t_phase
     t_phase = time.perf_counter()

@@ -10,6 +10,7 @@ from collections import defaultdict
 from html import escape
 from typing import Dict, List, Tuple
 
+from advisor.records import Candidate
 from advisor.report.style import class_color, class_label
 from advisor.report.units import ellipsize, fmt_bytes, fmt_shape, fmt_time, op_short, short_dtype, short_kernel
 
@@ -193,9 +194,9 @@ def _blocked(vs, a: _V, b: _V, y: float) -> bool:
     return any(a.col < v.col < b.col and v.y - 4 < y < v.y + v.h + 4 for v in vs.values())
 
 
-def dataflow_svg(c: dict) -> str:
-    graph = c.get("graph") or {}
-    cid = str(c.get("id", "c"))
+def dataflow_svg(c: Candidate) -> str:
+    graph = c.graph or {}
+    cid = c.id
     vs, edges = _layers(graph)
     for vid, role in input_roles(c).items():
         if vid in vs:
@@ -278,11 +279,11 @@ def _arg_names(schema: str) -> List[str]:
     return [n.lstrip("*") for n in names]
 
 
-def input_roles(c: dict) -> Dict[str, str]:
+def input_roles(c: Candidate) -> Dict[str, str]:
     """Inputs the program reads as a named schema argument (weight, bias, running_mean, ...), by input id:
     `in1`…`in4` of a BatchNorm say nothing. The main operand (self, input, other) keeps its id."""
     roles: Dict[str, str] = {}
-    for node in (c.get("program") or {}).get("nodes") or []:
+    for node in (c.program or {}).get("nodes") or []:
         for name, arg in zip(_arg_names(str(node.get("schema") or "")), node.get("args") or []):
             ref = arg.get("ref") if isinstance(arg, dict) else None
             if ref and ref.startswith("in") and ref not in roles and name and name not in GENERIC_ARGS:
@@ -290,8 +291,8 @@ def input_roles(c: dict) -> Dict[str, str]:
     return roles
 
 
-def classes_in(c: dict) -> List[str]:
-    nodes = (c.get("graph") or {}).get("nodes") or []
+def classes_in(c: Candidate) -> List[str]:
+    nodes = (c.graph or {}).get("nodes") or []
     return sorted({str(n.get("class") or "other") for n in nodes if isinstance(n, dict)})
 
 
@@ -301,9 +302,9 @@ def _does_work(n: dict) -> bool:
     return bool(n.get("kernel")) or (n.get("time_us") or 0) > 0
 
 
-def node_count(c: dict) -> Tuple[int, int]:
+def node_count(c: Candidate) -> Tuple[int, int]:
     """(ops that do work, all ops) of one occurrence."""
-    nodes = [n for n in (c.get("graph") or {}).get("nodes") or [] if isinstance(n, dict)]
+    nodes = [n for n in (c.graph or {}).get("nodes") or [] if isinstance(n, dict)]
     return sum(1 for n in nodes if _does_work(n)), len(nodes)
 
 

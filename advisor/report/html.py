@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from advisor.records import Candidate, PatternResult
 from advisor.version import __version__
 from advisor.report import model as M
 from advisor.report.assets import CSS, JS
@@ -77,26 +78,26 @@ def _table(a: dict, apply: Optional[dict], colors: Dict[str, str]) -> str:
                  for i, (h, t) in enumerate(heads))
     rows = []
     for c in M.listed(a):
-        cid = str(c.get("id"))
+        cid = c.id
         head, chain = M.title_parts(c)
-        tags = f'<span class="badge">{e(c.get("kind", "?"))}</span>'
-        if c.get("confidence") == "low":
+        tags = f'<span class="badge">{e(c.kind.value)}</span>'
+        if c.confidence == "low":
             tags += ' <span class="badge low">low confidence</span>'
-        mods = "<br>".join(_breakable(m) for m in modules_summary(c.get("modules") or [], max_groups=3, limit=60))
+        mods = "<br>".join(_breakable(m) for m in modules_summary(list(c.modules), max_groups=3, limit=60))
         share = M.share(c, a)
 
         def num(v, text):  # data-v carries the raw number so sorting never parses "1.2 ms"
             raw = M.num(v)
             return f'<td class="num" data-v="{"" if raw is None else raw!r}">{e(text)}</td>'
 
-        cells = [num(c.get("rank"), cid),  # sorted by rank, named by the id (stable between analyze and apply)
+        cells = [num(c.rank, cid),  # sorted by rank, named by the id (stable between analyze and apply)
                  f'<td class="pat" data-v="{e(head)}"><span class="chip" style="background:{colors.get(cid, "#888")}"></span> '
                  f'<a href="#cand-{e(cid)}"><b>{e(head)}</b></a> {tags}<div class="chain">{e(chain)}</div></td>',
                  f'<td class="mods">{mods}</td>',
-                 num(c.get("occurrences"), fmt_count(c.get("occurrences"))),
-                 num(c.get("kernels_saved"), fmt_count(c.get("kernels_saved"))),
-                 num(c.get("bytes_saved"), fmt_bytes(c.get("bytes_saved"))),
-                 f'<td class="num" data-v="{M.num(c.get("est_time_saved_us"), "")}"><b>{e(fmt_time(c.get("est_time_saved_us")))}</b>'
+                 num(c.occurrences, fmt_count(c.occurrences)),
+                 num(c.kernels_saved, fmt_count(c.kernels_saved)),
+                 num(c.bytes_saved, fmt_bytes(c.bytes_saved)),
+                 f'<td class="num" data-v="{M.num(c.est_time_saved_us, "")}"><b>{e(fmt_time(c.est_time_saved_us))}</b>'
                  + ("" if gpu_est else f'<div class="caption">{e(fmt_pct(share))}</div>') + '</td>']
         if pats:
             p = pats.get(cid)
@@ -127,12 +128,12 @@ def _table(a: dict, apply: Optional[dict], colors: Dict[str, str]) -> str:
             f'</table></div>{foot}{note}</section>')
 
 
-def _bytes_bars(c: dict) -> str:
-    bu, bf = M.num(c.get("bytes_unfused")), M.num(c.get("bytes_fused"))
+def _bytes_bars(c: Candidate) -> str:
+    bu, bf = M.num(c.bytes_unfused), M.num(c.bytes_fused)
     if not bu:
         return ""
     bf = bf or 0.0
-    saved = M.num(c.get("bytes_saved"), bu - bf)
+    saved = M.num(c.bytes_saved, bu - bf)
     return (f'<div class="bytes"><b>Memory traffic per iteration</b>'
             f'<div class="row"><span>unfused</span><div class="bar" style="width:100%"></div><span>{e(fmt_bytes(bu))}</span></div>'
             f'<div class="row"><span>fused</span><div class="bar fused" style="width:{max(0.5, 100 * bf / bu):.1f}%"></div>'
@@ -145,23 +146,23 @@ def _kv(caption: str, rows) -> str:
     return f'<table class="kv"><caption>{e(caption)}</caption><tbody>{body}</tbody></table>'
 
 
-def _validation(c: dict, p: Optional[dict]) -> str:
+def _validation(c: Candidate, p: Optional[PatternResult]) -> str:
     if not p:
         return ""
     st = M.status(p)
     parts = [f'<div class="val-box {st}"><b>Generated kernel:</b> <span class="badge {st}">{STATUS_LABEL[st]}</span>']
-    why = M.status_reason(p) or (p.get("reason") or "")
+    why = M.status_reason(p) or (p.reason or "")
     if why:
         parts.append(f'<div>{e(why)}</div>')
     tables = []
-    errs = p.get("errors") or {}
+    errs = p.errors or {}
     if isinstance(errs, dict) and errs:
         tables.append(_kv("Numerical check", [(k.replace("_", " "), _plain(v), "mono") for k, v in errs.items()
                                               if v is not None and v != ""]))
-    m = p.get("measured") or {}
+    m = p.measured or {}
     if isinstance(m, dict) and m:
-        occ = M.num(c.get("occurrences"), 1) or 1
-        est_call = M.num(c.get("est_time_saved_us"), 0.0) / occ
+        occ = M.num(c.occurrences, 1) or 1
+        est_call = M.num(c.est_time_saved_us, 0.0) / occ
         meas = M.num(m.get("saved_us"))
         vs_est = f" ({meas / est_call:.0%} of the estimate)" if meas is not None and est_call else ""
         tables.append(_kv("Timing", [
@@ -172,11 +173,11 @@ def _validation(c: dict, p: Optional[dict]) -> str:
     if tables:
         parts.append(f'<div class="val-grid">{"".join(tables)}</div>')
     parts.append("</div>")
-    src = p.get("source") or ""
+    src = p.source or ""
     if src:
         n = src.count("\n") + (0 if src.endswith("\n") else 1)
         gutter = "\n".join(str(i) for i in range(1, n + 1))
-        parts.append(f'<details open><summary>Generated Triton kernel — {e(p.get("kernel_file") or "source")} ({n} lines)'
+        parts.append(f'<details open><summary>Generated Triton kernel — {e(p.kernel_file or "source")} ({n} lines)'
                      f'</summary><div class="code"><pre class="gutter">{gutter}</pre>'
                      f'<pre><code>{highlight_python(src.rstrip(chr(10)))}</code></pre></div></details>')
     return "".join(parts)
@@ -206,33 +207,33 @@ def _next_steps(a: dict, apply: Optional[dict], out) -> str:
     return f'<section class="card next" id="next-step"><h2>Next step</h2><ol>{items}</ol></section>'
 
 
-def _candidate(a: dict, c: dict, p: Optional[dict], color: str) -> str:
-    cid = str(c.get("id"))
+def _candidate(a: dict, c: Candidate, p: Optional[PatternResult], color: str) -> str:
+    cid = c.id
     head, chain = M.title_parts(c)
-    badges = [f'<span class="badge">{e(c.get("kind", "?"))}</span>']
-    if c.get("confidence") == "low":
+    badges = [f'<span class="badge">{e(c.kind.value)}</span>']
+    if c.confidence == "low":
         badges.append('<span class="badge low">low confidence</span>')
     if p:
         st = M.status(p)
         badges.append(f'<span class="badge {st}">{STATUS_LABEL[st]}</span>')
     with_k, n_ops = node_count(c)
-    occ = M.num(c.get("occurrences"), 1) or 1
-    facts = [("Occurrences", f"{fmt_count(c.get('occurrences'))} per iteration"),
+    occ = M.num(c.occurrences, 1) or 1
+    facts = [("Occurrences", f"{fmt_count(c.occurrences)} per iteration"),
              (f"{M.work_noun(a).capitalize()} per occurrence", f"{with_k} → 1" if with_k else "–"),
-             ("Launches saved", f"{fmt_count(c.get('kernels_saved'))} per iteration"),
+             ("Launches saved", f"{fmt_count(c.kernels_saved)} per iteration"),
              ("Est. saved" + (" on a GPU (bytes model)" if M.gpu_estimate(a) else ""),
-              f"{fmt_time(c.get('est_time_saved_us'))} per iteration"
+              f"{fmt_time(c.est_time_saved_us)} per iteration"
               + ("" if M.gpu_estimate(a) else f" ({fmt_pct(M.share(c, a))})") + ", "
-                            f"{fmt_time(M.num(c.get('est_time_saved_us'), 0) / occ)} per occurrence"),
-             ("Unfused kernels take", f"{fmt_time(c.get('measured_time_us'))} per iteration")]
+                            f"{fmt_time(M.num(c.est_time_saved_us, 0) / occ)} per occurrence"),
+             ("Unfused kernels take", f"{fmt_time(c.measured_time_us)} per iteration")]
     dl = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in facts)
-    groups = module_groups(c.get("modules") or [])
+    groups = module_groups(list(c.modules))
     mods = "".join(f"<li>{e(g)}</li>" for g in groups)
-    n_mods = len(c.get("modules") or [])
+    n_mods = len(c.modules)
     legend = "".join(f'<span class="key"><i style="background:{class_color(k)}"></i>{e(class_label(k))}</span>'
                      for k in classes_in(c))
     return (f'<article class="card candidate" id="cand-{e(cid)}" data-c="{e(cid)}"><header>'
-            f'<span class="rank" style="background:{color}">{e(c.get("id", "?"))}</span><h3>{e(head)}</h3>'
+            f'<span class="rank" style="background:{color}">{e(c.id)}</span><h3>{e(head)}</h3>'
             f'{"".join(badges)}</header><div class="chain">{e(chain)}</div>'
             f'<div class="cols"><dl class="facts">{dl}</dl>{_bytes_bars(c)}</div>'
             f'<div class="dataflow">{dataflow_svg(c)}</div>'
@@ -240,7 +241,7 @@ def _candidate(a: dict, c: dict, p: Optional[dict], color: str) -> str:
             f'tensors in memory (inputs read, outputs written); fused, every edge between ops stays on chip.</div>'
             f'<details><summary>Modules ({n_mods} path{"s" if n_mods != 1 else ""})</summary>'
             f'<ul class="modules">{mods}</ul></details>'
-            f'<details><summary>Canonical pattern</summary><code>{e(c.get("pattern", ""))}</code></details>'
+            f'<details><summary>Canonical pattern</summary><code>{e(c.pattern)}</code></details>'
             f'{_validation(c, p)}</article>')
 
 
@@ -275,8 +276,8 @@ def render_html(analysis: dict, apply: Optional[dict] = None, out=None) -> str:
     """`out`: the directory the report is written to, for the commands of the next-step box."""
     a = analysis
     cands = M.candidates(a)
-    colors = {str(c.get("id")): candidate_color(i) for i, c in enumerate(cands)}
-    titles = {str(c.get("id")): f"{c.get('id', '?')} {M.title_parts(c)[0]}" for c in cands}
+    colors = {c.id: candidate_color(i) for i, c in enumerate(cands)}
+    titles = {c.id: f"{c.id} {M.title_parts(c)[0]}" for c in cands}
     pats = M.patterns_by_candidate(apply)
     dev, src = a.get("device") or {}, a.get("source") or {}
     warn = ""
@@ -295,7 +296,7 @@ def render_html(analysis: dict, apply: Optional[dict] = None, out=None) -> str:
     ]
     if isinstance(apply, dict):
         sections.append(_after_apply(apply))
-    sections += [_candidate(a, c, pats.get(str(c.get("id"))), colors[str(c.get("id"))]) for c in M.listed(a)]
+    sections += [_candidate(a, c, pats.get(c.id), colors[c.id]) for c in M.listed(a)]
     body = "".join(sections)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'

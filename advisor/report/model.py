@@ -1,11 +1,15 @@
 """Read-side helpers over analysis.json / apply.json, shared by the terminal and HTML views.
 
-The JSON comes from stages that are still evolving, so everything here tolerates missing keys
-and renders what is present instead of failing on what is not.
+Candidates and pattern results are read as `advisor.records` (`Candidate`, `PatternResult`): a kind or
+status outside the vocabulary is refused there. Everything else tolerates missing keys and renders what
+is present instead of failing on what is not.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional
+
+from advisor.records import Candidate, Kind, PatternResult
+from advisor.status import Status
 
 
 def num(x, default=None):
@@ -21,22 +25,22 @@ def work_noun(analysis: dict) -> str:
     return "ops" if (analysis.get("totals") or {}).get("time_kind") == "cpu" else "kernels"
 
 
-def candidates(analysis: dict) -> List[dict]:
-    cs = [c for c in analysis.get("candidates") or [] if isinstance(c, dict)]
-    return sorted(cs, key=lambda c: (num(c.get("rank"), 1e9), str(c.get("id", ""))))
+def candidates(analysis: dict) -> List[Candidate]:
+    cs = [Candidate.from_json(c) for c in analysis.get("candidates") or [] if isinstance(c, dict)]
+    return sorted(cs, key=lambda c: (num(c.rank, 1e9), c.id))
 
 
-def listed(analysis: dict) -> List[dict]:
+def listed(analysis: dict) -> List[Candidate]:
     """The candidates the reports list: all but the negligible ones (in analysis.json, ranked last)."""
-    return [c for c in candidates(analysis) if not c.get("negligible")]
+    return [c for c in candidates(analysis) if not c.negligible]
 
 
-def negligible(analysis: dict) -> List[dict]:
-    return [c for c in candidates(analysis) if c.get("negligible")]
+def negligible(analysis: dict) -> List[Candidate]:
+    return [c for c in candidates(analysis) if c.negligible]
 
 
-def negligible_words(small: List[dict]) -> str:
-    ids = ", ".join(str(c.get("id")) for c in small[:6]) + (", …" if len(small) > 6 else "")
+def negligible_words(small: List[Candidate]) -> str:
+    ids = ", ".join(c.id for c in small[:6]) + (", …" if len(small) > 6 else "")
     return (f"{ids}, negligible: each saves under 1% of the best candidate's estimated time, or little more than "
             "launches (under 1 KiB per occurrence, or under 0.1% of the most bytes any saves) with under 10% of that "
             "time (in analysis.json, ranked last).")
@@ -59,52 +63,52 @@ def iteration_spread(analysis: dict) -> Optional[dict]:
     return spread
 
 
-def share(c: dict, analysis: dict) -> Optional[float]:
+def share(c: Candidate, analysis: dict) -> Optional[float]:
     if gpu_estimate(analysis):
         return None
-    s = num(c.get("share_of_iteration"))
+    s = num(c.share_of_iteration)
     if s is None:
-        t, est = total_time_us(analysis), num(c.get("est_time_saved_us"))
+        t, est = total_time_us(analysis), num(c.est_time_saved_us)
         s = est / t if t and est is not None else None
     return s
 
 
-def title_parts(c: dict):
+def title_parts(c: Candidate):
     """`"RMSNorm: to_fp32 → pow"` -> (`"RMSNorm"`, `"to_fp32 → pow"`); the name reads first, the chain after."""
-    title = str(c.get("title") or c.get("pattern") or c.get("id") or "?")
+    title = str(c.title or c.pattern or c.id or "?")
     head, sep, chain = title.partition(": ")
     return (head, chain) if sep else (title, "")
 
 
-def patterns_by_candidate(apply: Optional[dict]) -> Dict[str, dict]:
+def patterns_by_candidate(apply: Optional[dict]) -> Dict[str, PatternResult]:
     if not isinstance(apply, dict):
         return {}
-    return {str(p.get("candidate")): p for p in apply.get("patterns") or [] if isinstance(p, dict)}
+    return {str(p.get("candidate")): PatternResult.from_json(p) for p in apply.get("patterns") or [] if isinstance(p, dict)}
 
 
-def status(p: Optional[dict]) -> str:
+def status(p: Optional[PatternResult]) -> str:
     """One of: patched, unpatched (validated, but apply/optimize did not patch it in or dropped it), valid
     (validated; the patcher has not run), failed, skipped (no kernel produced), absent (not attempted)."""
     if not p:
         return "absent"
-    if p.get("validated"):
-        if p.get("status_code"):  # advisor.status.Status, written by apply/optimize: the word to trust
-            return "patched" if p["status_code"] == "patched" else "unpatched"
-        if "patched" not in p:  # `generate` validates, only apply/optimize patch
+    if p.validated:
+        if p.verdict:  # written by apply/optimize: the code to trust
+            return "patched" if p.code == Status.PATCHED else "unpatched"
+        if p.patched is None:  # `generate` validates, only apply/optimize patch
             return "valid"
-        return "patched" if p.get("patched") and p.get("kept", True) else "unpatched"
-    return "failed" if (p.get("source") or p.get("measured")) else "skipped"
+        return "patched" if p.in_use else "unpatched"
+    return "failed" if (p.source or p.measured) else "skipped"
 
 
-def status_reason(p: Optional[dict]) -> str:
+def status_reason(p: Optional[PatternResult]) -> str:
     """Why a pattern is not in use, in the patcher's or the generator's words ("" when it is, or unknown)."""
     st = status(p)
     if st == "unpatched":
-        why = str(p.get("status") or "")
-        if p.get("patched") and not p.get("kept", True):
+        why = p.verdict.message if p.verdict else ""
+        if p.patched and p.kept is False:
             why = why if why and why != "patched" else "patched, then dropped: it did not make the model faster"
         return why or "not patched"
-    return str(p.get("reason") or "") if st in ("failed", "skipped") else ""
+    return str(p.reason or "") if st in ("failed", "skipped") else ""
 
 
 def speed_words(sp: float) -> str:
@@ -120,14 +124,14 @@ def speedup(apply: Optional[dict]) -> Optional[float]:
     return num(e2e.get("speedup"))
 
 
-def measured_saved_per_iter(p: Optional[dict], c: dict) -> Optional[float]:
+def measured_saved_per_iter(p: Optional[PatternResult], c: Candidate) -> Optional[float]:
     """apply's timings are per call of the fused kernel; scale by occurrences to compare with the estimate."""
-    m = (p or {}).get("measured") or {}
+    m = (p.measured if p else None) or {}
     saved = num(m.get("saved_us"))
     if saved is None:
         f, u = num(m.get("fused_us")), num(m.get("unfused_us"))
         saved = u - f if f is not None and u is not None else None
-    occ = num(c.get("occurrences"), 1) or 1
+    occ = num(c.occurrences, 1) or 1
     return None if saved is None else saved * occ
 
 
@@ -142,13 +146,13 @@ def potential_saving(analysis: dict) -> float:
     extra: Dict[str, float] = {}
     out = 0.0
     for c in cs:
-        est = num(c.get("est_time_saved_us"), 0.0)
-        base = c.get("extends")
-        if base and c.get("kind") == "epilogue":
+        est = num(c.est_time_saved_us, 0.0)
+        base = c.extends
+        if base and c.kind == Kind.EPILOGUE:
             extra[base] = max(extra.get(base, 0.0), est)
         elif base:  # attention over its softmax group: one or the other
-            extra[base] = max(extra.get(base, 0.0), est - next((num(b.get("est_time_saved_us"), 0.0) for b in cs
-                                                               if b.get("id") == base), 0.0))
+            extra[base] = max(extra.get(base, 0.0), est - next((num(b.est_time_saved_us, 0.0) for b in cs
+                                                               if b.id == base), 0.0))
         else:
             out += est
     return out + sum(max(v, 0.0) for v in extra.values())

@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 from typing import List, NamedTuple, Optional
 
+from advisor.records import Candidate, Kind
 from advisor.report import model as M
 
 
@@ -22,16 +23,16 @@ class Step(NamedTuple):
 OPTIMIZER_OPS = {"addcdiv", "addcmul", "lerp", "_foreach_addcdiv", "_foreach_lerp", "_foreach_mul", "_fused_adamw"}
 
 
-def _op_names(c: dict) -> set:
-    return {str(o).split("::")[-1].rstrip("_") for o in c.get("ops") or []}
+def _op_names(c: Candidate) -> set:
+    return {str(o).split("::")[-1].rstrip("_") for o in c.ops}
 
 
-def _existing_fixes(cands: List[dict]) -> List[Step]:
+def _existing_fixes(cands: List[Candidate]) -> List[Step]:
     steps = []
     if any(_op_names(c) & OPTIMIZER_OPS for c in cands):
         steps.append(Step("The optimizer's update runs op by op: PyTorch's fused optimizer does it in one kernel.",
                           "torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # also Adam, SGD"))
-    if any(c.get("kind") == "attention" for c in cands):
+    if any(c.kind == Kind.ATTENTION for c in cands):
         steps.append(Step("Attention materialises its score matrix: scaled_dot_product_attention never does.",
                           "torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)"))
     return steps

@@ -10,6 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from advisor.records import Candidate
 from advisor.report import model as M
 from advisor.report.next_step import next_steps
 from advisor.report.style import class_color, class_label, ordered_classes
@@ -105,15 +106,14 @@ def saving_words(analysis: dict) -> str:
     return f"up to {fmt_time(pot)}" + (f" ({fmt_pct(pot / t)})" if t else "") + f" per iteration {over}"
 
 
-def _pattern_cell(c: dict) -> Text:
+def _pattern_cell(c: Candidate) -> Text:
     head, chain = M.title_parts(c)
     t = Text(head, style="bold")
     if chain:
         t.append("\n" + chain, style="dim")
-    if c.get("kind"):
-        t.append(f"\n{c['kind']}", style="dim italic")
-    if c.get("confidence") == "low":
-        t.append((" · " if c.get("kind") else "\n") + "low confidence", style="yellow")
+    t.append(f"\n{c.kind.value}", style="dim italic")
+    if c.confidence == "low":
+        t.append(" · low confidence", style="yellow")
     return t
 
 
@@ -151,17 +151,17 @@ def _candidates_table(analysis: dict, apply: Optional[dict], top: int, width: in
     if has_apply:
         t.add_column("Measured\nsaved", justify="right", no_wrap=True)
     for c in M.listed(analysis)[:top]:
-        mods = "\n".join(_wrap_dotted(m, mod_w) for m in modules_summary(c.get("modules") or [], limit=64))
+        mods = "\n".join(_wrap_dotted(m, mod_w) for m in modules_summary(list(c.modules), limit=64))
         pattern = _pattern_cell(c)
         if narrow and mods:
             pattern.append("\n" + mods, style="cyan")
-        est = Text(fmt_time(c.get("est_time_saved_us")), style="bold")
+        est = Text(fmt_time(c.est_time_saved_us), style="bold")
         if not gpu_est:
             est.append(f"\n{fmt_pct(M.share(c, analysis))}", style="dim")
-        row = [str(c.get("id", "")), pattern] + ([] if narrow else [mods])
-        row += [fmt_count(c.get("occurrences")), fmt_count(c.get("kernels_saved")), fmt_bytes(c.get("bytes_saved")), est]
+        row = [c.id, pattern] + ([] if narrow else [mods])
+        row += [fmt_count(c.occurrences), fmt_count(c.kernels_saved), fmt_bytes(c.bytes_saved), est]
         if has_apply:
-            p = pats.get(str(c.get("id")))
+            p = pats.get(c.id)
             meas = M.measured_saved_per_iter(p, c)
             label, style = STATUS_TEXT[M.status(p)]
             cell = Text(fmt_time(meas) if meas is not None else "–", style="red" if meas is not None and meas < 0 else "")
@@ -178,15 +178,15 @@ def _footnotes(analysis: dict, apply: Optional[dict], top: int) -> list:
     if pats:
         out.append(Text("Measured saved = the fused kernel's saving per call × occurrences.", style="dim"))
         for c in M.listed(analysis)[:top]:
-            p = pats.get(str(c.get("id")))
+            p = pats.get(c.id)
             why = M.status_reason(p)
             if why:
-                out.append(Text.assemble((f"  {c.get('id')} ", "bold"), (f"{STATUS_TEXT[M.status(p)][0]}: ", "yellow"), why))
+                out.append(Text.assemble((f"  {c.id} ", "bold"), (f"{STATUS_TEXT[M.status(p)][0]}: ", "yellow"), why))
     small = M.negligible(analysis)
     if small:
         out.append(Text.assemble((f"{len(small)} more candidate{'s' if len(small) != 1 else ''} not listed: ", "bold"),
                                  (M.negligible_words(small), "dim")))
-    if M.candidates(analysis) and any(c.get("extends") for c in M.listed(analysis)[:top]):
+    if M.candidates(analysis) and any(c.extends for c in M.listed(analysis)[:top]):
         out.append(Text("An epilogue's estimate is on top of the group it extends: the two are alternatives "
                         "(fusing the epilogue fuses its group too), counted once in what fusion could save.", style="dim"))
     unknown = [u for u in analysis.get("unknown_ops") or [] if isinstance(u, dict)]

@@ -24,13 +24,14 @@ import torch
 
 from advisor.analysis.api import analyze
 from advisor.bench.timing import Stopwatch
-from advisor.bench.trace import profile_calls
+from advisor.collect.in_process import profile_calls
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, unpatch
 from advisor.patching.capture import launched_sites
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.verify import check, float32_reference
+from advisor.records import PatternResult
 from advisor.workflows import plan_cache
 from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
@@ -41,7 +42,7 @@ from advisor.workflows.workers import start_soon
 @dataclass
 class OptimizeReport:
     out_dir: Path
-    patterns: list  # apply.json `patterns` records, with patch status
+    results: list[PatternResult]  # what became of each candidate tried (apply.json's `patterns`)
     manifest: list
     check: dict
     end_to_end: dict | None = None
@@ -50,15 +51,22 @@ class OptimizeReport:
     selection: dict | None = None  # what selection handed back, and why (apply.json `selection`)
 
     @property
-    def applied(self) -> list:
-        return [p for p in self.patterns if p.get("patched") and p.get("kept", True)]
+    def patterns(self) -> list[dict]:
+        """apply.json's `patterns` records (the results as JSON)."""
+        return [r.to_json() for r in self.results]
+
+    @property
+    def applied(self) -> list[dict]:
+        """The records of the patterns in use: patched, and not dropped by selection."""
+        return [r.to_json() for r in self.results if r.in_use]
 
     def __str__(self) -> str:
-        lines = [f"fusion-advisor: {len(self.applied)} of {len(self.patterns)} patterns patched "
+        lines = [f"fusion-advisor: {len(self.applied)} of {len(self.results)} patterns patched "
                  f"(plan in {self.out_dir})"]
-        for p in self.patterns:
-            state = f"patched, {p['sites']} site(s)" if p in self.applied else p.get("status") or "not patched"
-            lines.append(f"  {p['candidate']:>4} {p['title']}: {state}")
+        for r in self.results:
+            state = f"patched, {r.sites} site(s)" if r.in_use else \
+                (r.verdict.message if r.verdict else "") or "not patched"
+            lines.append(f"  {r.candidate:>4} {r.title}: {state}")
         for module, why in (self.handle.fallbacks() if self.handle is not None else {}).items():
             lines.append(f"  {module} ran its original forward: " + ", ".join(f"{w} ({n}x)" for w, n in why.items()))
         if self.selection and self.selection.get("decision"):
@@ -103,7 +111,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         reused = bool(key) and plan_cache.fetch(key, out_dir)
     if reused:  # the same model and inputs were optimised before: its plan, re-checked below
         doc = json.loads((out_dir / "analysis.json").read_text())
-        records = json.loads((out_dir / "apply.json").read_text())["patterns"]
+        records = [PatternResult.from_json(p) for p in json.loads((out_dir / "apply.json").read_text())["patterns"]]
         with phases("patch"):
             plan = load_plan(out_dir)
             specs = plan.patterns
@@ -126,7 +134,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         unpatch(model)
         records = interpreter_only(records, specs)
         out = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device,
-               "patterns": records, "manifest": [], "check": None, "end_to_end": None,
+               "patterns": [r.to_json() for r in records], "manifest": [], "check": None, "end_to_end": None,
                "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
            "plan_key_parts": key_parts,
                "selection": {"decision": "nothing patched: no GPU (interpret=True patches anyway, for checks)",
@@ -147,8 +155,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     selection = timed = None
     if select is not False and not reused:  # a reused plan was selected when it was stored
         with phases("select"):
-            selected, selection = keep_faster(call, handle, device, records, iters,
-                                              float32_reference(model, args, kwargs))
+            selected, selection, records = keep_faster(call, handle, device, records, iters,
+                                                       float32_reference(model, args, kwargs))
             if selection.get("outer"):  # handed back whole: its inference-mode graph too, not in the user's loop
                 call_in_inference_mode()
         if selection.get("outer_sites") is not None and selection.get("state"):
@@ -158,13 +166,18 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         timed = selection.pop("timing", None)
         if selected is not handle or selection.get("state") not in (None, "all"):
             timed, handle = None, selected  # what runs now is not the all-patched state timed first
-    e2e = (timed or time_patterns(call, handle, device, iters, records)) if benchmark else None
+    e2e = None
+    if benchmark:
+        e2e = timed
+        if not e2e:
+            e2e, records = time_patterns(call, handle, device, iters, records)
     if selection is not None or e2e is not None:
         clear_recordings()  # graphs recorded for the states timed above (each pattern alone, ...)
     handle.train_fused(train)  # (selection may have handed back a new handle)
     handle.settle()
     out = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device,
-           "patterns": records, "manifest": handle.manifest(), "check": chk.as_dict(), "end_to_end": e2e,
+           "patterns": [r.to_json() for r in records], "manifest": handle.manifest(), "check": chk.as_dict(),
+           "end_to_end": e2e,
            "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
            "plan_key_parts": key_parts, "selection": selection,
            "enabled": sorted(handle.enabled) if handle.enabled is not None else None,
@@ -182,8 +195,8 @@ def _final_status(records, specs, handle, dropped, doc, launched, selection) -> 
     records = pattern_status(records, specs, handle, dropped, doc, launched, selected=True)
     key_of = {s.candidate: s.key for s in handle.plan.patterns}
     enabled = handle.enabled if handle.enabled is not None else frozenset(key_of.values())
-    mark_kept(records, key_of, enabled, True)
-    selection["kept"] = [r["candidate"] for r in records if r.get("kept")]
+    records = mark_kept(records, key_of, enabled, True)
+    selection["kept"] = [r.candidate for r in records if r.kept]
     return records
 
 

@@ -1,19 +1,22 @@
-"""What became of each pattern a workflow tried: apply.json's `patterns` records with whether the
-pattern is patched, at how many sites, and if not why (a `Status` code and a sentence).
+"""What became of each pattern a workflow tried: each `PatternResult` with whether the pattern is
+patched, at how many sites, and if not why (its `Verdict`: a `Status` code and a sentence).
 
 Shared by both workflows: `optimize` reads a `Patched` handle, `apply` the handles of every model its
 script built (`user_script.Handles`); both answer `sites`, `site_objects`, `rejected` and `plan`.
 """
 from __future__ import annotations
 
+import dataclasses
+
+from advisor.records import PatternResult, candidates_of
 from advisor.status import Status
 
 
-def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict | None = None,
-                   launched: dict | None = None, selected: bool = False) -> list:
-    """Each apply.json pattern record plus whether it is patched, where, and if not why (`status_code`
-    and `status`). `launched`: {pattern key: sites whose launcher ran on the example inputs}; without
-    it, sites substituted in the captured graphs count. `selected`: selection has timed the states
+def pattern_status(records: list[PatternResult], specs: list, handle, dropped: dict, doc: dict | None = None,
+                   launched: dict | None = None, selected: bool = False) -> list[PatternResult]:
+    """Each result again, with whether it is patched, where, and if not why (its verdict). `doc`: the
+    analysis.json document (which candidate extends which). `launched`: {pattern key: sites whose
+    launcher ran on the example inputs}; without it, sites substituted in the captured graphs count. `selected`: selection has timed the states
     (an outer capture left off was then measured slower, not merely untried)."""
     by_cand = {s.candidate: s for s in specs}
     plan = getattr(handle, "plan", None)
@@ -28,17 +31,16 @@ def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict 
     outer_refused = next((f.refused for _, f in outer if f.refused), None)
     out = []
     for r in records:
-        r = dict(r)
-        s = by_cand.get(r["candidate"])
+        s = by_cand.get(r.candidate)
         substituted = handle.sites(s.key) if s is not None and handle is not None else 0
         sites = substituted if launched is None or s is None else launched.get(s.key, 0)
         broken = [x.broken for x in handle.site_objects(s.key) if x.broken] if s is not None and handle else []
-        r["sites"] = sites
-        r["patched"] = bool(s is not None and sites and s.key not in dropped and not broken)
+        r = dataclasses.replace(r, sites=sites,
+                                patched=bool(s is not None and sites and s.key not in dropped and not broken))
         code, why = Status.PATCHED, "patched"
         if s is None:  # (a reused plan's record keeps the status its first run found)
-            code = Status(r.get("status_code") or Status.NOT_GENERATED)
-            why = r.get("reason") or r.get("status") or "no kernel"
+            code = r.code or Status.NOT_GENERATED
+            why = r.reason or (r.verdict.message if r.verdict else "") or "no kernel"
         elif s.key in dropped:
             code, why = Status.MISMATCH, f"unpatched: {dropped[s.key]}"
         elif broken:
@@ -69,31 +71,29 @@ def pattern_status(records: list, specs: list, handle, dropped: dict, doc: dict 
         elif not sites:
             code, why = Status.NOT_LAUNCHED, (f"not patched: substituted in {substituted} captured graph(s), but the example "
                                        "inputs never ran it (another model's capture, or a guard on shapes/dtypes)")
-        r["status_code"], r["status"] = code, why
-        out.append(r)
+        out.append(r.with_verdict(code, why))
     # Overlapping patterns: the first in plan order takes the ops (an epilogue extends a pointwise group).
-    extends = {c["id"]: c.get("extends") for c in (doc or {}).get("candidates", [])}
-    patched = {r["candidate"]: r for r in out if r["patched"]}
-    for r in out:
-        base = patched.get(extends.get(r["candidate"]) or "")
-        if not r["patched"] and r["status_code"] == Status.NOT_MATCHED and base is not None:
-            r["status_code"] = Status.OVERLAP
-            r["status"] = f"not patched: {base['candidate']} ({base['title'].split(':')[0]}) took its ops first"
+    extends = {c.id: c.extends for c in candidates_of(doc or {})}
+    patched = {r.candidate: r for r in out if r.patched}
+    for i, r in enumerate(out):
+        base = patched.get(extends.get(r.candidate) or "")
+        if not r.patched and r.code == Status.NOT_MATCHED and base is not None:
+            out[i] = r.with_verdict(Status.OVERLAP,
+                                    f"not patched: {base.candidate} ({(base.title or '').split(':')[0]}) took its ops first")
     return out
 
 
-def interpreter_only(records: list, specs: list) -> list:
-    """The records of a run that patches nothing because its kernels would run in the interpreter."""
+def interpreter_only(records: list[PatternResult], specs: list) -> list[PatternResult]:
+    """The results of a run that patches nothing because its kernels would run in the interpreter."""
     validated = {s.candidate for s in specs}
     out = []
     for r in records:
-        r = {**r, "sites": 0, "patched": False}
-        if r["candidate"] in validated:
-            r["status_code"] = Status.INTERPRETER
-            r["status"] = ("validated, not patched: without a GPU its kernel runs in Triton's interpreter, "
-                           "far slower than the model's own ops (interpret=True patches it anyway, for checks)")
+        r = dataclasses.replace(r, sites=0, patched=False)
+        if r.candidate in validated:
+            r = r.with_verdict(Status.INTERPRETER,
+                               "validated, not patched: without a GPU its kernel runs in Triton's interpreter, "
+                               "far slower than the model's own ops (interpret=True patches it anyway, for checks)")
         else:
-            r["status_code"] = Status(r.get("status_code") or Status.NOT_GENERATED)
-            r["status"] = r.get("reason") or "no kernel"
+            r = r.with_verdict(r.code or Status.NOT_GENERATED, r.reason or "no kernel")
         out.append(r)
     return out

@@ -8,11 +8,13 @@ Triton's interpreter) nothing is timed and nothing dropped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 from advisor.bench import timing  # read at call time: tests replace its clocks
 from advisor.patching import only, patch, patches_off, whole
 from advisor.patching.verify import check_outer
+from advisor.records import PatternResult
 from advisor.status import Status
 
 ROUNDS = 5  # interleaved rounds of the final comparison: pairs enough for `margin_ms` to mean something
@@ -68,19 +70,19 @@ def choose(before_ms: float, before_rounds, options: list[Option]) -> Option | N
     return min((o for o in options if shown_faster(before_ms, before_rounds, o)), key=lambda o: o.ms, default=None)
 
 
-def keep_faster(call, handle, device: str, records: list, iters: int = 20, exact=None) -> tuple:
+def keep_faster(call, handle, device: str, records: list[PatternResult], iters: int = 20, exact=None) -> tuple:
     """On a GPU, never leave the model slower: time each patched pattern alone (`time_patterns`), then
     compare the states side by side with the unpatched model (`compare_states`) and hand back the one
-    chosen, as timed, or the model unpatched. Marks `kept` (and why not) on the records; returns (the
-    handle now in force, the decision). Without meaningful timing nothing is dropped."""
-    patched = [r for r in records if r.get("patched")]
+    chosen, as timed, or the model unpatched. Returns (the handle now in force, the decision, the results
+    with `kept` and why not). Without meaningful timing nothing is dropped."""
+    patched = [r for r in records if r.patched]
     if not patched:
-        return handle, {"decision": "nothing patched", "kept": []}
+        return handle, {"decision": "nothing patched", "kept": []}, records
     if not timing.timing_meaningful(device):
         return handle, {"decision": "all patched patterns kept (timing not meaningful here: no selection)",
-                        "kept": [r["candidate"] for r in patched]}
-    e2e = time_patterns(call, handle, device, iters, records)
-    best, out = compare_states(call, handle, device, records, iters, exact)
+                        "kept": [r.candidate for r in patched]}, records
+    e2e, records = time_patterns(call, handle, device, iters, records)
+    best, out, records = compare_states(call, handle, device, records, iters, exact)
     out = {"all_patched": {k: e2e.get(k) for k in ("before_ms", "after_ms", "captured_only_ms", "speedup", "noise_ms")},
            "timing": e2e, **out}  # the whole of it: `optimize(benchmark=True)` need not time the same handle again
     if best is None:
@@ -88,22 +90,22 @@ def keep_faster(call, handle, device: str, records: list, iters: int = 20, exact
     else:
         handle.enable(best.enabled)
         handle.set_outer(best.outer)
-    return handle, out
+    return handle, out, records
 
 
-def compare_states(call, handle, device: str, records: list, iters: int = 20, exact=None) -> tuple:
+def compare_states(call, handle, device: str, records: list[PatternResult], iters: int = 20, exact=None) -> tuple:
     """The final comparison, shared by `optimize` and `apply`: side by side with the unpatched model, in
     one interleaved run, every pattern on, only those that saved time alone (`applied_alone`, measured
     by `time_patterns`), the captures with no kernel (their CUDA-graph replay alone), and the outer
     captures where the plan has them (each whole stack as one graph; checked against the unpatched
-    outputs first, `exact` as in `check`, their launched sites in `outer_sites`). Chooses (`choose`),
-    marks `kept` on the records and returns (the option chosen or None, the decision as a dict);
-    `handle` is left in whatever state was timed last: the caller puts it in the chosen one."""
-    patched = [r for r in records if r.get("patched")]
+    outputs first, `exact` as in `check`, their launched sites in `outer_sites`). Chooses (`choose`) and
+    returns (the option chosen or None, the decision as a dict, the results with `kept`); `handle` is
+    left in whatever state was timed last: the caller puts it in the chosen one."""
+    patched = [r for r in records if r.patched]
     key_of = {s.candidate: s.key for s in handle.plan.patterns}
-    alone_kept = frozenset(key_of[r["candidate"]] for r in patched
-                           if ((r.get("applied_alone") or {}).get("saved_us_per_iter") or 0) > 0)
-    every = frozenset(key_of[r["candidate"]] for r in patched)
+    alone_kept = frozenset(key_of[r.candidate] for r in patched
+                           if ((r.applied_alone or {}).get("saved_us_per_iter") or 0) > 0)
+    every = frozenset(key_of[r.candidate] for r in patched)
     states = {"all": (None, False), "captured": (frozenset(), False)}
     if alone_kept and alone_kept != every:
         states["kept"] = (alone_kept, False)
@@ -137,41 +139,47 @@ def compare_states(call, handle, device: str, records: list, iters: int = 20, ex
         out["outer"] = best.outer
     # None: every pattern, those only an outer capture launches included
     out["enabled"] = [] if best is None else None if best.enabled is None else sorted(best.enabled)
-    mark_kept(records, key_of, enabled, best is not None)
-    out["kept"] = [r["candidate"] for r in records if r.get("kept")]
-    return best, out
+    records = mark_kept(records, key_of, enabled, best is not None)
+    out["kept"] = [r.candidate for r in records if r.kept]
+    return best, out, records
 
 
-def mark_kept(records: list, key_of: dict, enabled: frozenset, anything_kept: bool) -> None:
-    """`kept` and the status of each patched record once selection has chosen which patterns run."""
-    for r in records:
-        if not r.get("patched"):
-            continue
-        r["kept"] = key_of[r["candidate"]] in enabled
-        r["status_code"] = Status.PATCHED if r["kept"] else Status.NOT_KEPT
-        alone = (r.get("applied_alone") or {}).get("saved_us_per_iter")
-        r["status"] = "patched" if r["kept"] else \
-            (f"not kept: {alone:+.0f} µs per call alone" if alone is not None else "not kept") + \
-            ("" if anything_kept or alone is None or alone <= 0 else ", but no patched state was faster end to end")
+def mark_kept(records: list[PatternResult], key_of: dict, enabled: frozenset,
+              anything_kept: bool) -> list[PatternResult]:
+    """The results with `kept` and the verdict of each patched one, once selection has chosen which
+    patterns run."""
+    return [_kept(r, key_of[r.candidate] in enabled, anything_kept) if r.patched else r for r in records]
 
 
-def time_patterns(call, handle, device: str, iters: int, records: list) -> dict:
+def _kept(r: PatternResult, kept: bool, anything_kept: bool) -> PatternResult:
+    if kept:
+        return dataclasses.replace(r, kept=True).with_verdict(Status.PATCHED, "patched")
+    alone = (r.applied_alone or {}).get("saved_us_per_iter")
+    why = (f"not kept: {alone:+.0f} µs per call alone" if alone is not None else "not kept") + \
+        ("" if anything_kept or alone is None or alone <= 0 else ", but no patched state was faster end to end")
+    return dataclasses.replace(r, kept=False).with_verdict(Status.NOT_KEPT, why)
+
+
+def time_patterns(call, handle, device: str, iters: int, records: list[PatternResult]) -> tuple:
     """Per call: unpatched, patched, captured with every site on its original ops, and each patched
-    pattern alone (its saving = captured-only minus alone), timed in interleaved rounds."""
+    pattern alone (its saving = captured-only minus alone), timed in interleaved rounds. Returns (the
+    timings, the results with `applied_alone`)."""
     if not timing.timing_meaningful(device):
         return {"timing_meaningful": False, "device": device,
-                "reason": "kernels run in Triton's interpreter on the CPU; no speedup is claimed"}
-    alone = each_alone(handle, [r["candidate"] for r in records if r.get("patched")])
+                "reason": "kernels run in Triton's interpreter on the CPU; no speedup is claimed"}, records
+    alone = each_alone(handle, [r.candidate for r in records if r.patched])
     configs = {"before": patches_off, "after": None, "captured_only": lambda: only(set()), **alone}
     t = timing.time_configs(call, configs, device, iters=iters)
     cap = t["captured_only"].median_ms
-    for r in records:
-        if r["candidate"] in alone:
-            a = t[r["candidate"]]
-            r["applied_alone"] = {"ms": round(a.median_ms, 4), "captured_ms": round(cap, 4),
-                                  "saved_us_per_iter": round((cap - a.median_ms) * 1e3, 2),
-                                  "spread_us": round(max(a.spread_ms, t["captured_only"].spread_ms) * 1e3, 2),
-                                  "est_saved_us_per_iter": estimate_for_sites(r)}
+
+    def timed_alone(r: PatternResult) -> PatternResult:
+        a = t[r.candidate]
+        return dataclasses.replace(r, applied_alone={
+            "ms": round(a.median_ms, 4), "captured_ms": round(cap, 4),
+            "saved_us_per_iter": round((cap - a.median_ms) * 1e3, 2),
+            "spread_us": round(max(a.spread_ms, t["captured_only"].spread_ms) * 1e3, 2),
+            "est_saved_us_per_iter": estimate_for_sites(r)})
+    records = [timed_alone(r) if r.candidate in alone else r for r in records]
     before, after = t["before"], t["after"]
     return {"timing_meaningful": True, "device": device, "method": before.method, "iters": before.iters,
             "before_ms": round(before.median_ms, 4), "after_ms": round(after.median_ms, 4),
@@ -180,14 +188,14 @@ def time_patterns(call, handle, device: str, iters: int, records: list) -> dict:
             "noise_ms": round(max(before.spread_ms, after.spread_ms), 4),
             "before": before.as_dict(), "after": after.as_dict(), "captured_only": t["captured_only"].as_dict(),
             "note": "captured_only: the module captures with every site running its original ops; "
-                    "before -> captured_only is what capturing alone changes (less Python per op)"}
+                    "before -> captured_only is what capturing alone changes (less Python per op)"}, records
 
 
-def estimate_for_sites(record: dict) -> float | None:
+def estimate_for_sites(record: PatternResult) -> float | None:
     """The analyzer's estimate for the occurrences actually patched: it is made for every occurrence per
     iteration, and a pattern launched at fewer sites (cross-layer occurrences left to the outer capture,
     say: the suite's Llama patched 8 of its 16 residual add + norms per layer) saves that share of it."""
-    est, occ, sites = record.get("est_time_saved_us"), record.get("occurrences"), record.get("sites")
+    est, occ, sites = record.est_time_saved_us, record.occurrences, record.sites
     if est is None or not occ or not sites:
         return est
     return round(est * min(1.0, sites / occ), 2)

@@ -31,7 +31,7 @@ from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, occurrence_modules, only, patches_off
 from advisor.patching.modules import root_class
-from advisor.status import Status
+from advisor.records import PatternResult
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.outcome import pattern_status
 from advisor.workflows.script_session import Session, intercept_roots, run_script
@@ -118,21 +118,21 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
         records = pattern_status(records, specs, handles, session.dropped, analysis.doc)
         steady = meta.get("steady_state") or {}
         with console.status("timing the steady state before and after …"):
-            e2e = _benchmark(script, args, dev, steady, session, handles, records, iters)
-            selection = select(records, e2e, session.recorded.get(root_class(steady.get("name") or "")), dev, iters,
-                               session.plan, handles)
+            e2e, records = _benchmark(script, args, dev, steady, session, handles, records, iters)
+            selection, records = select(records, e2e, session.recorded.get(root_class(steady.get("name") or "")),
+                                        dev, iters, session.plan, handles)
         if selection.get("outer"):  # the whole stack kept: statuses as it runs the patterns
             records = pattern_status(records, specs, handles, session.dropped, analysis.doc, selection["outer_sites"],
                                      selected=True)
             key_of = {sp.candidate: sp.key for sp in specs}
             enabled = selection.get("enabled")
-            mark_kept(records, key_of, frozenset(key_of.values() if enabled is None else enabled), True)
-            selection["kept"] = [r["candidate"] for r in records if r.get("kept")]
+            records = mark_kept(records, key_of, frozenset(key_of.values() if enabled is None else enabled), True)
+            selection["kept"] = [r.candidate for r in records if r.kept]
         # A state chosen (the captures alone included): every captured module, `enabled` saying which
         # patterns run there, as `optimize` stores it; nothing chosen: an empty manifest, which patches nothing.
         chosen = selection.get("state") is not None or bool(selection["kept"])
         doc = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": dev,
-               "script": str(script), "args": args, "patterns": records,
+               "script": str(script), "args": args, "patterns": [r.to_json() for r in records],
                "manifest": handles.manifest() if chosen else [], "enabled": selection.get("enabled"),
                "selection": selection, "outer": bool(selection.get("outer")),
                "checks": session.checks, "errors": session.errors, "end_to_end": e2e,
@@ -147,50 +147,53 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
     return doc
 
 
-def _benchmark(script, args, dev, steady, session, handles, records, iters) -> dict:
+def _benchmark(script, args, dev, steady, session, handles, records: list[PatternResult], iters) -> tuple:
+    """(the steady state timed before and after, the results: each pattern timed alone where the steady
+    state is a recorded module call)."""
     base = {"steady_state": {"source": steady.get("source"), "name": steady.get("name")}}
     if not timing_meaningful(dev):
         return {**base, "timing_meaningful": False, "device": dev,
-                "reason": "kernels run in Triton's interpreter on the CPU; no speedup is claimed"}
+                "reason": "kernels run in Triton's interpreter on the CPU; no speedup is claimed"}, records
     if steady.get("source") == "module":
         rec = session.recorded.get(root_class(steady.get("name") or ""))
         if rec is not None:
-            return {**base, **time_patterns(rec.replay, handles, dev, iters, records)}
+            timed, records = time_patterns(rec.replay, handles, dev, iters, records)
+            return {**base, **timed}, records
     before = _script_timing(script, args, dev, steady, None, iters)
     after = _script_timing(script, args, dev, steady, session.plan, iters)
     return {**base, "timing_meaningful": True, "device": dev, "method": before["method"], "iters": before["iters"],
             "before_ms": before["median_ms"], "after_ms": after["median_ms"],
             "speedup": round(before["median_ms"] / after["median_ms"], 4) if after["median_ms"] else None,
-            "note": "per-pattern contributions are measured only when the steady state is a module call"}
+            "note": "per-pattern contributions are measured only when the steady state is a module call"}, records
 
 
-def select(records: list, e2e: dict, recorded, dev: str, iters: int, plan, handles=None) -> dict:
+def select(records: list[PatternResult], e2e: dict, recorded, dev: str, iters: int, plan, handles=None) -> tuple:
     """What the plan keeps, as `optimize` decides it. With the script's steady state recorded as one module
     call, the same final comparison as `optimize`'s (`selection.compare_states`: every pattern, those that
     saved time alone, the captures alone, the whole stack as one capture where the plan has it), on that
     call, and the state chosen is the one the manifest describes. Without one (a region or whole-script
     runs) the patched run is judged as a whole against the unpatched one, by the same policy (`choose`).
     Kept nothing: apply.json's manifest is empty (`advisor.patch(model, OUT)` then changes nothing).
-    Marks `kept`, `status_code` and `status` on the records."""
-    patched = [r for r in records if r.get("patched")]
+    Returns (the decision, the results with `kept` and their verdicts)."""
+    patched = [r for r in records if r.patched]
     if not patched or not e2e.get("timing_meaningful"):
         return {"decision": "every patched pattern kept (no timing here to select by)",
-                "kept": [r["candidate"] for r in patched]}
+                "kept": [r.candidate for r in patched]}, records
     if recorded is not None and handles is not None:
-        best, out = compare_states(recorded.replay, handles, dev, records, iters)
+        best, out, records = compare_states(recorded.replay, handles, dev, records, iters)
         handles.set_outer(bool(best and best.outer))
         out["before_ms"] = out["final"]["before"]
         out["after_ms"] = best.ms if best else out["before_ms"]
-        return out
+        return out, records
     before = e2e["before_ms"]
     rounds = [before, before]  # whole runs: no paired rounds, the margin is the policy's 1%
     best = choose(before, rounds, [Option("all", None, e2e["after_ms"], rounds_ms=(e2e["after_ms"],) * 2)])
     key_of = {s.candidate: s.key for s in plan.patterns}
-    mark_kept(records, key_of, frozenset(key_of.values()) if best else frozenset(), best is not None)
-    kept = [r["candidate"] for r in records if r.get("kept")]
+    records = mark_kept(records, key_of, frozenset(key_of.values()) if best else frozenset(), best is not None)
+    kept = [r.candidate for r in records if r.kept]
     decision = (f"kept every patched pattern: {before:.3f} -> {e2e['after_ms']:.3f} ms" if best else
                 f"nothing kept: the patched run is not faster beyond 1% ({before:.3f} -> {e2e['after_ms']:.3f} ms)")
-    return {"decision": decision, "kept": kept, "before_ms": before, "after_ms": e2e["after_ms"]}
+    return {"decision": decision, "kept": kept, "before_ms": before, "after_ms": e2e["after_ms"]}, records
 
 
 def _script_timing(script, args, dev, steady, plan, iters: int, max_runs: int = 10) -> dict:
@@ -256,11 +259,11 @@ def print_summary(console, doc: dict, out: Path) -> None:
     t = Table(title="fusion-advisor apply", title_justify="left")
     for col in ("cand.", "pattern", "status", "sites", "est. saved µs/iter", "measured µs/iter (alone)"):
         t.add_column(col)
-    for p in doc["patterns"]:
-        alone = (p.get("applied_alone") or {}).get("saved_us_per_iter")
-        est = p.get("est_time_saved_us")
-        status = p.get("status") or ""
-        t.add_row(p["candidate"], p["title"], status if len(status) < 80 else status[:77] + "…", str(p.get("sites") or 0),
+    for p in map(PatternResult.from_json, doc["patterns"]):
+        alone = (p.applied_alone or {}).get("saved_us_per_iter")
+        est = p.est_time_saved_us
+        status = p.verdict.message if p.verdict else ""
+        t.add_row(p.candidate, p.title, status if len(status) < 80 else status[:77] + "…", str(p.sites or 0),
                   f"{est:.1f}" if isinstance(est, (int, float)) else "-",
                   f"{alone:.1f}" if isinstance(alone, (int, float)) else "-")
     console.print(t)

@@ -1,4 +1,5 @@
-"""Profile a callable in this process and write a trace directory the analyzer reads.
+"""Profile a callable in this process and write a trace directory the analyzer reads (`advisor.optimize`
+profiles the live model with it; `runner.py` is the collector for a script, run in a child process).
 
 The same files the collector writes for a script (`trace/kineto.json.gz`, `et.json.gz`,
 `meta.json`), made the same way: torch.profiler with shapes + ExecutionTraceObserver, module calls
@@ -15,7 +16,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile
 
+from advisor.collect import steady
+from advisor.collect.measure import device_info, measure
+from advisor.collect.module_scopes import module_scopes
+from advisor.collect.native_log import quiet_profile, stop_execution_trace
+from advisor.collect.region import region
 from advisor.jsonio import META_SCHEMA_VERSION, write_json
 
 REGION = "advisor.optimize"
@@ -23,14 +30,6 @@ REGION = "advisor.optimize"
 
 def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: int = 3) -> Path:
     """Run `fn` `calls` times under the profiler; returns the trace directory."""
-    from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile
-
-    from advisor.collect import steady
-    from advisor.collect.measure import device_info
-    from advisor.collect.module_scopes import module_scopes
-    from advisor.collect.native_log import quiet_profile, without_profiler_chatter
-    from advisor.collect.region import region
-
     trace_dir = Path(out_dir) / "trace"
     trace_dir.mkdir(parents=True, exist_ok=True)
     kineto_tmp, et_tmp = trace_dir / "kineto.json.tmp", trace_dir / "et.json.tmp"
@@ -47,11 +46,7 @@ def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: i
                         if device == "cuda":
                             torch.cuda.synchronize()
     finally:
-        try:
-            with without_profiler_chatter():
-                et.unregister_callback()
-        except Exception:  # pragma: no cover
-            pass
+        stop_execution_trace(et)
     prof.export_chrome_trace(str(kineto_tmp))
     events = json.loads(kineto_tmp.read_text()).get("traceEvents", [])
     _gzip(kineto_tmp, trace_dir / "kineto.json.gz")
@@ -70,8 +65,6 @@ _MEASURED: dict = {}
 
 def _measured(device: str) -> dict:
     """Device facts once per process: `optimize` may profile many models, the device does not change."""
-    from advisor.collect.measure import measure
-
     if device not in _MEASURED or _MEASURED[device].get("measure_error"):
         _MEASURED[device] = measure(device)
     return _MEASURED[device]
