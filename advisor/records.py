@@ -73,9 +73,9 @@ def _check_keys(doc: dict, known: tuple, required: tuple, what: str) -> None:
 CANDIDATE_KEYS = ("pattern_id", "pattern", "title", "kind", "ops", "kernels", "modules", "occurrences",
                   "kernels_saved", "bytes_unfused", "bytes_fused", "bytes_saved", "est_time_saved_us",
                   "est_cpu_time_saved_us", "measured_time_us", "intermediate_bytes", "confidence", "graph",
-                  "program", "not_generated", "negligible", "id", "rank", "share_of_iteration", "extends")
+                  "program", "variants", "not_generated", "negligible", "id", "rank", "share_of_iteration", "extends")
 # written only when they say something (a CPU trace's CPU estimate; why the generator must refuse it)
-CANDIDATE_OPTIONAL = ("est_cpu_time_saved_us", "not_generated")
+CANDIDATE_OPTIONAL = ("est_cpu_time_saved_us", "variants", "not_generated")
 CANDIDATE_TUPLES = ("ops", "kernels", "modules")
 
 
@@ -104,6 +104,9 @@ class Candidate:
     confidence: str | None = None
     graph: dict | None = None
     program: dict | None = None  # the program format read by `advisor.codegen.read`
+    # The pattern's occurrences at other shapes (a convnet's stages): one program each, most frequent first
+    # (absent when every occurrence has the first's shapes). Kernels are generated per shape.
+    variants: list | None = None
     not_generated: str | None = None  # why the generator must refuse it
     negligible: bool = False
     rank: int | None = None
@@ -153,7 +156,7 @@ class Verdict:
 # (`workflows.generate`), then what the patching workflows add (`workflows.kernels`, `outcome`, `selection`).
 RESULT_KEYS = ("candidate", "pattern_id", "title", "kernel_file", "validated", "reason", "errors", "measured",
                "source", "cached", "device_type", "memory_saved_bytes", "alternatives", "launcher_ms", "launcher",
-               "launcher_note", "replacement", "est_time_saved_us", "occurrences", "sites", "patched",
+               "launcher_note", "variants", "replacement", "est_time_saved_us", "occurrences", "sites", "patched",
                "status_code", "status", "applied_alone", "kept")
 RESULT_ALWAYS = RESULT_KEYS[:RESULT_KEYS.index("device_type") + 1]  # every record has these; the rest when known
 
@@ -180,6 +183,8 @@ class PatternResult:
     launcher_ms: dict | None = None
     launcher: str | None = None
     launcher_note: str | None = None
+    # One per candidate variant (its other shapes): {"index", "validated", "kernel_file", "reason"}
+    variants: list | None = None
     replacement: str | None = None  # kernel | program | subgraph
     est_time_saved_us: float | None = None
     occurrences: int | float | None = None

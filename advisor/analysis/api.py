@@ -7,6 +7,8 @@ from itertools import chain
 from operator import itemgetter
 from pathlib import Path
 
+import json
+
 import numpy as np
 import pandas as pd
 
@@ -194,6 +196,9 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
             "graph": _graph_view(graph, first),
             "program": program_of(graph, first),
         }
+        variants = shape_variants(graph, pat.groups, rec["program"]) if first.kind == "fusion" else []
+        if variants:  # absent otherwise: analysis.json of a model whose occurrences share one shape is unchanged
+            rec["variants"] = variants
         refused = not_generated(graph, first)
         if refused:  # a pattern the generator must refuse says so (absent otherwise: the schema is unchanged)
             rec["not_generated"] = refused
@@ -414,6 +419,30 @@ def _graph_view(graph: Graph, g: Group) -> dict:
         edges.append({"src": local[val[vid].producer], "dst": outs[vid], **desc(vid, nbytes)})
     return {"nodes": nodes, "inputs": [{"id": ins[v], **desc(v, b)} for v, b in reads.items()],
             "outputs": [{"id": outs[v], **desc(v, b)} for v, b in escapes.items()], "edges": edges}
+
+
+MAX_SHAPE_VARIANTS = 7  # programs beyond the first: each is one more kernel to compile and validate
+
+
+def shape_variants(graph: Graph, groups: list, first: dict) -> list[dict]:
+    """The programs of a pattern's occurrences at shapes other than its first's, most frequent first.
+    A convnet's BatchNorm + ReLU occurs at each stage's channels and resolution: a kernel is compiled for
+    sizes, so the first occurrence's program alone reached one stage (ResNet-50: 2 of 33 sites)."""
+    by_layout: dict[tuple, list] = {}  # the layouts a group reads and writes -> [group, count]
+    for g in groups:
+        by_layout.setdefault(_layouts(graph, g), [g, 0])[1] += 1  # a program per layout, not per occurrence
+    seen: dict[str, list] = {json.dumps(first, sort_keys=True): [first, 0]}
+    for g, count in by_layout.values():
+        program = program_of(graph, g)
+        seen.setdefault(json.dumps(program, sort_keys=True), [program, 0])[1] += count
+    others = list(seen.values())[1:]
+    others.sort(key=lambda e: -e[1])  # stable: ties keep the order the occurrences came in
+    return [program for program, _ in others[:MAX_SHAPE_VARIANTS]]
+
+
+def _layouts(graph: Graph, g: Group) -> tuple:
+    return tuple((tuple(u.shape), tuple(u.strides), u.offset) for m in g.members
+                 for u in (*graph.nodes[m].reads, *graph.nodes[m].writes))
 
 
 def program_of(graph: Graph, g: Group) -> dict:

@@ -100,7 +100,7 @@ def log_for(key: tuple) -> CaptureLog:
 def plan_digest(specs: list[PatternSpec]) -> str:
     """The patterns' content, not just their keys: one pattern id covers every width of a model class, and
     two models of one class with different widths must not share a capture matched at the first's sizes."""
-    doc = [(s.key, s.program, s.kernel_file, s.device_type) for s in specs]
+    doc = [(s.key, s.shapes(), s.device_type) for s in specs]
     return hashlib.sha1(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -119,13 +119,12 @@ def load_launcher(kernel_file: str) -> Callable:
     return fn
 
 
-def _launcher(spec: PatternSpec, fallback: Callable) -> Callable:
+def _launcher(spec: PatternSpec, program: dict, kernel_file: str | None, fallback: Callable) -> Callable:
     if spec.replacement == "subgraph":
         return fallback  # the matched ops themselves: tests the matcher and the substitution
     if spec.replacement == "program":
-        program = spec.program
         return lambda *xs: run_program(program, xs)  # the program replayed: tests input order and views
-    return load_launcher(spec.kernel_file)
+    return load_launcher(kernel_file)
 
 
 # ------------------------------------------------------------------------------------ the backend
@@ -213,36 +212,39 @@ class Backend:
         gm.recompile()
 
     def _rewrite_one(self, gm, spec: PatternSpec, device) -> None:
-        # By content: one pattern id covers every size of a model family, and a pattern built from another
-        # model's program (its sizes) would match nothing here.
-        pkey = (plan_digest([spec]), str(device))
-        pattern = _PATTERNS.get(pkey)
-        if pattern is None:
-            pattern = _PATTERNS[pkey] = Pattern.build(spec.program, program_graph(spec.program, device))
-        exclude: set = set()
-        while True:
-            m = find(pattern, gm.graph, exclude)
-            if m is None:
-                return
-            result = rewrite.substitute(gm.graph, m, pattern, lambda m: self._site(spec, m))
-            if isinstance(result, str):
-                exclude |= m.g_nodes()
-                self.log.rejected[spec.key].append(result)
-            else:
-                self.log.sites[spec.key].append(result)
+        """Every occurrence of the pattern, at each of its shapes (a kernel per shape)."""
+        for shape, (program, kernel_file) in enumerate(spec.shapes()):
+            # By content: one pattern id covers every size of a model family, and a pattern built from another
+            # model's program (its sizes) would match nothing here.
+            pkey = (plan_digest([spec]), shape, str(device))
+            pattern = _PATTERNS.get(pkey)
+            if pattern is None:
+                pattern = _PATTERNS[pkey] = Pattern.build(program, program_graph(program, device))
+            exclude: set = set()
+            while True:
+                m = find(pattern, gm.graph, exclude)
+                if m is None:
+                    break
+                result = rewrite.substitute(gm.graph, m, pattern, lambda m: self._site(spec, m, program, kernel_file))
+                if isinstance(result, str):
+                    exclude |= m.g_nodes()
+                    self.log.rejected[spec.key].append(result)
+                else:
+                    self.log.sites[spec.key].append(result)
 
-    def _site(self, spec: PatternSpec, m) -> rewrite.Site:
-        fallback = rewrite.make_fallback(m, spec.program["inputs"])
-        site = rewrite.Site(key=spec.key, label=f"{spec.candidate} {spec.title}", launcher=_launcher(spec, fallback),
-                            fallback=fallback, inputs=[rewrite.InputSpec.of(s) for s in spec.program["inputs"]],
+    def _site(self, spec: PatternSpec, m, program: dict, kernel_file: str | None) -> rewrite.Site:
+        fallback = rewrite.make_fallback(m, program["inputs"])
+        site = rewrite.Site(key=spec.key, label=f"{spec.candidate} {spec.title}",
+                            launcher=_launcher(spec, program, kernel_file, fallback),
+                            fallback=fallback, inputs=[rewrite.InputSpec.of(s) for s in program["inputs"]],
                             outputs=rewrite.output_layouts(m), device_type=spec.device_type,
                             scalar_device=self.device if spec.replacement == "kernel" else "cpu")
         if trainable(spec):
             from advisor.patching.autograd import Trainable  # torch.autograd machinery: loaded for training only
 
-            roles = splade.head_roles(spec.program)
-            site.trainable = splade.SpladeTrainable(spec.program, roles, site.label) if roles else \
-                Trainable(spec.program, site.forward, site.launch, _outputs_kept_intact(m), site.label)
+            roles = splade.head_roles(program)
+            site.trainable = splade.SpladeTrainable(program, roles, site.label) if roles else \
+                Trainable(program, site.forward, site.launch, _outputs_kept_intact(m), site.label)
         return site
 
 

@@ -32,6 +32,13 @@ class PatternSpec:
     device_type: str | None = None  # what the kernel was validated on (None: any, for stand-ins)
     est_time_saved_us: float = 0.0
     signature: str = ""
+    # The pattern at other shapes: [{"index": i (1-based, into the candidate's `variants`), "program",
+    # "kernel_file"}], each matched and substituted like `program` with its own kernel.
+    variants: list = field(default_factory=list)
+
+    def shapes(self) -> list[tuple[dict, str | None]]:
+        """(program, kernel file) of every shape this pattern is patched at, the first one first."""
+        return [(self.program, self.kernel_file)] + [(v["program"], v["kernel_file"]) for v in self.variants]
 
     @property
     def key(self) -> str:
@@ -95,12 +102,23 @@ class Plan:
 
 
 def spec_from_candidate(c: dict, replacement: str = "kernel", kernel_file: str | None = None,
-                        device_type: str | None = None) -> PatternSpec:
+                        device_type: str | None = None, variants: list | None = None) -> PatternSpec:
+    """The pattern to patch for analysis.json candidate `c`. `variants`: [{"index", "kernel_file"}] of its
+    other shapes to patch too (their programs are read from `c`); stand-ins patch every shape."""
     if replacement not in REPLACEMENTS:
         raise AdvisorError(f"replacement must be one of {', '.join(REPLACEMENTS)} (got {replacement!r})")
     return PatternSpec(candidate=c["id"], pattern_id=c["pattern_id"], title=c["title"], program=c["program"],
                        replacement=replacement, kernel_file=kernel_file, device_type=device_type,
-                       est_time_saved_us=float(c.get("est_time_saved_us") or 0.0), signature=c.get("pattern", ""))
+                       est_time_saved_us=float(c.get("est_time_saved_us") or 0.0), signature=c.get("pattern", ""),
+                       variants=_variants(c, replacement, variants))
+
+
+def _variants(c: dict, replacement: str, chosen: list | None) -> list:
+    programs = c.get("variants") or []
+    if replacement != "kernel":
+        chosen = [{"index": i, "kernel_file": None} for i in range(1, len(programs) + 1)]
+    return [{"index": v["index"], "program": programs[v["index"] - 1], "kernel_file": v["kernel_file"]}
+            for v in chosen or [] if 0 < v["index"] <= len(programs)]
 
 
 def occurrence_modules(analysis) -> dict[str, list[str]]:
@@ -194,7 +212,9 @@ def manifest_entry(spec: PatternSpec, module: str, cls: str, sites: int | None =
     return {"module": module, "class": cls, "candidate": spec.candidate, "pattern_id": spec.pattern_id,
             "title": spec.title, "pattern": spec.signature, "replacement": spec.replacement,
             "kernel_file": spec.kernel_file, "guard": spec.guard_text(), "guard_spec": spec.guard(),
-            "sites": sites, "program": program_text(spec.program), "outer": outer}
+            "sites": sites, "program": program_text(spec.program), "outer": outer,
+            **({"variants": [{"index": v["index"], "kernel_file": v["kernel_file"]} for v in spec.variants]}
+               if spec.variants else {})}
 
 
 def load_plan(out_dir: Path) -> Plan:
@@ -224,7 +244,7 @@ def load_plan(out_dir: Path) -> Plan:
                 raise AdvisorError(f"{apply_p}: the manifest names pattern {e['pattern_id']}, whose kernel was not "
                                    f"validated ({rec.get('reason') or 'no reason recorded'}): refusing to patch it")
             s = spec_from_candidate(c, e.get("replacement", "kernel"), e.get("kernel_file"),
-                                    (e.get("guard_spec") or {}).get("device_type"))
+                                    (e.get("guard_spec") or {}).get("device_type"), e.get("variants"))
             specs.setdefault(s.key, s)
             t = targets.setdefault((e["module"], bool(e.get("outer"))), Target(e["module"], outer=bool(e.get("outer"))))
             if s.key not in t.keys:
@@ -236,7 +256,8 @@ def load_plan(out_dir: Path) -> Plan:
         c = by_pid.get(p.get("pattern_id")) or next((x for x in doc["candidates"] if x["id"] == p.get("candidate")), None)
         if c is None or not p.get("validated") or not p.get("kernel_file"):
             continue
-        s = spec_from_candidate(c, "kernel", p["kernel_file"], p.get("device_type") or doc["device"]["type"])
+        s = spec_from_candidate(c, "kernel", p["kernel_file"], p.get("device_type") or doc["device"]["type"],
+                                [v for v in p.get("variants") or [] if v.get("validated")])
         specs.setdefault(s.key, s)
     if not specs:
         raise AdvisorError(f"{apply_p} lists no validated kernel to patch in")

@@ -64,11 +64,19 @@ def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None
     `on_result` is called with each result as it is final."""
     out_dir = Path(out_dir)
     chosen = candidates[: top or None]
-    entries = _in_workers(chosen, out_dir)
+    # A pattern's other shapes are jobs of their own (one kernel per shape), folded into its result below.
+    shapes = [dataclasses.replace(c, id=f"{c.id}s{i}", program=p, variants=None)
+              for c in chosen for i, p in enumerate(c.variants or [], 1)]
+    entries = _in_workers(chosen + shapes, out_dir)
     if entries is None:
-        entries = [_job(c, out_dir) for c in chosen]
+        entries = [_job(c, out_dir) for c in chosen + shapes]
+    entries, shape_entries = entries[:len(chosen)], iter(entries[len(chosen):])
     results = []
     for c, entry in zip(chosen, entries):
+        if c.variants:
+            entry = dataclasses.replace(entry, variants=[
+                {"index": i, "validated": e.validated, "kernel_file": e.kernel_file if e.validated else None,
+                 "reason": e.reason} for i, e in enumerate((next(shape_entries) for _ in c.variants), 1)])
         if not interpreted() and entry.validated and \
                 any(a.get("validated") for a in (entry.alternatives or {}).values()):
             try:  # the module again, in this process: the generator's cache and Triton's make it cheap
