@@ -101,6 +101,39 @@ def test_a_kernel_that_changes_outputs_is_unpatched(tmp_path):
     assert torch.equal(call(), ref)  # what is left is exact (the rotary stand-in)
 
 
+def test_patterns_right_alone_but_not_together_are_left_out_one_by_one(tmp_path, monkeypatch):
+    """Each pattern passes alone, the combination does not (rounding that adds up over many layers): the
+    check leaves out the one that moves the output most and keeps the rest, instead of dropping every one.
+    The comparison is replaced by one that fails whenever more than one pattern runs."""
+    from advisor.analysis.api import analyze
+    from advisor.bench.compare import Comparison
+    from advisor.collect.in_process import profile_calls
+    from advisor.patching import rewrite, verify
+
+    model, kw = tiny("llama", layers=1)
+    x = inputs("llama")
+    a = analyze(profile_calls(lambda: run(model, kw, x), tmp_path, "cpu", calls=2))
+    specs = [spec_from_candidate(find_candidate(a.doc["candidates"], SWIGLU), "program"),
+             spec_from_candidate(find_candidate(a.doc["candidates"], ROTARY), "program")]
+    error = {specs[0].key: 0.002, specs[1].key: 0.001}
+
+    def compare(ref, out, exact=None):
+        keys = rewrite.enabled_keys()
+        ok = keys is not None and len(keys) <= 1
+        return Comparison(ok, None if ok else "rel_l2 too large together", sum(error[k] for k in keys or error))
+
+    monkeypatch.setattr(verify, "compare_outputs", compare)
+    h = patch(model, build_plan(specs, a.doc))
+
+    def call():
+        with torch.inference_mode():
+            return model(**x, **kw).logits
+
+    chk = check(call, h)
+    assert list(chk.dropped) == [specs[0].key] and "together" in chk.dropped[specs[0].key]
+    assert [s.key for s in chk.handle.plan.patterns] == [specs[1].key]
+
+
 @pytest.mark.parametrize("name, must", [
     ("llama", [RESIDUAL_RMSNORM, SWIGLU, ROTARY]),
     ("gpt2", [RESIDUAL_LAYERNORM, TANH_GELU]),

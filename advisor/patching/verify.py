@@ -53,14 +53,25 @@ def check(call: Callable[[], object], handle: Patched, exact: Callable[[], objec
     if cmp.ok:
         return Check(cmp, {}, handle, out, clock.seconds)
     live = [s.key for s in handle.plan.patterns if handle.sites(s.key)]
-    dropped = {}
+    dropped, error = {}, {}
     for key in live:
         with only({key}):
             alone = compare_outputs(ref, call(), exact_out)
+        error[key] = alone.rel_l2
         if not alone.ok:
             dropped[key] = f"outputs differ from the unpatched model with this pattern alone: {alone.reason}"
     if not dropped:
-        dropped = {k: f"outputs differ with all patterns applied together: {cmp.reason}" for k in live}
+        # Each is right alone, their rounding differences add up (a 50-layer convnet): leave out the ones that
+        # move the output most, one at a time, until the rest together pass; all of them if none does.
+        rest = sorted(live, key=lambda k: error[k])
+        while rest:
+            gone = rest.pop()
+            dropped[gone] = f"outputs differ with all patterns applied together: {cmp.reason}"
+            with only(set(rest)):
+                if rest and compare_outputs(ref, call(), exact_out).ok:
+                    break
+        else:
+            dropped = {k: f"outputs differ with all patterns applied together: {cmp.reason}" for k in live}
     new = patch(handle.model, handle.plan.without(dropped))
     return Check(cmp, dropped, new, ref, clock.seconds)
 
