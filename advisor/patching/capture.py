@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from advisor.ops.registry import OpClass, op_class
-from advisor.patching import rewrite
+from advisor.patching import rewrite, timing
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import make_host_copies_recordable
 from advisor.patching.match import Pattern, find, is_transparent
@@ -111,10 +111,11 @@ def load_launcher(kernel_file: str) -> Callable:
     fn = _LAUNCHERS.get(key)
     if fn is None:
         name = "advisor_kernel_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
-        mod_spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(mod)
-        fn = _LAUNCHERS[key] = getattr(mod, "run")
+        with timing.timed("launchers"):
+            mod_spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(mod)
+            fn = _LAUNCHERS[key] = getattr(mod, "run")
     return fn
 
 
@@ -143,6 +144,7 @@ class Backend:
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
         self.captures += 1
+        timing.count("captures")
         key = _share_key(self.digest, gm, example_inputs)
         shared = _SHARED.get(key) if key is not None else None
         if shared is not None:
@@ -152,7 +154,9 @@ class Backend:
             return make_boxed_func(g.forward)
 
         def inference(g, _):
-            self.rewrite(g)
+            timing.count("rewrites")
+            with timing.timed("rewrite"):
+                self.rewrite(g)
             if self.device.type == "cuda":
                 make_host_copies_recordable(g)
             run = g.forward if self.device.type != "cuda" else \
@@ -192,23 +196,28 @@ class Backend:
         except Exception as e:
             self.log.errors.append(f"training graph not traced: {type(e).__name__}: {e}"[:300])
             return None
-        self.rewrite(g)
+        timing.count("rewrites")
+        with timing.timed("rewrite"):
+            self.rewrite(g)
         return _counted(g.forward)
 
     def rewrite(self, gm: torch.fx.GraphModule) -> None:
         self.log.graphs += 1
         device = self.device = _graph_device(gm.graph)
         for spec in self.specs:
-            before = _copy_graph(gm.graph)
+            with timing.timed("copy+lint"):
+                before = _copy_graph(gm.graph)
             try:
                 self._rewrite_one(gm, spec, device)
-                gm.graph.lint()
+                with timing.timed("copy+lint"):
+                    gm.graph.lint()
             except Exception as e:  # never break the capture: this pattern just stays unpatched here
                 gm.graph = before
                 self.log.sites.pop(spec.key, None)
                 self.log.errors.append(f"{spec.candidate} {spec.title}: {type(e).__name__}: {e}")
                 self.log.rejected[spec.key].append(f"matcher error: {type(e).__name__}: {e}")
-        gm.recompile()
+        with timing.timed("recompile"):
+            gm.recompile()
 
     def _rewrite_one(self, gm, spec: PatternSpec, device) -> None:
         # By content: one pattern id covers every size of a model family, and a pattern built from another
@@ -216,13 +225,16 @@ class Backend:
         pkey = (plan_digest([spec]), str(device))
         pattern = _PATTERNS.get(pkey)
         if pattern is None:
-            pattern = _PATTERNS[pkey] = Pattern.build(spec.program, program_graph(spec.program, device))
+            with timing.timed("patterns"):
+                pattern = _PATTERNS[pkey] = Pattern.build(spec.program, program_graph(spec.program, device))
         exclude: set = set()
         while True:
-            m = find(pattern, gm.graph, exclude)
+            with timing.timed("find"):
+                m = find(pattern, gm.graph, exclude)
             if m is None:
                 return
-            result = rewrite.substitute(gm.graph, m, pattern, lambda m: self._site(spec, m))
+            with timing.timed("substitute"):
+                result = rewrite.substitute(gm.graph, m, pattern, lambda m: self._site(spec, m))
             if isinstance(result, str):
                 exclude |= m.g_nodes()
                 self.log.rejected[spec.key].append(result)
