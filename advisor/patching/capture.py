@@ -11,11 +11,18 @@ and its generated backward as one autograd Function (`autograd.py`) where that b
 `Backend.training`. A patched forward whose patterns cannot have a backward (stand-ins, matmul
 anchors) runs the original code whenever autograd needs it.
 
-Each patched module instance gets its own compiled function (its own dynamo cache: HF layers guard on
-their integer `layer_idx`, so 32 layers sharing one cache would exhaust dynamo's recompile limit of 8
-and later layers would silently run unpatched). Identical graphs are rewritten and compiled once and
-shared by every instance that captures them (`_SHARED`: same plan, same graph code, same input
-layouts), so a 32-layer model pays dynamo's trace per layer but AOTAutograd and the rewrite once.
+Modules of one class with one plan capture once (`ClassCapture`): the first one to run (the owner)
+compiles a function shared by the class; every other instance calls it under dynamo's
+`fail_on_recompile` stance, so it is served by the owner's graph exactly when dynamo's guards accept it
+(parameters are graph inputs, `inline_inbuilt_nn_modules`), and costs no trace: N identical layers,
+one dynamo trace, one AOTAutograd, one rewrite. An instance the guards refuse (HF layers guard on their
+integer `layer_idx` when they index a KV cache; train mode; hooks) gets its own compiled function, as
+before (its own dynamo cache: 32 layers recompiling one cache would exhaust dynamo's recompile limit of
+8 and later layers would silently run unpatched); so does every instance when the owner's capture had
+a graph break (a refusal in a resumed frame would come after side effects). Identical graphs are still
+rewritten and compiled once and shared by every instance that captures them (`_SHARED`: same plan,
+same graph code, same input layouts), so such a model pays dynamo's trace per layer but AOTAutograd
+and the rewrite once.
 A forward captures at most `EXTRA_CAPTURES` more graphs after `optimize` has checked it (new shapes,
 train mode): later new shapes run the original forward instead of recompiling inside the user's loop.
 An outer capture (`outer=True`: a module holding several patched layers, e.g. a decoder stack) runs
@@ -39,6 +46,7 @@ import os
 import threading
 import types
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -374,6 +382,8 @@ class PatchedForward:
         self._compiled: Callable | None = None
         self._backend: Backend | None = None
         self._watch: HookWatch | None = None
+        self._owns: ClassCapture | None = None  # the class's shared capture, compiled by this instance
+        self._via: ClassCapture | None = None  # the class's shared capture, called without compiling
         self._budget: int | None = None  # calls allowed to capture, in total (None: until `settle`)
         self._capturing_calls = 0  # calls that made dynamo capture at least one graph
         self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
@@ -424,10 +434,30 @@ class PatchedForward:
         self._budget = self._capturing_calls + EXTRA_CAPTURES
 
     def _compile(self) -> Callable:
-        fn = self._target()[0]
+        """The function this instance calls: its class's shared capture where there is one to join (or
+        to own), else its own."""
+        self._watch = self._watch or HookWatch(self.module)
+        if self.saved is None and not self.outer:
+            fn = self._target()[0]
+            key = (fn, self.digest)
+            entry = _CLASS.get(key)
+            if entry is None or entry.owner() is None:
+                entry = _CLASS[key] = ClassCapture(fn, Backend(self.specs, self.log(), self.digest, self._may_train), self)
+            self._backend, self._compiled = entry.backend, entry.compiled
+            if entry.owner() is self:
+                self._owns = entry
+            elif not entry.breaks:
+                self._via = entry
+                return self._compiled
+        if self._owns is None:
+            return self._own()
+        return self._compiled
+
+    def _own(self) -> Callable:
+        """This instance's own compiled function (its own dynamo cache)."""
+        self._via = None
         self._backend = Backend(self.specs, self.log(), self.digest, self._may_train)
-        self._compiled = torch.compile(_fresh(fn), backend=self._backend, dynamic=False)
-        self._watch = HookWatch(self.module)
+        self._compiled = torch.compile(_fresh(self._target()[0]), backend=self._backend, dynamic=False)
         return self._compiled
 
     def _fall_back(self, why: str, args, kwargs):
@@ -471,6 +501,8 @@ class PatchedForward:
         if self.failed:
             return self._fall_back(self.failed, args, kwargs)
         fn = self._compiled or self._compile()
+        if self._via is not None and self._via.breaks:
+            fn = self._own()
         changed = self._watch.changed()
         if changed:
             if changed not in self.fallbacks:
@@ -485,8 +517,17 @@ class PatchedForward:
         scoped = self.enabled is not None and rewrite.enabled_keys() is None  # an `only()` block decides itself
         if scoped:
             rewrite.set_enabled(self.enabled)
+        breaks = _graph_breaks() if self._owns is not None else None
         try:
-            if spent:
+            out = _NOT_SERVED
+            if self._via is not None:
+                out = _served(fn, lead, args, kwargs)
+                if out is _NOT_SERVED:  # the shared capture's guards refuse this instance: its own from now on
+                    fn = self._own()
+                    ran, captures = graphs_run(), self._backend.captures
+            if out is not _NOT_SERVED:
+                pass
+            elif spent:
                 with torch.compiler.set_stance("eager_on_recompile"):
                     out = fn(*lead, *args, **kwargs)
             else:
@@ -504,6 +545,8 @@ class PatchedForward:
                 rewrite.set_enabled(None)
         if self._backend.captures > captures:
             self._capturing_calls += 1
+            if breaks is not None and _graph_breaks() > breaks:
+                self._owns.breaks = True  # the other instances compile their own from now on
         if graphs_run() == ran:  # dynamo ran the frame without our graph (recompile limit, skipped frame)
             why = "new input shapes or modes after the capture budget" if spent \
                 else "dynamo ran it without a captured graph"
@@ -527,6 +570,40 @@ class PatchedForward:
     def __repr__(self) -> str:
         tier = f"outer, {'on' if self.active else 'off'}; " if self.outer else ""
         return f"<fusion-advisor patched forward of {type(self.module).__name__} ({tier}{', '.join(self.keys)})>"
+
+
+_CLASS: dict = {}  # (captured function, plan digest) -> ClassCapture
+_NOT_SERVED = object()
+_REFUSED = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+
+
+class ClassCapture:
+    """One compiled function shared by the patched instances of a class that have one plan: compiled (and
+    recompiled) only by its owner, the first instance that ran; the others call it without compiling."""
+
+    def __init__(self, fn: Callable, backend: Backend, owner: PatchedForward):
+        self.backend = backend
+        self.compiled = torch.compile(_fresh(fn), backend=backend, dynamic=False)
+        self.owner = weakref.ref(owner)  # the registry keeps no module alive
+        self.breaks = False  # the owner's capture broke into several frames: nobody else joins it
+
+
+def _served(fn: Callable, lead: tuple, args, kwargs):
+    """The shared capture's output, or `_NOT_SERVED` when dynamo would have to compile for these inputs
+    (its guards refuse them: raised before the frame runs, so nothing ran)."""
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return fn(*lead, *args, **kwargs)
+    except RuntimeError as e:
+        if str(e).startswith(_REFUSED):
+            return _NOT_SERVED
+        raise
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
 
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
