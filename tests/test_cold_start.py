@@ -186,3 +186,42 @@ def test_workers_that_cannot_start_fall_back_in_one_line(optimized, tmp_path, mo
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "compile workers unavailable" in err[0] and "no processes here" in err[0], err
     assert any(p["validated"] for p in done["patterns"])
+
+
+def test_layers_of_one_class_capture_once(tmp_path):
+    """Issue 17: the first patched call traced every layer with dynamo (each instance its own compiled
+    function). Instances of one class with one plan now share their class's capture: four BERT layers
+    cost one trace per patched class, and each layer still launches its own sites, bit for bit."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from candidates import RESIDUAL_LAYERNORM  # noqa: E402
+    from test_patch import inputs, plan_for, run, tiny  # noqa: E402
+
+    from advisor.analysis.api import analyze
+    from advisor.bench.trace import profile_calls
+    from advisor.patching import patch, patched_modules, timing
+
+    model, kw = tiny("bert", layers=4)
+    x = inputs("bert")
+    ref = run(model, kw, x)
+    a = analyze(profile_calls(lambda: run(model, kw, x), tmp_path, "cpu", calls=1))
+    plan, specs = plan_for(a, [RESIDUAL_LAYERNORM], "program")
+    h = patch(model, plan)
+    classes = {type(m).__name__ for _, m in [(q, f.module) for q, f in patched_modules(model)]}
+    assert len(patched_modules(model)) == 9 and classes == {"BertEmbeddings", "BertSelfOutput", "BertOutput"}
+    before = timing.snapshot()
+    out = run(model, kw, x)
+    spent = timing.since(before)
+    assert spent.get("captures") == 3, spent  # one per class, not one per instance (9)
+    assert torch.equal(out, ref)
+    launches = {}
+    for s in (s for spec in specs for s in h.site_objects(spec.key)):
+        for caller, n in s.callers.items():
+            launches[caller] = launches.get(caller, 0) + n
+    assert len(launches) == 9, "every patched instance ran the fused sites, served by its class's capture"
+    # Train mode changes what dynamo guards on: the other instances are refused and capture on their own.
+    model.encoder.layer[1].train()
+    with torch.no_grad():
+        model(**x, **kw)
+    assert any(f._via is None and f._owns is None for q, f in patched_modules(model) if q.startswith("encoder.layer.1"))
+    model.eval()
+    assert torch.equal(run(model, kw, x), ref)
