@@ -205,14 +205,16 @@ def test_layers_of_one_class_capture_once(tmp_path):
     ref = run(model, kw, x)
     a = analyze(profile_calls(lambda: run(model, kw, x), tmp_path, "cpu", calls=1))
     plan, specs = plan_for(a, [RESIDUAL_LAYERNORM], "program")
+    seen = []  # a hook one layer had before patching: the class's capture (traced without it) must not serve it
+    model.encoder.layer[2].output.dense.register_forward_hook(lambda *_: seen.append(1))
     h = patch(model, plan)
     classes = {type(m).__name__ for _, m in [(q, f.module) for q, f in patched_modules(model)]}
     assert len(patched_modules(model)) == 9 and classes == {"BertEmbeddings", "BertSelfOutput", "BertOutput"}
     before = timing.snapshot()
     out = run(model, kw, x)
     spent = timing.since(before)
-    assert spent.get("captures") == 3, spent  # one per class, not one per instance (9)
-    assert torch.equal(out, ref)
+    assert spent.get("captures") == 4, spent  # one per class (and one for the hooked layer), not one per instance (9)
+    assert torch.equal(out, ref) and seen == [1]
     launches = {}
     for s in (s for spec in specs for s in h.site_objects(spec.key)):
         for caller, n in s.callers.items():

@@ -16,7 +16,8 @@ compiles a function shared by the class; every other instance calls it under dyn
 `fail_on_recompile` stance, so it is served by the owner's graph exactly when dynamo's guards accept it
 (parameters are graph inputs, `inline_inbuilt_nn_modules`), and costs no trace: N identical layers,
 one dynamo trace, one AOTAutograd, one rewrite. An instance the guards refuse (HF layers guard on their
-integer `layer_idx` when they index a KV cache; train mode; hooks) gets its own compiled function, as
+integer `layer_idx` when they index a KV cache; train mode), or that has hooks or instance-level
+forwards inside (dynamo does not guard on hooks: `HookWatch.plain`) gets its own compiled function, as
 before (its own dynamo cache: 32 layers recompiling one cache would exhaust dynamo's recompile limit of
 8 and later layers would silently run unpatched); so does every instance when the owner's capture had
 a graph break (a refusal in a resumed frame would come after side effects). Identical graphs are still
@@ -437,7 +438,8 @@ class PatchedForward:
         """The function this instance calls: its class's shared capture where there is one to join (or
         to own), else its own."""
         self._watch = self._watch or HookWatch(self.module)
-        if self.saved is None and not self.outer:
+        # Dynamo does not guard on hooks (`skip_nnmodule_hook_guards`): only hook-free instances share.
+        if self.saved is None and not self.outer and self._watch.plain():
             fn = self._target()[0]
             key = (fn, self.digest)
             entry = _CLASS.get(key)
@@ -629,6 +631,12 @@ class HookWatch:
 
     def _sizes(self) -> tuple:
         return tuple(map(len, self.dicts)) + tuple(id(m.__dict__.get("forward")) for m in self.subs)
+
+    def plain(self) -> bool:
+        """No hooks on any module inside, and no instance-level forward there: what a capture of another
+        instance of the class (which dynamo's guards do not check for hooks) may stand for."""
+        own = len(self.dicts) - len(_GLOBAL_HOOKS)
+        return not any(self.dicts[:own]) and all("forward" not in m.__dict__ for m in self.subs)
 
     def _keys(self) -> tuple:
         return tuple(tuple(d) for d in self.dicts)
