@@ -210,16 +210,16 @@ def test_layers_of_one_class_capture_once(tmp_path):
     h = patch(model, plan)
     classes = {type(m).__name__ for _, m in [(q, f.module) for q, f in patched_modules(model)]}
     assert len(patched_modules(model)) == 9 and classes == {"BertEmbeddings", "BertSelfOutput", "BertOutput"}
-    before = timing.snapshot()
+    before, launches = timing.snapshot(), h.launches()
     out = run(model, kw, x)
     spent = timing.since(before)
-    assert spent.get("captures") == 4, spent  # one per class (and one for the hooked layer), not one per instance (9)
+    # one per class (and one for the hooked layer), not one per instance (9); fewer where an earlier test in
+    # this process left a capture of these classes with this plan that serves them
+    assert spent.get("captures", 0) <= 4, spent
     assert torch.equal(out, ref) and seen == [1]
-    launches = {}
-    for s in (s for spec in specs for s in h.site_objects(spec.key)):
-        for caller, n in s.callers.items():
-            launches[caller] = launches.get(caller, 0) + n
-    assert len(launches) == 9, "every patched instance ran the fused sites, served by its class's capture"
+    mine = {id(f) for f in h.forwards.values()}
+    ran = {caller for (site, caller), n in h.launches().items() if caller in mine and n > launches.get((site, caller), 0)}
+    assert len(ran) == 9, "every patched instance ran the fused sites, served by its class's capture"
     # Train mode changes what dynamo guards on: the other instances are refused and capture on their own.
     model.encoder.layer[1].train()
     with torch.no_grad():
