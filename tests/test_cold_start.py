@@ -227,3 +227,38 @@ def test_layers_of_one_class_capture_once(tmp_path):
     assert any(f._via is None and f._owns is None for q, f in patched_modules(model) if q.startswith("encoder.layer.1"))
     model.eval()
     assert torch.equal(run(model, kw, x), ref)
+
+
+def test_a_failed_substitution_is_rolled_back(tmp_path, monkeypatch):
+    """The rewrite copies the graph only before a pattern's first substitution (not before every pattern):
+    a substitution that changes the graph and then fails is still put back whole."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from candidates import RESIDUAL_LAYERNORM  # noqa: E402
+    from test_patch import inputs, plan_for, run, tiny  # noqa: E402
+
+    from advisor.analysis.api import analyze
+    from advisor.bench.trace import profile_calls
+    from advisor.patching import capture, patch, rewrite
+
+    model, kw = tiny("bert", layers=1)
+    x = inputs("bert", seq=12)  # shapes no other test captured: a fresh rewrite
+    ref = run(model, kw, x)
+    a = analyze(profile_calls(lambda: run(model, kw, x), tmp_path, "cpu", calls=1))
+    plan, specs = plan_for(a, [RESIDUAL_LAYERNORM], "program")
+    real = rewrite.substitute
+
+    def half_done(graph, m, pattern, make_site):  # corrupts the graph (outputs negated), then fails
+        out = m.outputs[0]
+        with graph.inserting_after(out):
+            neg = graph.call_function(torch.ops.aten.neg.default, (out,))
+        neg.meta["val"] = out.meta.get("val")
+        out.replace_all_uses_with(neg, delete_user_cb=lambda u: u is not neg)
+        raise RuntimeError("substitution failed half-way")
+
+    monkeypatch.setattr(rewrite, "substitute", half_done)
+    monkeypatch.setattr(capture, "_SHARED", {})
+    monkeypatch.setattr(capture, "_CLASS", {})
+    h = patch(model, plan)
+    assert torch.equal(run(model, kw, x), ref)
+    assert any("substitution failed half-way" in e for e in h.errors())
+    monkeypatch.setattr(rewrite, "substitute", real)

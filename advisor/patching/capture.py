@@ -214,21 +214,30 @@ class Backend:
         self.log.graphs += 1
         device = self.device = _graph_device(gm.graph)
         for spec in self.specs:
-            with timing.timed("copy+lint"):
-                before = _copy_graph(gm.graph)
+            saved: list = []  # the graph before this pattern's first substitution (finding one changes nothing)
+
+            def keep(saved=saved):
+                if not saved:
+                    with timing.timed("copy+lint"):
+                        saved.append(_copy_graph(gm.graph))
+
             try:
-                self._rewrite_one(gm, spec, device)
-                with timing.timed("copy+lint"):
-                    gm.graph.lint()
+                self._rewrite_one(gm, spec, device, keep)
+                if saved:
+                    with timing.timed("copy+lint"):
+                        gm.graph.lint()
             except Exception as e:  # never break the capture: this pattern just stays unpatched here
-                gm.graph = before
+                if saved:
+                    gm.graph = saved[0]
                 self.log.sites.pop(spec.key, None)
                 self.log.errors.append(f"{spec.candidate} {spec.title}: {type(e).__name__}: {e}")
                 self.log.rejected[spec.key].append(f"matcher error: {type(e).__name__}: {e}")
         with timing.timed("recompile"):
             gm.recompile()
 
-    def _rewrite_one(self, gm, spec: PatternSpec, device) -> None:
+    def _rewrite_one(self, gm, spec: PatternSpec, device, keep: Callable[[], None] = lambda: None) -> None:
+        """Substitute every match of one pattern; `keep()` runs before each substitution (the caller keeps
+        the graph as it was before the first, to put back should one fail)."""
         # By content: one pattern id covers every size of a model family, and a pattern built from another
         # model's program (its sizes) would match nothing here.
         pkey = (plan_digest([spec]), str(device))
@@ -242,6 +251,7 @@ class Backend:
                 m = find(pattern, gm.graph, exclude)
             if m is None:
                 return
+            keep()
             with timing.timed("substitute"):
                 result = rewrite.substitute(gm.graph, m, pattern, lambda m: self._site(spec, m))
             if isinstance(result, str):
