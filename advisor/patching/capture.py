@@ -458,7 +458,7 @@ class PatchedForward:
             self._backend, self._compiled = entry.backend, entry.compiled
             if entry.owner() is self:
                 self._owns = entry
-            elif not entry.breaks:
+            elif not entry.breaks and not entry.diverges:
                 self._via = entry
                 return self._compiled
         if self._owns is None:
@@ -533,9 +533,13 @@ class PatchedForward:
         try:
             out = _NOT_SERVED
             if self._via is not None:
+                via = self._via
                 out = _served(fn, lead, args, kwargs)
                 if out is _NOT_SERVED:  # the shared capture's guards refuse this instance: its own from now on
+                    via.refused += 1
                     fn = self._own()
+                else:
+                    via.served += 1
                     ran, captures = graphs_run(), self._backend.captures
             if out is not _NOT_SERVED:
                 pass
@@ -598,6 +602,13 @@ class ClassCapture:
         self.compiled = torch.compile(_fresh(fn), backend=backend, dynamic=False)
         self.owner = weakref.ref(owner)  # the registry keeps no module alive
         self.breaks = False  # the owner's capture broke into several frames: nobody else joins it
+        self.served = self.refused = 0  # calls of other instances it served / instances its guards refused
+
+    @property
+    def diverges(self) -> bool:
+        """Two instances refused and none served (HF layers guarding on their `layer_idx`): the next ones
+        compile their own without asking (a refusal costs dynamo's account of the failed guards)."""
+        return self.refused >= 2 and not self.served
 
 
 def _served(fn: Callable, lead: tuple, args, kwargs):
