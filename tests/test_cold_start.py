@@ -218,7 +218,8 @@ def test_layers_of_one_class_capture_once(tmp_path):
     assert spent.get("captures", 0) <= 4, spent
     assert torch.equal(out, ref) and seen == [1]
     mine = {id(f) for f in h.forwards.values()}
-    ran = {caller for (site, caller), n in h.launches().items() if caller in mine and n > launches.get((site, caller), 0)}
+    ran = {caller for (site, caller), n in h.launches().items()
+           if caller in mine and n > launches.get((site, caller), 0)}
     assert len(ran) == 9, "every patched instance ran the fused sites, served by its class's capture"
     # Train mode changes what dynamo guards on: the other instances are refused and capture on their own.
     model.encoder.layer[1].train()

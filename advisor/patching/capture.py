@@ -454,7 +454,8 @@ class PatchedForward:
             key = (fn, self.digest)
             entry = _CLASS.get(key)
             if entry is None or entry.owner() is None:
-                entry = _CLASS[key] = ClassCapture(fn, Backend(self.specs, self.log(), self.digest, self._may_train), self)
+                backend = Backend(self.specs, self.log(), self.digest, self._may_train)
+                entry = _CLASS[key] = ClassCapture(fn, backend, self)
             self._backend, self._compiled = entry.backend, entry.compiled
             if entry.owner() is self:
                 self._owns = entry

@@ -8,8 +8,9 @@ backend), `backend` (our backend as dynamo timed it: AOTAutograd + the rewrite),
 and substituting every pattern), `patterns` (building the patterns from their programs), `find` (the
 matcher), `substitute`, `recompile` (`gm.recompile`), `launchers` (importing the generated kernel
 modules), `record` (CUDA-graph recordings, their warm-up call included), `captures` (graphs dynamo
-handed the backend), `aot` (the backend less the rewrite: AOTAutograd), `rewrites` (graphs rewritten: shared graphs are rewritten once). Cheap enough
-to stay on: a clock read per phase entered, none on the replay path.
+handed the backend), `aot` (the backend less the rewrite: AOTAutograd), `rewrites` (graphs rewritten:
+shared graphs are rewritten once). Cheap enough to stay on: a clock read per phase entered, none on the
+replay path.
 """
 from __future__ import annotations
 
