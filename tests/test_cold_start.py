@@ -221,6 +221,7 @@ def test_layers_of_one_class_capture_once(tmp_path):
     ran = {caller for (site, caller), n in h.launches().items()
            if caller in mine and n > launches.get((site, caller), 0)}
     assert len(ran) == 9, "every patched instance ran the fused sites, served by its class's capture"
+    assert not h.fallbacks(), h.fallbacks()
     # Train mode changes what dynamo guards on: the other instances are refused and capture on their own.
     model.encoder.layer[1].train()
     with torch.no_grad():

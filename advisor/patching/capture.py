@@ -539,9 +539,9 @@ class PatchedForward:
                 if out is _NOT_SERVED:  # the shared capture's guards refuse this instance: its own from now on
                     via.refused += 1
                     fn = self._own()
+                    captures = self._backend.captures
                 else:
                     via.served += 1
-                    ran, captures = graphs_run(), self._backend.captures
             if out is not _NOT_SERVED:
                 pass
             elif spent:
