@@ -18,6 +18,12 @@ before its clock starts, then builds the model and calls it once eagerly. Per mo
 - `advisor-bundle`: fresh caches, a new process: `advisor.patch(model, bundle)` and the first call.
 - `compile-empty` / `compile-warm`: `torch.compile(model)`'s first call with fresh, then the same caches.
 
+`capture_phases_s` (advisor runs): `advisor.patching.timing` from the start of `optimize` / `patch` to the
+end of the first call: dynamo (its tracing and guards), aot (AOTAutograd), rewrite (our matcher and
+substitution; patterns, find, substitute, copy+lint, recompile within it), launchers (kernel modules
+imported), record (CUDA-graph recordings), captures (graphs dynamo handed us) and rewrites (graphs
+rewritten: shared ones count once). The markdown has the main ones as columns.
+
 `triton_compiles`: entries Triton's caches gained during the timed part (a bundle's installed binaries
 not counted). Writes OUT/cold_start.json and OUT/cold_start.md; OUT/<model>-<run>.log is each child's
 output. Runs past `--budget` seconds are skipped and said so; a child past `--timeout` is killed.
@@ -122,6 +128,9 @@ def child(a, model: str, run: str) -> int:
     call()  # the eager call a user's script makes anyway
     bundle = a.out / f"{model}.fab"
     before = triton_entries()
+    from advisor.patching import timing
+
+    phases_before = timing.snapshot()
     rec: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     t0 = time.perf_counter()
     if run.startswith("compile"):
@@ -146,6 +155,8 @@ def child(a, model: str, run: str) -> int:
         rec["first_call_s"] = round(time.perf_counter() - t1, 3)
         rec.update(phases_s=report.phases_s, patched=[p["title"] for p in report.applied])
     rec["to_first_call_s"] = round(time.perf_counter() - t0, 3)
+    # where the captures' time went, up to the end of the first call (optimize's own calls included)
+    rec["capture_phases_s"] = timing.since(phases_before)
     installed = set()
     if run == "advisor-bundle":  # the bundle's binaries, copied into Triton's cache by `patch`: not compiles
         import zipfile
@@ -192,11 +203,13 @@ def triton_entries() -> set:
 # ------------------------------------------------------------------------------------------ report
 def markdown(doc: dict) -> str:
     cols = ["model", "run", "status", "to first call s", "profile", "analyze", "generate", "patch", "check",
-            "select", "first call s", "Triton compiles", "process s"]
+            "select", "first call s", "dynamo", "aot", "rewrite", "record", "captures", "Triton compiles", "process s"]
     lines = ["# Cold start" + (" (smoke: CPU, interpreter)" if doc.get("smoke") else ""), "",
              "Seconds. `to first call`: from `optimize` / `patch` / `torch.compile` to the end of the first "
              "call after it; phases are `optimize`'s (`check` = its first patched call); `process` "
-             "includes the child's start-up.", "",
+             "includes the child's start-up; dynamo / aot / rewrite / record: `capture_phases_s`, seconds spent "
+             "in dynamo's tracing, AOTAutograd, our rewrite and CUDA-graph recording up to the end of the first "
+             "call (every capture `optimize` makes included), captures: graphs dynamo handed us.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in doc["records"]:
         ph = r.get("phases_s") or {}
@@ -204,7 +217,10 @@ def markdown(doc: dict) -> str:
             ph = {"patch": r.get("patch_s")}
         cells = [r["model"], r["run"], r.get("status", ""), _f(r.get("to_first_call_s")),
                  *(_f(ph.get(k)) for k in ("profile", "analyze", "generate", "patch", "check", "select")),
-                 _f(r.get("first_call_s")), str(r.get("triton_compiles", "")), _f(r.get("process_s"))]
+                 _f(r.get("first_call_s")),
+                 *(_f((r.get("capture_phases_s") or {}).get(k)) for k in ("dynamo", "aot", "rewrite", "record")),
+                 str(int((r.get("capture_phases_s") or {}).get("captures", 0))),
+                 str(r.get("triton_compiles", "")), _f(r.get("process_s"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

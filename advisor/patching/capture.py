@@ -11,11 +11,19 @@ and its generated backward as one autograd Function (`autograd.py`) where that b
 `Backend.training`. A patched forward whose patterns cannot have a backward (stand-ins, matmul
 anchors other than the SPLADE head's, `splade.py`) runs the original code whenever autograd needs it.
 
-Each patched module instance gets its own compiled function (its own dynamo cache: HF layers guard on
-their integer `layer_idx`, so 32 layers sharing one cache would exhaust dynamo's recompile limit of 8
-and later layers would silently run unpatched). Identical graphs are rewritten and compiled once and
-shared by every instance that captures them (`_SHARED`: same plan, same graph code, same input
-layouts), so a 32-layer model pays dynamo's trace per layer but AOTAutograd and the rewrite once.
+Modules of one class with one plan capture once (`ClassCapture`): the first one to run (the owner)
+compiles a function shared by the class; every other instance calls it under dynamo's
+`fail_on_recompile` stance, so it is served by the owner's graph exactly when dynamo's guards accept it
+(parameters are graph inputs, `inline_inbuilt_nn_modules`), and costs no trace: N identical layers,
+one dynamo trace, one AOTAutograd, one rewrite. An instance the guards refuse (HF layers guard on their
+integer `layer_idx` when they index a KV cache; train mode), or that has hooks or instance-level
+forwards inside (dynamo does not guard on hooks: `HookWatch.plain`) gets its own compiled function, as
+before (its own dynamo cache: 32 layers recompiling one cache would exhaust dynamo's recompile limit of
+8 and later layers would silently run unpatched); so does every instance when the owner's capture had
+a graph break (a refusal in a resumed frame would come after side effects). Identical graphs are still
+rewritten and compiled once and shared by every instance that captures them (`_SHARED`: same plan,
+same graph code, same input layouts), so such a model pays dynamo's trace per layer but AOTAutograd
+and the rewrite once.
 A forward captures at most `EXTRA_CAPTURES` more graphs after `optimize` has checked it (new shapes,
 train mode): later new shapes run the original forward instead of recompiling inside the user's loop.
 An outer capture (`outer=True`: a module holding several patched layers, e.g. a decoder stack) runs
@@ -39,6 +47,7 @@ import os
 import threading
 import types
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -48,7 +57,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from advisor.ops.registry import OpClass, op_class
-from advisor.patching import rewrite, splade
+from advisor.patching import rewrite, splade, timing
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import make_host_copies_recordable
 from advisor.patching.match import Pattern, find, is_transparent
@@ -112,10 +121,11 @@ def load_launcher(kernel_file: str) -> Callable:
     fn = _LAUNCHERS.get(key)
     if fn is None:
         name = "advisor_kernel_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
-        mod_spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(mod)
-        fn = _LAUNCHERS[key] = getattr(mod, "run")
+        with timing.timed("launchers"):
+            mod_spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(mod)
+            fn = _LAUNCHERS[key] = getattr(mod, "run")
     return fn
 
 
@@ -143,6 +153,7 @@ class Backend:
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
         self.captures += 1
+        timing.count("captures")
         key = _share_key(self.digest, gm, example_inputs)
         shared = _SHARED.get(key) if key is not None else None
         if shared is not None:
@@ -153,7 +164,9 @@ class Backend:
 
         def inference(g, _):
             drop_identity_copies(g)  # eval-mode dropout: eager runs no kernel for it, AOTAutograd a copy
-            self.rewrite(g)
+            timing.count("rewrites")
+            with timing.timed("rewrite"):
+                self.rewrite(g)
             if self.device.type == "cuda":
                 make_host_copies_recordable(g)
             run = g.forward if self.device.type != "cuda" else \
@@ -193,39 +206,58 @@ class Backend:
         except Exception as e:
             self.log.errors.append(f"training graph not traced: {type(e).__name__}: {e}"[:300])
             return None
-        self.rewrite(g)
+        timing.count("rewrites")
+        with timing.timed("rewrite"):
+            self.rewrite(g)
         return _counted(g.forward)
 
     def rewrite(self, gm: torch.fx.GraphModule) -> None:
         self.log.graphs += 1
         device = self.device = _graph_device(gm.graph)
         for spec in self.specs:
-            before = _copy_graph(gm.graph)
+            saved: list = []  # the graph before this pattern's first substitution (finding one changes nothing)
+
+            def keep(saved=saved):
+                if not saved:
+                    with timing.timed("copy+lint"):
+                        saved.append(_copy_graph(gm.graph))
+
             try:
-                self._rewrite_one(gm, spec, device)
-                gm.graph.lint()
+                self._rewrite_one(gm, spec, device, keep)
+                if saved:
+                    with timing.timed("copy+lint"):
+                        gm.graph.lint()
             except Exception as e:  # never break the capture: this pattern just stays unpatched here
-                gm.graph = before
+                if saved:
+                    gm.graph = saved[0]
                 self.log.sites.pop(spec.key, None)
                 self.log.errors.append(f"{spec.candidate} {spec.title}: {type(e).__name__}: {e}")
                 self.log.rejected[spec.key].append(f"matcher error: {type(e).__name__}: {e}")
-        gm.recompile()
+        with timing.timed("recompile"):
+            gm.recompile()
 
-    def _rewrite_one(self, gm, spec: PatternSpec, device) -> None:
-        """Every occurrence of the pattern, at each of its shapes (a kernel per shape)."""
+    def _rewrite_one(self, gm, spec: PatternSpec, device, keep: Callable[[], None] = lambda: None) -> None:
+        """Substitute every match of one pattern, at each of its shapes (a kernel per shape); `keep()` runs
+        before each substitution (the caller keeps the graph as it was before the first, to put back should
+        one fail)."""
         for shape, (program, kernel_file) in enumerate(spec.shapes()):
             # By content: one pattern id covers every size of a model family, and a pattern built from another
             # model's program (its sizes) would match nothing here.
             pkey = (plan_digest([spec]), shape, str(device))
             pattern = _PATTERNS.get(pkey)
             if pattern is None:
-                pattern = _PATTERNS[pkey] = Pattern.build(program, program_graph(program, device))
+                with timing.timed("patterns"):
+                    pattern = _PATTERNS[pkey] = Pattern.build(program, program_graph(program, device))
             exclude: set = set()
             while True:
-                m = find(pattern, gm.graph, exclude)
+                with timing.timed("find"):
+                    m = find(pattern, gm.graph, exclude)
                 if m is None:
                     break
-                result = rewrite.substitute(gm.graph, m, pattern, lambda m: self._site(spec, m, program, kernel_file))
+                keep()
+                with timing.timed("substitute"):
+                    result = rewrite.substitute(gm.graph, m, pattern,
+                                                lambda m: self._site(spec, m, program, kernel_file))
                 if isinstance(result, str):
                     exclude |= m.g_nodes()
                     self.log.rejected[spec.key].append(result)
@@ -371,6 +403,8 @@ class PatchedForward:
         self._compiled: Callable | None = None
         self._backend: Backend | None = None
         self._watch: HookWatch | None = None
+        self._owns: ClassCapture | None = None  # the class's shared capture, compiled by this instance
+        self._via: ClassCapture | None = None  # the class's shared capture, called without compiling
         self._budget: int | None = None  # calls allowed to capture, in total (None: until `settle`)
         self._capturing_calls = 0  # calls that made dynamo capture at least one graph
         self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
@@ -421,10 +455,32 @@ class PatchedForward:
         self._budget = self._capturing_calls + EXTRA_CAPTURES
 
     def _compile(self) -> Callable:
-        fn = self._target()[0]
+        """The function this instance calls: its class's shared capture where there is one to join (or
+        to own), else its own."""
+        self._watch = self._watch or HookWatch(self.module)
+        # Dynamo does not guard on hooks (`skip_nnmodule_hook_guards`): only hook-free instances share.
+        if self.saved is None and not self.outer and self._watch.plain():
+            fn = self._target()[0]
+            key = (fn, self.digest)
+            entry = _CLASS.get(key)
+            if entry is None or entry.owner() is None:
+                backend = Backend(self.specs, self.log(), self.digest, self._may_train)
+                entry = _CLASS[key] = ClassCapture(fn, backend, self)
+            self._backend, self._compiled = entry.backend, entry.compiled
+            if entry.owner() is self:
+                self._owns = entry
+            elif not entry.breaks and not entry.diverges:
+                self._via = entry
+                return self._compiled
+        if self._owns is None:
+            return self._own()
+        return self._compiled
+
+    def _own(self) -> Callable:
+        """This instance's own compiled function (its own dynamo cache)."""
+        self._via = None
         self._backend = Backend(self.specs, self.log(), self.digest, self._may_train)
-        self._compiled = torch.compile(_fresh(fn), backend=self._backend, dynamic=False)
-        self._watch = HookWatch(self.module)
+        self._compiled = torch.compile(_fresh(self._target()[0]), backend=self._backend, dynamic=False)
         return self._compiled
 
     def _fall_back(self, why: str, args, kwargs):
@@ -468,6 +524,8 @@ class PatchedForward:
         if self.failed:
             return self._fall_back(self.failed, args, kwargs)
         fn = self._compiled or self._compile()
+        if self._via is not None and self._via.breaks:
+            fn = self._own()
         changed = self._watch.changed()
         if changed:
             if changed not in self.fallbacks:
@@ -482,8 +540,21 @@ class PatchedForward:
         scoped = self.enabled is not None and rewrite.enabled_keys() is None  # an `only()` block decides itself
         if scoped:
             rewrite.set_enabled(self.enabled)
+        breaks = _graph_breaks() if self._owns is not None else None
         try:
-            if spent:
+            out = _NOT_SERVED
+            if self._via is not None:
+                via = self._via
+                out = _served(fn, lead, args, kwargs)
+                if out is _NOT_SERVED:  # the shared capture's guards refuse this instance: its own from now on
+                    via.refused += 1
+                    fn = self._own()
+                    captures = self._backend.captures
+                else:
+                    via.served += 1
+            if out is not _NOT_SERVED:
+                pass
+            elif spent:
                 with torch.compiler.set_stance("eager_on_recompile"):
                     out = fn(*lead, *args, **kwargs)
             else:
@@ -501,6 +572,8 @@ class PatchedForward:
                 rewrite.set_enabled(None)
         if self._backend.captures > captures:
             self._capturing_calls += 1
+            if breaks is not None and _graph_breaks() > breaks:
+                self._owns.breaks = True  # the other instances compile their own from now on
         if graphs_run() == ran:  # dynamo ran the frame without our graph (recompile limit, skipped frame)
             why = "new input shapes or modes after the capture budget" if spent \
                 else "dynamo ran it without a captured graph"
@@ -526,6 +599,47 @@ class PatchedForward:
         return f"<fusion-advisor patched forward of {type(self.module).__name__} ({tier}{', '.join(self.keys)})>"
 
 
+_CLASS: dict = {}  # (captured function, plan digest) -> ClassCapture
+_NOT_SERVED = object()
+_REFUSED = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+
+
+class ClassCapture:
+    """One compiled function shared by the patched instances of a class that have one plan: compiled (and
+    recompiled) only by its owner, the first instance that ran; the others call it without compiling."""
+
+    def __init__(self, fn: Callable, backend: Backend, owner: PatchedForward):
+        self.backend = backend
+        self.compiled = torch.compile(_fresh(fn), backend=backend, dynamic=False)
+        self.owner = weakref.ref(owner)  # the registry keeps no module alive
+        self.breaks = False  # the owner's capture broke into several frames: nobody else joins it
+        self.served = self.refused = 0  # calls of other instances it served / instances its guards refused
+
+    @property
+    def diverges(self) -> bool:
+        """Two instances refused and none served (HF layers guarding on their `layer_idx`): the next ones
+        compile their own without asking (a refusal costs dynamo's account of the failed guards)."""
+        return self.refused >= 2 and not self.served
+
+
+def _served(fn: Callable, lead: tuple, args, kwargs):
+    """The shared capture's output, or `_NOT_SERVED` when dynamo would have to compile for these inputs
+    (its guards refuse them: raised before the frame runs, so nothing ran)."""
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return fn(*lead, *args, **kwargs)
+    except RuntimeError as e:
+        if str(e).startswith(_REFUSED):
+            return _NOT_SERVED
+        raise
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 
@@ -549,6 +663,12 @@ class HookWatch:
 
     def _sizes(self) -> tuple:
         return tuple(map(len, self.dicts)) + tuple(id(m.__dict__.get("forward")) for m in self.subs)
+
+    def plain(self) -> bool:
+        """No hooks on any module inside, and no instance-level forward there: what a capture of another
+        instance of the class (which dynamo's guards do not check for hooks) may stand for."""
+        own = len(self.dicts) - len(_GLOBAL_HOOKS)
+        return not any(self.dicts[:own]) and all("forward" not in m.__dict__ for m in self.subs)
 
     def _keys(self) -> tuple:
         return tuple(tuple(d) for d in self.dicts)

@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from advisor.patching import rewrite
+from advisor.patching import rewrite, timing
 
 MAX_GRAPHS = 64  # per captured function: layers x `only` states seen while timing patterns
 MAX_STORAGE_RATIO = 4  # copy a view's whole storage only when it is at most this much larger
@@ -172,7 +172,8 @@ class Graphed:
         rec = self.recordings.get(key)
         if rec is None:
             try:
-                rec = self._record(args)
+                with timing.timed("record"):
+                    rec = self._record(args)
             except Exception as e:  # an op that cannot be recorded: this function runs op by op from now on
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{_where(e)}"
                 self.failed_trace = traceback.format_exc()  # the whole of it, for a bug report
