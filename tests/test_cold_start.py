@@ -197,7 +197,7 @@ def test_layers_of_one_class_capture_once(tmp_path):
     from test_patch import inputs, plan_for, run, tiny  # noqa: E402
 
     from advisor.analysis.api import analyze
-    from advisor.bench.trace import profile_calls
+    from advisor.collect.in_process import profile_calls
     from advisor.patching import patch, patched_modules, timing
 
     model, kw = tiny("bert", layers=4)
@@ -239,7 +239,7 @@ def test_a_failed_substitution_is_rolled_back(tmp_path, monkeypatch):
     from test_patch import inputs, plan_for, run, tiny  # noqa: E402
 
     from advisor.analysis.api import analyze
-    from advisor.bench.trace import profile_calls
+    from advisor.collect.in_process import profile_calls
     from advisor.patching import capture, patch, rewrite
 
     model, kw = tiny("bert", layers=1)
