@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from addmm_paths import kernel_names  # noqa: E402  (bench/ beside it)
 
 HEADS = {  # name: (tokens, K, N, bias)
     "gpt2 lm_head (suite)": (8192, 1024, 50257, False),
@@ -47,17 +50,6 @@ def linear_program(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
             "outputs": [{"id": "v0", "shape": out_shape, "strides": out_strides, "dtype": str(x.dtype)[6:]}],
             "inplace": False}
     return {"inputs": inputs, "nodes": [node], "outputs": ["v0"]}
-
-
-def kernel_names(fn) -> list[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name[:90] for e in prof.events() if e.device_type.name == "CUDA"]
 
 
 def main() -> None:
