@@ -552,12 +552,10 @@ class PatchedForward:
                     captures = self._backend.captures
                 else:
                     via.served += 1
-            if out is not _NOT_SERVED:
-                pass
-            elif spent:
+            if out is _NOT_SERVED and spent:
                 with torch.compiler.set_stance("eager_on_recompile"):
                     out = fn(*lead, *args, **kwargs)
-            else:
+            elif out is _NOT_SERVED:
                 out = fn(*lead, *args, **kwargs)
         except Exception as e:
             # A capture that cannot run (dynamo limitation, launcher import error, ...): say so once,

@@ -104,7 +104,8 @@ class Plan:
 def spec_from_candidate(c: dict, replacement: str = "kernel", kernel_file: str | None = None,
                         device_type: str | None = None, variants: list | None = None) -> PatternSpec:
     """The pattern to patch for analysis.json candidate `c`. `variants`: [{"index", "kernel_file"}] of its
-    other shapes to patch too (their programs are read from `c`); stand-ins patch every shape."""
+    other shapes to patch too (apply.json's records of them, or a manifest's; their programs are read from
+    `c`; one whose kernel did not validate is left out); stand-ins patch every shape."""
     if replacement not in REPLACEMENTS:
         raise AdvisorError(f"replacement must be one of {', '.join(REPLACEMENTS)} (got {replacement!r})")
     return PatternSpec(candidate=c["id"], pattern_id=c["pattern_id"], title=c["title"], program=c["program"],
@@ -118,7 +119,7 @@ def _variants(c: dict, replacement: str, chosen: list | None) -> list:
     if replacement != "kernel":
         chosen = [{"index": i, "kernel_file": None} for i in range(1, len(programs) + 1)]
     return [{"index": v["index"], "program": programs[v["index"] - 1], "kernel_file": v["kernel_file"]}
-            for v in chosen or [] if 0 < v["index"] <= len(programs)]
+            for v in chosen or [] if v.get("validated", True) and 0 < v["index"] <= len(programs)]
 
 
 def occurrence_modules(analysis) -> dict[str, list[str]]:
@@ -257,7 +258,7 @@ def load_plan(out_dir: Path) -> Plan:
         if c is None or not p.get("validated") or not p.get("kernel_file"):
             continue
         s = spec_from_candidate(c, "kernel", p["kernel_file"], p.get("device_type") or doc["device"]["type"],
-                                [v for v in p.get("variants") or [] if v.get("validated")])
+                                p.get("variants"))
         specs.setdefault(s.key, s)
     if not specs:
         raise AdvisorError(f"{apply_p} lists no validated kernel to patch in")

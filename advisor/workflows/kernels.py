@@ -47,7 +47,7 @@ def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
             specs.append(spec_from_candidate(c.to_json(), replacement))
         elif r.validated and r.kernel_file:
             specs.append(spec_from_candidate(c.to_json(), "kernel", r.kernel_file, r.device_type or device_type,
-                                             [v for v in r.variants or [] if v["validated"]]))
+                                             r.variants))
     rank = {c.id: i for i, c in enumerate(top_candidates)}
     return specs, sorted(records + negligible, key=lambda r: rank[r.candidate])
 
