@@ -42,11 +42,58 @@ def kernels(call, calls: int = 5) -> dict:
     return {k: {"us": round(v[0], 1), "n": round(v[1], 2)} for k, v in sorted(by.items(), key=lambda kv: -kv[1][0])}
 
 
+def output_errors(states: dict, eager, eager_model, model, args, kwargs, handle, run) -> dict:
+    """Each state's output, and each pattern's alone, against eager and against a float32 copy of the model
+    (the reference optimize's check judges by): what a rounding difference costs over the whole network."""
+    import torch
+
+    from advisor.patching import only
+    from advisor.patching.verify import float32_reference
+    from advisor.workflows.selection import state
+
+    def first(x):
+        while isinstance(x, (tuple, list)) or hasattr(x, "logits"):
+            x = x.logits if hasattr(x, "logits") else x[0]
+        return x.float()
+
+    def err(o, r):
+        return [round(float((o - r).norm() / r.norm().clamp_min(1e-30)), 5), round(float((o - r).abs().max()), 4)]
+
+    exact_fn = float32_reference(model, args, kwargs)
+    exact, ref = first(exact_fn()) if exact_fn else None, first(eager())
+    runs = dict(states)
+    for s in handle.plan.patterns if handle is not None else []:
+        if handle.sites(s.key):
+            runs[f"alone {s.candidate}"] = run(model, lambda k=s.key: state({k}, False))
+        if handle.outer:
+            runs[f"whole, alone {s.candidate}"] = run(model, lambda k=s.key: state({k}, True))
+    from advisor.patching import patch
+    from advisor.patching.capture import launched_sites
+
+    key_to_candidate = {s.key: s.candidate for s in handle.plan.patterns} if handle is not None else {}
+    twin = copy.deepcopy(eager_model)
+    twin_handle = patch(twin, handle.plan) if handle is not None else None
+    for k in ("first call", "second call"):  # a fresh patch of a copy: what optimize's check saw
+        runs[f"fresh patch, {k}"] = (run(twin), twin_handle)
+    out = {}
+    for name, f in runs.items():
+        f, h = f if isinstance(f, tuple) else (f, handle)
+        before = h.launches() if h is not None else {}
+        o = first(f())
+        ran = launched_sites(before, h.launches()) if h is not None else {}
+        out[name] = {"vs_eager": err(o, ref), "vs_fp32": err(o, exact) if exact is not None else None,
+                     "sites launched": {key_to_candidate.get(k, k): n for k, n in sorted(ran.items())}}
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--compile", action="store_true", help="also torch.compile's kernels")
+    p.add_argument("--keep-all", action="store_true",
+                   help="patch every validated pattern even where optimize's output check would drop one "
+                        "(to measure the errors that made it drop them)")
     a = p.parse_args()
     import torch
 
@@ -59,6 +106,14 @@ def main() -> int:
     model, inputs, shape = MODELS[a.model]("cuda", torch.bfloat16)
     untouched = copy.deepcopy(model)
     args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
+    if a.keep_all:
+        from advisor.workflows import live_model
+        from advisor.patching.verify import Check, check
+
+        def check_only(call, handle, exact=None):  # the check's verdict is recorded, nothing dropped
+            c = check(call, handle, exact)
+            return Check(c.comparison, {}, handle, c.output, c.seconds) if c.dropped else c
+        live_model.check = check_only
     report = advisor.optimize(model, inputs, select=False)
 
     def run(m, ctx=None):
@@ -94,12 +149,17 @@ def main() -> int:
                        "trace": g.failed_trace}
                       for g in list(graphs._LIVE)],
            "fallbacks": report.handle.fallbacks()}
+    doc["check"] = report.check
+    doc["patterns"] = [{"candidate": r.candidate, "title": r.title, "status": r.to_json()["status"]} for r in report.results]
+    doc["errors"] = output_errors(states, run(untouched), untouched, model, args, kwargs, report.handle, run)
     from torch._dynamo.utils import counters
     doc["dynamo"] = {k: {str(kk): vv for kk, vv in list(v.items())[:10]} for k, v in counters.items()
                      if k in ("graph_break", "unimplemented")}
     eager = doc["states"]["eager"]
     lines = [f"# {a.model}: {shape}", "", f"wall ms per call: {walls}", f"graphs: {doc['graphs']}",
-             f"fallbacks: {doc['fallbacks']}", f"dynamo: {doc['dynamo']}", ""]
+             f"fallbacks: {doc['fallbacks']}", f"dynamo: {doc['dynamo']}", f"check: {doc['check']}",
+             "", "output error (rel_l2, max_abs) vs eager and vs a float32 copy:"]
+    lines += [f"- {k}: {v}" for k, v in doc["errors"].items()] + [""]
     for name, ks in doc["states"].items():
         total = sum(v["us"] for v in ks.values())
         lines.append(f"## {name}: {total:.0f} µs of kernels per call, {sum(v['n'] for v in ks.values()):.0f} launches")
@@ -113,6 +173,8 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"kernels-{a.model}.json").write_text(json.dumps(doc, indent=1))
     (a.out / f"kernels-{a.model}.md").write_text("\n".join(lines))
+    import shutil
+    shutil.copytree(report.out_dir / "kernels", a.out / f"kernels-{a.model}", dirs_exist_ok=True)
     print("\n".join(lines))
     return 0
 

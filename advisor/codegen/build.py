@@ -13,9 +13,6 @@ from advisor.codegen.dag import Dag, Node, opmath
 from advisor.codegen.ir import Dim, Input, Op, Program, View
 from advisor.ops.lowering import Args, Unsupported
 
-ROUNDING = {"aten::_to_copy", "aten::copy", "aten::_autocast_to_reduced_precision"}
-
-
 class Builder:
     def __init__(self, prog: Program, dag: Dag):
         self.p, self.dag = prog, dag
@@ -148,9 +145,12 @@ class Builder:
         return self.finish(node, op, out)
 
     def finish(self, node: Node, op: Op, out: torch.dtype) -> Node:
-        """The op's result as registers of its output dtype: narrowing conversions round first."""
-        base = op.name.rstrip("_") if op.name.endswith("_") and not op.name.endswith("__") else op.name
-        if base in ROUNDING and out in (torch.bfloat16, torch.float16) and node.dtype.is_floating_point:
+        """The op's result as registers of its output dtype, rounded where eager rounds: an op whose output
+        is bf16/fp16 stores it in that precision, so the kernel rounds it there too (in fp32 registers).
+        Left unrounded (as Inductor does by default) a fused BatchNorm + residual add drifted 4x further from
+        float32 than eager over ResNet-50 on the H100 (rel_l2 0.0108 vs 0.0027; torch.compile's own output
+        0.0102), and optimize's output check rightly refused it; rounded, the kernel's output is eager's."""
+        if out in (torch.bfloat16, torch.float16) and node.dtype.is_floating_point:
             node = self.dag.round_to(self.dag.cast(node, torch.float32), out)
         res = self.dag.cast(node, opmath(out), logical=out)
         res.logical = out

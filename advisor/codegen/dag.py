@@ -85,11 +85,8 @@ class Dag:
         """Round an fp32 register to bf16/fp16 precision (an explicit conversion in the program)."""
         if x.logical == dtype and x.kind in ("load", "cast") and (x.kind == "load" or x.inputs[0].kind == "load"):
             return x  # already exactly representable
-        if dtype == torch.bfloat16 and x.dtype == torch.float32:
-            # Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even, as torch does):
-            # the helper rounds in bits, the same on both (found by tests/test_fuzz.py).
-            return self.add("cast", "_round_bf16({})", (x,), dtype=x.dtype, logical=dtype, hint="",
-                            comment="round to bfloat16")
+        # Two conversions, rounding to nearest even as torch does (in Triton's interpreter too: see
+        # `advisor.interpreter.round_like_the_gpu`): cheaper than rounding in bits where every op rounds.
         return self.add("cast", f"{{}}.to({tl_type(dtype)}).to({tl_type(x.dtype)})", (x,), dtype=x.dtype,
                         logical=dtype, hint="", comment=f"round to {str(dtype)[6:]}")
 

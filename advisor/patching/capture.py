@@ -40,7 +40,6 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
-import importlib.util
 import inspect
 import json
 import os
@@ -56,6 +55,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from advisor.codegen.cache import load_module
 from advisor.ops.registry import OpClass, op_class
 from advisor.patching import rewrite, splade, timing
 from advisor.patching.graphs import Graphed
@@ -122,10 +122,7 @@ def load_launcher(kernel_file: str) -> Callable:
     if fn is None:
         name = "advisor_kernel_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
         with timing.timed("launchers"):
-            mod_spec = importlib.util.spec_from_file_location(name, path)
-            mod = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(mod)
-            fn = _LAUNCHERS[key] = getattr(mod, "run")
+            fn = _LAUNCHERS[key] = load_module(path, name).run
     return fn
 
 
