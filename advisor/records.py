@@ -155,7 +155,7 @@ class Verdict:
 # apply.json's pattern keys, in the order the workflows write them: the record as generated
 # (`workflows.generate`), then what the patching workflows add (`workflows.kernels`, `outcome`, `selection`).
 RESULT_KEYS = ("candidate", "pattern_id", "title", "kernel_file", "validated", "reason", "errors", "measured",
-               "source", "cached", "device_type", "memory_saved_bytes", "alternatives", "launcher_ms", "launcher",
+               "source", "cached", "device_type", "seconds", "memory_saved_bytes", "alternatives", "launcher_ms", "launcher",
                "launcher_note", "variants", "replacement", "est_time_saved_us", "occurrences", "sites", "patched",
                "status_code", "status", "applied_alone", "kept")
 RESULT_ALWAYS = RESULT_KEYS[:RESULT_KEYS.index("device_type") + 1]  # every record has these; the rest when known
@@ -178,6 +178,9 @@ class PatternResult:
     source: str | None = None  # the kernel module's text
     cached: bool | None = None
     device_type: str | None = None
+    # Where generate's time went, per job: {"generate": codegen, "validate": Triton's compile at each
+    # validation shape + the references} (+ "shapes": the other shapes' jobs, "alternatives": their timing)
+    seconds: dict | None = None
     memory_saved_bytes: int | None = None  # matmul-anchored kernels
     alternatives: dict | None = None  # {name: {validated, reason, rel_l2}} (attention's `run_sdpa`)
     launcher_ms: dict | None = None

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from advisor.bench.timing import Stopwatch
 from advisor.codegen import GENERATOR_VERSION, Unsupported, generate
 from advisor.codegen.anchored import AnchoredGenerated, generate_anchored
 from advisor.codegen.cache import load_module
@@ -74,14 +75,21 @@ def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None
     results = []
     for c, entry in zip(chosen, entries):
         if c.variants:
+            shape_jobs = [next(shape_entries) for _ in c.variants]
             entry = dataclasses.replace(entry, variants=[
                 {"index": i, "validated": e.validated, "kernel_file": e.kernel_file if e.validated else None,
-                 "reason": e.reason} for i, e in enumerate((next(shape_entries) for _ in c.variants), 1)])
+                 "reason": e.reason} for i, e in enumerate(shape_jobs, 1)],
+                seconds={**(entry.seconds or {}),
+                         "shapes": round(sum(sum((e.seconds or {}).values()) for e in shape_jobs), 3)})
         if not interpreted() and entry.validated and \
                 any(a.get("validated") for a in (entry.alternatives or {}).values()):
+            clock = Stopwatch()
             try:  # the module again, in this process: the generator's cache and Triton's make it cheap
-                gen = generate_anchored(c.program, c.kind.value)
-                entry = choose_launcher(entry, time_alternatives(gen, load_module(gen.path), entry.alternatives))
+                with clock("alternatives"):
+                    gen = generate_anchored(c.program, c.kind.value)
+                    times = time_alternatives(gen, load_module(gen.path), entry.alternatives)
+                entry = choose_launcher(dataclasses.replace(entry, seconds={**(entry.seconds or {}), **clock.seconds}),
+                                        times)
             except Exception as e:  # timing is an optimisation: the validated kernel stays `run`
                 entry = dataclasses.replace(entry, launcher_note=f"alternatives not timed: {type(e).__name__}: {e}"[:300])
         results.append(_report(entry, on_result))
@@ -144,13 +152,16 @@ def _job(c: Candidate, out_dir: Path) -> PatternResult:
     entry = pattern_record(c, reason=skip_reason(c))
     if entry.reason is not None:
         return entry
+    clock = Stopwatch()
     try:
-        gen = generate_anchored(c.program, c.kind.value) if c.kind.anchored else generate(c.program)
+        with clock("generate"):
+            gen = generate_anchored(c.program, c.kind.value) if c.kind.anchored else generate(c.program)
         entry = dataclasses.replace(entry, cached=gen.cached)
-        module = load_module(gen.path)
-        check = validate(gen, module)
+        with clock("validate"):
+            module = load_module(gen.path)
+            check = validate(gen, module)
         entry = dataclasses.replace(entry, validated=check.validated, reason=check.reason, errors=check.errors,
-                                    device_type="cpu" if interpreted() else "cuda")
+                                    device_type="cpu" if interpreted() else "cuda", seconds=clock.seconds)
         if c.kind.anchored:
             entry = dataclasses.replace(entry, memory_saved_bytes=gen.memory_saved_bytes,
                                         alternatives=validate_alternatives(gen, module))
