@@ -81,8 +81,8 @@ for _name in ("check", "float32_reference"):
             return _f(*a, **k)
     setattr(_lm, _name, _w)
 prof = cProfile.Profile() if os.environ.get("PROF") else None
-def call():
-    with torch.no_grad():
+def call(mode=torch.no_grad):
+    with mode():
         return m(**inputs, **({"use_cache": False} if os.environ.get("NOCACHE") else {}))
 if prof: prof.enable()
 snap0 = timing.snapshot()
@@ -90,7 +90,7 @@ t0 = time.perf_counter()
 if phase == "reuse":
     r = advisor.optimize(m, inputs, interpret=True, out=work + "/reuse")
     h = r.handle
-    print("reused", r.phases_s, "outer_on", h.outer_on)
+    print("reused", r.phases_s, "check steps", r.check.get("seconds"), "outer_on", h.outer_on)
 else:
     h = advisor.patch(m, work + "/plan.fab")
     print("patch_s", round(time.perf_counter() - t0, 3), "outer_on", h.outer_on)
@@ -104,6 +104,11 @@ snap2 = timing.snapshot()
 call()
 t3 = time.perf_counter()
 snap3 = timing.snapshot()
+call(torch.inference_mode)  # the other way users call a model: should cost no capture of its own
+t4 = time.perf_counter()
+snap4 = timing.snapshot()
+print("first inference-mode call", round(t4 - t3, 3), "phases:",
+      {k: round(snap4.get(k,0)-snap3.get(k,0),3) for k in sorted(snap4) if snap4.get(k,0)-snap3.get(k,0)>5e-4})
 print("phases in second call:", {k: round(snap3.get(k,0)-snap2.get(k,0),3) for k in sorted(snap3) if snap3.get(k,0)-snap2.get(k,0)>5e-4})
 if prof:
     prof.disable(); prof.dump_stats(work + f"/{phase}-{'outer' if outer else 'layer'}.prof")

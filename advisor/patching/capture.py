@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.hooks import RemovableHandle
 
 from advisor.ops.registry import OpClass, op_class
@@ -518,7 +518,21 @@ class PatchedForward:
                 self._may_train = False
                 self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
             return out
+        if torch.is_inference_mode_enabled():
+            return self._call_as_no_grad(m, args, kwargs)
         return self._call(m, args, kwargs)
+
+    def _call_as_no_grad(self, m, args, kwargs):
+        """A call in inference mode, run as a `no_grad` call: the same capture serves both. Dynamo's tensor
+        guards hold each tensor's dispatch keys as the thread's dispatch state sees them, and inference mode
+        changes them for every tensor (it excludes the autograd keys; inference tensors lack them too), so
+        each mode would cost a trace of its own (measured: Llama's whole stack, 1.6 s on a 2-core CPU).
+        Inference tensors among the inputs are passed as normal tensors over the same memory (no copy, so
+        in-place writes reach the caller's tensor); no autograd is recorded either way. The outputs are then
+        normal tensors that do not require grad, where eager would hand out inference tensors."""
+        with torch.inference_mode(False), torch.no_grad():
+            args, kwargs = tree_map_only(torch.Tensor, _as_normal_tensor, (args, kwargs))
+            return self._call(m, args, kwargs)
 
     def _call(self, m, args, kwargs):
         if self.failed:
@@ -681,6 +695,16 @@ class HookWatch:
             return "hooks registered or removed after patching"
         self.next_id = RemovableHandle.next_id  # a hook elsewhere (a tensor's, another model's)
         return None
+
+
+def _as_normal_tensor(t: torch.Tensor) -> torch.Tensor:
+    """An inference tensor's memory as a normal tensor (outside inference mode): same storage, offset, sizes
+    and strides. Left as they are: normal tensors, subclasses and layouts or bits a bare storage view
+    would lose (sparse, conjugate, negative); dynamo's guards then decide whether the capture serves them."""
+    if not t.is_inference() or type(t) is not torch.Tensor or t.layout != torch.strided or t.is_conj() or t.is_neg():
+        return t
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
+                                                               t.stride())
 
 
 def _needs_autograd(m: torch.nn.Module, args, kwargs) -> bool:
