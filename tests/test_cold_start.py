@@ -328,3 +328,41 @@ def test_inference_tensor_inputs_are_written_in_place():
     assert torch.equal(x, torch.arange(12.0).reshape(3, 4)[:, 1:] * 2)
     plain = torch.ones(2)
     assert _as_normal_tensor(plain) is plain
+
+
+def test_a_reused_plan_captures_once_in_a_new_process(tmp_path):
+    """Issue 17, the warm-cache path: `optimize` in a new process on a model and inputs optimised before
+    reuses the stored plan, checks it against the unpatched model (one patched call: one capture, where
+    it captured again under inference mode before) and hands back a model whose first call in either
+    mode costs no capture and computes what the unpatched model does."""
+    code = MODEL + '''
+import json, advisor, torch
+from advisor.patching import timing
+model, (x, b) = build()
+with torch.no_grad():
+    want = model(x, b)
+before = timing.snapshot()
+report = advisor.optimize(model, (x, b), top=4, interpret=True)
+in_optimize = timing.since(before).get("captures", 0)
+applied = json.loads((report.out_dir / "apply.json").read_text())
+calls = {}
+for mode in (torch.no_grad, torch.inference_mode):
+    before = timing.snapshot()
+    with mode():
+        got = model(x, b)
+    calls[mode.__name__] = {"captures": timing.since(before).get("captures", 0), "err": (got - want).abs().max().item()}
+print(json.dumps({"reused": applied["plan_reused"], "patched": len(report.applied), "in_optimize": in_optimize,
+                  "calls": calls}))
+'''
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FUSION_ADVISOR_CACHE": str(tmp_path / "cache")}
+    runs = []
+    for _ in range(2):  # the first stores the plan, the second (a new process) reuses it
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                           cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    first, warm = runs
+    assert not first["reused"] and warm["reused"] and warm["patched"] == first["patched"] >= 1, runs
+    assert warm["in_optimize"] == 1, warm  # the Tiny model's one patched module, captured once
+    for mode, call in warm["calls"].items():
+        assert call["captures"] == 0 and call["err"] < 1e-4, (mode, warm)
