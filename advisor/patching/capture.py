@@ -24,6 +24,9 @@ a graph break (a refusal in a resumed frame would come after side effects). Iden
 rewritten and compiled once and shared by every instance that captures them (`_SHARED`: same plan,
 same graph code, same input layouts), so such a model pays dynamo's trace per layer but AOTAutograd
 and the rewrite once.
+A call in inference mode runs the capture a `no_grad` call made (its inference tensors passed as normal
+tensors over the same memory, `PatchedForward._call_as_no_grad`): dynamo's guards would otherwise tell
+the two modes apart and trace every module once per mode.
 A forward captures at most `EXTRA_CAPTURES` more graphs after `optimize` has checked it (new shapes,
 train mode): later new shapes run the original forward instead of recompiling inside the user's loop.
 An outer capture (`outer=True`: a module holding several patched layers, e.g. a decoder stack) runs
