@@ -10,7 +10,8 @@
 `build` leaves the outer capture on in the stored plan and the bundle (as selection does on the H100's
 Llama). FAKE_KERNELS=1: sites run their original ops instead of the interpreted kernels (seconds per
 launch on the CPU, nothing like a GPU), so what is left is the capture's own cost; PROF=1 writes a
-cProfile. Prints `advisor.patching.timing` phases for optimize/patch and for the first call. The plan
+cProfile. Prints `advisor.patching.timing` phases for optimize/patch, for the first call (no_grad) and for
+the first call under inference mode after it (`reuse` also prints `optimize`'s check steps). The plan
 cache's source digest is pinned so that two checkouts can reuse one stored plan (before/after timings).
 """
 import os, sys, time, json, cProfile, pstats
