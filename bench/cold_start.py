@@ -218,7 +218,8 @@ def markdown(doc: dict) -> str:
              "includes the child's start-up; dynamo / aot / rewrite / record: `capture_phases_s`, seconds spent "
              "in dynamo's tracing, AOTAutograd, our rewrite and CUDA-graph recording up to the end of the first "
              "call (every capture `optimize` makes included), captures: graphs dynamo handed us; first "
-             "inference-mode call: the first call under `torch.inference_mode` after that, and dynamo's seconds in it.", "",
+             "inference-mode call: the first call under `torch.inference_mode` after that, and dynamo's "
+             "seconds in it.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in doc["records"]:
         ph = r.get("phases_s") or {}
