@@ -24,6 +24,10 @@ substitution; patterns, find, substitute, copy+lint, recompile within it), launc
 imported), record (CUDA-graph recordings), captures (graphs dynamo handed us) and rewrites (graphs
 rewritten: shared ones count once). The markdown has the main ones as columns.
 
+`first_inference_call_s`: the first call under `torch.inference_mode` after that first (`no_grad`) call, and
+`inference_call_phases_s` its phases (dynamo's guards tell the modes apart: a capture of its own unless the
+first call's serves it; torch.compile recompiles).
+
 `triton_compiles`: entries Triton's caches gained during the timed part (a bundle's installed binaries
 not counted). Writes OUT/cold_start.json and OUT/cold_start.md; OUT/<model>-<run>.log is each child's
 output. Runs past `--budget` seconds are skipped and said so; a child past `--timeout` is killed.
@@ -119,9 +123,9 @@ def child(a, model: str, run: str) -> int:
     m, inputs = build(model, device, a.smoke)
     args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), dict(inputs))
 
-    def call():
-        with torch.no_grad():
-            m(*args, **kwargs)
+    def call(target=m, mode=torch.no_grad):
+        with mode():
+            target(*args, **kwargs)
         if device == "cuda":
             torch.cuda.synchronize()
 
@@ -133,12 +137,10 @@ def child(a, model: str, run: str) -> int:
     phases_before = timing.snapshot()
     rec: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     t0 = time.perf_counter()
+    target = m
     if run.startswith("compile"):
-        compiled = torch.compile(m)
-        with torch.no_grad():
-            compiled(*args, **kwargs)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        target = torch.compile(m)
+        call(target)
         rec["first_call_s"] = round(time.perf_counter() - t0, 3)
     elif run == "advisor-bundle":
         handle = advisor.patch(m, bundle)
@@ -165,6 +167,11 @@ def child(a, model: str, run: str) -> int:
             installed = set(json.loads(z.read("header.json")).get("binaries") or [])
         rec["binaries_installed"] = len(installed)
     rec["triton_compiles"] = len({e for e in triton_entries() - before if Path(e).name not in installed})
+    # The other way users call a model: a capture of its own, unless the first call's serves it too
+    phases_before, t3 = timing.snapshot(), time.perf_counter()
+    call(target, torch.inference_mode)
+    rec["first_inference_call_s"] = round(time.perf_counter() - t3, 3)
+    rec["inference_call_phases_s"] = timing.since(phases_before)
     if run == "advisor-empty":
         t2 = time.perf_counter()
         advisor.save_bundle(report, bundle)
@@ -203,13 +210,16 @@ def triton_entries() -> set:
 # ------------------------------------------------------------------------------------------ report
 def markdown(doc: dict) -> str:
     cols = ["model", "run", "status", "to first call s", "profile", "analyze", "generate", "patch", "check",
-            "select", "first call s", "dynamo", "aot", "rewrite", "record", "captures", "Triton compiles", "process s"]
+            "select", "first call s", "dynamo", "aot", "rewrite", "record", "captures", "Triton compiles",
+            "first inference-mode call s", "its dynamo", "process s"]
     lines = ["# Cold start" + (" (smoke: CPU, interpreter)" if doc.get("smoke") else ""), "",
              "Seconds. `to first call`: from `optimize` / `patch` / `torch.compile` to the end of the first "
              "call after it; phases are `optimize`'s (`check` = its first patched call); `process` "
              "includes the child's start-up; dynamo / aot / rewrite / record: `capture_phases_s`, seconds spent "
              "in dynamo's tracing, AOTAutograd, our rewrite and CUDA-graph recording up to the end of the first "
-             "call (every capture `optimize` makes included), captures: graphs dynamo handed us.", "",
+             "call (every capture `optimize` makes included), captures: graphs dynamo handed us; first "
+             "inference-mode call: the first call under `torch.inference_mode` after that, and dynamo's "
+             "seconds in it.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in doc["records"]:
         ph = r.get("phases_s") or {}
@@ -220,7 +230,8 @@ def markdown(doc: dict) -> str:
                  _f(r.get("first_call_s")),
                  *(_f((r.get("capture_phases_s") or {}).get(k)) for k in ("dynamo", "aot", "rewrite", "record")),
                  str(int((r.get("capture_phases_s") or {}).get("captures", 0))),
-                 str(r.get("triton_compiles", "")), _f(r.get("process_s"))]
+                 str(r.get("triton_compiles", "")), _f(r.get("first_inference_call_s")),
+                 _f((r.get("inference_call_phases_s") or {}).get("dynamo")), _f(r.get("process_s"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -10,7 +10,8 @@
 `build` leaves the outer capture on in the stored plan and the bundle (as selection does on the H100's
 Llama). FAKE_KERNELS=1: sites run their original ops instead of the interpreted kernels (seconds per
 launch on the CPU, nothing like a GPU), so what is left is the capture's own cost; PROF=1 writes a
-cProfile. Prints `advisor.patching.timing` phases for optimize/patch and for the first call. The plan
+cProfile. Prints `advisor.patching.timing` phases for optimize/patch, for the first call (no_grad) and for
+the first call under inference mode after it (`reuse` also prints `optimize`'s check steps). The plan
 cache's source digest is pinned so that two checkouts can reuse one stored plan (before/after timings).
 """
 import os, sys, time, json, cProfile, pstats
@@ -81,8 +82,8 @@ for _name in ("check", "float32_reference"):
             return _f(*a, **k)
     setattr(_lm, _name, _w)
 prof = cProfile.Profile() if os.environ.get("PROF") else None
-def call():
-    with torch.no_grad():
+def call(mode=torch.no_grad):
+    with mode():
         return m(**inputs, **({"use_cache": False} if os.environ.get("NOCACHE") else {}))
 if prof: prof.enable()
 snap0 = timing.snapshot()
@@ -90,7 +91,7 @@ t0 = time.perf_counter()
 if phase == "reuse":
     r = advisor.optimize(m, inputs, interpret=True, out=work + "/reuse")
     h = r.handle
-    print("reused", r.phases_s, "outer_on", h.outer_on)
+    print("reused", r.phases_s, "check steps", r.check.get("seconds"), "outer_on", h.outer_on)
 else:
     h = advisor.patch(m, work + "/plan.fab")
     print("patch_s", round(time.perf_counter() - t0, 3), "outer_on", h.outer_on)
@@ -104,6 +105,11 @@ snap2 = timing.snapshot()
 call()
 t3 = time.perf_counter()
 snap3 = timing.snapshot()
+call(torch.inference_mode)  # the other way users call a model: should cost no capture of its own
+t4 = time.perf_counter()
+snap4 = timing.snapshot()
+print("first inference-mode call", round(t4 - t3, 3), "phases:",
+      {k: round(snap4.get(k,0)-snap3.get(k,0),3) for k in sorted(snap4) if snap4.get(k,0)-snap3.get(k,0)>5e-4})
 print("phases in second call:", {k: round(snap3.get(k,0)-snap2.get(k,0),3) for k in sorted(snap3) if snap3.get(k,0)-snap2.get(k,0)>5e-4})
 if prof:
     prof.disable(); prof.dump_stats(work + f"/{phase}-{'outer' if outer else 'layer'}.prof")

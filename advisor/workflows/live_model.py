@@ -95,12 +95,8 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     out_dir.mkdir(parents=True, exist_ok=True)
     unpatch(model)  # profile the original
 
-    def call():  # as most users call a model for inference (HF's docs, eval loops)
-        with torch.no_grad():
-            return model(*args, **kwargs)
-
-    def call_in_inference_mode():  # the other common way: captured too, so neither waits for dynamo later
-        with torch.inference_mode():
+    def call():  # as most users call a model for inference (HF's docs, eval loops); a patched forward
+        with torch.no_grad():  # runs calls in inference mode through the same capture (`PatchedForward`)
             return model(*args, **kwargs)
 
     phases = Stopwatch()
@@ -148,8 +144,6 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     handle = chk.handle
     if chk.dropped:  # re-patched without them: capture (and count launches) with what is left
         call()
-    with phases("check"):
-        call_in_inference_mode()
     launched = launched_sites(before, handle.launches())
     records = pattern_status(records, specs, handle, chk.dropped, doc, launched)
     selection = timed = None
@@ -157,8 +151,6 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         with phases("select"):
             selected, selection, records = keep_faster(call, handle, device, records, iters,
                                                        float32_reference(model, args, kwargs))
-            if selection.get("outer"):  # handed back whole: its inference-mode graph too, not in the user's loop
-                call_in_inference_mode()
         if selection.get("outer_sites") is not None and selection.get("state"):
             # statuses as selection left them: patterns fused only across layers are patched or not kept by it
             records = _final_status(records, specs, selected, chk.dropped, doc,
