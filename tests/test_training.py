@@ -34,6 +34,17 @@ def add_rms(x, r, w):
     return rms(h, w), h
 
 
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+
+def rotary(q, cos, sin):
+    """HF Llama's apply_rotary_pos_emb on one tensor: the slices' gradients are zero-padded (a cat with
+    aten::full blocks), the cat's is sliced back."""
+    return q * cos + rotate_half(q) * sin
+
+
 FAMILIES = {  # name: (function, input shapes, expected kernel kind of the backward)
     "rmsnorm": (rms, [(5, 24), (24,)], "rows"),
     "rmsnorm-odd-width": (rms, [(2, 7, 13), (13,)], "rows"),  # 3-d, weight grad summed over two dims
@@ -43,6 +54,8 @@ FAMILIES = {  # name: (function, input shapes, expected kernel kind of the backw
     "tanh-gelu": (lambda x: F.gelu(x, approximate="tanh"), [(5, 24)], "pointwise"),
     "swiglu": (lambda a, b: F.silu(a) * b, [(5, 24), (5, 24)], "pointwise"),
     "bias+relu": (lambda x, b: torch.relu(x + b), [(5, 13), (13,)], "pointwise"),  # odd width, broadcast grad
+    "rotary": (rotary, [(2, 3, 5, 16), (5, 16), (5, 16)], "pointwise"),  # cos and sin get grads too here
+    "select+slice": (lambda x: x[..., 1] * x[..., 4] + x[..., 2:3].squeeze(-1), [(5, 3, 7)], "pointwise"),
 }
 
 
@@ -134,10 +147,47 @@ def test_planted_wrong_derivative_is_caught(monkeypatch):
     assert t(leaves) is None
 
 
+def test_planted_wrong_slice_padding_is_caught(monkeypatch):
+    """The zero padding of a slice's gradient placed one column off: validation against autograd in float64
+    rejects the rotary backward built with it."""
+    real = backward.rules
+
+    def planted():
+        table = dict(real())
+        good = table[torch.ops.aten.slice_backward.default]
+        table[torch.ops.aten.slice_backward.default] = \
+            lambda g, sizes, dim, start, end, step: good(g, sizes, dim, max(start - 1, 0) if start else 1,
+                                                         end, step)
+        return table
+
+    monkeypatch.setattr(backward, "rules", planted)
+    xs = [torch.randn(2, 3, 5, 16), torch.randn(5, 16), torch.randn(5, 16)]
+    _, t = trainable(rotary, xs)
+    bw = t.backward_for([xs[0].clone().requires_grad_(), xs[1], xs[2]])
+    assert not bw.validated and "grad of input 0" in (bw.reason or ""), bw.reason
+
+
+def test_forward_views_differentiate_as_view_ops():
+    """The derivation reads a program's slices, selects and permutes through the view ops themselves (their
+    backwards pad or permute), not through `as_strided` (whose backward scatters into a zero buffer in place,
+    which no kernel computes); a view that is no box of its source still reads through `as_strided`."""
+    base = torch.arange(2 * 5 * 8.0).reshape(2, 5, 8)
+    spec = {"shape": [2, 5, 8], "strides": [40, 8, 1], "storage_offset": 0}
+    for view in (base[:, 1:4, 2:], base[:, 2], base[1, :, 3:5].t(), base[:, None, 1:2].expand(2, 3, 1, 8)):
+        ref = {"shape": list(view.shape), "strides": list(view.stride()), "storage_offset": view.storage_offset()}
+        got = backward.index_view(base, spec, ref)
+        assert torch.equal(got, view) and got.grad_fn is None
+        leaf = base.clone().requires_grad_()
+        assert "AsStrided" not in type(backward.index_view(leaf, spec, ref).grad_fn).__name__
+    merged = base.view(10, 8)  # merges dims: as_strided, as the reference reads it
+    ref = {"shape": [10, 8], "strides": [8, 1], "storage_offset": 0}
+    assert torch.equal(backward.index_view(base, spec, ref), merged)
+
+
 def test_unsupported_backward_says_why():
-    """A backward that needs an op the generator does not lower (cat's backward slices into zeros): no kernel,
-    a reason, and the site's original ops run."""
-    fn = lambda x: torch.cat([x[..., 4:] * 2, x[..., :4]], -1).neg()  # noqa: E731
+    """A backward that needs what the generator cannot compute (a strided slice's gradient interleaves zeros:
+    a scatter in place): no kernel, a reason, and the site's original ops run."""
+    fn = lambda x: torch.cat([x[..., 1::2] * 2, x[..., ::2]], -1).neg()  # noqa: E731
     _, t = trainable(fn, [torch.randn(3, 8)])
     bw = t.backward_for([torch.randn(3, 8, requires_grad=True)])
     assert not bw.validated and bw.reason.startswith("no backward:"), bw.reason

@@ -32,6 +32,7 @@ import torch
 from advisor.codegen import Unsupported, generate, load_module
 from advisor.codegen.read import read_program
 from advisor.patching import backward
+from advisor.patching.backward import float_outputs
 from advisor.patching.program import is_scalar_slot
 from advisor.validate import interpreted
 from advisor.validate.compare import TOLERANCES, compare
@@ -197,6 +198,7 @@ def check(program: dict, bw: Backward, key: tuple, device, forward: Callable) ->
     through = max((v.dtype for v in list(ir.values.values()) + list(ir.inputs) if v.dtype in TOLERANCES),
                   key=lambda dt: TOLERANCES[dt].rel_l2, default=None)
     row = _row_symbols(ir)
+    _pin_backward_literals(ir, program, bw)
     worst = {"rel_l2": 0.0, "max_abs": 0.0, "eager_rel_l2": 0.0, "eager_max_abs": 0.0}
     g = torch.Generator(device=device).manual_seed(1)
     scalar = dict(scalars)
@@ -225,6 +227,23 @@ def check(program: dict, bw: Backward, key: tuple, device, forward: Callable) ->
                 worst[w] = max(worst[w], getattr(c, w))
     worst["shapes"] = shapes_seen
     return True, None, worst
+
+
+def _pin_backward_literals(ir, program: dict, bw: Backward) -> None:
+    """Pin in the forward's IR every size the backward kernel holds as a literal (a zero block padding a
+    slice's gradient has the sizes it was derived at), so that validation resizes only what the backward
+    kernel accepts resized: it is never run at other sizes than it was derived for anyway."""
+    d = bw.derived
+    if bw.module is None or d is None:
+        return
+    outs = float_outputs(program)
+    forward = [ir.inputs[k].shape for k in d.saved] + [ir.outputs[j].shape for j in outs] \
+        + [ir.outputs[j].shape for j in d.saved_outputs]
+    kernel = read_program(d.program)
+    for inp, dims in zip(kernel.inputs, forward):
+        for kd, fd in zip(inp.shape, dims):
+            if kernel.sizes.norm(kd).literal:
+                ir.sizes.pin(fd)
 
 
 def _row_symbols(ir) -> list:
