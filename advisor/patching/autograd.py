@@ -54,6 +54,8 @@ class Backward:
     source: str = ""  # the generated backward kernel module's code
     launches: int = 0  # backward passes run through it
     label: str = ""  # the pattern it serves (the first site that asked)
+    floats: list = field(default_factory=list)  # the program's float outputs (those taking a gradient)
+    non_floats: list = field(default_factory=list)  # the others (autograd marks them non-differentiable)
 
 
 def digest(program: dict) -> str:
@@ -70,14 +72,14 @@ class FusedFunction(torch.autograd.Function):
         ctx.bw = bw
         ctx.meta = [(x.shape, x.dtype) if isinstance(x, torch.Tensor) else None for x in xs]
         ctx.save_for_backward(*[xs[k] for k in d.saved], *[outs[j] for j in d.saved_outputs])
-        ctx.floats = [j for j, o in enumerate(outs) if o.is_floating_point()]
-        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        if bw.non_floats:
+            ctx.mark_non_differentiable(*[outs[j] for j in bw.non_floats])
         return outs
 
     @staticmethod
     def backward(ctx, *gouts):
         # Output grads arrive materialised (zeros for an unused output); the kernel reads them dense.
-        floats = [gouts[j].contiguous() for j in ctx.floats]
+        floats = [gouts[j].contiguous() for j in ctx.bw.floats]
         ctx.bw.launches += 1
         return (None, None, *grads_of(ctx.bw, ctx.saved_tensors, floats, ctx.meta))
 
@@ -96,7 +98,8 @@ def grads_of(bw: Backward, saved, gouts, meta) -> list:
             t = res[g.index] if g.source == "kernel" else gouts[g.index]
             if g.reduce:
                 t = t.sum_to_size(shape)
-            t = t.to(dtype)
+            if t.dtype != dtype:
+                t = t.to(dtype)
         out[g.input] = t
     return out
 
@@ -112,12 +115,14 @@ class Trainable:
         self.forward = forward  # inputs (tensors or numbers) -> outputs, checked against the site's layouts
         self.launch = launch or forward  # the same, unchecked: validation runs it at other sizes
         self.digest = digest(program)
+        self.scalar_slots = [k for k, s in enumerate(program["inputs"]) if is_scalar_slot(s)]
 
     def key(self, xs) -> tuple:
+        """What a backward is derived for; computed on every call under autograd, so kept to tuples of
+        what the call holds (a torch.Size hashes and compares as the tuple of its sizes)."""
         needs = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
-        specs = self.program["inputs"]
-        scalars = tuple((k, _number(x)) for k, (x, s) in enumerate(zip(xs, specs)) if is_scalar_slot(s))
-        shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in xs)
+        scalars = tuple((k, _number(xs[k])) for k in self.scalar_slots)
+        shapes = tuple(x.shape if isinstance(x, torch.Tensor) else None for x in xs)
         return needs, scalars, shapes, self.keep_outputs
 
     def backward_for(self, xs) -> Backward:
@@ -170,7 +175,9 @@ def build(program: dict, key: tuple, device, forward: Callable) -> Backward:
         if d.program["outputs"]:
             gen = generate(d.program)
             module, source = load_module(gen.path), gen.code
-        bw = Backward(d, module, False, source=source)
+        floats = set(backward.float_outputs(program))
+        bw = Backward(d, module, False, source=source, floats=sorted(floats),
+                      non_floats=[j for j in range(len(program["outputs"])) if j not in floats])
         ok, reason, errors = check(program, bw, key, device, forward)
         bw.validated, bw.reason, bw.errors = ok, reason, errors
         bw.launches = 0  # validation's own backward passes do not count
