@@ -147,6 +147,29 @@ def test_planted_wrong_derivative_is_caught(monkeypatch):
     assert t(leaves) is None
 
 
+def test_gradients_keep_their_outputs_layout():
+    """q as HF lays it out for attention ((B, H, S, D) over (B, S, H, D) memory): its rotary output, and the
+    gradient that comes back for it (flash attention's dq is laid out as q), share that layout. The backward
+    kernel takes that gradient as it comes (it was copied into a dense one: one more pass over it on a GPU)
+    and writes q's gradient in the layout eager's own ops give it."""
+    q = torch.randn(2, 5, 3, 16).transpose(1, 2)
+    cos, sin = torch.randn(5, 16), torch.randn(5, 16)
+    _, t = trainable(rotary, [q, cos, sin])
+    leaf, twin = q.detach().requires_grad_(), q.detach().clone().requires_grad_()
+    out = t([leaf, cos, sin])[0]
+    g = torch.randn(2, 5, 3, 16).transpose(1, 2)
+    assert out.stride() == g.stride() == q.stride()
+    bw, seen = t.backward_for([leaf, cos, sin]), []
+    kernel = bw.module.run
+    bw.module = type("Spy", (), {"run": staticmethod(lambda *a: seen.append((a, kernel(*a))) or seen[-1][1])})
+    out.backward(g)
+    (args, res), = seen
+    assert any(a.data_ptr() == g.data_ptr() for a in args)  # the gradient itself, not a copy
+    want, = torch.autograd.grad(rotary(twin, cos, sin), twin, g)  # eager's, before any accumulation
+    assert res[0].stride() == want.stride()
+    torch.testing.assert_close(leaf.grad, want)
+
+
 def test_planted_wrong_slice_padding_is_caught(monkeypatch):
     """The zero padding of a slice's gradient placed one column off: validation against autograd in float64
     rejects the rotary backward built with it."""

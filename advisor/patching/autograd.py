@@ -55,6 +55,7 @@ class Backward:
     launches: int = 0  # backward passes run through it
     label: str = ""  # the pattern it serves (the first site that asked)
     floats: list = field(default_factory=list)  # the program's float outputs (those taking a gradient)
+    grad_strides: list = field(default_factory=list)  # per float output: its gradient's layout in the kernel
     non_floats: list = field(default_factory=list)  # the others (autograd marks them non-differentiable)
 
 
@@ -78,10 +79,19 @@ class FusedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gouts):
-        # Output grads arrive materialised (zeros for an unused output); the kernel reads them dense.
-        floats = [gouts[j].contiguous() for j in ctx.bw.floats]
+        # Output grads arrive materialised (zeros for an unused output); the kernel was derived for them laid
+        # out as their outputs, where they usually arrive: only another layout is copied into that one.
+        bw = ctx.bw
+        floats = [_laid_out(gouts[j], strides) for j, strides in zip(bw.floats, bw.grad_strides)]
         ctx.bw.launches += 1
         return (None, None, *grads_of(ctx.bw, ctx.saved_tensors, floats, ctx.meta))
+
+
+def _laid_out(g: torch.Tensor, strides: tuple) -> torch.Tensor:
+    """g in the layout the backward kernel was derived for (strides of size-1 dims do not matter)."""
+    if all(n == 1 or a == b for n, a, b in zip(g.shape, g.stride(), strides)):
+        return g
+    return torch.empty_strided(g.shape, strides, dtype=g.dtype, device=g.device).copy_(g)
 
 
 def grads_of(bw: Backward, saved, gouts, meta) -> list:
@@ -176,8 +186,10 @@ def build(program: dict, key: tuple, device, forward: Callable) -> Backward:
             gen = generate(d.program)
             module, source = load_module(gen.path), gen.code
         floats = set(backward.float_outputs(program))
+        grads = d.program["inputs"][len(d.saved):len(d.saved) + d.outputs]
         bw = Backward(d, module, False, source=source, floats=sorted(floats),
-                      non_floats=[j for j in range(len(program["outputs"])) if j not in floats])
+                      non_floats=[j for j in range(len(program["outputs"])) if j not in floats],
+                      grad_strides=[tuple(s["strides"]) for s in grads])
         ok, reason, errors = check(program, bw, key, device, forward)
         bw.validated, bw.reason, bw.errors = ok, reason, errors
         bw.launches = 0  # validation's own backward passes do not count

@@ -226,7 +226,11 @@ def derive(program: dict, needs: tuple, scalars: dict, device, allow_saved_outpu
     xs = example_inputs(program, scalars, device)
     with torch.no_grad():
         ref = run_program(program, xs, index_view)
-    grads_in = [torch.randn(ref[j].shape, dtype=ref[j].dtype, device=device) for j in outs]
+    # Output gradients laid out as their outputs (what autograd mostly hands back: pointwise backwards and
+    # attention's keep their operand's layout), so the kernel takes them, and writes the input gradients it
+    # derives from them and the inputs, in the layouts eager's ops would use: no copy into or out of them.
+    grads_in = [torch.empty_like(ref[j]).copy_(torch.randn(ref[j].shape, dtype=ref[j].dtype, device=device))
+                for j in outs]
     tensors = [k for k, s in enumerate(specs) if not is_scalar_slot(s)]
 
     forward_values: list = []  # the forward's outputs as recomputed inside the recording
