@@ -83,8 +83,8 @@ class FusedFunction(torch.autograd.Function):
         # out as their outputs, where they usually arrive: only another layout is copied into that one.
         bw = ctx.bw
         floats = [_laid_out(gouts[j], strides) for j, strides in zip(bw.floats, bw.grad_strides)]
-        ctx.bw.launches += 1
-        return (None, None, *grads_of(ctx.bw, ctx.saved_tensors, floats, ctx.meta))
+        bw.launches += 1
+        return (None, None, *grads_of(bw, ctx.saved_tensors, floats, ctx.meta))
 
 
 def _laid_out(g: torch.Tensor, strides: tuple) -> torch.Tensor:

@@ -38,8 +38,7 @@ from advisor.codegen.record import _Recorder, _key
 from advisor.graph.dtypes import torch_dtype
 from advisor.ops.lowering import Unsupported, lowering
 from advisor.ops.registry import OpClass, lookup
-from advisor.patching.program import _view as strided_view
-from advisor.patching.program import is_scalar_slot, run_program, storage_numel
+from advisor.patching.program import is_scalar_slot, run_program, storage_numel, strided_view
 
 _TAIL_OPS = {"aten::sum", "aten::_to_copy", "aten::clone"}  # what may follow a column reduction on its way to a
 # grad (a clone: the gradient of a select that needs no zero padding, see `_zero_padded`)
@@ -135,7 +134,7 @@ def _box(t: torch.Tensor, shape: list, strides: list, delta: int) -> torch.Tenso
     for e in sorted(set(range(t.dim())) - set(walks.values()), reverse=True):
         v = v.select(e, starts[e])  # a dim the view does not walk: fixed at its start
     kept = sorted(walks.values())
-    v = v.permute([kept.index(walks[d]) for d in sorted(walks, key=lambda d: d)])  # into the ref's order
+    v = v.permute([kept.index(walks[d]) for d in sorted(walks)])  # into the ref's order
     for d, n in enumerate(shape):
         if d not in walks:
             v = v.unsqueeze(d)
@@ -226,9 +225,8 @@ def derive(program: dict, needs: tuple, scalars: dict, device, allow_saved_outpu
     xs = example_inputs(program, scalars, device)
     with torch.no_grad():
         ref = run_program(program, xs, index_view)
-    # Output gradients laid out as their outputs (what autograd mostly hands back: pointwise backwards and
-    # attention's keep their operand's layout), so the kernel takes them, and writes the input gradients it
-    # derives from them and the inputs, in the layouts eager's ops would use: no copy into or out of them.
+    # Output gradients laid out as their outputs: what autograd mostly hands back (pointwise backwards and
+    # flash attention's keep their operand's layout), so the kernel takes them as they come (FusedFunction).
     grads_in = [torch.empty_like(ref[j]).copy_(torch.randn(ref[j].shape, dtype=ref[j].dtype, device=device))
                 for j in outs]
     tensors = [k for k, s in enumerate(specs) if not is_scalar_slot(s)]

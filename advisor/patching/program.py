@@ -37,7 +37,7 @@ def _overload(qualname: str, overload: str) -> torch._ops.OpOverload:
     return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
 
 
-def _view(t: torch.Tensor, base_spec: dict, ref: dict) -> torch.Tensor:
+def strided_view(t: torch.Tensor, base_spec: dict, ref: dict) -> torch.Tensor:
     """Read `t` (laid out as `base_spec`) through the view `ref` records."""
     same = (list(ref["shape"]) == list(t.shape) and _strides_equal(ref["shape"], ref["strides"], t.stride())
             and ref.get("storage_offset", 0) == base_spec.get("storage_offset", 0))
@@ -54,7 +54,7 @@ def _strides_equal(shape, a, b) -> bool:
 def call_node(node: dict, env: dict, device, view=None) -> tuple:
     """Run one program node; `env` maps value ids to (tensor-or-number, layout spec); `view(t, spec, ref)`
     reads a tensor through a ref (default: `as_strided`)."""
-    view = view or _view
+    view = view or strided_view
     schema = node_schema(node)
     if schema is None:
         raise ValueError(f"no schema recorded for {node['op']} and none of its overloads fits")
