@@ -129,7 +129,7 @@ def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps:
         report = advisor.optimize(model, w.inputs, select=False, train=True, out=out_dir / f"advisor-{name}",
                                   **({"interpret": True} if device != "cuda" else {}))
         res["optimize_s"] = round(time.perf_counter() - t0, 2)
-        res["patched"] = [p["title"] for p in report.applied]
+        res["patched"] = [f"{p['candidate']} {p['title']}" for p in report.applied]  # as backwards' labels
     model.train().requires_grad_(True)
     if mode == "compile":
         model = torch.compile(model)
@@ -250,6 +250,11 @@ def markdown(doc: dict) -> str:
                 mb = lambda v: f"{v / 2**20:.1f}" if v else "—"  # noqa: E731
                 out.append(f"| {b.get('pattern') or b['program']} | {b['validated']} | {b['launches']} | {mb(b['saved_bytes'])} | "
                            f"{mb(b['eager_saved_bytes'])} | {(b['reason'] or '')[:160]} |")
+            derived = {b.get("pattern") for b in adv["backwards"]}
+            eager_ops = [p for p in adv.get("patched") or [] if p not in derived]
+            if eager_ops:  # matmul-anchored kernels (epilogues, padded GEMMs): no backward is derived for them
+                out.append(f"| {' / '.join(eager_ops)} | — | — | — | — | no backward derived: trains through its "
+                           "original ops |")
             out.append("")
     return "\n".join(out)
 

@@ -189,6 +189,17 @@ def test_copy_into_input_in_place():
     torch.testing.assert_close(d, (src * 2).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: str(d)[6:])
+def test_full_is_a_constant(dtype):
+    """aten::full: a literal at every index, its shape from its arguments; next to a tensor in a cat (the
+    zero padding of a slice's gradient) and as an operand of a pointwise op."""
+    x = _inputs(1, dtype, seed=5)[0]
+    gen = check(lambda x: torch.cat([torch.full((5, 3), 0.0, dtype=x.dtype), x * 2, torch.full((5, 2), -1.5,
+                                                                                            dtype=x.dtype)], -1), [x])
+    assert "aten::full" in gen.code
+    check(lambda x: x + torch.full(SHAPE, 2.5, dtype=x.dtype), [x])
+
+
 def test_lowering_count():
     """The table covers at least 60 pointwise aten ops (in-place twins not counted)."""
     pointwise = [k for k, v in TABLE.items() if v.kind == "pointwise"]

@@ -11,6 +11,8 @@ def infer_shapes(p: Program, op: Op, recorded: list) -> list:
     views = [v for v in a.values() if isinstance(v, View)]
     if rule == "cat":
         return [_cat_shape(p, a["tensors"], a.get("dim") or 0)]
+    if rule == "factory":  # a constant tensor: the sizes its arguments name, literal
+        return [[Dim((), n, n) for n in a["size"]]]
     first = views[0].shape if views else []
     if rule == "broadcast":
         out = broadcast(p.sizes, [v.shape for v in views])

@@ -41,7 +41,7 @@ class Lowering:
     promote: str = "common"
     operands: tuple = ("self",)  # schema args that are tensors or numbers taking part in promotion
     positive: tuple = ()  # operands that validation draws strictly positive (log, sqrt, pow, ...)
-    shape: str = "broadcast"  # broadcast | cat | reduce | row | norm | channel: output shape rule
+    shape: str = "broadcast"  # broadcast | cat | reduce | row | norm | channel | factory: output shape rule
     channel: tuple = ()  # per-channel vector operands, indexed by dim 1 of the output (batch norm)
 
 
@@ -357,6 +357,9 @@ def _dropout(a):
 pw("dropout feature_dropout alpha_dropout native_dropout", _dropout, "none", operands=("input",))
 pw("fill", lambda a: f"tl.zeros_like({a.self}) + {a.value}", "none", operands=("self", "value"))
 pw("zero", lambda a: f"tl.zeros_like({a.self})", "none")
+# No tensor operand: the fill value is the whole expression (a literal in the output's compute dtype),
+# broadcast by Triton wherever it meets the block; its shape comes from its `size` argument.
+pw("full", lambda a: a.fill_value, operands=("fill_value",), shape="factory")
 
 
 

@@ -226,10 +226,13 @@ _nested_tensor_from_mask_left_aligned scalar_tensor _to_dense _shape_as_tensor s
 _assert_tensor_metadata lift to_dense""".split():
     register(f"aten::{_n}", OpClass.ALLOC)
 # Factories that write memory: pointwise fills with no tensor inputs.
-for _n in ["zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "rand", "randn", "randint",
+for _n in ["zeros", "ones", "zeros_like", "ones_like", "full_like", "rand", "randn", "randint",
            "rand_like", "randn_like", "normal_", "uniform_", "bernoulli_", "random_", "new_zeros",
            "new_ones", "new_full", "scalar_tensor_fill"]:
     register(f"aten::{_n}", OpClass.DATA_MOVEMENT, tags=frozenset({"factory"}))
+# A constant tensor: pointwise (one literal at every index), so a kernel holds it in registers. Derived
+# backwards pad a slice's gradient with it (`advisor.patching.backward`: slice_backward as a cat).
+register("aten::full", OpClass.POINTWISE, tags=frozenset({"factory"}))
 
 # Ops the analyzer may fuse that the generator does not lower, and why (the reason reaches the user).
 not_generated("no Triton math for it that runs in the interpreter as on the GPU (core tl has none; "

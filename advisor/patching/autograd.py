@@ -32,6 +32,7 @@ import torch
 from advisor.codegen import Unsupported, generate, load_module
 from advisor.codegen.read import read_program
 from advisor.patching import backward
+from advisor.patching.backward import float_outputs
 from advisor.patching.program import is_scalar_slot
 from advisor.validate import interpreted
 from advisor.validate.compare import TOLERANCES, compare
@@ -53,6 +54,9 @@ class Backward:
     source: str = ""  # the generated backward kernel module's code
     launches: int = 0  # backward passes run through it
     label: str = ""  # the pattern it serves (the first site that asked)
+    floats: list = field(default_factory=list)  # the program's float outputs (those taking a gradient)
+    grad_strides: list = field(default_factory=list)  # per float output: its gradient's layout in the kernel
+    non_floats: list = field(default_factory=list)  # the others (autograd marks them non-differentiable)
 
 
 def digest(program: dict) -> str:
@@ -69,16 +73,25 @@ class FusedFunction(torch.autograd.Function):
         ctx.bw = bw
         ctx.meta = [(x.shape, x.dtype) if isinstance(x, torch.Tensor) else None for x in xs]
         ctx.save_for_backward(*[xs[k] for k in d.saved], *[outs[j] for j in d.saved_outputs])
-        ctx.floats = [j for j, o in enumerate(outs) if o.is_floating_point()]
-        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        if bw.non_floats:
+            ctx.mark_non_differentiable(*[outs[j] for j in bw.non_floats])
         return outs
 
     @staticmethod
     def backward(ctx, *gouts):
-        # Output grads arrive materialised (zeros for an unused output); the kernel reads them dense.
-        floats = [gouts[j].contiguous() for j in ctx.floats]
-        ctx.bw.launches += 1
-        return (None, None, *grads_of(ctx.bw, ctx.saved_tensors, floats, ctx.meta))
+        # Output grads arrive materialised (zeros for an unused output); the kernel was derived for them laid
+        # out as their outputs, where they usually arrive: only another layout is copied into that one.
+        bw = ctx.bw
+        floats = [_laid_out(gouts[j], strides) for j, strides in zip(bw.floats, bw.grad_strides)]
+        bw.launches += 1
+        return (None, None, *grads_of(bw, ctx.saved_tensors, floats, ctx.meta))
+
+
+def _laid_out(g: torch.Tensor, strides: tuple) -> torch.Tensor:
+    """g in the layout the backward kernel was derived for (strides of size-1 dims do not matter)."""
+    if all(n == 1 or a == b for n, a, b in zip(g.shape, g.stride(), strides)):
+        return g
+    return torch.empty_strided(g.shape, strides, dtype=g.dtype, device=g.device).copy_(g)
 
 
 def grads_of(bw: Backward, saved, gouts, meta) -> list:
@@ -95,7 +108,8 @@ def grads_of(bw: Backward, saved, gouts, meta) -> list:
             t = res[g.index] if g.source == "kernel" else gouts[g.index]
             if g.reduce:
                 t = t.sum_to_size(shape)
-            t = t.to(dtype)
+            if t.dtype != dtype:
+                t = t.to(dtype)
         out[g.input] = t
     return out
 
@@ -111,12 +125,14 @@ class Trainable:
         self.forward = forward  # inputs (tensors or numbers) -> outputs, checked against the site's layouts
         self.launch = launch or forward  # the same, unchecked: validation runs it at other sizes
         self.digest = digest(program)
+        self.scalar_slots = [k for k, s in enumerate(program["inputs"]) if is_scalar_slot(s)]
 
     def key(self, xs) -> tuple:
+        """What a backward is derived for; computed on every call under autograd, so kept to tuples of
+        what the call holds (a torch.Size hashes and compares as the tuple of its sizes)."""
         needs = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
-        specs = self.program["inputs"]
-        scalars = tuple((k, _number(x)) for k, (x, s) in enumerate(zip(xs, specs)) if is_scalar_slot(s))
-        shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in xs)
+        scalars = tuple((k, _number(xs[k])) for k in self.scalar_slots)
+        shapes = tuple(x.shape if isinstance(x, torch.Tensor) else None for x in xs)
         return needs, scalars, shapes, self.keep_outputs
 
     def backward_for(self, xs) -> Backward:
@@ -169,7 +185,11 @@ def build(program: dict, key: tuple, device, forward: Callable) -> Backward:
         if d.program["outputs"]:
             gen = generate(d.program)
             module, source = load_module(gen.path), gen.code
-        bw = Backward(d, module, False, source=source)
+        floats = set(backward.float_outputs(program))
+        grads = d.program["inputs"][len(d.saved):len(d.saved) + d.outputs]
+        bw = Backward(d, module, False, source=source, floats=sorted(floats),
+                      non_floats=[j for j in range(len(program["outputs"])) if j not in floats],
+                      grad_strides=[tuple(s["strides"]) for s in grads])
         ok, reason, errors = check(program, bw, key, device, forward)
         bw.validated, bw.reason, bw.errors = ok, reason, errors
         bw.launches = 0  # validation's own backward passes do not count
@@ -197,6 +217,7 @@ def check(program: dict, bw: Backward, key: tuple, device, forward: Callable) ->
     through = max((v.dtype for v in list(ir.values.values()) + list(ir.inputs) if v.dtype in TOLERANCES),
                   key=lambda dt: TOLERANCES[dt].rel_l2, default=None)
     row = _row_symbols(ir)
+    _pin_backward_literals(ir, program, bw)
     worst = {"rel_l2": 0.0, "max_abs": 0.0, "eager_rel_l2": 0.0, "eager_max_abs": 0.0}
     g = torch.Generator(device=device).manual_seed(1)
     scalar = dict(scalars)
@@ -225,6 +246,23 @@ def check(program: dict, bw: Backward, key: tuple, device, forward: Callable) ->
                 worst[w] = max(worst[w], getattr(c, w))
     worst["shapes"] = shapes_seen
     return True, None, worst
+
+
+def _pin_backward_literals(ir, program: dict, bw: Backward) -> None:
+    """Pin in the forward's IR every size the backward kernel holds as a literal (a zero block padding a
+    slice's gradient has the sizes it was derived at), so that validation resizes only what the backward
+    kernel accepts resized: it is never run at other sizes than it was derived for anyway."""
+    d = bw.derived
+    if bw.module is None or d is None:
+        return
+    outs = float_outputs(program)
+    forward = [ir.inputs[k].shape for k in d.saved] + [ir.outputs[j].shape for j in outs] \
+        + [ir.outputs[j].shape for j in d.saved_outputs]
+    kernel = read_program(d.program)
+    for inp, dims in zip(kernel.inputs, forward):
+        for kd, fd in zip(inp.shape, dims):
+            if kernel.sizes.norm(kd).literal:
+                ir.sizes.pin(fd)
 
 
 def _row_symbols(ir) -> list:

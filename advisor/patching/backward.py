@@ -38,9 +38,10 @@ from advisor.codegen.record import _Recorder, _key
 from advisor.graph.dtypes import torch_dtype
 from advisor.ops.lowering import Unsupported, lowering
 from advisor.ops.registry import OpClass, lookup
-from advisor.patching.program import is_scalar_slot, run_program, storage_numel
+from advisor.patching.program import is_scalar_slot, run_program, storage_numel, strided_view
 
-_TAIL_OPS = {"aten::sum", "aten::_to_copy"}  # what may follow a column reduction on its way to a grad
+_TAIL_OPS = {"aten::sum", "aten::_to_copy", "aten::clone"}  # what may follow a column reduction on its way to a
+# grad (a clone: the gradient of a select that needs no zero padding, see `_zero_padded`)
 
 
 @dataclass
@@ -93,12 +94,93 @@ def example_inputs(program: dict, scalars: dict, device) -> list:
     return out
 
 
+def index_view(t: torch.Tensor, spec: dict, ref: dict) -> torch.Tensor:
+    """`t` (laid out as `spec`) read through `ref` with the view ops that select it (narrow, select,
+    permute, unsqueeze, expand) where they can, else with `as_strided` as the reference reads it.
+
+    Same elements either way; what differs is the backward autograd records. `as_strided`'s writes the
+    gradient into a zero buffer of the whole storage, in place, through the view: an index-by-index
+    kernel cannot compute that. Narrow's and select's are a zero padding (`slice_backward`, see `rules`),
+    permute's and unsqueeze's are views, expand's a sum: all ops the generator lowers."""
+    delta = ref.get("storage_offset", 0) - spec.get("storage_offset", 0)
+    boxed = _box(t, list(ref["shape"]), list(ref["strides"]), delta)
+    return boxed if boxed is not None else strided_view(t, spec, ref)
+
+
+def _box(t: torch.Tensor, shape: list, strides: list, delta: int) -> torch.Tensor | None:
+    """`t.as_strided(shape, strides, offset + delta)` spelled as view ops, or None where it is no box of `t`
+    (a view that merges or splits dims, or reads outside `t`)."""
+    starts, rest = [0] * t.dim(), delta
+    for e in sorted(range(t.dim()), key=lambda e: -t.stride(e)):  # the offset as a start index per dim
+        if t.shape[e] > 1 and t.stride(e) > 0:
+            starts[e], rest = divmod(rest, t.stride(e)) if rest >= 0 else (0, rest)
+    if rest or any(not 0 <= s < max(n, 1) for s, n in zip(starts, t.shape)):
+        return None
+    walks: dict[int, int] = {}  # ref dim -> the dim of t it walks
+    for d, (n, st) in enumerate(zip(shape, strides)):
+        if n == 1 or st == 0:
+            continue
+        cands = [e for e in range(t.dim()) if t.stride(e) == st and t.shape[e] > 1 and e not in walks.values()]
+        if not cands:
+            return None
+        aligned = d + t.dim() - len(shape)
+        walks[d] = aligned if aligned in cands else cands[0]
+        if starts[walks[d]] + n > t.shape[walks[d]]:
+            return None
+    v = t
+    for d, e in walks.items():
+        if (starts[e], shape[d]) != (0, t.shape[e]):
+            v = v.narrow(e, starts[e], shape[d])
+    for e in sorted(set(range(t.dim())) - set(walks.values()), reverse=True):
+        v = v.select(e, starts[e])  # a dim the view does not walk: fixed at its start
+    kept = sorted(walks.values())
+    v = v.permute([kept.index(walks[d]) for d in sorted(walks)])  # into the ref's order
+    for d, n in enumerate(shape):
+        if d not in walks:
+            v = v.unsqueeze(d)
+    v = v.expand(shape)
+    ok = all(a == b for n, a, b in zip(shape, strides, v.stride()) if n > 1)
+    return v if ok and v.storage_offset() == t.storage_offset() + delta else None
+
+
 def rules() -> dict:
     """The derivative rules in use: {aten op overload: its decomposition}. Autograd's own formulas produce
-    the backward ops (`tanh_backward`, ...); these say what they compute in ops the generator lowers."""
+    the backward ops (`tanh_backward`, ...); these say what they compute in ops the generator lowers:
+    torch's own decompositions, and ours where torch's write into a slice of a buffer (an in-place
+    scatter an index-by-index kernel cannot express)."""
     from torch._decomp import core_aten_decompositions  # torch's decomposition tables: loaded for training only
 
-    return core_aten_decompositions()
+    aten = torch.ops.aten
+    table = core_aten_decompositions()
+    torch_slice = table[aten.slice_backward.default]
+
+    def slice_backward(grad, input_sizes, dim, start, end, step):
+        if step != 1:  # strided slices interleave zeros: torch's scatter (not generated, said so)
+            return torch_slice(grad, input_sizes, dim, start, end, step)
+        return _zero_padded(grad, input_sizes, dim, _clamped(start, input_sizes[dim]))
+
+    def select_backward(grad, input_sizes, dim, index):
+        n = input_sizes[dim % len(input_sizes)]
+        return _zero_padded(grad.unsqueeze(dim), input_sizes, dim, index % n)
+
+    return {**table, aten.slice_backward.default: slice_backward, aten.select_backward.default: select_backward}
+
+
+def _clamped(index: int, size: int) -> int:
+    """A slice bound as Python reads it: negative from the end, clamped into [0, size]."""
+    return min(max(index + size if index < 0 else index, 0), size)
+
+
+def _zero_padded(piece: torch.Tensor, sizes, dim: int, start: int) -> torch.Tensor:
+    """A tensor of `sizes` holding `piece` at `start` along `dim`, zeros elsewhere: the gradient of a slice
+    (or select) as a cat of the piece between two constant blocks, which the generator computes index by
+    index (torch's decomposition writes the piece into a zero buffer in place)."""
+    dim = dim % len(sizes)
+    after = sizes[dim] - start - piece.shape[dim]
+    zeros = lambda n: torch.full([*sizes[:dim], n, *sizes[dim + 1:]], 0, dtype=piece.dtype,  # noqa: E731
+                                 device=piece.device)
+    parts = ([zeros(start)] if start else []) + [piece] + ([zeros(after)] if after > 0 else [])
+    return torch.cat(parts, dim) if len(parts) > 1 else piece.clone()
 
 
 class _Decomposing(_Recorder):
@@ -142,8 +224,11 @@ def derive(program: dict, needs: tuple, scalars: dict, device, allow_saved_outpu
         raise Unsupported("the program has no float output to take a gradient from")
     xs = example_inputs(program, scalars, device)
     with torch.no_grad():
-        ref = run_program(program, xs)
-    grads_in = [torch.randn(ref[j].shape, dtype=ref[j].dtype, device=device) for j in outs]
+        ref = run_program(program, xs, index_view)
+    # Output gradients laid out as their outputs: what autograd mostly hands back (pointwise backwards and
+    # flash attention's keep their operand's layout), so the kernel takes them as they come (FusedFunction).
+    grads_in = [torch.empty_like(ref[j]).copy_(torch.randn(ref[j].shape, dtype=ref[j].dtype, device=device))
+                for j in outs]
     tensors = [k for k, s in enumerate(specs) if not is_scalar_slot(s)]
 
     forward_values: list = []  # the forward's outputs as recomputed inside the recording
@@ -153,7 +238,7 @@ def derive(program: dict, needs: tuple, scalars: dict, device, allow_saved_outpu
         for k, t in zip(tensors, args[:len(tensors)]):
             ins[k] = t.detach().requires_grad_(k in wrt) if k in wrt else t
         with torch.enable_grad():
-            res = run_program(program, ins)
+            res = run_program(program, ins, index_view)
             forward_values.extend(res)
             got = torch.autograd.grad([res[j] for j in outs], [ins[k] for k in wrt], list(args[len(tensors):]),
                                       allow_unused=True)

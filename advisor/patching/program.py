@@ -37,7 +37,7 @@ def _overload(qualname: str, overload: str) -> torch._ops.OpOverload:
     return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
 
 
-def _view(t: torch.Tensor, base_spec: dict, ref: dict) -> torch.Tensor:
+def strided_view(t: torch.Tensor, base_spec: dict, ref: dict) -> torch.Tensor:
     """Read `t` (laid out as `base_spec`) through the view `ref` records."""
     same = (list(ref["shape"]) == list(t.shape) and _strides_equal(ref["shape"], ref["strides"], t.stride())
             and ref.get("storage_offset", 0) == base_spec.get("storage_offset", 0))
@@ -51,8 +51,10 @@ def _strides_equal(shape, a, b) -> bool:
     return all(d <= 1 or x == y for d, x, y in zip(shape, a, b)) and len(a) == len(b)
 
 
-def call_node(node: dict, env: dict, device) -> tuple:
-    """Run one program node; `env` maps value ids to (tensor-or-number, layout spec)."""
+def call_node(node: dict, env: dict, device, view=None) -> tuple:
+    """Run one program node; `env` maps value ids to (tensor-or-number, layout spec); `view(t, spec, ref)`
+    reads a tensor through a ref (default: `as_strided`)."""
+    view = view or strided_view
     schema = node_schema(node)
     if schema is None:
         raise ValueError(f"no schema recorded for {node['op']} and none of its overloads fits")
@@ -60,7 +62,7 @@ def call_node(node: dict, env: dict, device) -> tuple:
 
     def read(r):
         v, spec = env[r["ref"]]
-        return v if not isinstance(v, torch.Tensor) else _view(v, spec, r)
+        return v if not isinstance(v, torch.Tensor) else view(v, spec, r)
 
     args, kwargs = [], {}
     for i, v in enumerate(arg_values(node, read)):
@@ -73,8 +75,9 @@ def call_node(node: dict, env: dict, device) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def run_program(program: dict, inputs: Sequence[Any]) -> tuple:
-    """The reference: the program's outputs for `inputs` (tensors laid out as the program's inputs)."""
+def run_program(program: dict, inputs: Sequence[Any], view=None) -> tuple:
+    """The reference: the program's outputs for `inputs` (tensors laid out as the program's inputs);
+    `view` as in `call_node`."""
     if len(inputs) != len(program["inputs"]):
         raise TypeError(f"program takes {len(program['inputs'])} inputs, got {len(inputs)}")
     env: dict[str, tuple] = {}
@@ -86,7 +89,7 @@ def run_program(program: dict, inputs: Sequence[Any]) -> tuple:
             device = v.device
         env[spec["id"]] = (v, spec)
     for node in program["nodes"]:
-        outs = call_node(node, env, device)
+        outs = call_node(node, env, device, view)
         for spec, o in zip(node["outputs"], outs):
             env[spec["id"]] = (o, {"storage_offset": 0})  # fresh outputs: the trace read them from offset 0
     return tuple(env[o][0] for o in program["outputs"])
