@@ -155,9 +155,9 @@ class Verdict:
 # apply.json's pattern keys, in the order the workflows write them: the record as generated
 # (`workflows.generate`), then what the patching workflows add (`workflows.kernels`, `outcome`, `selection`).
 RESULT_KEYS = ("candidate", "pattern_id", "title", "kernel_file", "validated", "reason", "errors", "measured",
-               "source", "cached", "device_type", "seconds", "memory_saved_bytes", "alternatives", "launcher_ms", "launcher",
-               "launcher_note", "variants", "replacement", "est_time_saved_us", "occurrences", "sites", "patched",
-               "status_code", "status", "applied_alone", "kept")
+               "source", "cached", "device_type", "seconds", "memory_saved_bytes", "alternatives", "launcher_ms",
+               "launcher", "launcher_note", "variants", "replacement", "est_time_saved_us", "occurrences", "sites",
+               "patched", "status_code", "status", "applied_alone", "kept")
 RESULT_ALWAYS = RESULT_KEYS[:RESULT_KEYS.index("device_type") + 1]  # every record has these; the rest when known
 
 

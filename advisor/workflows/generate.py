@@ -88,8 +88,8 @@ def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None
                 with clock("alternatives"):
                     gen = generate_anchored(c.program, c.kind.value)
                     times = time_alternatives(gen, load_module(gen.path), entry.alternatives)
-                entry = choose_launcher(dataclasses.replace(entry, seconds={**(entry.seconds or {}), **clock.seconds}),
-                                        times)
+                timed = dataclasses.replace(entry, seconds={**(entry.seconds or {}), **clock.seconds})
+                entry = choose_launcher(timed, times)
             except Exception as e:  # timing is an optimisation: the validated kernel stays `run`
                 entry = dataclasses.replace(entry, launcher_note=f"alternatives not timed: {type(e).__name__}: {e}"[:300])
         results.append(_report(entry, on_result))
