@@ -61,7 +61,7 @@ def _validate(gen, module, seed: int, interp: bool) -> Validation:
     shapes, notes = [], []
     dtypes = sorted({str(v.dtype)[6:] for v in prog.outputs})
     matmul = any(o.low.kind == "anchor" for o in prog.ops)  # matmul-anchored kernels: compare.MATMUL_TOLERANCES
-    for k, case in enumerate(cases(prog, interp)):
+    for case in cases(prog, interp):
         inputs = draw(prog, case, device, g)
         shapes.append({"case": case.name, "inputs": [list(t.shape) for t in inputs.values()]})
         if case.note:
@@ -72,7 +72,7 @@ def _validate(gen, module, seed: int, interp: bool) -> Validation:
         except Exception as e:  # the trace's program itself does not replay
             return Validation(False, f"reference replay failed at {case.name} shape: {type(e).__name__}: {e}")
         try:
-            with _tuning(module, k == 0):
+            with _tuning(module, case.name == "recorded"):
                 outs, after = _run_kernel(module, prog, inputs)
         except Exception as e:
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else ""
@@ -92,7 +92,7 @@ def _validate(gen, module, seed: int, interp: bool) -> Validation:
 @contextlib.contextmanager
 def _tuning(module, on: bool):
     """A tuned kernel (matmul-anchored: `TUNE`, its configs timed at each new shape) times its configs at
-    the first case only, the recorded shape: that compiles every config into Triton's cache for the
+    the recorded shape only: that compiles every config into Triton's cache for the
     patched model's own first call, which tunes again in its process. At the odd and all-ones shapes the
     default config is all validation needs (three shapes x eight configs were ~24 Triton compiles per
     matmul epilogue, the longest job of the H100's 44-50 s empty-cache generate)."""
