@@ -92,7 +92,8 @@ class Clock:
         return (time.perf_counter() - self.t) * 1e3
 
 
-def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps: int, out_dir: Path) -> dict:
+def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps: int, out_dir: Path,
+             profile: bool = False) -> dict:
     import torch
 
     from workloads import build
@@ -138,7 +139,7 @@ def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps:
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times, losses, extra, peak = [], [], [], 0
+    times, losses, extra, peak, reserved = [], [], [], 0, 0
     leaves = [x for x in (w.inputs if isinstance(w.inputs, tuple) else ()) if getattr(x, "requires_grad", False)]
     for i in range(warmup + steps):
         clock.sync()
@@ -156,16 +157,32 @@ def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps:
         ms = clock.ms()
         if device == "cuda" and i >= warmup:
             peak = max(peak, torch.cuda.max_memory_allocated())
+            reserved = max(reserved, torch.cuda.max_memory_reserved())
             extra.append(torch.cuda.max_memory_allocated() - before)
         losses.append(loss.item())
         if i == 0:
             res["first_step_s"] = round(time.perf_counter() - t0, 2)
         if i >= warmup:
             times.append(ms)
+    if profile and device == "cuda":  # where a mode's step goes: kernel and host time per op, two steps
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                _loss(model, w.inputs, labels, name).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        avg = prof.key_averages()
+        (out_dir / f"profile-{name}-{mode}.txt").write_text(
+            avg.table(sort_by="cuda_time_total", row_limit=40) + "\n\n"
+            + avg.table(sort_by="self_cpu_time_total", row_limit=40))
     res["step_ms"] = round(statistics.median(times), 3)
     res["step_ms_min"] = round(min(times), 3)
     # the steady state only (peaks reset before each timed step): not compile's or validation's scratch
     res["peak_gb"] = round(peak / 2**30, 3) if device == "cuda" else None
+    # CUDA graphs' scratch stays reserved in their pool (not allocated between replays): reserved counts it
+    res["peak_reserved_gb"] = round(reserved / 2**30, 3) if device == "cuda" else None
     res["peak_extra_mb"] = round(max(extra) / 2**20, 1) if extra else None
     res["losses"] = [round(x, 5) for x in losses]
     if mode in ("advisor", "advisor_lce"):
@@ -173,6 +190,11 @@ def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps:
 
         res["backwards"] = autograd.summary()
         res["fallbacks"] = {q: dict(f.fallbacks) for q, f in patched_modules(model) if f.fallbacks}
+        from advisor.patching.graphs import _LIVE
+        from advisor.patching.train_graphs import TrainGraphed
+
+        res["train_graphs"] = [{"recordings": len(t.recordings), "failed": t.failed, "trace": t.failed_trace,
+                                "not_replayed": dict(t.not_replayed)} for t in list(_LIVE) if isinstance(t, TrainGraphed)]
     del model, opt, w
     gc.collect()
     if device == "cuda":
@@ -180,7 +202,7 @@ def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps:
     return res
 
 
-def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: Path) -> int:
+def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: Path, profile: bool = False) -> int:
     import advisor  # noqa: F401  (first: without a GPU it sets TRITON_INTERPRET before transformers imports triton)
     import torch
 
@@ -200,7 +222,7 @@ def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: 
                 continue
         torch.manual_seed(0)
         try:
-            doc["modes"][mode] = run_mode(name, mode, device, quick, warmup, steps, result.parent)
+            doc["modes"][mode] = run_mode(name, mode, device, quick, warmup, steps, result.parent, profile)
         except Exception as e:  # one mode failing (compile on an odd model) must not lose the others
             doc["modes"][mode] = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:500]}
         result.write_text(json.dumps(doc, indent=1, default=str))
@@ -212,16 +234,16 @@ def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: 
 
 # ----------------------------------------------------------------------------------------- parent
 def table(doc: dict) -> str:
-    rows = ["| model | mode | step ms | × eager | peak GB | peak extra MB | first step s | note |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | mode | step ms | × eager | peak GB | reserved GB | peak extra MB | first step s | note |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name, r in doc["results"].items():
         if "error" in r:
-            rows.append(f"| {name} | — | failed: {r['error'].splitlines()[-1][:120]} ||||||")
+            rows.append(f"| {name} | — | failed: {r['error'].splitlines()[-1][:120]} |||||||")
             continue
         eager = r["modes"].get("eager", {}).get("step_ms")
         for mode, m in r["modes"].items():
             if "step_ms" not in m:
-                rows.append(f"| {name} | {mode} | {m.get('error') or m.get('skipped')} ||||||")
+                rows.append(f"| {name} | {mode} | {m.get('error') or m.get('skipped')} |||||||")
                 continue
             x = f"{eager / m['step_ms']:.2f}" if eager else "—"
             note = ""
@@ -230,7 +252,7 @@ def table(doc: dict) -> str:
                 used = sum(1 for b in bws if b["validated"] and b["launches"])
                 note = (f"optimize {m.get('optimize_s')} s; {len(m.get('patched') or [])} patterns; "
                         f"{used} of {len(bws)} derived backwards validated and used")
-            rows.append(f"| {name} | {mode} | {m['step_ms']} | {x} | {m.get('peak_gb')} | {m.get('peak_extra_mb')} | "
+            rows.append(f"| {name} | {mode} | {m['step_ms']} | {x} | {m.get('peak_gb')} | {m.get('peak_reserved_gb')} | {m.get('peak_extra_mb')} | "
                         f"{m.get('first_step_s')} | {note} |")
     return "\n".join(rows)
 
@@ -268,6 +290,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=float, default=210.0, help="seconds per model (its process)")
+    p.add_argument("--profile", action="store_true", help="GPU: per mode, a torch.profiler table of two steps "
+                   "(OUT's folder, profile-MODEL-MODE.txt)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -279,7 +303,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     if a.child:
-        return child(a.child, modes, a.quick, a.warmup, a.steps, a.result)
+        return child(a.child, modes, a.quick, a.warmup, a.steps, a.result, a.profile)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"results": {}, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                     text=True).stdout.strip()}
@@ -288,7 +312,7 @@ def main(argv=None) -> int:
         result.unlink(missing_ok=True)
         t0 = time.perf_counter()
         cmd = [sys.executable, __file__, "--child", name, "--result", str(result), "--modes", ",".join(modes),
-               "--warmup", str(a.warmup), "--steps", str(a.steps)] + (["--quick"] if a.quick else [])
+               "--warmup", str(a.warmup), "--steps", str(a.steps)] + (["--quick"] if a.quick else []) + (["--profile"] if a.profile else [])
         try:
             proc = subprocess.run(cmd, timeout=a.timeout, capture_output=True, text=True, env=os.environ.copy())
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]

@@ -8,7 +8,8 @@ recompiles, and the new graph is matched afresh), AOTAutograd lowers it to funct
 Python call per op). A graph that needs gradients (grad enabled and a parameter or input requiring
 grad) is traced to aten ops without AOTAutograd and rewritten with sites that run the fused forward
 and its generated backward as one autograd Function (`autograd.py`) where that backward validated;
-`Backend.training`. A patched forward whose patterns cannot have a backward (stand-ins, matmul
+`Backend.training`; on a GPU its forward and backward replay as two CUDA graphs per layer
+(`train_graphs.TrainGraphed`). A patched forward whose patterns cannot have a backward (stand-ins, matmul
 anchors other than the SPLADE head's, `splade.py`) runs the original code whenever autograd needs it.
 
 Modules of one class with one plan capture once (`ClassCapture`): the first one to run (the owner)
@@ -66,6 +67,7 @@ from advisor.patching.host_copies import make_host_copies_recordable
 from advisor.patching.match import Pattern, find, is_transparent
 from advisor.patching.noop_copies import drop_identity_copies
 from advisor.patching.plan import PatternSpec
+from advisor.patching.train_graphs import TrainGraphed, mutates
 from advisor.patching.program import program_graph, run_program
 
 _SHARED: dict[tuple, Callable] = {}  # (plan digest, graph code, input layouts) -> compiled inference graph
@@ -209,7 +211,11 @@ class Backend:
         timing.count("rewrites")
         with timing.timed("rewrite"):
             self.rewrite(g)
-        return _counted(g.forward)
+        run = g.forward
+        if self.device.type == "cuda" and not mutates(g.graph):  # forward and backward replayed as CUDA graphs
+            make_host_copies_recordable(g)
+            run = TrainGraphed(g.forward, ops=_ops(g.graph), out_bytes=_output_bytes(g.graph))
+        return _counted(run)
 
     def rewrite(self, gm: torch.fx.GraphModule) -> None:
         self.log.graphs += 1

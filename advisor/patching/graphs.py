@@ -185,12 +185,19 @@ class Graphed:
                 self.recordings.popitem(last=False)
         return self._run(rec, args)
 
-    def _key(self, args) -> tuple | str:
-        """What a recording depends on beyond the capture's guards, or why it cannot be replayed."""
+    def _refusal(self, args) -> str | None:
+        """Why this call cannot replay at all (before looking at each input)."""
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return "autograd"
+        return None
+
+    def _key(self, args) -> tuple | str:
+        """What a recording depends on beyond the capture's guards, or why it cannot be replayed."""
+        why = self._refusal(args)
+        if why is not None:
+            return why
         parts = [rewrite.enabled_keys()]
-        copied = self.out_bytes
+        copied = self._copied_bytes(args)
         for a in args:
             if not isinstance(a, torch.Tensor):
                 parts.append(("v", a))
@@ -199,16 +206,19 @@ class Graphed:
             elif a.device.type != self.recorder.device_type:
                 return f"an input off the GPU ({a.device.type}, shape {list(a.shape)})"
             elif isinstance(a, torch.nn.Parameter):
-                parts.append(a.data_ptr())
+                parts.append((a.data_ptr(), a.requires_grad))
             else:
                 nbytes = a.untyped_storage().nbytes()
                 if nbytes > MAX_STORAGE_RATIO * max(1, a.numel() * a.element_size()) and nbytes > 1 << 20:
                     return f"an input's storage ({nbytes >> 20} MiB) far larger than its view"
-                parts.append((nbytes, a.storage_offset()))
-                copied += nbytes
+                parts.append((nbytes, a.storage_offset(), a.requires_grad))
         if self.ops is not None and 2 * copied / COPY_BYTES_PER_S > self.ops * HOST_S_PER_OP:
             return "copies in and out would cost more than the launches"
         return tuple(parts)
+
+    def _copied_bytes(self, args) -> int:
+        """Bytes a replay copies (inputs in, outputs out): weighed against the launches it saves."""
+        return self.out_bytes + sum(a.untyped_storage().nbytes() for a in args if _copied(a, self.recorder.device_type))
 
     def _record(self, args) -> Recording:
         dev = self.recorder.device_type
@@ -231,6 +241,12 @@ def _where(e: BaseException) -> str:
     frames = traceback.extract_tb(e.__traceback__)[-3:]
     return " (at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line or ''}".strip() for f in reversed(frames)) + ")" \
         if frames else ""
+
+
+def _copied(a, device_type: str) -> bool:
+    """An input a replay copies into its static buffer (a parameter is read in place)."""
+    return isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) and a.device.type == device_type \
+        and not _host_scalar(a, device_type)
 
 
 def _host_scalar(a: torch.Tensor, device_type: str) -> bool:

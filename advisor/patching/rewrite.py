@@ -68,6 +68,11 @@ def fused_runs() -> int:
     return getattr(_RUNTIME, "fused", 0)
 
 
+def count_fused_runs(n: int) -> None:
+    """`n` more fused runs (sites replayed inside a recorded training graph, `train_graphs`)."""
+    _RUNTIME.fused = fused_runs() + n
+
+
 def patches_are_off() -> bool:
     return getattr(_RUNTIME, "off", False)
 
@@ -136,7 +141,7 @@ class Site:
                     self.stats["fell_back"] += 1
                     return self.fallback(*xs)
                 if grad:
-                    _RUNTIME.fused = fused_runs() + 1
+                    count_fused_runs(1)
                 self.stats["launched"] += 1
                 caller = getattr(_RUNTIME, "caller", None)
                 self.callers[caller] = self.callers.get(caller, 0) + 1

@@ -1,0 +1,144 @@
+"""Training calls replayed as a forward graph and a backward graph (`advisor.patching.train_graphs`).
+
+CUDA graphs need a GPU; here a recorder with the same contract stands in for them: its "replays" run
+the function again on the recording's static buffers and write the static outputs and gradients in
+place, so a replay that would read overwritten memory on the GPU reads overwritten memory here too.
+The GPU's own recordings run in bench/train.py (reports/train-h100.md)."""
+import torch
+import torch.nn.functional as F
+
+from advisor.patching.train_graphs import TrainGraphed, TrainRecording, mutates
+
+
+class StaticRecorder:
+    device_type = "cpu"
+
+    def __init__(self):
+        self.records = 0
+
+    def record_training(self, fn, args, inputs):
+        self.records += 1
+        first = list(fn(*args))
+        diff = [j for j, o in enumerate(first) if o.requires_grad]
+        needs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        outs = [o.detach().clone() for o in first]
+        grad_outputs = [torch.zeros_like(o) if j in diff else None for j, o in enumerate(outs)]
+        grad_inputs = [torch.zeros_like(a) if i in needs else None for i, a in enumerate(args)]
+        live: dict = {}
+
+        def forward():
+            with torch.enable_grad():
+                live["outs"] = list(fn(*args))
+            for o, new in zip(outs, live["outs"]):
+                o.copy_(new.detach())
+
+        def backward():
+            gs = torch.autograd.grad([live["outs"][j] for j in diff], [args[i] for i in needs],
+                                     [grad_outputs[j] for j in diff], allow_unused=True)
+            for i, g in zip(needs, gs):
+                grad_inputs[i].copy_(g) if g is not None else grad_inputs[i].zero_()
+
+        return TrainRecording(forward, backward, inputs, outs, grad_outputs, grad_inputs, fused=0)
+
+
+def layer(x, w, b):
+    """A residual MLP block (what dynamo hands the backend: parameters as inputs)."""
+    h = F.gelu(F.linear(x, w, b))
+    return (x + h, h.sum(-1))
+
+
+def params(seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.nn.Parameter(torch.randn(16, 16, generator=g) / 4),
+            torch.nn.Parameter(torch.randn(16, generator=g) / 4))
+
+
+def grads_of(run, ps, x, steps=1):
+    for p in sum(ps, ()):
+        p.grad = None
+    for step in range(steps):
+        x1 = (x * (step + 1)).requires_grad_(True)  # another batch each step
+        y = x1
+        for w, b in ps:
+            y = run(y, w, b)[0]
+        y.pow(2).sum().backward()
+    return [p.grad.clone() for p in sum(ps, ())] + [x1.grad.clone()]
+
+
+def test_replayed_layers_give_eagers_gradients_and_accumulate():
+    torch.manual_seed(0)
+    ps = [params(1), params(2), params(3)]
+    x = torch.randn(4, 8, 16)
+    rec = StaticRecorder()
+    graphed = TrainGraphed(layer, recorder=rec)
+    for steps in (1, 2):  # two steps without zeroing: accumulated, not overwritten in a static buffer
+        want = grads_of(layer, ps, x, steps)
+        got = grads_of(graphed, ps, x, steps)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    assert rec.records == 3  # one recording per parameter set (layer), reused by every later step
+    assert not graphed.not_replayed, graphed.not_replayed
+
+
+def test_second_forward_before_the_backward_runs_op_by_op():
+    # one module applied twice in a step (shared weights): a replay would overwrite the first call's
+    # saved tensors, so the second call runs op by op and both gradients stay exact
+    torch.manual_seed(0)
+    w, b = params(1)
+    x = torch.randn(4, 8, 16)
+
+    def twice(run):
+        w.grad = b.grad = None
+        y = run(run(x.requires_grad_(False).clone().requires_grad_(True), w, b)[0], w, b)[0]
+        y.pow(2).sum().backward()
+        return w.grad.clone(), b.grad.clone()
+
+    graphed = TrainGraphed(layer, recorder=StaticRecorder())
+    for a, b_ in zip(twice(graphed), twice(layer)):
+        torch.testing.assert_close(a, b_)
+    assert graphed.not_replayed == {"a second forward before the first one's backward": 1}
+
+
+def test_unused_forward_lifts_the_block_once_dropped():
+    torch.manual_seed(0)
+    w, b = params(1)
+    x = torch.randn(2, 16, requires_grad=True)
+    graphed = TrainGraphed(layer, recorder=StaticRecorder())
+    out = graphed(x, w, b)  # a forward under grad whose backward never comes (evaluation without no_grad)
+    del out
+    graphed(x, w, b)[0].sum().backward()
+    assert not graphed.not_replayed
+
+
+def test_backward_after_its_memory_was_replayed_over_raises():
+    torch.manual_seed(0)
+    w, b = params(1)
+    x = torch.randn(2, 16, requires_grad=True)
+    graphed = TrainGraphed(layer, recorder=StaticRecorder())
+    first = graphed(x, w, b)[0].sum()
+    first.backward(retain_graph=True)
+    graphed(x * 2, w, b)[0].sum().backward()  # replays the forward over the first one's saved tensors
+    try:
+        first.backward()
+    except RuntimeError as e:
+        assert "ran again before this backward" in str(e)
+    else:
+        raise AssertionError("a backward reading overwritten memory returned gradients")
+
+
+def test_refusals_run_op_by_op():
+    w, b = params(1)
+    x = torch.randn(2, 16, requires_grad=True)
+    graphed = TrainGraphed(layer, recorder=StaticRecorder())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graphed(x, w, b)
+    with torch.no_grad():
+        graphed(x, w, b)
+    assert set(graphed.not_replayed) == {"autocast", "no autograd"}
+
+
+def test_graphs_that_write_in_place_are_not_recorded():
+    bn = torch.nn.BatchNorm1d(4).train()
+    traced = torch.fx.experimental.proxy_tensor.make_fx(lambda x: bn(x))(torch.randn(3, 4))
+    assert mutates(traced.graph)  # running statistics updated in place: a replay would update a copy
+    assert not mutates(torch.fx.experimental.proxy_tensor.make_fx(layer)(*(torch.randn(2, 16),) + params(1)).graph)
