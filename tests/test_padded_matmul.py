@@ -5,6 +5,7 @@ ones rejected), tiny GPT-2 / BERT-MLM heads with an odd vocabulary found, patche
 `advisor.optimize`, an aligned vocabulary left alone, and the committed H100 GPT-2 trace's LM head."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -159,3 +160,18 @@ def _cost(measured_us: float) -> tuple[GroupCost, DeviceModel]:
 def test_gpu_trace_keeps_only_a_gemm_far_above_its_roofline(measured_us, pays):
     cost, gpu = _cost(measured_us)
     assert padding_pays(cost, gpu) is pays
+
+
+def test_padded_head_trains_through_autograd(tmp_path):
+    # the padded GEMM is PyTorch's own ops: under autograd it runs as it is (its backward GEMMs padded too)
+    # and the gradients are eager's; GPT-2 ties the head to the embedding, so both paths meet in one grad
+    model, x = _tiny("gpt2", ODD_VOCAB)
+    ref_model = copy.deepcopy(model)
+    report = advisor.optimize(model, x, top=12, out=tmp_path, reuse=False, interpret=True, train=True)
+    [cand] = _padded(json.loads((tmp_path / "analysis.json").read_text()))
+    before = report.handle.launches()
+    model(**x).logits.float().pow(2).mean().backward()
+    assert launched_sites(before, report.handle.launches()).get(f"{cand['pattern_id']}:kernel") == 1
+    ref_model(**x).logits.float().pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -7,6 +7,10 @@ never handed out, so the result is the unpadded product's (within the GEMM's own
 split K differently). The padding is worked out from the operands' shapes on every call, so the module
 is right at any size (validation runs it at odd ones); the patcher's guards keep it at the recorded ones.
 
+Under autograd the module trains as it is (`DIFFERENTIABLE`): the pads, the product and the slice are
+PyTorch's ops, so autograd's backward of the padded product is two more aligned GEMMs (the gradient of
+the slice is the output gradient zero-padded, of the pads a slice). What Inductor does for training.
+
 What it returns: a fresh tensor in eager's layout, the slice copied out of the padded result. Inductor
 returns the strided slice itself (row stride N_padded), which saves one pass over the output (GPT-2's
 logits: 0.8 GB read and written, about 0.55 ms of the H100's 1.8 ms for the padded head), but a caller's
@@ -91,6 +95,7 @@ def padded_matmul_source(ctx: Anchored) -> str:
         "import torch",
         "",
         f"ALIGN = {align}",
+        "DIFFERENTIABLE = True  # PyTorch's own ops: autograd differentiates `run`, its backward GEMMs padded too",
         HELPERS,
         "",
         f"def run({', '.join(ids)}):",

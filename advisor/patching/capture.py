@@ -277,7 +277,9 @@ class Backend:
                             fallback=fallback, inputs=[rewrite.InputSpec.of(s) for s in program["inputs"]],
                             outputs=rewrite.output_layouts(m), device_type=spec.device_type,
                             scalar_device=self.device if spec.replacement == "kernel" else "cpu")
-        if trainable(spec):
+        if differentiable(spec):
+            site.trainable = site.forward  # PyTorch's own ops: autograd differentiates the launcher itself
+        elif trainable(spec):
             from advisor.patching.autograd import Trainable  # torch.autograd machinery: loaded for training only
 
             roles = splade.head_roles(program)
@@ -310,11 +312,23 @@ def trainable(spec: PatternSpec) -> bool:
     """Whether a pattern may get a generated backward: a generated kernel of pointwise and row ops (the
     stand-in replacements stay bit-identical to eager, gradients included; matmul-anchored kernels
     have no derived backward yet), or the SPLADE head's matmul + reduction, which trains through its
-    hand-written Function (`splade.py`). Whether it gets one is decided per site, by validation."""
+    hand-written Function (`splade.py`), or a module autograd differentiates itself (`differentiable`).
+    Whether a generated backward is used is decided per site, by validation."""
     if spec.replacement == "kernel" and splade.head_roles(spec.program) is not None:
         return True
     return spec.replacement == "kernel" and bool(spec.program.get("nodes")) and not any(
-        op_class(n["op"]) in (OpClass.MATMUL, OpClass.ATTENTION) for n in spec.program["nodes"])
+        op_class(n["op"]) in (OpClass.MATMUL, OpClass.ATTENTION) for n in spec.program["nodes"]) or differentiable(spec)
+
+
+def differentiable(spec: PatternSpec) -> bool:
+    """Whether the pattern's module is PyTorch's own ops (it says `DIFFERENTIABLE`: a padded GEMM), which
+    autograd differentiates as they stand: no backward to derive or validate, the forward validated."""
+    if spec.replacement != "kernel" or not spec.kernel_file:
+        return False
+    try:
+        return bool(getattr(load_launcher(spec.kernel_file), "__globals__", {}).get("DIFFERENTIABLE"))
+    except Exception:  # a missing or broken module: the forward's own loading says so
+        return False
 
 
 def _share_key(digest: str, gm: torch.fx.GraphModule, example_inputs) -> tuple | None:

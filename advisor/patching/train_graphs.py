@@ -177,7 +177,7 @@ class CudaTrainRecorder:
     def record_training(self, fn: Callable, args: list, inputs: list) -> TrainRecording:
         device = next(a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda")
         pool = CudaRecorder.pool(device)
-        stream = torch.cuda.Stream(device)
+        stream = CudaRecorder.side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP):
