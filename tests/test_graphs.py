@@ -227,3 +227,38 @@ def test_a_constant_is_pinned_outside_aotautograds_fake_mode(monkeypatch):
     with FakeTensorMode():
         out = host_copies._pinned(const)
     assert seen == [False] and torch.equal(out, const) and type(out) is torch.Tensor
+
+
+def test_module_buffers_are_read_in_place():
+    # dynamo marks a module's buffers as static addresses: the graph reads them where they live (no copy
+    # per replay), so an in-place update of one is seen by the next replay without a new recording
+    stats = torch.ones(4)
+    seen = []
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("stats", stats)
+
+        def forward(self, x):
+            return x * self.stats
+
+    def backend(gm, example_inputs):
+        seen.extend(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(Scale(), backend=backend)(torch.ones(4))
+    assert any(a is stats for a in seen) and getattr(stats, "_dynamo_static_input_type", None) is not None
+    rec = ReplayOnCpu()
+    g = Graphed(lambda s, x: [x * s], recorder=rec)
+    x = torch.ones(4)
+    assert torch.equal(g(stats, x)[0], torch.ones(4))
+    stats.mul_(3)  # e.g. statistics loaded into the buffer in place
+    assert torch.equal(g(stats, x)[0], torch.full((4,), 3.0)) and rec.records == 1
+    [recording] = g.recordings.values()
+    assert recording.inputs[0] is None and recording.inputs[1] is not None  # the buffer not copied, x copied
+    plain = torch.ones(4)  # an activation: copied in, so the replay sees each call's values
+    g2 = Graphed(lambda s, x: [x * s], recorder=ReplayOnCpu())
+    g2(plain, x)
+    assert torch.equal(g2(torch.full((4,), 2.0), x)[0], torch.full((4,), 2.0))

@@ -6,8 +6,9 @@ GPU idled and the kernels' savings never reached the wall clock (`python bench/h
 GELU fused, device busy 19.0 -> 14.6 ms, call 25.8 -> 25.3 ms). A CUDA graph replays them all at once.
 
 The contract of a CUDA graph is fixed addresses, so:
-- parameters are read in place: a graph is recorded per set of parameter addresses (twelve layers that
-  share one captured function get twelve graphs);
+- parameters, and the buffers and tensor attributes of modules (dynamo marks them static addresses), are
+  read in place: a graph is recorded per set of their addresses (twelve layers that share one captured
+  function get twelve graphs);
 - a 0-dim CPU tensor (HF layers pass some) is part of the recording's key by its value, and is copied
   into a pinned buffer (a graph may copy it to the GPU: see `_host_scalar`);
 - every other tensor input is copied into a static buffer with the input's storage size, offset and
@@ -217,7 +218,7 @@ class Graphed:
                 parts.append(("host scalar", a.dtype, a.item()))  # read by value at launch: part of the graph
             elif a.device.type != self.recorder.device_type:
                 return f"an input off the GPU ({a.device.type}, shape {list(a.shape)})"
-            elif isinstance(a, torch.nn.Parameter):
+            elif read_in_place(a):
                 parts.append((a.data_ptr(), a.requires_grad))
             else:
                 nbytes = a.untyped_storage().nbytes()
@@ -235,7 +236,7 @@ class Graphed:
     def _record(self, args) -> Recording:
         dev = self.recorder.device_type
         inputs = [_static_like(a, pinned=_host_scalar(a, dev))
-                  if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) else None for a in args]
+                  if isinstance(a, torch.Tensor) and not read_in_place(a) else None for a in args]
         static_args = [a if s is None else s for a, s in zip(args, inputs)]
         _copy_in(inputs, args)
         replay, outs = self.recorder.record(self.fn, static_args)
@@ -255,9 +256,16 @@ def _where(e: BaseException) -> str:
         if frames else ""
 
 
+def read_in_place(a: torch.Tensor) -> bool:
+    """A parameter, or a tensor dynamo marked as a static address: a module's buffer or tensor attribute
+    (what Inductor's CUDA graphs read in place too). Recordings are keyed by its address; copying it in
+    before every replay cost ResNet-50's whole-model graph 106 copies (BatchNorm statistics) per call."""
+    return isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None) is not None
+
+
 def _copied(a, device_type: str) -> bool:
     """An input a replay copies into its static buffer (a parameter is read in place)."""
-    return isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) and a.device.type == device_type \
+    return isinstance(a, torch.Tensor) and not read_in_place(a) and a.device.type == device_type \
         and not _host_scalar(a, device_type)
 
 

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from advisor.patching import rewrite
-from advisor.patching.graphs import CudaRecorder, Graphed, _copy_in, _copy_out, _static_like, _host_scalar
+from advisor.patching.graphs import CudaRecorder, Graphed, _copy_in, _copy_out, _host_scalar, _static_like, read_in_place
 
 WARMUP = 2  # forward + backward runs before recording: Triton compiles, autotuning, workspaces
 
@@ -88,7 +88,7 @@ class TrainGraphed(Graphed):
     def _record(self, args) -> TrainRecording:
         dev = self.recorder.device_type
         inputs = [_static_like(a, pinned=_host_scalar(a, dev))
-                  if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) else None for a in args]
+                  if isinstance(a, torch.Tensor) and not read_in_place(a) else None for a in args]
         _copy_in(inputs, args)
         for s, a in zip(inputs, args):
             if s is not None and a.requires_grad:
