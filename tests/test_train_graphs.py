@@ -121,7 +121,7 @@ def test_backward_after_its_memory_was_replayed_over_raises():
     try:
         first.backward()
     except RuntimeError as e:
-        assert "ran again before this backward" in str(e)
+        assert "overwritten by a later replay" in str(e)
     else:
         raise AssertionError("a backward reading overwritten memory returned gradients")
 
@@ -142,3 +142,30 @@ def test_graphs_that_write_in_place_are_not_recorded():
     traced = torch.fx.experimental.proxy_tensor.make_fx(lambda x: bn(x))(torch.randn(3, 4))
     assert mutates(traced.graph)  # running statistics updated in place: a replay would update a copy
     assert not mutates(torch.fx.experimental.proxy_tensor.make_fx(layer)(*(torch.randn(2, 16),) + params(1)).graph)
+
+
+def test_replays_out_of_recording_order_never_use_overwritten_memory():
+    # Recordings share one pool: a recording's scratch may lie over what a later-recorded one saved. In the
+    # usual order (forwards as recorded, backwards reversed) nothing is overwritten; otherwise the forward
+    # runs op by op, and a backward whose saved tensors may have been overwritten raises.
+    torch.manual_seed(0)
+    (wa, ba), (wb, bb) = params(1), params(2)
+    x = torch.randn(2, 16, requires_grad=True)
+    first = TrainGraphed(layer, recorder=StaticRecorder())
+    later = TrainGraphed(layer, recorder=StaticRecorder())
+    later(first(x, wa, ba)[0], wb, bb)[0].sum().backward()  # records `first`, then `later`
+    later(first(x, wa, ba)[0], wb, bb)[0].sum().backward()  # the usual order: both replayed
+    assert not first.not_replayed and not later.not_replayed
+    b = later(x, wb, bb)[0]  # `later` awaits its backward ...
+    a = first(x, wa, ba)[0]  # ... so `first` (recorded before it) runs op by op
+    assert first.not_replayed == {"a module recorded after it awaits its backward": 1}
+    (a.sum() + b.sum()).backward()  # both gradients exact: nothing was replayed over `later`'s tensors
+    a = first(x, wa, ba)[0].sum()
+    b = later(x, wb, bb)[0].sum()
+    a.backward()  # `first`'s backward replays while `later` awaits its own: its scratch may overwrite later's
+    try:
+        b.backward()
+    except RuntimeError as err:
+        assert "overwritten by a later replay" in str(err)
+    else:
+        raise AssertionError("a backward over possibly overwritten tensors returned gradients")

@@ -84,16 +84,16 @@ class CudaRecorder:
     """Records a `torch.cuda.CUDAGraph` (after a warm-up on a side stream, as the CUDA graph docs ask)."""
 
     device_type = "cuda"
-    _pools: dict = {}  # device -> (pool handle, the anchor recording that keeps the pool alive)
+    _pools: dict = {}  # (device, kind) -> (pool handle, the anchor recording that keeps the pool alive)
     _streams: dict = {}  # (device, thread) -> the side stream its recordings use
 
     @classmethod
-    def pool(cls, device: torch.device):
+    def pool(cls, device: torch.device, kind: str = "inference"):
         """The shared pool of `device`. A pool lives while a recording made in it lives: once
         `clear_recordings` dropped them all, recording into the same handle again failed inside
         PyTorch (`use_count > 0` INTERNAL ASSERT in CUDACachingAllocator: the layers then ran op by op
         and the model was slower than eager). An anchor recording that is never dropped keeps it alive."""
-        entry = cls._pools.get(device)
+        entry = cls._pools.get((device, kind))
         if entry is None:
             handle = torch.cuda.graph_pool_handle()
             anchor = torch.cuda.CUDAGraph()
@@ -106,7 +106,7 @@ class CudaRecorder:
                 finally:
                     anchor.capture_end()
             torch.cuda.current_stream(device).wait_stream(stream)
-            entry = cls._pools[device] = (handle, anchor)
+            entry = cls._pools[(device, kind)] = (handle, anchor)
         return entry[0]
 
     @classmethod
@@ -158,7 +158,8 @@ class CudaRecorder:
                 end(device.index if device.index is not None else torch.cuda.current_device(), pool)
             except Exception:  # already ended (the failure came later): nothing to undo
                 pass
-        cls._pools.pop(device, None)
+        for key in [k for k, (handle, _) in cls._pools.items() if handle == pool]:
+            cls._pools.pop(key)
 
 
 class Graphed:
