@@ -98,6 +98,32 @@ def test_backward_is_generated_validated_and_matches_autograd(name, dtype):
     assert len(bw.errors["shapes"]) >= 2
 
 
+@pytest.mark.parametrize("fused_ms, used", [(2.0, False), (0.5, True)], ids=["slower", "faster"])
+def test_a_backward_slower_than_the_original_ops_is_not_used(monkeypatch, fused_ms, used):
+    # on a GPU each validated backward is timed against the original ops (forward + backward) at the call's
+    # shapes; the slower one keeps the site on its original ops. Here the timing is stood in for.
+    monkeypatch.setattr(ag, "timing_meaningful", lambda device: True)
+    timed = []
+
+    def time_both(forward, original, bw, xs, needs):
+        timed.append(original(*xs))  # the site's original ops, called on the same inputs
+        return fused_ms, 1.0
+
+    monkeypatch.setattr(ag, "time_both", time_both)
+    ag._BACKWARDS.clear()
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g), torch.randn(32, generator=g)]
+    prog = record_program(add_rms, *xs)
+    t = ag.Trainable(prog, ag.module_forward(load_module(generate(prog).path).run, prog), original=add_rms)
+    leaves = [x.clone().requires_grad_() for x in xs]
+    outs = t(leaves)
+    assert (outs is not None) == used and len(timed) == 1
+    [entry] = [e for e in ag.summary() if e["used"] == used]
+    assert entry["validated"] and entry["fused_ms"] == fused_ms and entry["eager_ms"] == 1.0
+    t(leaves)
+    assert len(timed) == 1  # timed once per key
+
+
 def test_only_inputs_needing_grads_get_one():
     x, w = torch.randn(4, 16), torch.randn(16)
     _, t = trainable(rms, [x, w])

@@ -17,11 +17,18 @@ twice eager's own error), at the real shape (rows capped), at odd row counts and
 random output gradients. Anything that fails (an op with no decomposition, a kernel that does not
 compile, a gradient off by more than the tolerance) leaves that key without a backward: the site then
 runs its original ops and autograd differentiates those, at eager's cost.
+
+A validated backward is used only where it is faster: on a GPU the site's forward + backward is timed
+at the call's own shapes both ways (the fused Function, the original ops under autograd; interleaved,
+CUDA events), once per key. A generated backward that recomputes and reduces may lose to PyTorch's own
+(BERT's LayerNorm: its weight and bias gradients as column sums over every token), and a pattern
+whose fused forward wins can still lose the step.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,6 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from advisor.bench.timing import time_call, timing_meaningful
 from advisor.codegen import Unsupported, generate, load_module
 from advisor.codegen.read import read_program
 from advisor.patching import backward
@@ -57,6 +65,13 @@ class Backward:
     floats: list = field(default_factory=list)  # the program's float outputs (those taking a gradient)
     grad_strides: list = field(default_factory=list)  # per float output: its gradient's layout in the kernel
     non_floats: list = field(default_factory=list)  # the others (autograd marks them non-differentiable)
+    fused_ms: float | None = None  # forward + backward through the Function at the first call's inputs (GPU)
+    eager_ms: float | None = None  # the same through the original ops
+    faster: bool = True  # not timed (CPU), or timed and faster than the original ops
+
+    @property
+    def used(self) -> bool:
+        return self.validated and self.faster
 
 
 def digest(program: dict) -> str:
@@ -118,8 +133,9 @@ class Trainable:
     """What a site runs when autograd needs it: the fused Function, where a validated backward exists."""
 
     def __init__(self, program: dict, forward: Callable, launch: Callable | None = None, keep_outputs: bool = True,
-                 label: str = ""):
+                 label: str = "", original: Callable | None = None):
         self.program = program
+        self.original = original  # the site's original ops (inputs -> outputs): what the backward must beat
         self.label = label
         self.keep_outputs = keep_outputs  # the backward may read the forward's outputs (see backward.derive)
         self.forward = forward  # inputs (tensors or numbers) -> outputs, checked against the site's layouts
@@ -143,15 +159,43 @@ class Trainable:
                 bw = _BACKWARDS.get(key)
                 if bw is None:
                     device = next(x.device for x in xs if isinstance(x, torch.Tensor))
-                    bw = _BACKWARDS[key] = build(self.program, key[1], device, self.launch)
+                    bw = build(self.program, key[1], device, self.launch)
                     bw.label = self.label
+                    if bw.validated and self.original is not None and timing_meaningful(device.type):
+                        bw.fused_ms, bw.eager_ms = time_both(self.forward, self.original, bw, xs, key[0])
+                        bw.faster = bw.fused_ms < bw.eager_ms
+                    _BACKWARDS[key] = bw
         return bw
 
     def __call__(self, xs) -> tuple | None:
         bw = self.backward_for(xs)
-        if not bw.validated:
+        if not bw.used:
             return None
         return FusedFunction.apply(self.forward, bw, *xs)
+
+
+def time_both(forward: Callable, original: Callable, bw: Backward, xs, needs, rounds: int = 3) -> tuple[float, float]:
+    """(fused ms, original ms): forward + backward at these inputs (random output gradients), timed in
+    interleaved rounds after warm-up; the median of each's round medians."""
+    leaves = [x.detach().requires_grad_(True) if n else x for x, n in zip(xs, needs)]
+    wrt = [x for x, n in zip(leaves, needs) if n]
+
+    def step(run):
+        def once():
+            with torch.enable_grad():
+                outs = [o for o in run() if isinstance(o, torch.Tensor) and o.requires_grad]
+                torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
+        return once
+
+    fused = step(lambda: FusedFunction.apply(forward, bw, *leaves))
+    eager = step(lambda: original(*leaves))
+    launches = bw.launches
+    got: dict = {"fused": [], "eager": []}
+    for _ in range(rounds):
+        got["fused"].append(time_call(fused, "cuda", warmup=2, iters=10).median_ms)
+        got["eager"].append(time_call(eager, "cuda", warmup=2, iters=10).median_ms)
+    bw.launches = launches  # timing's passes do not count as the model's
+    return statistics.median(got["fused"]), statistics.median(got["eager"])
 
 
 def summary() -> list[dict]:
@@ -163,6 +207,7 @@ def summary() -> list[dict]:
         out.append({"program": dig, "pattern": bw.label, "needs_grad": list(needs),
                     "shapes": [list(s) if s else None for s in shapes], "validated": bw.validated,
                     "reason": bw.reason, "launches": bw.launches, "saved_bytes": d.saved_bytes if d else None,
+                    "fused_ms": bw.fused_ms, "eager_ms": bw.eager_ms, "faster": bw.faster, "used": bw.used,
                     "saves_outputs": bool(d and d.saved_outputs),
                     "eager_saved_bytes": d.eager_saved_bytes if d else None,
                     "errors": {k: v for k, v in bw.errors.items() if k != "shapes"}})

@@ -284,7 +284,7 @@ class Backend:
 
             roles = splade.head_roles(program)
             site.trainable = splade.SpladeTrainable(program, roles, site.label) if roles else \
-                Trainable(program, site.forward, site.launch, _outputs_kept_intact(m), site.label)
+                Trainable(program, site.forward, site.launch, _outputs_kept_intact(m), site.label, fallback)
         return site
 
 
