@@ -67,6 +67,33 @@ def _loss(model, inputs, labels, name: str = ""):
     return loss if loss is not None else main_output(out).float().pow(2).mean()
 
 
+def process_state() -> dict:
+    """What a mode leaves behind in the process that may slow the next one (eager_again after advisor)."""
+    import threading
+
+    import torch
+
+    children = 0
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            children += pid.isdigit() and int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+        except (OSError, IndexError, ValueError):
+            pass
+    from torch.nn.modules import module as nn_module
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return {"threads": threading.active_count(), "children": children, "gc_objects": len(gc.get_objects()),
+            "gc_enabled": gc.isenabled(), "gc_threshold": gc.get_threshold(),
+            "profiler": torch.autograd.profiler._is_profiler_enabled,
+            "function_modes": len(torch.overrides._get_current_function_mode_stack()),
+            "dispatch_modes": len(_get_current_dispatch_mode_stack()),
+            "global_hooks": sum(len(getattr(nn_module, h)) for h in dir(nn_module) if h.startswith("_global_")
+                                and isinstance(getattr(nn_module, h), dict)),
+            "grad": torch.is_grad_enabled(), "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "allocated_gb": round(torch.cuda.memory_allocated() / 2**30, 3) if torch.cuda.is_available() else None}
+
+
 class Clock:
     def __init__(self, device):
         import torch
@@ -103,7 +130,7 @@ def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps:
     model = w.model
     lm = type(model).__name__.endswith(("LMHeadModel", "CausalLM"))  # HF LMs compute their own loss from labels
     labels = w.inputs["input_ids"] if lm and isinstance(w.inputs, dict) else None
-    res = {"mode": mode, "shape": w.shape}
+    res = {"mode": mode, "shape": w.shape, "state_before": process_state()}
     if mode == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401 (only where installed)
 

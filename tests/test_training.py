@@ -106,6 +106,7 @@ def test_a_backward_slower_than_the_original_ops_is_not_used(monkeypatch, fused_
     timed = []
 
     def time_both(forward, original, bw, xs, needs):
+        assert needs == (True, True, True)  # which inputs take a gradient, one flag per input
         timed.append(original(*xs))  # the site's original ops, called on the same inputs
         return fused_ms, 1.0
 
@@ -122,6 +123,28 @@ def test_a_backward_slower_than_the_original_ops_is_not_used(monkeypatch, fused_
     assert entry["validated"] and entry["fused_ms"] == fused_ms and entry["eager_ms"] == 1.0
     t(leaves)
     assert len(timed) == 1  # timed once per key
+
+
+def test_backward_timing_runs_and_a_failing_one_never_breaks_the_site(monkeypatch):
+    monkeypatch.setattr(ag, "timing_meaningful", lambda device: True)
+    monkeypatch.setattr(ag, "time_call", lambda fn, device, **kw: (fn(), type("T", (), {"median_ms": 1.0}))[1])
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g), torch.randn(32, generator=g)]
+    prog = record_program(add_rms, *xs)
+    run = ag.module_forward(load_module(generate(prog).path).run, prog)
+    for original, used in ((add_rms, False), (None, True)):  # equal times: not faster, so not used
+        ag._BACKWARDS.clear()
+        t = ag.Trainable(prog, run, original=original)
+        assert (t([x.clone().requires_grad_() for x in xs]) is not None) == used
+    ag._BACKWARDS.clear()
+
+    def broken(*xs):
+        raise RuntimeError("boom")
+
+    t = ag.Trainable(prog, run, original=broken)
+    assert t([x.clone().requires_grad_() for x in xs]) is None  # not timed: the original ops, no exception
+    [entry] = ag.summary()
+    assert entry["validated"] and not entry["used"] and "not timed" in entry["reason"]
 
 
 def test_only_inputs_needing_grads_get_one():
