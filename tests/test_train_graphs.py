@@ -169,3 +169,20 @@ def test_replays_out_of_recording_order_never_use_overwritten_memory():
         assert "overwritten by a later replay" in str(err)
     else:
         raise AssertionError("a backward over possibly overwritten tensors returned gradients")
+
+
+def test_parameters_are_recorded_through_leaves_of_the_recordings_own():
+    # read in place (same memory), but never the parameter object: its gradient accumulator, cached per
+    # tensor, would be made on the recording's side stream and every later backward would sync streams
+    w, b = params(1)
+    seen = []
+
+    class Seeing(StaticRecorder):
+        def record_training(self, fn, args, inputs):
+            seen.extend(args)
+            return super().record_training(fn, args, inputs)
+
+    graphed = TrainGraphed(layer, recorder=Seeing())
+    graphed(torch.randn(2, 16, requires_grad=True), w, b)[0].sum().backward()
+    assert seen[1] is not w and seen[1].data_ptr() == w.data_ptr() and seen[1].requires_grad
+    assert w.grad is not None and b.grad is not None  # the parameters still get their gradients
