@@ -150,6 +150,7 @@ class Backend:
         self.captures = 0  # graphs dynamo handed us for this instance (first captures and recompiles)
         self.device = torch.device("cpu")  # of the graph being rewritten
         self.trains = trains  # graphs needing grads get sites with a backward (`PatchedForward.trains`)
+        self.train_graphs: list[TrainGraphed] = []  # their CUDA-graph replays (GPU)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
@@ -215,6 +216,7 @@ class Backend:
         if self.device.type == "cuda" and not mutates(g.graph):  # forward and backward replayed as CUDA graphs
             make_host_copies_recordable(g)
             run = TrainGraphed(g.forward, ops=_ops(g.graph), out_bytes=_output_bytes(g.graph))
+            self.train_graphs.append(run)
         return _counted(run)
 
     def rewrite(self, gm: torch.fx.GraphModule) -> None:
@@ -403,7 +405,8 @@ def _fresh(fn: Callable) -> Callable:
 
 # ------------------------------------------------------------------------------------ the forward
 EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
-NO_BACKWARD = "no fused backward validated here: calls needing gradients run the original forward"
+NO_BACKWARD = ("no fused backward validated (or faster than the original ops) here: calls needing gradients run the "
+               "original forward")
 
 
 class PatchedForward:
@@ -537,6 +540,8 @@ class PatchedForward:
                 # eager's ops op by op, so training calls run the original forward from now on.
                 self._may_train = False
                 self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
+                for graphed in getattr(self._backend, "train_graphs", ()):
+                    graphed.recordings.clear()  # eager's ops replayed: memory for nothing (BERT: 6 GB)
             return out
         if torch.is_inference_mode_enabled():
             return self._call_as_no_grad(m, args, kwargs)
