@@ -67,7 +67,7 @@ from advisor.patching.host_copies import make_host_copies_recordable
 from advisor.patching.match import Pattern, find, is_transparent
 from advisor.patching.noop_copies import drop_identity_copies
 from advisor.patching.plan import PatternSpec
-from advisor.patching.train_graphs import TrainGraphed, mutates
+from advisor.patching.train_graphs import TrainGraphed, mutates, release_unused_pool
 from advisor.patching.program import program_graph, run_program
 
 _SHARED: dict[tuple, Callable] = {}  # (plan digest, graph code, input layouts) -> compiled inference graph
@@ -542,6 +542,7 @@ class PatchedForward:
                 self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
                 for graphed in getattr(self._backend, "train_graphs", ()):
                     graphed.recordings.clear()  # eager's ops replayed: memory for nothing (BERT: 6 GB)
+                release_unused_pool()
             return out
         if torch.is_inference_mode_enabled():
             return self._call_as_no_grad(m, args, kwargs)
