@@ -5,6 +5,11 @@ process per model.
     PYTHONPATH=$PWD python3 bench/train.py --quick --modes eager,advisor --out /tmp/train   # CPU smoke run
     PYTHONPATH=$PWD python3 bench/train.py --models splade --modes eager,compile,advisor --out $OUT/train-splade
 
+Eager, torch.compile and the advisor are built side by side in the model's process and their timed steps
+run in `--rounds` interleaved rounds (drift over the run, a GPU clock or a noisy neighbour, hits all alike;
+run one after another, eager alone moved 35 -> 47 ms over one run on the H100); their peak is then
+what the mode keeps between steps plus its step's own peak. Liger and the lce modes run after them, alone.
+
 One step = forward, loss (the model's own LM loss where it has labels, else mean square of its main
 output; the SPLADE head: the FLOPS regulariser, sum over the vocabulary of the batch-mean activation
 squared), backward, optimizer step (AdamW, fused on a GPU), zero_grad. Per mode the model is built
@@ -120,117 +125,148 @@ class Clock:
         return (time.perf_counter() - self.t) * 1e3
 
 
-def run_mode(name: str, mode: str, device: str, quick: bool, warmup: int, steps: int, out_dir: Path,
-             profile: bool = False) -> dict:
-    import torch
+class Mode:
+    """One mode's model, optimizer and inputs, ready to step; its numbers gathered in `res`."""
 
-    from workloads import build
+    def __init__(self, name: str, mode: str, device: str, quick: bool, out_dir: Path):
+        import torch
 
-    w = build(name, device, quick)
-    model = w.model
-    lm = type(model).__name__.endswith(("LMHeadModel", "CausalLM"))  # HF LMs compute their own loss from labels
-    labels = w.inputs["input_ids"] if lm and isinstance(w.inputs, dict) else None
-    res = {"mode": mode, "shape": w.shape, "state_before": process_state()}
-    if mode == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401 (only where installed)
+        from workloads import build
 
-        if not type(model).__name__.startswith("Llama"):
-            return {"mode": mode, "skipped": "Liger's patch here is for Llama only"}
-        apply_liger_kernel_to_llama()
-        w = build(name, device, quick)  # rebuilt: Liger patches the classes, models made after use its modules
+        self.name, self.mode, self.device, self.torch = name, mode, device, torch
+        self.resident_from = torch.cuda.memory_allocated() if device == "cuda" else 0
+        w = build(name, device, quick)
         model = w.model
-    if mode in ("lce", "advisor_lce"):  # the LM loss through advisor.kernels.linear_cross_entropy (no logits)
-        if labels is None:
-            return {"mode": mode, "skipped": "the fused linear + cross-entropy loss is for causal LMs"}
-        from advisor.kernels.linear_cross_entropy import fused_causal_lm_loss
+        lm = type(model).__name__.endswith(("LMHeadModel", "CausalLM"))  # HF LMs compute their own loss from labels
+        self.labels = w.inputs["input_ids"] if lm and isinstance(w.inputs, dict) else None
+        self.res = res = {"mode": mode, "shape": w.shape, "state_before": process_state()}
+        if mode == "liger":
+            from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401 (only where installed)
 
-        fused_causal_lm_loss(model)
-    if name == "splade":  # the encoder's output: its gradient is part of the step
-        w.inputs[0].requires_grad_(True)
-    if mode in ("advisor", "advisor_lce"):
-        import advisor
-        from advisor.patching import autograd, splade
+            if not type(model).__name__.startswith("Llama"):
+                raise Skip("Liger's patch here is for Llama only")
+            apply_liger_kernel_to_llama()
+            w = build(name, device, quick)  # rebuilt: Liger patches the classes, models made after use its modules
+            model = w.model
+        if mode in ("lce", "advisor_lce"):  # the LM loss through advisor.kernels.linear_cross_entropy (no logits)
+            if self.labels is None:
+                raise Skip("the fused linear + cross-entropy loss is for causal LMs")
+            from advisor.kernels.linear_cross_entropy import fused_causal_lm_loss
 
-        # a fresh model: its backwards validated and counted afresh (the registries are per process)
-        autograd._BACKWARDS.clear()
-        splade._RECORDS.clear()
-        t0 = time.perf_counter()
-        report = advisor.optimize(model, w.inputs, select=False, train=True, out=out_dir / f"advisor-{name}",
-                                  **({"interpret": True} if device != "cuda" else {}))
-        res["optimize_s"] = round(time.perf_counter() - t0, 2)
-        res["patched"] = [f"{p['candidate']} {p['title']}" for p in report.applied]  # as backwards' labels
-    model.train().requires_grad_(True)
-    if mode == "compile":
-        model = torch.compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if device == "cuda" else {}))
-    clock = Clock(device)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times, losses, extra, peak, reserved = [], [], [], 0, 0
-    leaves = [x for x in (w.inputs if isinstance(w.inputs, tuple) else ()) if getattr(x, "requires_grad", False)]
-    for i in range(warmup + steps):
-        clock.sync()
-        if device == "cuda" and i >= warmup:
+            fused_causal_lm_loss(model)
+        if name == "splade":  # the encoder's output: its gradient is part of the step
+            w.inputs[0].requires_grad_(True)
+        if mode in ("advisor", "advisor_lce"):
+            import advisor
+            from advisor.patching import autograd, splade
+
+            # a fresh model: its backwards validated and counted afresh (the registries are per process)
+            autograd._BACKWARDS.clear()
+            splade._RECORDS.clear()
+            t0 = time.perf_counter()
+            report = advisor.optimize(model, w.inputs, select=False, train=True, out=out_dir / f"advisor-{name}",
+                                      **({"interpret": True} if device != "cuda" else {}))
+            res["optimize_s"] = round(time.perf_counter() - t0, 2)
+            res["patched"] = [f"{p['candidate']} {p['title']}" for p in report.applied]  # as backwards' labels
+        model.train().requires_grad_(True)
+        if mode == "compile":
+            model = torch.compile(model)
+        self.model, self.w = model, w
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if device == "cuda" else {}))
+        self.clock = Clock(device)
+        self.leaves = [x for x in (w.inputs if isinstance(w.inputs, tuple) else ()) if getattr(x, "requires_grad", False)]
+        self.times, self.losses, self.extra, self.peak, self.reserved = [], [], [], 0, 0
+        self.steps = 0
+
+    def step(self, timed: bool) -> None:
+        torch = self.torch
+        cuda = self.device == "cuda"
+        self.clock.sync()
+        if cuda and timed:
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
-        clock.start()
-        loss = _loss(model, w.inputs, labels, name)
+        self.clock.start()
+        loss = _loss(self.model, self.w.inputs, self.labels, self.name)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        for x in leaves:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        for x in self.leaves:
             x.grad = None
-        ms = clock.ms()
-        if device == "cuda" and i >= warmup:
-            peak = max(peak, torch.cuda.max_memory_allocated())
-            reserved = max(reserved, torch.cuda.max_memory_reserved())
-            extra.append(torch.cuda.max_memory_allocated() - before)
-        losses.append(loss.item())
-        if i == 0:
-            res["first_step_s"] = round(time.perf_counter() - t0, 2)
-        if i >= warmup:
-            times.append(ms)
-    if profile and device == "cuda":  # where a mode's step goes: kernel and host time per op, two steps
+        ms = self.clock.ms()
+        if cuda and timed:
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated())
+            self.reserved = max(self.reserved, torch.cuda.max_memory_reserved())
+            self.extra.append(torch.cuda.max_memory_allocated() - before)
+        self.losses.append(loss.item())
+        if self.steps == 0:
+            self.res["first_step_s"] = round(time.perf_counter() - t0, 2)
+            if cuda:  # what the mode keeps between steps: model, optimizer state, the advisor's recordings
+                self.resident = torch.cuda.memory_allocated() - self.resident_from
+        self.steps += 1
+        if timed:
+            self.times.append(ms)
+
+    def profile(self, out_dir: Path) -> None:
+        """Where a mode's step goes: kernel and host time per op, two steps."""
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
-                _loss(model, w.inputs, labels, name).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
+                self.step(False)
+            self.torch.cuda.synchronize()
         avg = prof.key_averages()
-        (out_dir / f"profile-{name}-{mode}.txt").write_text(
+        (out_dir / f"profile-{self.name}-{self.mode}.txt").write_text(
             avg.table(sort_by="cuda_time_total", row_limit=40) + "\n\n"
             + avg.table(sort_by="self_cpu_time_total", row_limit=40))
-    res["step_ms"] = round(statistics.median(times), 3)
-    res["step_ms_min"] = round(min(times), 3)
-    # the steady state only (peaks reset before each timed step): not compile's or validation's scratch
-    res["peak_gb"] = round(peak / 2**30, 3) if device == "cuda" else None
-    # CUDA graphs' scratch stays reserved in their pool (not allocated between replays): reserved counts it
-    res["peak_reserved_gb"] = round(reserved / 2**30, 3) if device == "cuda" else None
-    res["peak_extra_mb"] = round(max(extra) / 2**20, 1) if extra else None
-    res["losses"] = [round(x, 5) for x in losses]
-    if mode in ("advisor", "advisor_lce"):
-        from advisor.patching import autograd, patched_modules
 
-        res["backwards"] = autograd.summary()
-        res["fallbacks"] = {q: dict(f.fallbacks) for q, f in patched_modules(model) if f.fallbacks}
-        from advisor.patching.graphs import _LIVE
-        from advisor.patching.train_graphs import TrainGraphed
+    def finish(self, interleaved: bool) -> dict:
+        res, torch = self.res, self.torch
+        res["step_ms"] = round(statistics.median(self.times), 3)
+        res["step_ms_min"] = round(min(self.times), 3)
+        if self.device == "cuda":
+            # the steady state only (peaks reset before each timed step): not compile's or validation's scratch.
+            # Interleaved, other modes' models share the GPU: this mode's peak is what it keeps plus its step's peak.
+            peak = self.resident + max(self.extra) if interleaved else self.peak
+            res["peak_gb"] = round(peak / 2**30, 3)
+            # CUDA graphs' scratch stays reserved in their pool (not allocated between replays): reserved counts
+            # it (all modes together when interleaved)
+            res["peak_reserved_gb"] = round(self.reserved / 2**30, 3)
+        res["peak_extra_mb"] = round(max(self.extra) / 2**20, 1) if self.extra else None
+        res["losses"] = [round(x, 5) for x in self.losses]
+        res["interleaved"] = interleaved
+        if self.mode in ("advisor", "advisor_lce"):
+            from advisor.patching import autograd, patched_modules
+            from advisor.patching.graphs import _LIVE
+            from advisor.patching.train_graphs import TrainGraphed
 
-        res["train_graphs"] = [{"recordings": len(t.recordings), "failed": t.failed, "trace": t.failed_trace,
-                                "not_replayed": dict(t.not_replayed)} for t in list(_LIVE) if isinstance(t, TrainGraphed)]
-    del model, opt, w
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return res
+            res["backwards"] = autograd.summary()
+            res["fallbacks"] = {q: dict(f.fallbacks) for q, f in patched_modules(self.model) if f.fallbacks}
+            res["train_graphs"] = [{"recordings": len(t.recordings), "failed": t.failed, "trace": t.failed_trace,
+                                    "not_replayed": dict(t.not_replayed)}
+                                   for t in list(_LIVE) if isinstance(t, TrainGraphed)]
+        return res
+
+    def close(self) -> None:
+        del self.model, self.opt, self.w
+        gc.collect()
+        if self.device == "cuda":
+            self.torch.cuda.empty_cache()
 
 
-def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: Path, profile: bool = False) -> int:
+class Skip(Exception):
+    """A mode that does not apply to this model."""
+
+
+# Modes that can share a process with the others and be timed in interleaved rounds (Liger patches HF's
+# classes for the whole process: it runs alone, last; the lce modes change the model's loss the same way).
+INTERLEAVED = {"eager", "compile", "advisor", "eager_again"}
+
+
+def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: Path, profile: bool = False,
+          rounds: int = 1) -> int:
+    """Each mode's steps; with rounds > 1 the modes of INTERLEAVED are built side by side and timed in
+    `rounds` interleaved rounds (drift over the run hits all alike), the others after them one by one."""
     import advisor  # noqa: F401  (first: without a GPU it sets TRITON_INTERPRET before transformers imports triton)
     import torch
 
@@ -240,7 +276,50 @@ def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: 
     from workloads import TITLES
 
     doc["title"] = TITLES.get(name, name)
+
+    def record(mode, fn):
+        torch.manual_seed(0)
+        try:
+            doc["modes"][mode] = fn()
+        except Skip as e:
+            doc["modes"][mode] = {"mode": mode, "skipped": str(e)}
+        except Exception as e:  # one mode failing (compile on an odd model) must not lose the others
+            doc["modes"][mode] = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:500]}
+        result.write_text(json.dumps(doc, indent=1, default=str))
+        r = doc["modes"][mode]
+        print(f"{name} {mode}: {r.get('step_ms')} ms, peak {r.get('peak_gb')} GB, first step {r.get('first_step_s')} s"
+              + (f" ({r.get('error') or r.get('skipped')})" if r.get("error") or r.get("skipped") else ""), flush=True)
+
+    together = [m for m in modes if m in INTERLEAVED] if rounds > 1 else []
+    if together:
+        ready: dict = {}
+        for mode in together:
+            torch.manual_seed(0)
+            try:
+                ready[mode] = Mode(name, mode, device, quick, result.parent)
+                for _ in range(warmup):
+                    ready[mode].step(False)
+            except Exception as e:
+                ready.pop(mode, None)
+                doc["modes"][mode] = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:500]}
+        per_round = max(1, -(-steps // rounds))
+        for _ in range(rounds):
+            for mode, m in list(ready.items()):
+                try:
+                    for _ in range(per_round):
+                        m.step(True)
+                except Exception as e:  # a mode failing mid-run leaves the others timed
+                    doc["modes"][mode] = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:500]}
+                    ready.pop(mode).close()
+        for mode, m in ready.items():
+            if profile and device == "cuda":
+                m.profile(result.parent)
+            record(mode, lambda m=m: m.finish(True))
+        for m in ready.values():
+            m.close()
     for mode in modes:
+        if mode in together:
+            continue
         if mode == "liger":
             try:
                 import liger_kernel  # noqa: F401
@@ -248,15 +327,19 @@ def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: 
                 doc["modes"][mode] = {"mode": mode, "skipped": "liger_kernel is not installed here"}
                 result.write_text(json.dumps(doc, indent=1, default=str))
                 continue
-        torch.manual_seed(0)
-        try:
-            doc["modes"][mode] = run_mode(name, mode, device, quick, warmup, steps, result.parent, profile)
-        except Exception as e:  # one mode failing (compile on an odd model) must not lose the others
-            doc["modes"][mode] = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:500]}
-        result.write_text(json.dumps(doc, indent=1, default=str))
-        r = doc["modes"][mode]
-        print(f"{name} {mode}: {r.get('step_ms')} ms, peak {r.get('peak_gb')} GB, first step {r.get('first_step_s')} s"
-              + (f" ({r.get('error') or r.get('skipped')})" if r.get("error") or r.get("skipped") else ""), flush=True)
+
+        def alone(mode=mode):
+            m = Mode(name, mode, device, quick, result.parent)
+            try:
+                for i in range(warmup + steps):
+                    m.step(i >= warmup)
+                if profile and device == "cuda":
+                    m.profile(result.parent)
+                return m.finish(False)
+            finally:
+                m.close()
+
+        record(mode, alone)
     return 0
 
 
@@ -319,6 +402,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3, help="eager / compile / advisor built side by side and timed in "
+                   "this many interleaved rounds (1: one mode after another, each alone on the GPU)")
     p.add_argument("--timeout", type=float, default=210.0, help="seconds per model (its process)")
     p.add_argument("--profile", action="store_true", help="GPU: per mode, a torch.profiler table of two steps "
                    "(OUT's folder, profile-MODEL-MODE.txt)")
@@ -333,7 +418,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     if a.child:
-        return child(a.child, modes, a.quick, a.warmup, a.steps, a.result, a.profile)
+        return child(a.child, modes, a.quick, a.warmup, a.steps, a.result, a.profile, a.rounds)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"results": {}, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                     text=True).stdout.strip()}
@@ -342,7 +427,7 @@ def main(argv=None) -> int:
         result.unlink(missing_ok=True)
         t0 = time.perf_counter()
         cmd = [sys.executable, __file__, "--child", name, "--result", str(result), "--modes", ",".join(modes),
-               "--warmup", str(a.warmup), "--steps", str(a.steps)] + (["--quick"] if a.quick else []) + (["--profile"] if a.profile else [])
+               "--warmup", str(a.warmup), "--steps", str(a.steps), "--rounds", str(a.rounds)] + (["--quick"] if a.quick else []) + (["--profile"] if a.profile else [])
         try:
             proc = subprocess.run(cmd, timeout=a.timeout, capture_output=True, text=True, env=os.environ.copy())
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
