@@ -81,7 +81,8 @@ def process_state() -> dict:
     children = 0
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
         try:
-            children += pid.isdigit() and int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) if pid.isdigit() else None
+            children += ppid == os.getpid()
         except (OSError, IndexError, ValueError):
             pass
     from torch.nn.modules import module as nn_module
@@ -174,7 +175,8 @@ class Mode:
         self.model, self.w = model, w
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if device == "cuda" else {}))
         self.clock = Clock(device)
-        self.leaves = [x for x in (w.inputs if isinstance(w.inputs, tuple) else ()) if getattr(x, "requires_grad", False)]
+        self.leaves = [x for x in (w.inputs if isinstance(w.inputs, tuple) else ())
+                       if getattr(x, "requires_grad", False)]
         self.times, self.losses, self.extra, self.peak, self.reserved = [], [], [], 0, 0
         self.steps = 0
 
@@ -363,7 +365,8 @@ def table(doc: dict) -> str:
                 used = sum(1 for b in bws if b.get("used", b["validated"]) and b["launches"])
                 note = (f"optimize {m.get('optimize_s')} s; {len(m.get('patched') or [])} patterns; "
                         f"{used} of {len(bws)} derived backwards validated, faster and used")
-            rows.append(f"| {name} | {mode} | {m['step_ms']} | {x} | {m.get('peak_gb')} | {m.get('peak_reserved_gb')} | {m.get('peak_extra_mb')} | "
+            rows.append(f"| {name} | {mode} | {m['step_ms']} | {x} | {m.get('peak_gb')} | {m.get('peak_reserved_gb')} | "
+                        f"{m.get('peak_extra_mb')} | "
                         f"{m.get('first_step_s')} | {note} |")
     return "\n".join(rows)
 
@@ -382,7 +385,8 @@ def markdown(doc: dict) -> str:
             for b in adv["backwards"]:
                 mb = lambda v: f"{v / 2**20:.1f}" if v else "—"  # noqa: E731
                 ms = f"{b['fused_ms']:.3f} / {b['eager_ms']:.3f}" if b.get("fused_ms") is not None else "—"
-                out.append(f"| {b.get('pattern') or b['program']} | {b['validated']} | {ms} | {b.get('used')} | {b['launches']} | "
+                out.append(f"| {b.get('pattern') or b['program']} | {b['validated']} | {ms} | {b.get('used')} | "
+                           f"{b['launches']} | "
                            f"{mb(b['saved_bytes'])} | "
                            f"{mb(b['eager_saved_bytes'])} | {(b['reason'] or '')[:160]} |")
             derived = {b.get("pattern") for b in adv["backwards"]}
@@ -427,7 +431,8 @@ def main(argv=None) -> int:
         result.unlink(missing_ok=True)
         t0 = time.perf_counter()
         cmd = [sys.executable, __file__, "--child", name, "--result", str(result), "--modes", ",".join(modes),
-               "--warmup", str(a.warmup), "--steps", str(a.steps), "--rounds", str(a.rounds)] + (["--quick"] if a.quick else []) + (["--profile"] if a.profile else [])
+               "--warmup", str(a.warmup), "--steps", str(a.steps), "--rounds", str(a.rounds)] \
+            + (["--quick"] if a.quick else []) + (["--profile"] if a.profile else [])
         try:
             proc = subprocess.run(cmd, timeout=a.timeout, capture_output=True, text=True, env=os.environ.copy())
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]

@@ -229,7 +229,8 @@ def _shared(device, role: str, index: int, like: torch.Tensor) -> torch.Tensor:
     key = (device, role, index, tuple(like.shape), tuple(like.stride()), like.dtype)
     buf = _SHARED.get(key)
     if buf is None:
-        buf = _SHARED[key] = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device).zero_()
+        buf = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+        buf = _SHARED[key] = buf.zero_()
     return buf
 
 
