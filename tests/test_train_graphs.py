@@ -4,6 +4,7 @@ CUDA graphs need a GPU; here a recorder with the same contract stands in for the
 the function again on the recording's static buffers and write the static outputs and gradients in
 place, so a replay that would read overwritten memory on the GPU reads overwritten memory here too.
 The GPU's own recordings run in bench/train.py (reports/train-h100.md)."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -118,12 +119,8 @@ def test_backward_after_its_memory_was_replayed_over_raises():
     first = graphed(x, w, b)[0].sum()
     first.backward(retain_graph=True)
     graphed(x * 2, w, b)[0].sum().backward()  # replays the forward over the first one's saved tensors
-    try:
-        first.backward()
-    except RuntimeError as e:
-        assert "overwritten by a later replay" in str(e)
-    else:
-        raise AssertionError("a backward reading overwritten memory returned gradients")
+    with pytest.raises(RuntimeError, match="overwritten by a later replay"):
+        first.backward()  # a backward reading overwritten memory must not return gradients
 
 
 def test_refusals_run_op_by_op():
@@ -163,12 +160,8 @@ def test_replays_out_of_recording_order_never_use_overwritten_memory():
     a = first(x, wa, ba)[0].sum()
     b = later(x, wb, bb)[0].sum()
     a.backward()  # `first`'s backward replays while `later` awaits its own: its scratch may overwrite later's
-    try:
-        b.backward()
-    except RuntimeError as err:
-        assert "overwritten by a later replay" in str(err)
-    else:
-        raise AssertionError("a backward over possibly overwritten tensors returned gradients")
+    with pytest.raises(RuntimeError, match="overwritten by a later replay"):
+        b.backward()  # a backward over possibly overwritten tensors must not return gradients
 
 
 def test_parameters_are_recorded_through_leaves_of_the_recordings_own():
