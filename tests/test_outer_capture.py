@@ -209,3 +209,22 @@ def test_apply_keeps_the_whole_stack_when_it_is_faster(tmp_path, monkeypatch):
     assert plan.outer_on and outer_only
     assert all(p["status_code"] == Status.PATCHED for p in doc["patterns"] if p["candidate"] in outer_only), \
         [(p["candidate"], p["status"]) for p in doc["patterns"]]
+
+
+def test_captures_of_torch_module_forwards_never_share_one_cache():
+    # dynamo compiles a function of torch's own files (nn.Linear.forward: a patched LM head) from a wrapper
+    # frame and wrapped them all in one shared `inner`: its 8-entry cache filled and the ninth capture in a
+    # process ran uncaptured (a padded head trained op by op after the test suite's earlier models)
+    from advisor.patching.capture import _fresh
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for n in range(12):
+        compiled = torch.compile(_fresh(torch.nn.Linear.forward), backend=backend, dynamic=False)
+        out = compiled(torch.nn.Linear(4, 5 + n), torch.randn(2, 4))
+        assert out.shape == (2, 5 + n)
+    assert len(graphs) == 12

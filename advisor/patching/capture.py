@@ -67,8 +67,8 @@ from advisor.patching.host_copies import make_host_copies_recordable
 from advisor.patching.match import Pattern, find, is_transparent
 from advisor.patching.noop_copies import drop_identity_copies
 from advisor.patching.plan import PatternSpec
-from advisor.patching.train_graphs import TrainGraphed, mutates, release_unused_pool
 from advisor.patching.program import program_graph, run_program
+from advisor.patching.train_graphs import TrainGraphed, mutates, release_unused_pool
 
 _SHARED: dict[tuple, Callable] = {}  # (plan digest, graph code, input layouts) -> compiled inference graph
 _PATTERNS: dict[tuple, Pattern] = {}
@@ -151,6 +151,7 @@ class Backend:
         self.device = torch.device("cpu")  # of the graph being rewritten
         self.trains = trains  # graphs needing grads get sites with a backward (`PatchedForward.trains`)
         self.train_graphs: list[TrainGraphed] = []  # their CUDA-graph replays (GPU)
+        self.trains_nothing = False  # a training call through it ran no site fused (its forwards fall back)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
@@ -393,14 +394,34 @@ def _graph_device(graph: torch.fx.Graph) -> torch.device:
 def _fresh(fn: Callable) -> Callable:
     """The same function with its own code object. Dynamo keeps its compiled-code cache on the code
     object and stops compiling after `recompile_limit` (8) entries; every plan (set of pattern keys)
-    is a new backend, hence a new entry, so plans would otherwise share, and exhaust, one cache."""
+    is a new backend, hence a new entry, so plans would otherwise share, and exhaust, one cache.
+    A function of torch's own files (`nn.Linear.forward`: a patched LM head) dynamo compiles only from a
+    wrapper frame, and it wraps them all in one `inner` whose code, and cache, they then share: the
+    ninth such capture in a process ran uncaptured. Those get a wrapper of ours, with its own code."""
     if not isinstance(fn, types.FunctionType):
         return fn
+    if _wrapped_by_dynamo(fn):
+        def call(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        call.__code__ = call.__code__.replace(co_name=fn.__name__)  # a code object of its own
+        call.__name__, call.__qualname__ = fn.__name__, fn.__qualname__
+        return call
     g = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     g.__kwdefaults__ = fn.__kwdefaults__
     g.__dict__.update(fn.__dict__)
     g.__qualname__ = fn.__qualname__
     return g
+
+
+def _wrapped_by_dynamo(fn: Callable) -> bool:
+    """Whether `torch.compile(fn)` would run `fn` through dynamo's shared wrapper (its skip rules)."""
+    try:
+        from torch._dynamo import trace_rules
+
+        return bool(trace_rules.check(fn))
+    except Exception:  # internals moved: a wrapper of ours is right either way
+        return True
 
 
 # ------------------------------------------------------------------------------------ the forward
@@ -533,6 +554,10 @@ class PatchedForward:
         if rewrite.patches_are_off() or not self.on() or (grad and (self.outer or not self.trains)):
             return self.original()(*args, **kwargs)
         if grad:
+            if getattr(self._backend, "trains_nothing", False):  # a module sharing this capture found no site fused
+                self._may_train = False
+                self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
+                return self.original()(*args, **kwargs)
             fused = rewrite.fused_runs()
             out = self._call(m, args, kwargs)
             if rewrite.fused_runs() == fused:
@@ -540,8 +565,10 @@ class PatchedForward:
                 # eager's ops op by op, so training calls run the original forward from now on.
                 self._may_train = False
                 self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
-                for graphed in getattr(self._backend, "train_graphs", ()):
-                    graphed.recordings.clear()  # eager's ops replayed: memory for nothing (BERT: 6 GB)
+                if self._backend is not None:
+                    self._backend.trains_nothing = True  # the layers sharing it need not record to find out
+                    for graphed in self._backend.train_graphs:
+                        graphed.recordings.clear()  # eager's ops replayed: memory for nothing (BERT: 6 GB)
                 release_unused_pool()
             return out
         if torch.is_inference_mode_enabled():

@@ -81,6 +81,7 @@ def release_unused_pool() -> None:
     dropped = [key for key in CudaRecorder._pools if key[1] == "training"]
     for key in dropped:
         CudaRecorder._pools.pop(key)
+    _SHARED.clear()  # the gradient buffers: a recording still alive in an old autograd graph holds its own
     if dropped and torch.cuda.is_available():
         torch.cuda.empty_cache()
 
