@@ -161,6 +161,8 @@ class Backend:
         key = _share_key(self.digest, gm, example_inputs)
         shared = _SHARED.get(key) if key is not None else None
         if shared is not None:
+            if isinstance(getattr(shared, "runs", None), TrainGraphed):
+                self.train_graphs.append(shared.runs)  # its recordings go when this instance's training falls back
             return shared
 
         def plain(g, _):
@@ -363,6 +365,7 @@ def _counted(fn: Callable) -> Callable:
     def run(*args):
         _RAN.n = getattr(_RAN, "n", 0) + 1
         return fn(*args)
+    run.runs = fn  # what it runs (a backend handed this capture shared finds its training graphs here)
     return run
 
 
