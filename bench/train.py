@@ -141,6 +141,7 @@ class Mode:
         lm = type(model).__name__.endswith(("LMHeadModel", "CausalLM"))  # HF LMs compute their own loss from labels
         self.labels = w.inputs["input_ids"] if lm and isinstance(w.inputs, dict) else None
         self.res = res = {"mode": mode, "shape": w.shape, "state_before": process_state()}
+        self.report = None  # the advisor's OptimizeReport (advisor modes)
         if mode == "liger":
             from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401 (only where installed)
 
@@ -165,8 +166,9 @@ class Mode:
             autograd._BACKWARDS.clear()
             splade._RECORDS.clear()
             t0 = time.perf_counter()
-            report = advisor.optimize(model, w.inputs, select=False, train=True, out=out_dir / f"advisor-{name}",
-                                      **({"interpret": True} if device != "cuda" else {}))
+            report = self.report = advisor.optimize(model, w.inputs, select=False, train=True,
+                                                    out=out_dir / f"advisor-{name}",
+                                                    **({"interpret": True} if device != "cuda" else {}))
             res["optimize_s"] = round(time.perf_counter() - t0, 2)
             res["patched"] = [f"{p['candidate']} {p['title']}" for p in report.applied]  # as backwards' labels
         model.train().requires_grad_(True)

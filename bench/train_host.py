@@ -29,28 +29,18 @@ def main(argv=None) -> int:
     import advisor  # noqa: F401 (first: sets TRITON_INTERPRET without a GPU)
     import torch
 
-    from train import _loss
-    from workloads import build
+    from train import Mode, _loss
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    models = {}
-    for name in ("eager", "patched"):
-        w = build(a.model, device, a.quick)
-        if name == "patched":
-            report = advisor.optimize(w.model, w.inputs, select=False, train=True, out=Path("/tmp/train_host"),
-                                      **({"interpret": True} if device != "cuda" else {}))
-            report.handle.train_fused(a.train_fused == "on")
-        w.model.train().requires_grad_(True)
-        lm = type(w.model).__name__.endswith(("LMHeadModel", "CausalLM"))
-        labels = w.inputs["input_ids"] if lm and isinstance(w.inputs, dict) else None
-        opt = torch.optim.AdamW(w.model.parameters(), lr=1e-5, **({"fused": True} if device == "cuda" else {}))
-        models[name] = (w, labels, opt)
+    models = {"eager": Mode(a.model, "eager", device, a.quick, Path("/tmp/train_host")),
+              "patched": Mode(a.model, "advisor", device, a.quick, Path("/tmp/train_host"))}
+    models["patched"].report.handle.train_fused(a.train_fused == "on")
 
-    def step(name):
-        w, labels, opt = models[name]
-        _loss(w.model, w.inputs, labels, a.model).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step(name):  # unsynchronised, unlike Mode.step: steps queue up as in a training loop
+        m = models[name]
+        _loss(m.model, m.w.inputs, m.labels, a.model).backward()
+        m.opt.step()
+        m.opt.zero_grad(set_to_none=True)
 
     def timed(name) -> float:
         if device == "cuda":

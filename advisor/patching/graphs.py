@@ -234,12 +234,17 @@ class Graphed:
         """Bytes a replay copies (inputs in, outputs out): weighed against the launches it saves."""
         return self.out_bytes + sum(a.untyped_storage().nbytes() for a in args if _copied(a, self.recorder.device_type))
 
-    def _record(self, args) -> Recording:
+    def _static_inputs(self, args) -> list:
+        """Per argument: a static buffer holding a copy of it, or None (read in place, or not a tensor)."""
         dev = self.recorder.device_type
         inputs = [_static_like(a, pinned=_host_scalar(a, dev))
                   if isinstance(a, torch.Tensor) and not read_in_place(a) else None for a in args]
-        static_args = [a if s is None else s for a, s in zip(args, inputs)]
         _copy_in(inputs, args)
+        return inputs
+
+    def _record(self, args) -> Recording:
+        inputs = self._static_inputs(args)
+        static_args = [a if s is None else s for a, s in zip(args, inputs)]
         replay, outs = self.recorder.record(self.fn, static_args)
         return Recording(replay, inputs, outs)
 

@@ -45,8 +45,7 @@ from typing import Callable
 import torch
 
 from advisor.patching import rewrite
-from advisor.patching.graphs import (_LIVE as _GRAPHED, CudaRecorder, Graphed, _copy_in, _copy_out, _host_scalar,
-                                     _static_like, read_in_place)
+from advisor.patching.graphs import _LIVE as _GRAPHED, CudaRecorder, Graphed, _copy_in, _copy_out
 
 WARMUP = 2  # forward + backward runs before recording: Triton compiles, autotuning, workspaces
 _SEQ = itertools.count()
@@ -67,7 +66,6 @@ class TrainRecording:
     keep: tuple = ()  # what must outlive the replays (the graphs, the autograd graph's outputs)
     generation: int = 0  # forwards replayed so far
     pending: bool = False  # a replayed forward's backward has not run yet
-    backwards: int = 0  # backwards replayed
     seq: int = field(default_factory=lambda: next(_SEQ))  # order of recording (scratch may overlap later ones')
     clobbered: bool = False  # an earlier recording replayed over its saved tensors since its forward
 
@@ -119,10 +117,7 @@ class TrainGraphed(Graphed):
         return 2 * super()._copied_bytes(args) + grads
 
     def _record(self, args) -> TrainRecording:
-        dev = self.recorder.device_type
-        inputs = [_static_like(a, pinned=_host_scalar(a, dev))
-                  if isinstance(a, torch.Tensor) and not read_in_place(a) else None for a in args]
-        _copy_in(inputs, args)
+        inputs = self._static_inputs(args)
         static_args = []
         for s, a in zip(inputs, args):
             if s is not None:
@@ -179,7 +174,6 @@ class _Replayed(torch.autograd.Function):
         ctx.rec, ctx.generation = rec, rec.generation
         ctx.token = token = _Token()
         weakref.finalize(token, _release, weakref.ref(rec), rec.generation)
-        ctx.n_args = len(args)
         if rec.fused:  # the sites ran inside the graph: counted as if they ran from Python
             rewrite.count_fused_runs(rec.fused)
         outs = _copy_out(rec.outputs)
@@ -201,7 +195,6 @@ class _Replayed(torch.autograd.Function):
                 s.copy_(g) if g is not None else s.zero_()
         _clobber(rec)
         rec.backward()
-        rec.backwards += 1
         rec.pending = False
         return (None, *[g.clone() if g is not None else None for g in rec.grad_inputs])
 
