@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -219,10 +220,15 @@ def open_page(html_path, chromium=None, timeout=60.0):
     chromium = chromium or find_chromium()
     if not chromium:
         raise FileNotFoundError("chromium not found")
-    with tempfile.TemporaryDirectory(prefix="fa-chromium-") as prof:
+    # Chromium's helper processes (zygote, crashpad, GPU) outlive the browser process and may still
+    # write into the profile while it is removed: run them in a session of their own, end the
+    # whole group, and remove the profile only then, tolerating a straggler's last file.
+    prof = tempfile.mkdtemp(prefix="fa-chromium-")
+    try:
         cmd = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={prof}", "--remote-debugging-port=0",
                f"--window-size={VIEW_W},{VIEW_H}", "about:blank"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         ws = None
         try:
             # Port 0 lets Chromium pick a free port; it announces it in this file.
@@ -254,12 +260,25 @@ def open_page(html_path, chromium=None, timeout=60.0):
         finally:
             if ws:
                 ws.close()
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _end_group(proc)
+    finally:
+        shutil.rmtree(prof, ignore_errors=True)
+
+
+def _end_group(proc) -> None:
+    """End the browser and every helper it started (they share its session's process group)."""
+    def signal_group(sig):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+    signal_group(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    signal_group(signal.SIGKILL)  # helpers still alive after the browser left
+    proc.wait()
 
 
 def screenshot(cdp, path, y=0, height=VIEW_H, timeout=60.0) -> Path:
