@@ -24,10 +24,12 @@ capture included; the advisor's `optimize` is timed separately as `optimize_s`).
 log1p(relu(logits)) * mask). Eager and torch.compile hold the B x L x V logits; the advisor trains it
 through `advisor.kernels.splade_head` (never holding them).
 
-The advisor mode: `advisor.optimize(model, inputs, select=False)` on the inference inputs (its selection
-times inference, which says nothing about training; every validated pattern is kept), then the model
-is trained: each fused pattern with a validated generated backward runs forward+backward as one
-autograd Function, the others their original ops (`advisor.patching.autograd.summary()` lists which).
+The advisor mode: `advisor.optimize(model, inputs, train=True)` on the inference inputs, its defaults
+otherwise, as a user would call it (selection keeps the patterns faster for inference; then a training
+call, forward and backward, is timed through the fused path and through the original forwards, and
+fused training is kept only if faster and no heavier: `report.training`), then the model is trained:
+each fused pattern with a validated generated backward runs forward+backward as one autograd Function,
+the others their original ops (`advisor.patching.autograd.summary()` lists which).
 Liger-Kernel (`apply_liger_kernel_to_llama`) runs for Llama only where `liger_kernel` imports; it
 patches HF's classes for the whole process, so it runs last. The lce mode (causal LMs): eager, with the
 LM loss computed by `advisor.kernels.linear_cross_entropy` (linear + cross-entropy in row chunks, the
@@ -166,11 +168,12 @@ class Mode:
             autograd._BACKWARDS.clear()
             splade._RECORDS.clear()
             t0 = time.perf_counter()
-            report = self.report = advisor.optimize(model, w.inputs, select=False, train=True,
+            report = self.report = advisor.optimize(model, w.inputs, train=True,
                                                     out=out_dir / f"advisor-{name}",
                                                     **({"interpret": True} if device != "cuda" else {}))
             res["optimize_s"] = round(time.perf_counter() - t0, 2)
             res["patched"] = [f"{p['candidate']} {p['title']}" for p in report.applied]  # as backwards' labels
+            res["training"] = report.training
         model.train().requires_grad_(True)
         if mode == "compile":
             model = torch.compile(model)
@@ -366,7 +369,8 @@ def table(doc: dict) -> str:
                 bws = m.get("backwards") or []
                 used = sum(1 for b in bws if b.get("used", b["validated"]) and b["launches"])
                 note = (f"optimize {m.get('optimize_s')} s; {len(m.get('patched') or [])} patterns; "
-                        f"{used} of {len(bws)} derived backwards validated, faster and used")
+                        f"{used} of {len(bws)} derived backwards validated, faster and used; "
+                        f"{(m.get('training') or {}).get('decision', '')}")
             rows.append(f"| {name} | {mode} | {m['step_ms']} | {x} | {m.get('peak_gb')} | {m.get('peak_reserved_gb')} | "
                         f"{m.get('peak_extra_mb')} | "
                         f"{m.get('first_step_s')} | {note} |")

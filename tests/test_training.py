@@ -434,3 +434,58 @@ def test_a_pattern_without_a_backward_trains_at_eager_cost(tmp_path):
     twin(xt).pow(2).mean().backward()
     twin(xt).pow(2).mean().backward()
     torch.testing.assert_close(xg.grad, xt.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused_ms, peaks, kept", [(8.0, None, True), (10.0, None, False), (8.0, (100, 150), False)],
+                         ids=["faster", "not-faster", "heavier"])
+def test_fused_training_is_kept_only_where_a_whole_call_measures_faster_and_no_heavier(
+        monkeypatch, tmp_path, fused_ms, peaks, kept):
+    """`optimize(train=True)` on a GPU times a training call (forward + backward) through the fused path and
+    through the original forwards, interleaved, with each one's peak memory: fused training stays only when
+    faster and no heavier, else training runs the original forwards. The clocks and the memory probe are
+    stood in for here; the states they time, the model's modes and the user's gradients are real."""
+    import advisor
+    from advisor.bench.timing import Timing
+    from advisor.patching import rewrite
+    from advisor.workflows import training
+
+    model, example = tiny("llama")
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = advisor.optimize(model, example, out=tmp_path, reuse=False, interpret=True, train=True,
+                                  select=False)
+    model.eval()
+    grads = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}  # the user's, mid-accumulation
+    for n, p in model.named_parameters():
+        p.grad = grads[n]
+    ran = []
+
+    def time_configs(call, configs, device, iters=20, rounds=5):
+        for name, make in configs.items():
+            with make():
+                before = rewrite.fused_runs()
+                call()
+                ran.append((name, rewrite.fused_runs() > before))
+        ms = {"original": 9.0, "fused": fused_ms}
+        return {k: Timing(ms[k], 5, "perf_counter", [ms[k]] * 5, 0.0, [ms[k]] * 5) for k in configs}
+
+    monkeypatch.setattr(training.timing, "timing_meaningful", lambda device: True)
+    monkeypatch.setattr(training.timing, "time_configs", time_configs)
+    if peaks:
+        it = iter(peaks)
+        monkeypatch.setattr(training, "peak_bytes", lambda step, device: (step(), next(it))[1])
+    out = training.keep_faster_training(model, report.handle, (), example, "cpu")
+    assert out["kept"] == kept, out
+    assert ran == [("original", False), ("fused", True)]  # each state ran as its name says
+    assert ("fused training kept" in out["decision"]) == kept, out["decision"]
+    if peaks:
+        assert "heavier in memory" in out["decision"]
+    assert not any(m.training for m in model.modules())  # left as found: eval mode, the user's gradients
+    assert all(p.grad is grads[n] for n, p in model.named_parameters())
+    for p in model.parameters():
+        p.grad = None
+    before = rewrite.fused_runs()
+    torch.testing.assert_close(torch.tensor(train(model, example, 3)), torch.tensor(train(twin, example, 3)),
+                               rtol=1e-4, atol=1e-4)
+    assert (rewrite.fused_runs() > before) == kept

@@ -84,6 +84,15 @@ def release_unused_pool() -> None:
         torch.cuda.empty_cache()
 
 
+def drop_training_recordings() -> None:
+    """Forget every training recording and hand back their pool (training runs the original forwards now:
+    `workflows.training`); a later training call through a fused capture records again."""
+    for g in list(_GRAPHED):
+        if isinstance(g, TrainGraphed):
+            g.recordings.clear()
+    release_unused_pool()
+
+
 def mutates(graph: torch.fx.Graph) -> bool:
     """Whether any op of the graph writes a tensor in place (its schema says so)."""
     for n in graph.nodes:

@@ -37,6 +37,7 @@ from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.outcome import interpreter_only, pattern_status
 from advisor.workflows.selection import keep_faster, mark_kept, time_patterns
+from advisor.workflows.training import keep_faster_training
 from advisor.workflows.workers import start_soon
 
 @dataclass
@@ -49,6 +50,7 @@ class OptimizeReport:
     handle: object = field(default=None, repr=False)
     phases_s: dict = field(default_factory=dict)  # wall seconds per step of the cold path
     selection: dict | None = None  # what selection handed back, and why (apply.json `selection`)
+    training: dict | None = None  # with train=True: whether calls needing gradients run fused, and why
 
     @property
     def patterns(self) -> list[dict]:
@@ -71,6 +73,8 @@ class OptimizeReport:
             lines.append(f"  {module} ran its original forward: " + ", ".join(f"{w} ({n}x)" for w, n in why.items()))
         if self.selection and self.selection.get("decision"):
             lines.append(f"  selection: {self.selection['decision']}")
+        if self.training and self.training.get("decision"):
+            lines.append(f"  training: {self.training['decision']}")
         if self.end_to_end:
             lines.append("  " + describe_timing(self.end_to_end))
         return "\n".join(lines)
@@ -167,18 +171,23 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         clear_recordings()  # graphs recorded for the states timed above (each pattern alone, ...)
     handle.train_fused(train)  # (selection may have handed back a new handle)
     handle.settle()
+    training = None
+    if train and select is not False:  # kept only where a whole training call measures faster, no heavier
+        with phases("train_check"):
+            training = keep_faster_training(model, handle, args, kwargs, device, iters)
     out = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": [r.to_json() for r in records], "manifest": handle.manifest(), "check": chk.as_dict(),
            "end_to_end": e2e,
            "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
-           "plan_key_parts": key_parts, "selection": selection,
+           "plan_key_parts": key_parts, "selection": selection, "training": training,
            "enabled": sorted(handle.enabled) if handle.enabled is not None else None,
            "outer": handle.outer_on,
            "skipped_targets": getattr(plan, "skipped", {})}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
         plan_cache.store(out_dir, key)
-    return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds, selection)
+    return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds, selection,
+                          training)
 
 
 def _final_status(records, specs, handle, dropped, doc, launched, selection) -> list:

@@ -1,0 +1,148 @@
+"""Whether calls needing gradients run fused (`optimize(train=True)`): the state handed back is the state
+measured, for training as for inference.
+
+Each site's generated backward is already kept only where it times faster than its original ops
+(`autograd.time_both`); what that cannot see is the whole step: CUDA-graph replays and their copies, the
+training pool's memory, sites that fall back. So on a GPU a training call (forward, then backward from
+fixed random output gradients, gradients set to None after it as `zero_grad` does) is timed through the
+fused path and through the original forwards, interleaved, and its peak memory taken in each. Fused
+training is kept only when it is faster beyond the noise and no heavier than the original forwards;
+otherwise training runs the original forwards (eager's time and memory) and the training recordings go.
+
+The model is left as it was found: module modes, parameter gradients, buffers (BatchNorm statistics) and
+the random number generators' state.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from advisor.bench import timing  # read at call time: tests replace its clocks
+from advisor.patching.train_graphs import drop_training_recordings
+from advisor.workflows.selection import ROUNDS, Option, margin_ms, shown_faster
+
+MEMORY_SLACK = 0.01  # peak allowed over the original forwards': the allocator's rounding, not a real cost
+
+
+def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: dict, device: str,
+                         iters: int = 20) -> dict:
+    """Time a training call fused and unfused (GPU); leave `handle` training fused only if that is faster
+    and no heavier. Returns the decision as a dict (apply.json `training`)."""
+    if not timing.timing_meaningful(device):
+        return {"decision": "fused training kept as asked (timing not meaningful here: not compared)",
+                "kept": True}
+    with _left_as_found(model, device):
+        try:
+            handle.train_fused(False)  # the probe call runs the original forwards
+            step = training_call(model, args, kwargs)
+            out = _compare(step, handle, device, iters) if step is not None else \
+                {"decision": "no output of the example call needs a gradient: training not compared",
+                 "kept": False}
+        except Exception as e:  # the comparison failing must not cost the user their (inference) patch
+            out = {"decision": f"training runs the original forwards (its comparison failed: "
+                               f"{type(e).__name__}: {str(e)[:200]})", "kept": False}
+    handle.train_fused(out["kept"])
+    if not out["kept"]:
+        drop_training_recordings()
+    return out
+
+
+def _compare(step: Callable[[], None], handle, device: str, iters: int) -> dict:
+    fused = _fused(handle)
+    unfused = _fused(handle, False)
+    with unfused():
+        step()  # the cotangents are made; the first call's workspaces are allocated
+        peak_original = peak_bytes(step, device)
+    with fused():
+        for _ in range(3):  # the sites' backward timings, dynamo's capture, the CUDA-graph recordings
+            step()
+        peak_fused = peak_bytes(step, device)
+    t = timing.time_configs(step, {"original": unfused, "fused": fused}, device, iters=iters, rounds=ROUNDS)
+    before, after = t["original"], t["fused"]
+    option = Option("fused", None, after.median_ms, rounds_ms=tuple(after.rounds_ms))
+    faster = shown_faster(before.median_ms, before.rounds_ms, option)
+    lighter = peak_original is None or peak_fused <= peak_original * (1 + MEMORY_SLACK)
+    out = {"original_ms": round(before.median_ms, 4), "fused_ms": round(after.median_ms, 4),
+           "margin_ms": round(margin_ms(before.median_ms, before.rounds_ms, option), 4),
+           "peak_original_gb": _gb(peak_original), "peak_fused_gb": _gb(peak_fused),
+           "kept": faster and lighter}
+    numbers = (f"forward + backward {before.median_ms:.3f} -> {after.median_ms:.3f} ms"
+               + (f", peak {_gb(peak_original)} -> {_gb(peak_fused)} GB" if peak_original is not None else ""))
+    if out["kept"]:
+        out["decision"] = f"fused training kept: {numbers}"
+    else:
+        why = "not faster beyond noise" if not faster else "heavier in memory"
+        out["decision"] = f"training runs the original forwards, fused training {why}: {numbers}"
+    return out
+
+
+def training_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Callable[[], None] | None:
+    """A training call on the example inputs: forward, backward from fixed random gradients of every
+    output that needs one, the parameters' gradients then set to None. None when no output needs one."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.enable_grad():
+        probe = _differentiable(model(*args, **kwargs))
+    if not probe or not params:
+        return None
+    gen = torch.Generator(probe[0].device).manual_seed(0)
+    cotangents = [torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in probe]
+    del probe
+
+    def step() -> None:
+        with torch.enable_grad():
+            outs = _differentiable(model(*args, **kwargs))
+            torch.autograd.backward(outs, cotangents[:len(outs)])
+        for p in params:
+            p.grad = None
+    return step
+
+
+def _differentiable(out) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _fused(handle, on: bool = True):
+    @contextlib.contextmanager
+    def state():
+        handle.train_fused(on)
+        yield
+    return state
+
+
+def peak_bytes(step: Callable[[], None], device: str) -> int | None:
+    """Peak bytes allocated on the GPU over one `step()` (None off a GPU)."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def _gb(n: int | None) -> float | None:
+    return None if n is None else round(n / 2**30, 3)
+
+
+@contextlib.contextmanager
+def _left_as_found(model: torch.nn.Module, device: str):
+    """The comparison runs in training mode; afterwards modes, gradients, buffers and RNG are as before."""
+    modes = {m: m.training for m in model.modules()}
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = {b: b.detach().clone() for b in model.buffers()}
+    devices = [torch.cuda.current_device()] if device == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        model.train()
+        try:
+            yield
+        finally:
+            for m, training in modes.items():
+                m.training = training
+            for p, g in grads.items():
+                p.grad = g
+            with torch.no_grad():
+                for b, saved in buffers.items():
+                    b.copy_(saved)
