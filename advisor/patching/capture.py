@@ -41,6 +41,7 @@ runs its original forward, which honours them (said once). Nothing unpicklable i
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -70,7 +71,10 @@ from advisor.patching.plan import PatternSpec
 from advisor.patching.program import program_graph, run_program
 from advisor.patching.train_graphs import TrainGraphed, mutates, release_unused_pool
 
-_SHARED: dict[tuple, Callable] = {}  # (plan digest, graph code, input layouts) -> compiled inference graph
+# (plan digest, graph code, input layouts) -> compiled graph, held only while some capture still uses it
+# (dynamo's cache, through the globals it installs): a deleted model's graphs, and the CUDA-graph
+# recordings inside them, go with it
+_SHARED: "weakref.WeakValueDictionary[tuple, Callable]" = weakref.WeakValueDictionary()
 _PATTERNS: dict[tuple, Pattern] = {}
 _LAUNCHERS: dict[tuple, Callable] = {}
 
@@ -187,7 +191,8 @@ class Backend:
             compiled = aot_module_simplified(gm, example_inputs, fw_compiler=plain, bw_compiler=plain,
                                              inference_compiler=inference)
         if key is not None:
-            _SHARED[key] = compiled
+            with contextlib.suppress(TypeError):  # a callable that takes no weak reference is not shared
+                _SHARED[key] = compiled
         return compiled
 
     def training(self, gm: torch.fx.GraphModule, example_inputs) -> Callable | None:
@@ -394,6 +399,31 @@ def _graph_device(graph: torch.fx.Graph) -> torch.device:
     return torch.device("cpu")
 
 
+def compile_fresh(fn: Callable, backend: Backend, holder: object) -> Callable:
+    """`torch.compile` of a copy of `fn` with a code object of its own (`_fresh`), whose compiled state
+    goes when `holder` does (the capture's users: a model deleted, or unpatched and dropped). Dynamo keeps
+    its graphs alive through the code object's cache (and the globals its bytecode installs), and every
+    backend ever compiled with in a module-level table (for `torch._dynamo.reset`): both would otherwise
+    keep a dead model's captured graphs, and their CUDA-graph recordings' memory, for the process's life."""
+    fresh = _fresh(fn)
+    compiled = torch.compile(fresh, backend=backend, dynamic=False)
+    weakref.finalize(holder, _release_compiled, getattr(fresh, "__code__", None), backend)
+    return compiled
+
+
+def _release_compiled(code, backend: Backend) -> None:
+    try:
+        from torch._dynamo import eval_frame, reset_code
+
+        if code is not None:
+            reset_code(code)  # its cache entries, hence the compiled graphs their bytecode calls
+        for k, wrapper in list(eval_frame.cached_backends.items()):
+            if getattr(wrapper, "compiler_fn", wrapper) is backend:
+                eval_frame.cached_backends.pop(k, None)
+    except Exception:  # dynamo's internals moved: the memory stays, as it would have without this
+        pass
+
+
 def _fresh(fn: Callable) -> Callable:
     """The same function with its own code object. Dynamo keeps its compiled-code cache on the code
     object and stops compiling after `recompile_limit` (8) entries; every plan (set of pattern keys)
@@ -512,7 +542,7 @@ class PatchedForward:
             entry = _CLASS.get(key)
             if entry is None or entry.owner() is None:
                 backend = Backend(self.specs, self.log(), self.digest, self._may_train)
-                entry = _CLASS[key] = ClassCapture(fn, backend, self)
+                entry = _CLASS[key] = ClassCapture(fn, backend, self, key)
             self._backend, self._compiled = entry.backend, entry.compiled
             if entry.owner() is self:
                 self._owns = entry
@@ -527,7 +557,7 @@ class PatchedForward:
         """This instance's own compiled function (its own dynamo cache)."""
         self._via = None
         self._backend = Backend(self.specs, self.log(), self.digest, self._may_train)
-        self._compiled = torch.compile(_fresh(self._target()[0]), backend=self._backend, dynamic=False)
+        self._compiled = compile_fresh(self._target()[0], self._backend, holder=self)
         return self._compiled
 
     def _fall_back(self, why: str, args, kwargs):
@@ -675,10 +705,13 @@ class ClassCapture:
     """One compiled function shared by the patched instances of a class that have one plan: compiled (and
     recompiled) only by its owner, the first instance that ran; the others call it without compiling."""
 
-    def __init__(self, fn: Callable, backend: Backend, owner: PatchedForward):
+    def __init__(self, fn: Callable, backend: Backend, owner: PatchedForward, key: tuple):
         self.backend = backend
-        self.compiled = torch.compile(_fresh(fn), backend=backend, dynamic=False)
-        self.owner = weakref.ref(owner)  # the registry keeps no module alive
+        self.compiled = compile_fresh(fn, backend, holder=self)
+        # The registry keeps no module alive, and lets go of the capture once its owner is gone: instances
+        # it serves hold it themselves; otherwise its compiled graphs (and their CUDA-graph recordings, the
+        # pool memory they keep) are freed with the model, as dynamo's cache on its code object goes.
+        self.owner = weakref.ref(owner, functools.partial(_forget_capture, key, weakref.ref(self)))
         self.breaks = False  # the owner's capture broke into several frames: nobody else joins it
         self.served = self.refused = 0  # calls of other instances it served / instances its guards refused
 
@@ -687,6 +720,11 @@ class ClassCapture:
         """Two instances refused and none served (HF layers guarding on their `layer_idx`): the next ones
         compile their own without asking (a refusal costs dynamo's account of the failed guards)."""
         return self.refused >= 2 and not self.served
+
+
+def _forget_capture(key: tuple, entry: weakref.ref, _owner) -> None:
+    if entry() is not None and _CLASS.get(key) is entry():
+        del _CLASS[key]
 
 
 def _served(fn: Callable, lead: tuple, args, kwargs):
