@@ -489,3 +489,44 @@ def test_fused_training_is_kept_only_where_a_whole_call_measures_faster_and_no_h
     torch.testing.assert_close(torch.tensor(train(model, example, 3)), torch.tensor(train(twin, example, 3)),
                                rtol=1e-4, atol=1e-4)
     assert (rewrite.fused_runs() > before) == kept
+
+
+def test_the_training_comparison_leaves_the_model_and_inputs_as_it_found_them(monkeypatch):
+    """The comparison trains (train mode, BatchNorm statistics move, gradients accumulate, dropout draws
+    random numbers) but hands back the modes, buffers, gradients (the parameters' and an input's that
+    collects one) and RNG state it found; a model whose outputs need no gradient is not compared."""
+    from advisor.bench.timing import Timing
+    from advisor.workflows import training
+
+    class Handle:  # the one thing the comparison asks of a patched model's handle
+        def __init__(self):
+            self.states = []
+
+        def train_fused(self, on):
+            self.states.append(on)
+
+    def time_configs(call, configs, device, iters=20, rounds=5):
+        for make in configs.values():
+            with make():
+                call()
+        return {k: Timing(1.0, 1, "perf_counter", [1.0], 0.0, [1.0]) for k in configs}
+
+    monkeypatch.setattr(training.timing, "timing_meaningful", lambda device: True)
+    monkeypatch.setattr(training.timing, "time_configs", time_configs)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5)).eval()
+    x = torch.randn(4, 8, requires_grad=True)
+    x.grad = torch.ones(4, 8)
+    model[0].weight.grad = torch.full((8, 8), 2.0)
+    stats = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    handle = Handle()
+    out = training.keep_faster_training(model, handle, (x,), {}, "cpu")
+    assert not out["kept"] and "not faster" in out["decision"]  # equal clocks
+    assert handle.states[-1] is False and True in handle.states  # both states ran; the slower one is not kept
+    assert not any(m.training for m in model.modules())
+    assert torch.equal(x.grad, torch.ones(4, 8)) and torch.equal(model[0].weight.grad, torch.full((8, 8), 2.0))
+    assert model[0].bias.grad is None
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), stats))
+    assert torch.equal(torch.get_rng_state(), rng)
+    frozen = training.keep_faster_training(model.requires_grad_(False), Handle(), (x.detach(),), {}, "cpu")
+    assert not frozen["kept"] and "needs a gradient" in frozen["decision"]

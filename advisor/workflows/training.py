@@ -34,7 +34,7 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
     if not timing.timing_meaningful(device):
         return {"decision": "fused training kept as asked (timing not meaningful here: not compared)",
                 "kept": True}
-    with _left_as_found(model, device):
+    with _left_as_found(model, _grad_leaves((args, kwargs)), device):
         try:
             handle.train_fused(False)  # the probe call runs the original forwards
             step = training_call(model, args, kwargs)
@@ -81,11 +81,12 @@ def _compare(step: Callable[[], None], handle, device: str, iters: int) -> dict:
 
 def training_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Callable[[], None] | None:
     """A training call on the example inputs: forward, backward from fixed random gradients of every
-    output that needs one, the parameters' gradients then set to None. None when no output needs one."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    output that needs one, the gradients it made (parameters', inputs') then set to None, as `zero_grad`
+    does. None when no output needs one."""
+    leaves = [p for p in model.parameters() if p.requires_grad] + _grad_leaves((args, kwargs))
     with torch.enable_grad():
         probe = _differentiable(model(*args, **kwargs))
-    if not probe or not params:
+    if not probe:
         return None
     gen = torch.Generator(probe[0].device).manual_seed(0)
     cotangents = [torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in probe]
@@ -95,9 +96,14 @@ def training_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Callable
         with torch.enable_grad():
             outs = _differentiable(model(*args, **kwargs))
             torch.autograd.backward(outs, cotangents[:len(outs)])
-        for p in params:
-            p.grad = None
+        for t in leaves:
+            t.grad = None
     return step
+
+
+def _grad_leaves(inputs) -> list[torch.Tensor]:
+    """The example inputs that collect a gradient (an encoder's output fed to a head, say)."""
+    return [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
 
 
 def _differentiable(out) -> list[torch.Tensor]:
@@ -128,10 +134,13 @@ def _gb(n: int | None) -> float | None:
 
 
 @contextlib.contextmanager
-def _left_as_found(model: torch.nn.Module, device: str):
-    """The comparison runs in training mode; afterwards modes, gradients, buffers and RNG are as before."""
+def _left_as_found(model: torch.nn.Module, input_leaves: list, device: str):
+    """The comparison runs in training mode; afterwards modes, gradients (the parameters' and the inputs'),
+    buffers and RNG are as before."""
     modes = {m: m.training for m in model.modules()}
-    grads = {p: p.grad for p in model.parameters()}
+    grads = {t: t.grad for t in [*model.parameters(), *input_leaves]}
+    for t in grads:
+        t.grad = None  # else the comparison's backward would accumulate into the user's gradients in place
     buffers = {b: b.detach().clone() for b in model.buffers()}
     devices = [torch.cuda.current_device()] if device == "cuda" else []
     with torch.random.fork_rng(devices=devices):
