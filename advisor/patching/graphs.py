@@ -213,13 +213,14 @@ class Graphed:
         parts = [rewrite.enabled_keys()]
         copied = self._copied_bytes(args)
         for a in args:
-            if not isinstance(a, torch.Tensor):
+            kind = input_kind(a, self.recorder.device_type)
+            if kind == "value":
                 parts.append(("v", a))
-            elif _host_scalar(a, self.recorder.device_type):
+            elif kind == "host scalar":
                 parts.append(("host scalar", a.dtype, a.item()))  # read by value at launch: part of the graph
-            elif a.device.type != self.recorder.device_type:
+            elif kind == "off device":
                 return f"an input off the GPU ({a.device.type}, shape {list(a.shape)})"
-            elif read_in_place(a):
+            elif kind == "in place":
                 parts.append((a.data_ptr(), a.requires_grad))
             else:
                 nbytes = a.untyped_storage().nbytes()
@@ -232,7 +233,8 @@ class Graphed:
 
     def _copied_bytes(self, args) -> int:
         """Bytes a replay copies (inputs in, outputs out): weighed against the launches it saves."""
-        return self.out_bytes + sum(a.untyped_storage().nbytes() for a in args if _copied(a, self.recorder.device_type))
+        dev = self.recorder.device_type
+        return self.out_bytes + sum(a.untyped_storage().nbytes() for a in args if input_kind(a, dev) == "copied")
 
     def _static_inputs(self, args) -> list:
         """Per argument: a static buffer holding a copy of it, or None (read in place, or not a tensor)."""
@@ -269,10 +271,17 @@ def read_in_place(a: torch.Tensor) -> bool:
     return isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None) is not None
 
 
-def _copied(a, device_type: str) -> bool:
-    """An input a replay copies into its static buffer (a parameter is read in place)."""
-    return isinstance(a, torch.Tensor) and not read_in_place(a) and a.device.type == device_type \
-        and not _host_scalar(a, device_type)
+def input_kind(a, device_type: str) -> str:
+    """How a replay treats one argument: `value` (not a tensor: part of the recording's key), `host
+    scalar`, `off device` (never replayed), `in place` (`read_in_place`: keyed by its address) or
+    `copied` (into the recording's static buffer before each replay)."""
+    if not isinstance(a, torch.Tensor):
+        return "value"
+    if _host_scalar(a, device_type):
+        return "host scalar"
+    if a.device.type != device_type:
+        return "off device"
+    return "in place" if read_in_place(a) else "copied"
 
 
 def _host_scalar(a: torch.Tensor, device_type: str) -> bool:
