@@ -530,3 +530,50 @@ def test_the_training_comparison_leaves_the_model_and_inputs_as_it_found_them(mo
     assert torch.equal(torch.get_rng_state(), rng)
     frozen = training.keep_faster_training(model.requires_grad_(False), Handle(), (x.detach(),), {}, "cpu")
     assert not frozen["kept"] and "needs a gradient" in frozen["decision"]
+
+
+def test_a_site_reading_outside_its_input_view_is_not_substituted_where_the_graph_trains(tmp_path):
+    """GPT-NeoX's partial rotary: the matched ops can bind their input to the pass-through slice of q and
+    read the rotated slice before it (a kernel reads memory, so the inference site is right). Under
+    autograd the gradient of what lies outside the site's input view had nowhere to go: the first training
+    call's gradients were wrong (up to 0.07 on the layer input). Such a match now keeps its original ops
+    in a graph that trains; every step's gradients are eager's."""
+    import sys
+    from pathlib import Path
+
+    import advisor
+    from advisor.patching.capture import READS_OUTSIDE
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoo_models import BY_NAME
+
+    arch = BY_NAME["gpt_neox"]
+    model = arch.model()
+    twin = copy.deepcopy(model)
+    inputs = arch.inputs(*arch.example)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = advisor.optimize(model, inputs, out=tmp_path, reuse=False, interpret=True, train=True)
+    assert report.applied, str(report)
+    model.train(), twin.train()
+    for _ in range(2):
+        for m in (model, twin):
+            m(**inputs).logits.float().pow(2).mean().backward()
+        for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=n)
+        model.zero_grad(), twin.zero_grad()
+    rejected = [why for f in report.handle.forwards.values() for whys in f.log().rejected.values() for why in whys]
+    assert READS_OUTSIDE in rejected
+
+
+@pytest.mark.parametrize("read, inside", [
+    (((2, 4, 16, 4), -4), False),  # the rotated half before the pass-through input
+    (((2, 4, 16, 4), 0), True), (((2, 4, 16, 12), 4), True),  # both halves of the whole head
+    (((2, 4, 16, 13), 4), False),  # one column past the end
+])
+def test_view_inside(read, inside):
+    from advisor.patching.rewrite import view_inside
+
+    (shape, rel), strides = read, (3072, 48, 192, 1)
+    whole = (2, 4, 16, 16) if rel >= 0 else (2, 4, 16, 12)
+    assert view_inside(shape, strides, rel, whole, strides) == inside

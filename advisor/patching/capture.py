@@ -74,6 +74,8 @@ from advisor.patching.train_graphs import TrainGraphed, mutates, release_unused_
 # (plan digest, graph code, input layouts) -> compiled graph, held only while some capture still uses it
 # (dynamo's cache, through the globals it installs): a deleted model's graphs, and the CUDA-graph
 # recordings inside them, go with it
+READS_OUTSIDE = ("in a graph that trains, not substituted: the ops read an input outside the view the site "
+                 "would be handed, whose gradient autograd could not route")
 _SHARED: "weakref.WeakValueDictionary[tuple, Callable]" = weakref.WeakValueDictionary()
 _PATTERNS: dict[tuple, Pattern] = {}
 _LAUNCHERS: dict[tuple, Callable] = {}
@@ -219,7 +221,7 @@ class Backend:
             return None
         timing.count("rewrites")
         with timing.timed("rewrite"):
-            self.rewrite(g)
+            self.rewrite(g, training=True)
         run = g.forward
         if self.device.type == "cuda" and not mutates(g.graph):  # forward and backward replayed as CUDA graphs
             make_host_copies_recordable(g)
@@ -227,7 +229,9 @@ class Backend:
             self.train_graphs.append(run)
         return _counted(run)
 
-    def rewrite(self, gm: torch.fx.GraphModule) -> None:
+    def rewrite(self, gm: torch.fx.GraphModule, training: bool = False) -> None:
+        """Substitute every pattern's matches in `gm` (a graph that trains: only those autograd can
+        differentiate through, `rewrite.reads_outside_inputs`)."""
         self.log.graphs += 1
         device = self.device = _graph_device(gm.graph)
         for spec in self.specs:
@@ -239,7 +243,7 @@ class Backend:
                         saved.append(_copy_graph(gm.graph))
 
             try:
-                self._rewrite_one(gm, spec, device, keep)
+                self._rewrite_one(gm, spec, device, keep, training)
                 if saved:
                     with timing.timed("copy+lint"):
                         gm.graph.lint()
@@ -252,7 +256,8 @@ class Backend:
         with timing.timed("recompile"):
             gm.recompile()
 
-    def _rewrite_one(self, gm, spec: PatternSpec, device, keep: Callable[[], None] = lambda: None) -> None:
+    def _rewrite_one(self, gm, spec: PatternSpec, device, keep: Callable[[], None] = lambda: None,
+                     training: bool = False) -> None:
         """Substitute every match of one pattern, at each of its shapes (a kernel per shape); `keep()` runs
         before each substitution (the caller keeps the graph as it was before the first, to put back should
         one fail)."""
@@ -270,10 +275,13 @@ class Backend:
                     m = find(pattern, gm.graph, exclude)
                 if m is None:
                     break
-                keep()
-                with timing.timed("substitute"):
-                    result = rewrite.substitute(gm.graph, m, pattern,
-                                                lambda m: self._site(spec, m, program, kernel_file))
+                if training and rewrite.reads_outside_inputs(m, program["inputs"]):
+                    result = READS_OUTSIDE  # its original ops stay: autograd differentiates them
+                else:
+                    keep()
+                    with timing.timed("substitute"):
+                        result = rewrite.substitute(gm.graph, m, pattern,
+                                                    lambda m: self._site(spec, m, program, kernel_file))
                 if isinstance(result, str):
                     exclude |= m.g_nodes()
                     self.log.rejected[spec.key].append(result)

@@ -229,6 +229,49 @@ def make_fallback(match: Match, specs: list[dict]) -> Callable:
     return fallback
 
 
+def reads_outside_inputs(match: Match, specs: list[dict]) -> bool:
+    """Whether the matched ops read some input outside the view the site is handed (a kernel may: it reads
+    memory; HF's partial rotary can bind its input to the pass-through half and read the rotated half
+    before it). Autograd cannot give those elements their gradient through the site's input, so such a
+    match must stay unsubstituted in a graph that trains."""
+    for k, b in enumerate(match.inputs):
+        if b.kind != "tensor":
+            continue
+        base = input_offset(specs[k], b)
+        shape, strides = tuple(specs[k]["shape"]), tuple(specs[k]["strides"])
+        for _, ga in b.reads:
+            read = layout(ga)
+            if read is None or not view_inside(read[0], read[1], read[2] - base, shape, strides):
+                return True
+    return False
+
+
+def view_inside(shape, strides, rel: int, in_shape, in_strides) -> bool:
+    """Whether a view (shape, strides) starting `rel` elements after an input view's first element reads only
+    elements of that input view. Sufficient, not necessary: each dimension the view walks must be one the
+    input walks with the same stride, and `rel` must split into per-dimension start indices (largest
+    stride first) that keep the view inside each dimension."""
+    if rel < 0:
+        return False
+    dims = sorted((st, n) for n, st in zip(in_shape, in_strides) if n > 1)[::-1]  # the input's, largest stride first
+    start = {}
+    for st, n in dims:
+        if st <= 0 or st in start:
+            return False  # broadcast or overlapping input: not decomposed
+        start[st], rel = divmod(rel, st)
+    if rel:
+        return False
+    extent = dict.fromkeys(start, 1)
+    for n, st in zip(shape, strides):
+        if n == 1 or st == 0:
+            continue  # a dimension that does not move (or a broadcast over one that does: the same elements)
+        if st not in extent or extent[st] != 1:
+            return False
+        extent[st] = n
+    size = {st: n for st, n in dims}
+    return all(start[st] + extent[st] <= size[st] for st in start)
+
+
 def _resolve(spec, xs, env):
     kind = spec[0]
     if kind == "lit":
