@@ -73,9 +73,11 @@ def _check_keys(doc: dict, known: tuple, required: tuple, what: str) -> None:
 CANDIDATE_KEYS = ("pattern_id", "pattern", "title", "kind", "ops", "kernels", "modules", "occurrences",
                   "kernels_saved", "bytes_unfused", "bytes_fused", "bytes_saved", "est_time_saved_us",
                   "est_cpu_time_saved_us", "measured_time_us", "intermediate_bytes", "confidence", "graph",
-                  "program", "variants", "not_generated", "negligible", "id", "rank", "share_of_iteration", "extends")
-# written only when they say something (a CPU trace's CPU estimate; why the generator must refuse it)
-CANDIDATE_OPTIONAL = ("est_cpu_time_saved_us", "variants", "not_generated")
+                  "program", "variants", "not_generated", "negligible", "id", "rank", "share_of_iteration", "extends",
+                  "phase")
+# written only when they say something (a CPU trace's CPU estimate; why the generator must refuse it; a
+# training step's part other than the forward)
+CANDIDATE_OPTIONAL = ("est_cpu_time_saved_us", "variants", "not_generated", "phase")
 CANDIDATE_TUPLES = ("ops", "kernels", "modules")
 
 
@@ -112,6 +114,7 @@ class Candidate:
     rank: int | None = None
     share_of_iteration: float | None = None
     extends: str | None = None  # the candidate id this one is built on top of (an epilogue's pointwise group)
+    phase: str | None = None  # "backward" | "optimizer": where in a training step it runs (None: the forward)
 
     @classmethod
     def from_json(cls, doc: dict) -> "Candidate":

@@ -163,6 +163,9 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
     for g, sig, cost in zip(groups, signatures(graph, groups), group_costs(graph, groups, device)):
         if g.kind == "padded_matmul" and not padding_pays(cost, device):
             continue
+        phase = graph.nodes[g.members[0]].phase  # one per group (fusion rule 6)
+        if phase != "forward":  # the same ops in the backward are another candidate
+            sig = f"{sig} @{phase}"
         fam = family(sig)
         pid = pid_of.get(fam) or pid_of.setdefault(fam, pattern_id(sig))
         pattern_of[id(g)] = pid
@@ -199,6 +202,9 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
         variants = shape_variants(graph, pat.groups, rec["program"]) if first.kind == "fusion" else []
         if variants:  # absent otherwise: analysis.json of a model whose occurrences share one shape is unchanged
             rec["variants"] = variants
+        phase = graph.nodes[first.members[0]].phase
+        if phase != "forward":  # absent for the forward: analysis.json of an inference trace is unchanged
+            rec["phase"] = phase
         refused = not_generated(graph, first)
         if refused:  # a pattern the generator must refuse says so (absent otherwise: the schema is unchanged)
             rec["not_generated"] = refused
@@ -230,7 +236,8 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
         "device": {"type": device.type, "name": device.name, "bandwidth_Bps": device.bandwidth_Bps,
                    "launch_us": device.launch_us, "bandwidth_source": device.source},
         "steady_state": {"iterations": iters,
-                         "source": (meta.get("steady_state") or {}).get("source", "whole")},
+                         "source": (meta.get("steady_state") or {}).get("source", "whole"),
+                         **({"training_step": True} if (meta.get("steady_state") or {}).get("training_step") else {})},
         "totals": totals,
         "estimate": _estimate_basis(device, gpu),
         "unknown_ops": graph.unknown_ops.assign(count=lambda d: d["count"] / iters,

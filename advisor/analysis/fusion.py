@@ -13,14 +13,16 @@ Every node gets a *domain*: the iteration space its kernel walks. Pointwise ops 
 5. Do not fuse through a tensor shared by sibling modules (rotary cos/sin, attention masks read by
    every layer): it must be written anyway, and fusing it into one layer's chain would make that
    layer's pattern differ from all the others.
+6. Never fuse across the parts of a training step (forward, backward, optimizer: `Node.phase`): a
+   forward op and the backward op that reads its output run a whole pass apart.
 
-Matmuls and convolutions are anchors; three more rules build on them:
-6. Epilogue: a pure pointwise group (or op) that alone reads an anchor's output, elementwise.
-7. Attention: matmul -> (scale / mask / other pointwise) -> softmax -> matmul, where each
+Matmuls and convolutions are anchors; more rules build on them:
+7. Epilogue: a pure pointwise group (or op) that alone reads an anchor's output, elementwise.
+8. Attention: matmul -> (scale / mask / other pointwise) -> softmax -> matmul, where each
    intermediate is read only inside the chain: the score matrix need never be written.
-8. Matmul + reduction: matmul -> pointwise -> a reduction over leading (non-contracted) dims of
+9. Matmul + reduction: matmul -> pointwise -> a reduction over leading (non-contracted) dims of
    the matmul output (SPLADE's max over the sequence): the matmul output need never be written.
-9. Padded matmul: a GEMM alone whose leading dimension or base is not 16-byte aligned (GPT-2's logits,
+10. Padded matmul: a GEMM alone whose leading dimension or base is not 16-byte aligned (GPT-2's logits,
    N = 50257), which cuBLAS runs with a slow unaligned kernel: padded to alignment it runs at its FLOP
    roofline (`alignment.py`; the analyzer keeps it only where that measures worth the pad copies).
 Everything else is a barrier.
@@ -107,7 +109,7 @@ def find_groups(graph: Graph) -> list[Group]:
         cands = []
         for p in producers[n.idx]:
             g = group_of.get(p)
-            if g is None or g in cands or nodes[p].iteration != n.iteration:
+            if g is None or g in cands or nodes[p].iteration != n.iteration or nodes[p].phase != n.phase:
                 continue
             if any(values[u.value].producer == p and shared[u.value] for u in n.reads):
                 continue
@@ -123,8 +125,9 @@ def find_groups(graph: Graph) -> list[Group]:
     fused = [g for g in unique.values() if len(g.members) >= 2]
     for g in fused:
         g.members.sort()
-    return (fused + _epilogues(graph, domains, group_of) + _attention(graph, fused, group_of)
-            + _matmul_reductions(graph, domains, group_of) + _padded_matmuls(graph))
+    groups = (fused + _epilogues(graph, domains, group_of) + _attention(graph, fused, group_of)
+              + _matmul_reductions(graph, domains, group_of) + _padded_matmuls(graph))
+    return [g for g in groups if len({nodes[m].phase for m in g.members}) == 1]  # rule 6, anchors included
 
 
 class _SharedValues:
@@ -266,7 +269,7 @@ def _matmul_reductions(graph: Graph, domains: list, group_of: dict[int, Group]) 
 
 
 def _padded_matmuls(graph: Graph) -> list[Group]:
-    """Each GEMM that cuBLAS would run unaligned, alone (rule 9): whatever fuses with it elsewhere, padding is
+    """Each GEMM that cuBLAS would run unaligned, alone (rule 10): whatever fuses with it elsewhere, padding is
     about the GEMM's own kernel."""
     return [Group([n.idx], _numel(n.writes[0].shape), None, kind="padded_matmul") for n in graph.nodes
             if n.cls == OpClass.MATMUL and n.writes and unaligned_gemm(n) is not None]

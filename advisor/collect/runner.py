@@ -420,7 +420,8 @@ def _print_summary(console, meta, summary, trace_dir: Path, dev: str, region: Op
     if st["source"] == "region":
         what = f"region [cyan]{st['name']}[/]"
     elif st["source"] == "module":
-        what = f"calls of module [cyan]{st['name']}[/]"
+        what = f"calls of module [cyan]{st['name']}[/]" + \
+            (", each with its backward and optimizer step" if st.get("training_step") else "")
     else:
         what = "the whole trace (no region or nn.Module call found)"
     dropped = f", {st['warmup_dropped']} warm-up dropped" if st["warmup_dropped"] else ""

@@ -9,15 +9,20 @@ Sources, in order:
              no nn.Module ancestor along `Python parent id` -> `Python id`; the most-called such module
              (ties: the one with more total time) is the iteration.
   whole   -- one iteration spanning every duration event of the trace.
+A training loop (autograd's backward or an optimizer step after the module's calls) makes each module
+call's window reach to the last backward or optimizer event before the next call: an iteration is then
+a training step, forward, backward and optimizer (`training_step` in the result).
 Nested occurrences of the chosen region are folded into the outermost one. With two or more iterations
 the first (or the schedule's `warmup` first) is dropped as warm-up. Windows are `[ts, ts + dur]` in the Kineto `ts` time base (us).
 """
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from advisor.collect.nvtx_ranges import REGION_PREFIX
+from advisor.ops.registry import PHASE_SCOPES
 
 MODULE_PREFIX = "nn.Module: "
 
@@ -93,6 +98,28 @@ def root_module_calls(events: List[Dict[str, Any]]) -> Tuple[Optional[str], List
     return name[len(MODULE_PREFIX):], _outermost(evs)
 
 
+# Events that mark a training step's work after the forward (the backward's nodes, the optimizer's step)
+TRAINING_MARKS = tuple(p for prefixes in PHASE_SCOPES.values() for p in prefixes)
+
+
+def training_steps(events: List[Dict[str, Any]], windows: List[Tuple[float, float]]) -> Optional[List[Tuple[float, float]]]:
+    """Each module-call window extended over the backward and optimizer events that start after it and
+    before the next call; None when no call is followed by any (inference, or training with no backward)."""
+    marks = sorted(_window(e) for e in events
+                   if e.get("ph") == "X" and "ts" in e and str(e.get("name", "")).startswith(TRAINING_MARKS))
+    if not marks:
+        return None
+    starts = [b for b, _ in marks]
+    out, extended = [], False
+    for k, (b, en) in enumerate(windows):
+        nxt = windows[k + 1][0] if k + 1 < len(windows) else float("inf")
+        lo, hi = bisect.bisect_left(starts, en), bisect.bisect_left(starts, nxt)
+        if hi > lo:  # the marks of this step: those starting between this call's end and the next call
+            en, extended = max(en, max(e for _, e in marks[lo:hi])), True
+        out.append((b, en))
+    return out if extended else None
+
+
 def whole_trace(events: List[Dict[str, Any]]) -> List[Tuple[float, float]]:
     spans = [_window(e) for e in events if e.get("ph") == "X" and "ts" in e and e.get("cat") != "Trace"]
     if not spans:
@@ -111,10 +138,13 @@ def steady_state(events: List[Dict[str, Any]], region: Optional[str] = None, war
             source, name = "region", region
         else:
             missing_region = region
+    training = None
     if not windows:
         mod, windows = root_module_calls(events)
         if windows:
             source, name = "module", mod
+            training = training_steps(events, windows)
+            windows = training or windows
     if not windows:
         source, name, windows = "whole", None, whole_trace(events)
     found = len(windows)
@@ -126,6 +156,8 @@ def steady_state(events: List[Dict[str, Any]], region: Optional[str] = None, war
         "warmup_dropped": dropped,
         "found": found,
     }
+    if training:
+        out["training_step"] = True
     if missing_region is not None:
         out["requested_region"] = missing_region
     return out

@@ -29,7 +29,7 @@ import pandas as pd
 from advisor.errors import AdvisorError
 from advisor.graph.etnodes import _op_rows, choose
 from advisor.graph.fallback import nodes_from_kineto
-from advisor.graph.index import KernelIndex, equals, module_paths  # noqa: F401 (module_paths: used from here too)
+from advisor.graph.index import KernelIndex, equals, module_paths, phases  # noqa: F401 (module_paths: used from here too)
 from advisor.graph.nodes import Graph, Node, Use, Value, true_bytes
 from advisor.ops.args import parse_concrete
 from advisor.ops.registry import OpClass
@@ -59,14 +59,15 @@ def build_graph(trace: Trace) -> Graph:
         wins = steady_windows(trace)
         ops = trace.ops.assign(iteration=_iteration_of(trace.ops["ts"].to_numpy(), wins))
         modules = module_paths(trace, ops)
+        phase = phases(ops)
         kernels = KernelIndex(trace)
         device_type = "cuda" if trace.has_gpu else "cpu"
         warnings = check_joins(trace, kernels)
         if len(trace.et_nodes) and not any("Record function id" in w for w in warnings):
-            nodes, values = _nodes_from_et(trace, ops, modules, kernels)
+            nodes, values = _nodes_from_et(trace, ops, modules, kernels, phase)
             confidence = "high"
         else:
-            nodes, values = nodes_from_kineto(trace, ops, modules, kernels)
+            nodes, values = nodes_from_kineto(trace, ops, modules, kernels, phase)
             confidence = "low"
         for v in values:
             v.consumers = []
@@ -129,13 +130,13 @@ def check_joins(trace: Trace, kernels: KernelIndex) -> list[str]:
     return warnings
 
 
-def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels: KernelIndex):
+def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels: KernelIndex, phase: np.ndarray):
     c = choose(trace, ops["iteration"].to_numpy(), kernels)
     spans = _kernel_spans(c, kernels)
     rows_ = c.row
     ts, dur, it = ops["ts"].to_numpy()[rows_].tolist(), ops["dur"].to_numpy()[rows_].tolist(), \
         ops["iteration"].to_numpy()[rows_].tolist()
-    mods = modules[rows_].tolist()
+    mods, phs = modules[rows_].tolist(), phase[rows_].tolist()
     templates = [_static_rows(rows) for rows in trace.et.templates]
     # Templates with a double argument the ET may have rounded (see `_full_precision`).
     rounded = [any(r[0] and isinstance(r[4][1], float) for r in rows) for _, rows in templates]
@@ -149,7 +150,7 @@ def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels
     ends: list[int] = []  # per value: offset + extent of what its producer wrote (what a later read must fit in)
     for idx, (et_id, rf, op, cls, schema, inplace, tpl, (names, k_ts, k_dur)) in enumerate(zip(
             c.ids.tolist(), c.rf.tolist(), c.names, c.cls, c.schemas, c.inplace, c.tpl.tolist(), spans)):
-        node = Node(idx, et_id, rf, op, cls, schema, ts[idx], dur[idx], it[idx], mods[idx], inplace=inplace,
+        node = Node(idx, et_id, rf, op, cls, schema, ts[idx], dur[idx], it[idx], mods[idx], phs[idx], inplace=inplace,
                     template=template_of.setdefault((op, schema, tpl), len(template_of)))
         if names:
             node.kernels = names

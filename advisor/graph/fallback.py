@@ -24,7 +24,8 @@ ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long i
             "unsigned char": 1, "signed char": 1, "short int": 2}
 
 
-def nodes_from_kineto(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels_by_ext: dict):
+def nodes_from_kineto(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels_by_ext: dict,
+                      phase: np.ndarray | None = None):
     ops = ops[(ops["cat"] == "cpu_op") & (ops["iteration"] >= 0)]
     order = np.lexsort((-ops["end"].to_numpy(), ops["ts"].to_numpy(), ops["tid"].to_numpy()))
     rows = ops.iloc[order]
@@ -55,7 +56,8 @@ def nodes_from_kineto(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kern
             continue
         node = Node(idx=len(nodes), et_id=-1, rf_id=int(r.rf_id), op=name,
                     cls=info.cls if info else OpClass.OTHER, schema="", ts=float(r.ts), dur=float(r.dur),
-                    iteration=int(r.iteration), module=modules[idx], inplace=bool(info and info.inplace))
+                    iteration=int(r.iteration), module=modules[idx], inplace=bool(info and info.inplace),
+                    phase=phase[idx] if phase is not None else "forward")
         _charge(node, direct)
         stack.append((r.end, node.idx))
         _guess_io(node, r, values, recent)

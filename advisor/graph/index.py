@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from advisor.ops.registry import PHASE_SCOPES
 from advisor.trace.load import Trace
 
 
@@ -132,4 +133,25 @@ def module_paths(trace: Trace, ops: pd.DataFrame) -> np.ndarray:
         last[closed] = parent[last[closed]]
         open_ = last >= 0
     out[open_] = paths[last[open_]]
+    return out
+
+
+def phases(ops: pd.DataFrame) -> np.ndarray:
+    """Which part of a training step each op ran in: `backward` or `optimizer` inside one of their scopes
+    (`PHASE_SCOPES`) on the same thread, else `forward`. Per thread, an op is inside a scope when the
+    scopes opened at or before it reach past it (the latest end among them: scopes may nest)."""
+    out = np.full(len(ops), "forward", dtype=object)
+    ts, end, tid = ops["ts"].to_numpy(), ops["end"].to_numpy(), ops["tid"].to_numpy()
+    for phase, prefixes in PHASE_SCOPES.items():
+        mark = np.zeros(len(ops), dtype=bool)
+        for p in prefixes:
+            mark |= starts_with(ops["name"], p)
+        for t in np.unique(tid[mark]):
+            scope = mark & (tid == t)
+            order = np.argsort(ts[scope], kind="stable")
+            s_ts, s_reach = ts[scope][order], np.maximum.accumulate(end[scope][order])
+            mine = np.flatnonzero(tid == t)
+            at = np.searchsorted(s_ts, ts[mine], "right") - 1
+            inside = (at >= 0) & (s_reach[np.maximum(at, 0)] >= ts[mine])
+            out[mine[inside]] = phase
     return out

@@ -35,6 +35,7 @@ class Node:
     dur: float
     iteration: int
     module: str = ""
+    phase: str = "forward"  # of a training step: forward | backward | optimizer (`index.phases`)
     kernels: list = field(default_factory=list)  # kernel names
     kernel_spans: list = field(default_factory=list)  # (name, ts, dur) per kernel
     kernel_us: float = 0.0

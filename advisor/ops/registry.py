@@ -124,8 +124,16 @@ def is_aten(name: str) -> bool:
     return name.startswith(("aten::", "prims::", "_c10d", "c10d::"))
 
 
-# Annotations that look like ops but are scopes: our own module/region markers.
-_SCOPES = ("nn.Module::", "advisor.region::")
+# Annotations that look like ops but are scopes: our own module/region markers, and autograd's engine
+# wrapping each backward node it runs (`autograd::engine::evaluate_function: MmBackward0`, the
+# gradient accumulator): the aten ops inside are the work.
+_SCOPES = ("nn.Module::", "advisor.region::", "autograd::engine::", "torch::autograd::")
+
+
+# Scopes that say which part of a training step an op ran in (everything else is the forward): autograd's
+# engine wraps each backward node it runs; torch.optim wraps an optimizer's step and zero_grad.
+PHASE_SCOPES = {"backward": ("autograd::engine::evaluate_function",),
+                "optimizer": ("Optimizer.step#", "Optimizer.zero_grad#")}
 
 
 def is_operator(name: str) -> bool:

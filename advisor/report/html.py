@@ -52,7 +52,8 @@ def _summary(a: dict, apply: Optional[dict]) -> str:
     facts = [("Device", f"{dev.get('name', '?')} ({dev.get('type', '?')})"),
              ("Bandwidth", f"{fmt_bw(dev.get('bandwidth_Bps'))} ({dev.get('bandwidth_source', '?')})"),
              ("Launch overhead", fmt_time(dev.get("launch_us"))),
-             ("Steady state", f"{fmt_int(ss.get('iterations'))} iterations, found by {ss.get('source', '?')}"),
+             ("Steady state", f"{fmt_int(ss.get('iterations'))} iterations, found by {ss.get('source', '?')}"
+              + (M.TRAINING_STEP if ss.get("training_step") else "")),
              ("Kineto trace", src.get("kineto") or "–"), ("Execution trace", src.get("et") or "none")]
     dl = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in facts)
     return (f'<section class="card" id="summary"><div class="summary"><div><h2>Summary</h2>'
@@ -80,7 +81,7 @@ def _table(a: dict, apply: Optional[dict], colors: Dict[str, str]) -> str:
     for c in M.listed(a):
         cid = c.id
         head, chain = M.title_parts(c)
-        tags = f'<span class="badge">{e(c.kind.value)}</span>'
+        tags = f'<span class="badge">{e(c.kind.value)}</span>' + (f' <span class="badge">{e(c.phase)}</span>' if c.phase else "")
         if c.confidence == "low":
             tags += ' <span class="badge low">low confidence</span>'
         mods = "<br>".join(_breakable(m) for m in modules_summary(list(c.modules), max_groups=3, limit=60))
@@ -210,7 +211,7 @@ def _next_steps(a: dict, apply: Optional[dict], out) -> str:
 def _candidate(a: dict, c: Candidate, p: Optional[PatternResult], color: str) -> str:
     cid = c.id
     head, chain = M.title_parts(c)
-    badges = [f'<span class="badge">{e(c.kind.value)}</span>']
+    badges = [f'<span class="badge">{e(c.kind.value)}</span>'] + ([f'<span class="badge">{e(c.phase)}</span>'] if c.phase else [])
     if c.confidence == "low":
         badges.append('<span class="badge low">low confidence</span>')
     if p:

@@ -11,6 +11,8 @@ from typing import Dict, List, Optional
 from advisor.records import Candidate, Kind, PatternResult
 from advisor.status import Status
 
+TRAINING_STEP = " (training steps: forward, backward and optimizer)"  # after "N iterations, found by SOURCE"
+
 
 def num(x, default=None):
     try:

@@ -86,6 +86,16 @@ def next_steps(analysis: dict, apply: Optional[dict] = None, out: Optional[Path]
     steps.append(Step(f"Generate, validate and patch in kernels for the top {n}, then time the model"
                       + (" (on the CPU they are checked, not timed: use a GPU for timings)." if cpu else "."),
                       cmd or f"fusion-advisor generate {where} --top {n}"))
-    steps.append(Step("Or in your own process, on the model itself.",
-                      f"report = advisor.optimize(model, example_inputs, top={n})"))
+    if _trains(analysis, cands):
+        steps.append(Step("Or in your own process, on the model itself; train=True fuses the backward too (kept only "
+                          "where a training call measures faster).",
+                          f"report = advisor.optimize(model, example_inputs, top={n}, train=True)"))
+    else:
+        steps.append(Step("Or in your own process, on the model itself.",
+                          f"report = advisor.optimize(model, example_inputs, top={n})"))
     return steps
+
+
+def _trains(analysis: dict, cands: List[Candidate]) -> bool:
+    """Whether the profiled script trains: its steady state is training steps, or a backward ran in it."""
+    return bool((analysis.get("steady_state") or {}).get("training_step")) or any(c.phase for c in cands)

@@ -58,7 +58,8 @@ def _summary(analysis: dict, apply: Optional[dict]) -> Panel:
     trace = str(src.get("kineto") or "?") + ("" if src.get("et") else "  (no execution trace)")
     g.add_row("Trace", trace)
     if ss:
-        g.add_row("Steady state", f"{fmt_int(ss.get('iterations'))} iterations, found by {ss.get('source', '?')}")
+        g.add_row("Steady state", f"{fmt_int(ss.get('iterations'))} iterations, found by {ss.get('source', '?')}"
+                  + (M.TRAINING_STEP if ss.get("training_step") else ""))
     kind = "GPU" if totals.get("time_kind") == "gpu" else "CPU"
     noun = M.work_noun(analysis)
     g.add_row("Per iteration", f"{fmt_int(totals.get('kernels'))} {noun} · {fmt_time(totals.get('time_us'))} {kind} time"
@@ -112,6 +113,8 @@ def _pattern_cell(c: Candidate) -> Text:
     if chain:
         t.append("\n" + chain, style="dim")
     t.append(f"\n{c.kind.value}", style="dim italic")
+    if c.phase:
+        t.append(f" · {c.phase}", style="magenta")
     if c.confidence == "low":
         t.append(" · low confidence", style="yellow")
     return t

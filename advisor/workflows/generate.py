@@ -33,7 +33,20 @@ MATMUL_REASON = "contains a matmul anchor: see issue 10"
 NO_PROGRAM = "the analysis recorded no program for this candidate"
 
 
+# Where in a training step a candidate runs decides whether a kernel is generated for it at all: patches
+# replace module forwards, so a backward chain is fused from its forward pattern's derived backward, and
+# an optimizer's update is PyTorch's fused optimizer's job.
+PHASE_REASONS = {
+    "backward": "runs in the backward pass: `optimize(model, inputs, train=True)` fuses backwards, derived from "
+                "the forward patterns' kernels",
+    "optimizer": "the optimizer's update: PyTorch's fused optimizer does it in one kernel "
+                 "(`torch.optim.AdamW(params, fused=True)`)",
+}
+
+
 def skip_reason(c: Candidate) -> str | None:
+    if c.phase in PHASE_REASONS:
+        return PHASE_REASONS[c.phase]
     classes = {op_class(o) for o in c.ops}
     if c.kind.anchored:
         return None if c.has_program else NO_PROGRAM
@@ -64,7 +77,7 @@ def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None
     """`generate_candidates` on records: the top `top` candidates' results (apply.json is not written).
     `on_result` is called with each result as it is final."""
     out_dir = Path(out_dir)
-    chosen = candidates[: top or None]
+    chosen = _top_forward(candidates, top)
     # A pattern's other shapes are jobs of their own (one kernel per shape), folded into its result below.
     shapes = [dataclasses.replace(c, id=f"{c.id}s{i}", program=p, variants=None)
               for c in chosen for i, p in enumerate(c.variants or [], 1)]
@@ -94,6 +107,18 @@ def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None
                 entry = dataclasses.replace(entry, launcher_note=f"alternatives not timed: {type(e).__name__}: {e}"[:300])
         results.append(_report(entry, on_result))
     return results
+
+
+def _top_forward(candidates: list[Candidate], top: int | None) -> list[Candidate]:
+    """The candidates down to the `top`-th of the forward's (a training step's backward and optimizer ones
+    ranked among them come along, to be recorded with why no kernel is generated for them)."""
+    chosen, forward = [], 0
+    for c in candidates:
+        if top and forward >= top:
+            break
+        chosen.append(c)
+        forward += c.phase is None
+    return chosen
 
 
 def _in_workers(chosen: list, out_dir: Path) -> list | None:
