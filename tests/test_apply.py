@@ -327,3 +327,33 @@ def test_the_plan_fingerprint_covers_settings_that_change_the_forward():
     assert plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}) == keys[0]
     model.transformer.ln_f.eps = 1e-3  # a module's own setting
     assert plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}) != keys[0]
+
+
+def test_apply_on_a_training_script_says_why_nothing_is_patched(tmp_path):
+    """A script that trains as it is (every call needs gradients): patched forwards run their original code
+    for such calls unless training is fused, so nothing launches; each pattern says that, and how to fuse
+    training, rather than 'its ops were not found in the captured graphs' (nothing was captured)."""
+    from advisor.workflows.user_script import apply_script
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n"
+                      "torch.manual_seed(0)\n"
+                      "class Block(torch.nn.Module):\n"
+                      "    def __init__(self):\n"
+                      "        super().__init__()\n"
+                      "        self.w, self.b = torch.nn.Parameter(torch.ones(256)), torch.nn.Parameter(torch.zeros(256))\n"
+                      "    def forward(self, x):\n"
+                      "        return torch.nn.functional.layer_norm(x + 1.0, (256,), self.w, self.b)\n"
+                      "model = torch.nn.Sequential(torch.nn.Linear(256, 256), Block())\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "x = torch.randn(64, 256)\n"
+                      "for _ in range(4):\n"
+                      "    model(x).square().mean().backward()\n"
+                      "    opt.step()\n"
+                      "    opt.zero_grad()\n")
+    doc = apply_script(script, [], tmp_path / "out", top=3)
+    tried = [p for p in doc["patterns"] if p.get("validated")]
+    assert tried, doc["patterns"]
+    assert not any(p["patched"] for p in doc["patterns"])
+    assert all("needed gradients" in p["status"] and "train=True" in p["status"] for p in tried), \
+        [p["status"] for p in tried]

@@ -566,14 +566,19 @@ def test_a_site_reading_outside_its_input_view_is_not_substituted_where_the_grap
     assert READS_OUTSIDE in rejected
 
 
-@pytest.mark.parametrize("read, inside", [
-    (((2, 4, 16, 4), -4), False),  # the rotated half before the pass-through input
-    (((2, 4, 16, 4), 0), True), (((2, 4, 16, 12), 4), True),  # both halves of the whole head
-    (((2, 4, 16, 13), 4), False),  # one column past the end
-])
-def test_view_inside(read, inside):
+@pytest.mark.parametrize("view, rel, whole, inside", [
+    (((2, 4, 16, 4), (3072, 48, 192, 1)), -4, ((2, 4, 16, 12), (3072, 48, 192, 1)), False),  # rotated half before
+    (((2, 4, 16, 4), (3072, 48, 192, 1)), 0, ((2, 4, 16, 16), (3072, 48, 192, 1)), True),  # the pass-through input,
+    (((2, 4, 16, 12), (3072, 48, 192, 1)), 4, ((2, 4, 16, 16), (3072, 48, 192, 1)), True),  # both halves of a head
+    (((2, 4, 16, 13), (3072, 48, 192, 1)), 4, ((2, 4, 16, 16), (3072, 48, 192, 1)), False),  # one column past the end
+    (((4, 32, 8), (512, 16, 2)), 1, ((4, 32, 16), (512, 16, 1)), True),  # x[..., 1::2]
+    (((4, 32, 9), (512, 16, 2)), 0, ((4, 32, 16), (512, 16, 1)), False),  # a step past the end
+    (((26, 13), (13, 1)), 0, ((2, 13, 13), (169, 13, 1)), True),  # a flattened read of a contiguous input
+    (((26, 13), (13, 1)), 13, ((2, 13, 13), (169, 13, 1)), False),  # ... one row too far
+    (((5, 24), (0, 1)), 0, ((24,), (1,)), True),  # a broadcast read
+], ids=["before", "first-half", "second-half", "past-end", "step-2", "step-past-end", "flattened", "flattened-past",
+        "broadcast"])
+def test_view_inside(view, rel, whole, inside):
     from advisor.patching.rewrite import view_inside
 
-    (shape, rel), strides = read, (3072, 48, 192, 1)
-    whole = (2, 4, 16, 16) if rel >= 0 else (2, 4, 16, 12)
-    assert view_inside(shape, strides, rel, whole, strides) == inside
+    assert view_inside(*view, rel, *whole) == inside

@@ -11,6 +11,7 @@ Per model, one test each (ids `test_<check>[<model>]`), in this order on one opt
   other_shapes        == the copy on inputs of another batch size / sequence length (vision: batch size)
   train_mode          == the copy in train mode (configs have every dropout at 0), outputs and buffers
   autograd            train mode under autograd: outputs, every parameter's gradient and the buffers
+  fused_training      the same, two steps, with training through the fused kernels switched on (train=True)
   hooks               forward hooks registered after optimize on the first Linear/Conv inside a layer (inside
                       a patched module where there is one) whose output matters: one scales its output by
                       ~1.5, one counts calls; == the copy with the same hooks, called as often (under
@@ -313,23 +314,45 @@ def test_train_mode(zoo):
         _assert_none(differences(name, got, want) + _buffers(name, zoo.model, zoo.ref))
 
 
+def _training_step_differences(name: str, model, ref, inputs: dict, rtol: float = RTOL) -> list[str]:
+    """Why one training call (forward, backward) through `model` differs from `ref`'s: outputs, buffers and
+    every parameter's gradient."""
+    got, want = run(model, inputs, grad=True), run(ref, inputs, grad=True)
+    loss_of(got).backward()
+    loss_of(want).backward()
+    bad = differences(name, got, want) + _buffers(name, model, ref)
+    ref_params = dict(ref.named_parameters())
+    for k, p in model.named_parameters():
+        q = ref_params[k]
+        if (p.grad is None) != (q.grad is None):
+            bad.append(f"{name}: gradient of `{k}` is {'missing' if p.grad is None else 'unexpected'}")
+        elif p.grad is not None and not torch.allclose(p.grad, q.grad, rtol=rtol, atol=ATOL):
+            bad.append(f"{name}: gradient of `{k}` differs (max abs diff {(p.grad - q.grad).abs().max().item():.3g})")
+    return bad
+
+
 def test_autograd(zoo):
     zoo.ready()
-    name = f"{zoo.arch.name} (train mode, autograd)"
     with _TrainMode(zoo.model, zoo.ref):
-        got, want = run(zoo.model, zoo.inputs, grad=True), run(zoo.ref, zoo.inputs, grad=True)
-        loss_of(got).backward()
-        loss_of(want).backward()
-        bad = differences(name, got, want) + _buffers(name, zoo.model, zoo.ref)
-        ref_params = dict(zoo.ref.named_parameters())
-        for k, p in zoo.model.named_parameters():
-            q = ref_params[k]
-            if (p.grad is None) != (q.grad is None):
-                bad.append(f"{name}: gradient of `{k}` is {'missing' if p.grad is None else 'unexpected'}")
-            elif p.grad is not None and not torch.allclose(p.grad, q.grad, rtol=RTOL, atol=ATOL):
-                bad.append(f"{name}: gradient of `{k}` differs (max abs diff "
-                           f"{(p.grad - q.grad).abs().max().item():.3g})")
-        _assert_none(bad)
+        _assert_none(_training_step_differences(f"{zoo.arch.name} (train mode, autograd)", zoo.model, zoo.ref,
+                                                zoo.inputs))
+
+
+def test_fused_training(zoo):
+    """Training through the fused kernels (`optimize(..., train=True)`, here switched on on the same patched
+    model): generated backwards where they validate, the original ops elsewhere; two steps (the first
+    traces the training graphs, the second runs them), each with eager's outputs, buffers and gradients
+    (rtol 1e-3: the generated kernels round differently from PyTorch's own)."""
+    zoo.ready()
+    handle = zoo.report.handle
+    handle.train_fused(True)
+    try:
+        for step in range(2):
+            with _TrainMode(zoo.model, zoo.ref):
+                _assert_none(_training_step_differences(f"{zoo.arch.name} (fused training, step {step})",
+                                                        zoo.model, zoo.ref, zoo.inputs, rtol=1e-3))
+    finally:
+        handle.train_fused(False)
 
 
 def test_hooks(zoo):

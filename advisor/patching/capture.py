@@ -467,6 +467,8 @@ def _wrapped_by_dynamo(fn: Callable) -> bool:
 
 # ------------------------------------------------------------------------------------ the forward
 EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
+TRAINING_CALL = ("a call needing gradients: the original forward runs it, as by default (optimize(..., train=True) "
+                 "trains through the fused kernels)")
 NO_BACKWARD = ("no fused backward validated (or faster than the original ops) here: calls needing gradients run the "
                "original forward")
 
@@ -593,6 +595,8 @@ class PatchedForward:
         grad = _needs_autograd(m, args, kwargs)
         # An outer capture never trains: under autograd its layers' captures (with their backwards) do.
         if rewrite.patches_are_off() or not self.on() or (grad and (self.outer or not self.trains)):
+            if grad and not self.train_fused and not self.outer and self.on() and not rewrite.patches_are_off():
+                self.fallbacks[TRAINING_CALL] = self.fallbacks.get(TRAINING_CALL, 0) + 1
             return self.original()(*args, **kwargs)
         if grad:
             if getattr(self._backend, "trains_nothing", False):  # a module sharing this capture found no site fused

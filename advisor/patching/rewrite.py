@@ -248,28 +248,35 @@ def reads_outside_inputs(match: Match, specs: list[dict]) -> bool:
 
 def view_inside(shape, strides, rel: int, in_shape, in_strides) -> bool:
     """Whether a view (shape, strides) starting `rel` elements after an input view's first element reads only
-    elements of that input view. Sufficient, not necessary: each dimension the view walks must be one the
-    input walks with the same stride, and `rel` must split into per-dimension start indices (largest
-    stride first) that keep the view inside each dimension."""
+    elements of that input view. Sufficient, not necessary. The input's dimensions are coalesced where they
+    nest (a flattened read of a contiguous block walks one line); `rel` splits into start indices, largest
+    stride first; each dimension the view walks must step along one input dimension by a whole multiple of
+    its stride (slices, strided slices, flattenings), and the furthest index it reaches along each input
+    dimension must stay inside it: then no read carries into another dimension, or past the view."""
     if rel < 0:
         return False
-    dims = sorted((st, n) for n, st in zip(in_shape, in_strides) if n > 1)[::-1]  # the input's, largest stride first
-    start = {}
-    for st, n in dims:
-        if st <= 0 or st in start:
+    dims: list = []  # the input's (stride, size), largest stride first, nested dimensions merged
+    for st, n in sorted(((st, n) for n, st in zip(in_shape, in_strides) if n > 1), reverse=True):
+        if st <= 0 or (dims and dims[-1][0] == st):
             return False  # broadcast or overlapping input: not decomposed
-        start[st], rel = divmod(rel, st)
+        if dims and dims[-1][0] == st * n:
+            dims[-1] = (st, dims[-1][1] * n)
+        else:
+            dims.append((st, n))
+    reach = []  # per input dimension: [start index, furthest index read]
+    for st, _ in dims:
+        start, rel = divmod(rel, st)
+        reach.append([start, start])
     if rel:
         return False
-    extent = dict.fromkeys(start, 1)
     for n, st in zip(shape, strides):
         if n == 1 or st == 0:
-            continue  # a dimension that does not move (or a broadcast over one that does: the same elements)
-        if st not in extent or extent[st] != 1:
+            continue  # a dimension that does not move (or a broadcast: the same elements again)
+        d = next((k for k, (ist, _) in enumerate(dims) if ist <= st), None)
+        if st < 0 or d is None or st % dims[d][0]:
             return False
-        extent[st] = n
-    size = {st: n for st, n in dims}
-    return all(start[st] + extent[st] <= size[st] for st in start)
+        reach[d][1] += (n - 1) * (st // dims[d][0])
+    return all(last < size for (_, size), (_, last) in zip(dims, reach))
 
 
 def _resolve(spec, xs, env):

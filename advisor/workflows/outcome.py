@@ -62,6 +62,10 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
                  "on a GPU; `apply` does not try it yet)")
         elif not sites and handle is not None and not getattr(handle, "reached", True):
             code, why = Status.NOT_CALLED, "not patched: no module of the plan was called"
+        elif not substituted and handle is not None and _only_trained(handle):
+            code, why = Status.NOT_CALLED, ("not patched: every call of the patched modules needed gradients, and those "
+                                            "run the original forward unless training is fused "
+                                            "(`advisor.optimize(model, inputs, train=True)`)")
         elif not substituted:
             rejected = sorted(set(handle.rejected(s.key))) if handle else []
             code, why = Status.NOT_MATCHED, "not patched: its ops were not found in the captured graphs" \
@@ -81,6 +85,14 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
             out[i] = r.with_verdict(Status.OVERLAP,
                                     f"not patched: {base.candidate} ({(base.title or '').split(':')[0]}) took its ops first")
     return out
+
+
+def _only_trained(handle) -> bool:
+    """Whether the patched modules were only ever called needing gradients (a training script as it is)."""
+    from advisor.patching.capture import TRAINING_CALL  # dynamo, when a patched handle exists anyway
+
+    whys = [w for per_module in handle.fallbacks().values() for w in per_module]
+    return TRAINING_CALL in whys and not any(log.graphs for log in handle._logs())
 
 
 def interpreter_only(records: list[PatternResult], specs: list) -> list[PatternResult]:

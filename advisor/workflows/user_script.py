@@ -82,6 +82,9 @@ class Handles:
     def launches(self) -> dict:
         return {k: n for h in self.session.handles for k, n in h.launches().items()}
 
+    def fallbacks(self) -> dict:
+        return {k: v for h in self.session.handles for k, v in h.fallbacks().items()}
+
     def manifest(self):
         out, seen = [], set()
         for h in self.session.handles:
