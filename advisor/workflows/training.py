@@ -34,7 +34,9 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
     if not timing.timing_meaningful(device):
         return {"decision": "fused training kept as asked (timing not meaningful here: not compared)",
                 "kept": True}
-    with _left_as_found(model, _grad_leaves((args, kwargs)), device):
+    on = next((t.device for t in [*model.parameters(), *model.buffers()] if t.is_cuda), None)
+    with torch.cuda.device(on) if on is not None else contextlib.nullcontext(), \
+            _left_as_found(model, _grad_leaves((args, kwargs)), device):  # (the memory stats are the model's GPU's)
         try:
             handle.train_fused(False)  # the probe call runs the original forwards
             step = training_call(model, args, kwargs)
