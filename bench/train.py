@@ -390,7 +390,8 @@ def markdown(doc: dict) -> str:
                     "launches | saved MB | eager saved MB (est.) | reason |", "|---|---|---|---|---|---|---|---|"]
             for b in adv["backwards"]:
                 mb = lambda v: f"{v / 2**20:.1f}" if v else "—"  # noqa: E731
-                ms = f"{b['fused_ms']:.3f} / {b['eager_ms']:.3f}" if b.get("fused_ms") is not None else "—"
+                ms = f"{b['fused_ms']:.3f} / {b['eager_ms']:.3f} ({b.get('timed_by') or 'calls'})" \
+                    if b.get("fused_ms") is not None else "—"
                 out.append(f"| {b.get('pattern') or b['program']} | {b['validated']} | {ms} | {b.get('used')} | "
                            f"{b['launches']} | "
                            f"{mb(b['saved_bytes'])} | "

@@ -582,3 +582,36 @@ def test_view_inside(view, rel, whole, inside):
     from advisor.patching.rewrite import view_inside
 
     assert view_inside(*view, rel, *whole) == inside
+
+
+@pytest.mark.parametrize("recordable", [True, False], ids=["replayed", "not-recordable"])
+def test_a_site_inside_a_replayed_layer_is_timed_by_its_gpu_work(monkeypatch, recordable):
+    """Inside a layer whose training graphs are replayed from CUDA graphs the host's time does not count: each
+    variant (fused, original) is recorded REPLAYED_CALLS times in one graph and its replays timed, per call.
+    A variant that cannot be recorded is timed as its calls run. (The clock and the recording are stood in
+    for: the Function, the original ops and their backward run for real.)"""
+    from advisor.patching import rewrite
+
+    ran = []
+
+    def replayed(fn):
+        if not recordable:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        fn()
+        ran.append("recorded")
+        return lambda: ran.append("replay")
+
+    monkeypatch.setattr(ag, "_replayed", replayed)
+    monkeypatch.setattr(ag, "time_call", lambda fn, device, **kw: (fn(), type("T", (), {"median_ms": 8.0}))[1])
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g), torch.randn(32, generator=g)]
+    prog = record_program(add_rms, *xs)
+    run = ag.module_forward(load_module(generate(prog).path).run, prog)
+    bw = ag.build(prog, ag.Trainable(prog, run).key([x.clone().requires_grad_() for x in xs]), xs[0].device, run)
+    assert bw.validated, bw.reason
+    with rewrite.recording_replayed_graph():
+        fused_ms, eager_ms = ag.time_both(run, add_rms, bw, xs, (True, True, True))
+    per = ag.REPLAYED_CALLS if recordable else 1
+    assert fused_ms == eager_ms == 8.0 / per
+    assert bw.timed_by == ("CUDA-graph replays" if recordable else "calls (not recordable: RuntimeError)")
+    assert ("replay" in ran) == recordable and not rewrite.in_replayed_graph()

@@ -14,6 +14,7 @@ result is bit for bit what the unpatched graph computes.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import threading
@@ -71,6 +72,22 @@ def fused_runs() -> int:
 def count_fused_runs(n: int) -> None:
     """`n` more fused runs (sites replayed inside a recorded training graph, `train_graphs`)."""
     _RUNTIME.fused = fused_runs() + n
+
+
+@contextlib.contextmanager
+def recording_replayed_graph():
+    """Inside: the ops run are being made ready to be replayed from a CUDA graph (a layer's training graph,
+    `train_graphs`), so what a site costs there is GPU time alone, not the host's (`autograd.time_both`)."""
+    old = getattr(_RUNTIME, "replayed", False)
+    _RUNTIME.replayed = True
+    try:
+        yield
+    finally:
+        _RUNTIME.replayed = old
+
+
+def in_replayed_graph() -> bool:
+    return getattr(_RUNTIME, "replayed", False)
 
 
 def patches_are_off() -> bool:

@@ -249,7 +249,7 @@ class CudaTrainRecorder:
         pool = CudaRecorder.pool(device, "training")
         stream = CudaRecorder.side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), rewrite.recording_replayed_graph():  # (sites time GPU work alone)
             for _ in range(WARMUP):
                 outs = list(fn(*args))
                 if not _differentiable(outs):
