@@ -483,6 +483,7 @@ def test_fused_training_is_kept_only_where_a_whole_call_measures_faster_and_no_h
         assert "heavier in memory" in out["decision"]
     assert not any(m.training for m in model.modules())  # left as found: eval mode, the user's gradients
     assert all(p.grad is grads[n] for n, p in model.named_parameters())
+    assert not report.handle.fallbacks(), report.handle.fallbacks()  # its own unfused calls are not the user's
     for p in model.parameters():
         p.grad = None
     before = rewrite.fused_runs()

@@ -21,6 +21,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from advisor.bench import timing  # read at call time: tests replace its clocks
+from advisor.patching.capture import TRAINING_CALL
 from advisor.patching.train_graphs import drop_training_recordings
 from advisor.workflows.selection import ROUNDS, Option, margin_ms, shown_faster
 
@@ -34,6 +35,7 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
     if not timing.timing_meaningful(device):
         return {"decision": "fused training kept as asked (timing not meaningful here: not compared)",
                 "kept": True}
+    counted = {f: f.fallbacks.get(TRAINING_CALL, 0) for f in getattr(handle, "forwards", {}).values()}
     on = next((t.device for t in [*model.parameters(), *model.buffers()] if t.is_cuda), None)
     with torch.cuda.device(on) if on is not None else contextlib.nullcontext(), \
             _left_as_found(model, _grad_leaves((args, kwargs)), device):  # (the memory stats are the model's GPU's)
@@ -49,6 +51,10 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
     handle.train_fused(out["kept"])
     if not out["kept"]:
         drop_training_recordings()
+    for f, n in counted.items():  # the comparison's own calls through the original forwards are not the user's
+        f.fallbacks[TRAINING_CALL] = n
+        if not n:
+            del f.fallbacks[TRAINING_CALL]
     return out
 
 
