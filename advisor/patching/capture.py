@@ -71,11 +71,11 @@ from advisor.patching.plan import PatternSpec
 from advisor.patching.program import program_graph, run_program
 from advisor.patching.train_graphs import TrainGraphed, mutates, release_unused_pool
 
+READS_OUTSIDE = ("in a graph that trains, not substituted: the ops read an input outside the view the site "
+                 "would be handed, whose gradient autograd could not route")
 # (plan digest, graph code, input layouts) -> compiled graph, held only while some capture still uses it
 # (dynamo's cache, through the globals it installs): a deleted model's graphs, and the CUDA-graph
 # recordings inside them, go with it
-READS_OUTSIDE = ("in a graph that trains, not substituted: the ops read an input outside the view the site "
-                 "would be handed, whose gradient autograd could not route")
 _SHARED: "weakref.WeakValueDictionary[tuple, Callable]" = weakref.WeakValueDictionary()
 _PATTERNS: dict[tuple, Pattern] = {}
 _LAUNCHERS: dict[tuple, Callable] = {}
