@@ -415,7 +415,8 @@ def compile_fresh(fn: Callable, backend: Backend, holder: object) -> Callable:
     keep a dead model's captured graphs, and their CUDA-graph recordings' memory, for the process's life."""
     fresh = _fresh(fn)
     compiled = torch.compile(fresh, backend=backend, dynamic=False)
-    weakref.finalize(holder, _release_compiled, getattr(fresh, "__code__", None), backend)
+    release = weakref.finalize(holder, _release_compiled, getattr(fresh, "__code__", None), backend)
+    release.atexit = False  # the process is ending: nothing to hand back, and dynamo may be half torn down
     return compiled
 
 
