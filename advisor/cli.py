@@ -197,6 +197,9 @@ def apply(
     granularity: Granularity = typer.Option(Granularity.layer, "--granularity", help="Modules captured: layer (one per "
                                             "repeated layer) | pattern (the one containing all of a pattern's "
                                             "occurrences) | occurrence (each) | root (the model)."),
+    train: bool = typer.Option(False, "--train", help="The script trains: calls that need gradients run the fused "
+                               "kernels with their generated, validated backwards, and the script's own runs (or "
+                               "--region) are timed, each a whole training step (GPU)."),
 ):
     """Profile, analyse, generate, validate, patch and benchmark SCRIPT; writes OUT/apply.json.
 
@@ -207,7 +210,7 @@ def apply(
     from advisor.workflows.user_script import apply_script
 
     apply_script(script, list(ctx.args), out, top=top, device=device.value, region=region,
-                 replacement=replacement.value, iters=iters, granularity=granularity.value)
+                 replacement=replacement.value, iters=iters, granularity=granularity.value, train=train)
     drop_stale_kernels(out)
     _report_written(render_reports(out, top=top, terminal=False))
 

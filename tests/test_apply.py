@@ -357,3 +357,35 @@ def test_apply_on_a_training_script_says_why_nothing_is_patched(tmp_path):
     assert not any(p["patched"] for p in doc["patterns"])
     assert all("needed gradients" in p["status"] and "train=True" in p["status"] for p in tried), \
         [p["status"] for p in tried]
+
+
+def test_apply_train_fuses_the_training_script_it_runs(tmp_path):
+    """`apply --train`: the script's calls that need gradients run the fused kernels with their generated
+    backwards; the first calls are compared with the unpatched model's as for inference, the patterns
+    count their sites, and apply.json says it trained (on the CPU the kernels are checked, not timed)."""
+    from advisor.patching import autograd as ag
+    from advisor.workflows.user_script import apply_script
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n"
+                      "torch.manual_seed(0)\n"
+                      "class Block(torch.nn.Module):\n"
+                      "    def __init__(self):\n"
+                      "        super().__init__()\n"
+                      "        self.w, self.b = torch.nn.Parameter(torch.ones(256)), torch.nn.Parameter(torch.zeros(256))\n"
+                      "    def forward(self, x):\n"
+                      "        return torch.nn.functional.layer_norm(x + 1.0, (256,), self.w, self.b)\n"
+                      "model = torch.nn.Sequential(torch.nn.Linear(256, 256), Block())\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "x = torch.randn(64, 256)\n"
+                      "for _ in range(4):\n"
+                      "    model(x).square().mean().backward()\n"
+                      "    opt.step()\n"
+                      "    opt.zero_grad()\n")
+    ag._BACKWARDS.clear()
+    doc = apply_script(script, [], tmp_path / "out", top=3, train=True)
+    assert doc["train"] is True
+    patched = [p for p in doc["patterns"] if p["patched"]]
+    assert patched and all(p["sites"] > 0 for p in patched), [(p["title"], p["status"]) for p in doc["patterns"]]
+    assert doc["checks"] and all(c["ok"] for c in doc["checks"]), doc["checks"]
+    assert any(b["validated"] and b["launches"] for b in ag.summary()), ag.summary()  # backwards ran fused

@@ -13,8 +13,10 @@ Every node gets a *domain*: the iteration space its kernel walks. Pointwise ops 
 5. Do not fuse through a tensor shared by sibling modules (rotary cos/sin, attention masks read by
    every layer): it must be written anyway, and fusing it into one layer's chain would make that
    layer's pattern differ from all the others.
-6. Never fuse across the parts of a training step (forward, backward, optimizer: `Node.phase`): a
-   forward op and the backward op that reads its output run a whole pass apart.
+6. Never fuse across the parts of a training step (forward, backward, optimizer: `Node.phase`), nor an op
+   inside the model's modules with one outside every module (a loss, the script's own arithmetic): a
+   forward op and the backward op that reads its output run a whole pass apart, and a patch replaces a
+   module's forward, which holds no op outside it.
 
 Matmuls and convolutions are anchors; more rules build on them:
 7. Epilogue: a pure pointwise group (or op) that alone reads an anchor's output, elementwise.
@@ -109,7 +111,7 @@ def find_groups(graph: Graph) -> list[Group]:
         cands = []
         for p in producers[n.idx]:
             g = group_of.get(p)
-            if g is None or g in cands or nodes[p].iteration != n.iteration or nodes[p].phase != n.phase:
+            if g is None or g in cands or nodes[p].iteration != n.iteration or _apart(nodes[p], n):
                 continue
             if any(values[u.value].producer == p and shared[u.value] for u in n.reads):
                 continue
@@ -127,7 +129,7 @@ def find_groups(graph: Graph) -> list[Group]:
         g.members.sort()
     groups = (fused + _epilogues(graph, domains, group_of) + _attention(graph, fused, group_of)
               + _matmul_reductions(graph, domains, group_of) + _padded_matmuls(graph))
-    return [g for g in groups if len({nodes[m].phase for m in g.members}) == 1]  # rule 6, anchors included
+    return [g for g in groups if not any(_apart(nodes[g.members[0]], nodes[m]) for m in g.members)]  # rule 6
 
 
 class _SharedValues:
@@ -297,6 +299,12 @@ def _sibling_subtrees(paths) -> bool:
     while all(len(s) > common for s in split) and len({s[common] for s in split}) == 1:
         common += 1
     return all(len(s) > common for s in split)
+
+
+def _apart(a: Node, b: Node) -> bool:
+    """Rule 6: two ops no group may hold together (other parts of a training step, or one inside the modules
+    and one outside them all)."""
+    return a.phase != b.phase or (a.module == "") != (b.module == "")
 
 
 def _producers(graph: Graph, n: Node) -> list[int]:

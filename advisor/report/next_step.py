@@ -51,7 +51,8 @@ def _script_command(analysis: dict, out: Optional[Path]) -> Optional[str]:
     script = meta.get("script")
     if not script or meta.get("in_process"):
         return None
-    cmd = ["fusion-advisor", "apply", script, "--out", str(out or "advisor_out")]
+    cmd = ["fusion-advisor", "apply", script, "--out", str(out or "advisor_out")] + \
+        (["--train"] if _trains(analysis, M.candidates(analysis)) else [])
     if meta.get("args"):
         cmd += ["--", *map(str, meta["args"])]
     return shlex.join(cmd)

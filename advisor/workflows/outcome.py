@@ -65,7 +65,8 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
         elif not substituted and handle is not None and _only_trained(handle):
             code, why = Status.NOT_CALLED, ("not patched: every call of the patched modules needed gradients, and those "
                                             "run the original forward unless training is fused "
-                                            "(`advisor.optimize(model, inputs, train=True)`)")
+                                            "(`fusion-advisor apply --train`, `advisor.optimize(model, inputs, "
+                                            "train=True)`)")
         elif not substituted:
             rejected = sorted(set(handle.rejected(s.key))) if handle else []
             code, why = Status.NOT_MATCHED, "not patched: its ops were not found in the captured graphs" \

@@ -50,6 +50,7 @@ class Recorded:
 class Session:
     plan: Plan
     compare_calls: int = 2
+    train: bool = False  # calls needing gradients run the fused kernels with their backwards (`apply --train`)
     handles: list = field(default_factory=list)  # [Patched], one per patched root instance
     checks: list = field(default_factory=list)  # one dict per compared call
     dropped: dict = field(default_factory=dict)  # pattern key -> why it was unpatched
@@ -85,6 +86,7 @@ class Session:
         except AdvisorError as e:
             self.errors.append(f"{type(m).__name__}: {e}")
             return None
+        h.train_fused(self.train)
         self.handles.append(h)
         return h
 

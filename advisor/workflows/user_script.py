@@ -97,7 +97,8 @@ class Handles:
 
 
 def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str = "auto", region: str | None = None,
-                 replacement: str = "kernel", iters: int = 20, granularity: str = "layer", console=None) -> dict:
+                 replacement: str = "kernel", iters: int = 20, granularity: str = "layer", console=None,
+                 train: bool = False) -> dict:
     console = console or Console(highlight=False, soft_wrap=True)
     out = Path(out)
     use_interpreter_without_gpu()
@@ -109,7 +110,7 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
     with console.status(f"generating and validating kernels for the top {top} candidates …"):
         specs, records = kernel_specs(analysis.doc, top, replacement, out, dev)
     plan = build_plan(specs, analysis.doc, occurrence_modules(analysis), granularity)
-    session = Session(plan)
+    session = Session(plan, train=train)
     args = list(args)
     if args and args[0] == "--":
         args = args[1:]
@@ -121,9 +122,11 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
         records = pattern_status(records, specs, handles, session.dropped, analysis.doc)
         steady = meta.get("steady_state") or {}
         with console.status("timing the steady state before and after …"):
-            e2e, records = _benchmark(script, args, dev, steady, session, handles, records, iters)
-            selection, records = select(records, e2e, session.recorded.get(root_class(steady.get("name") or "")),
-                                        dev, iters, session.plan, handles)
+            # Training: what counts is the whole step (forward, backward, optimizer), so the script's own
+            # runs (or its region) are timed, never a replay of the forward call alone.
+            e2e, records = _benchmark(script, args, dev, steady, session, handles, records, iters, train)
+            recorded = None if train else session.recorded.get(root_class(steady.get("name") or ""))
+            selection, records = select(records, e2e, recorded, dev, iters, session.plan, handles)
         if selection.get("outer"):  # the whole stack kept: statuses as it runs the patterns
             records = pattern_status(records, specs, handles, session.dropped, analysis.doc, selection["outer_sites"],
                                      selected=True)
@@ -139,7 +142,7 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
                "manifest": handles.manifest() if chosen else [], "enabled": selection.get("enabled"),
                "selection": selection, "outer": bool(selection.get("outer")),
                "checks": session.checks, "errors": session.errors, "end_to_end": e2e,
-               "skipped_targets": plan.skipped}
+               "skipped_targets": plan.skipped, "train": train}
         if not session.handles:
             doc["errors"] = doc["errors"] + [f"no instance of {', '.join(sorted(session.roots)) or 'a planned module'} "
                                              "was called while the script ran: nothing was patched"]
@@ -150,20 +153,21 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
     return doc
 
 
-def _benchmark(script, args, dev, steady, session, handles, records: list[PatternResult], iters) -> tuple:
+def _benchmark(script, args, dev, steady, session, handles, records: list[PatternResult], iters,
+               train: bool = False) -> tuple:
     """(the steady state timed before and after, the results: each pattern timed alone where the steady
-    state is a recorded module call)."""
+    state is a recorded module call, and the script does not train through the fused kernels)."""
     base = {"steady_state": {"source": steady.get("source"), "name": steady.get("name")}}
     if not timing_meaningful(dev):
         return {**base, "timing_meaningful": False, "device": dev,
                 "reason": "kernels run in Triton's interpreter on the CPU; no speedup is claimed"}, records
-    if steady.get("source") == "module":
+    if steady.get("source") == "module" and not train:
         rec = session.recorded.get(root_class(steady.get("name") or ""))
         if rec is not None:
             timed, records = time_patterns(rec.replay, handles, dev, iters, records)
             return {**base, **timed}, records
     before = _script_timing(script, args, dev, steady, None, iters)
-    after = _script_timing(script, args, dev, steady, session.plan, iters)
+    after = _script_timing(script, args, dev, steady, session.plan, iters, train)
     return {**base, "timing_meaningful": True, "device": dev, "method": before["method"], "iters": before["iters"],
             "before_ms": before["median_ms"], "after_ms": after["median_ms"],
             "speedup": round(before["median_ms"] / after["median_ms"], 4) if after["median_ms"] else None,
@@ -199,13 +203,14 @@ def select(records: list[PatternResult], e2e: dict, recorded, dev: str, iters: i
     return {"decision": decision, "kept": kept, "before_ms": before, "after_ms": e2e["after_ms"]}, records
 
 
-def _script_timing(script, args, dev, steady, plan, iters: int, max_runs: int = 10) -> dict:
-    """Re-run the script (patched when `plan` is given), timing region occurrences or whole runs."""
+def _script_timing(script, args, dev, steady, plan, iters: int, train: bool = False, max_runs: int = 10) -> dict:
+    """Re-run the script (patched when `plan` is given, training through the fused kernels with `train`),
+    timing region occurrences or whole runs."""
     name = steady.get("name") if steady.get("source") == "region" else None
     samples: list[float] = []
     for _ in range(max_runs if name else 3):
         timer = _RegionTimer(name, dev) if name else None
-        session = Session(plan, compare_calls=0) if plan is not None else None
+        session = Session(plan, compare_calls=0, train=train) if plan is not None else None
         t0 = time.perf_counter()
         with (intercept_roots(session) if session else contextlib.nullcontext()), \
                 (observe_regions(timer.time_region) if timer else contextlib.nullcontext()):
