@@ -329,6 +329,25 @@ def test_the_plan_fingerprint_covers_settings_that_change_the_forward():
     assert plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}) != keys[0]
 
 
+TRAINING_SCRIPT = """
+import torch
+torch.manual_seed(0)
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = torch.nn.Parameter(torch.ones(256)), torch.nn.Parameter(torch.zeros(256))
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x + 1.0, (256,), self.w, self.b)
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), Block())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(64, 256)
+for _ in range(4):
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
 def test_apply_on_a_training_script_says_why_nothing_is_patched(tmp_path):
     """A script that trains as it is (every call needs gradients): patched forwards run their original code
     for such calls unless training is fused, so nothing launches; each pattern says that, and how to fuse
@@ -336,21 +355,7 @@ def test_apply_on_a_training_script_says_why_nothing_is_patched(tmp_path):
     from advisor.workflows.user_script import apply_script
 
     script = tmp_path / "train.py"
-    script.write_text("import torch\n"
-                      "torch.manual_seed(0)\n"
-                      "class Block(torch.nn.Module):\n"
-                      "    def __init__(self):\n"
-                      "        super().__init__()\n"
-                      "        self.w, self.b = torch.nn.Parameter(torch.ones(256)), torch.nn.Parameter(torch.zeros(256))\n"
-                      "    def forward(self, x):\n"
-                      "        return torch.nn.functional.layer_norm(x + 1.0, (256,), self.w, self.b)\n"
-                      "model = torch.nn.Sequential(torch.nn.Linear(256, 256), Block())\n"
-                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-                      "x = torch.randn(64, 256)\n"
-                      "for _ in range(4):\n"
-                      "    model(x).square().mean().backward()\n"
-                      "    opt.step()\n"
-                      "    opt.zero_grad()\n")
+    script.write_text(TRAINING_SCRIPT)
     doc = apply_script(script, [], tmp_path / "out", top=3)
     tried = [p for p in doc["patterns"] if p.get("validated")]
     assert tried, doc["patterns"]
@@ -367,21 +372,7 @@ def test_apply_train_fuses_the_training_script_it_runs(tmp_path):
     from advisor.workflows.user_script import apply_script
 
     script = tmp_path / "train.py"
-    script.write_text("import torch\n"
-                      "torch.manual_seed(0)\n"
-                      "class Block(torch.nn.Module):\n"
-                      "    def __init__(self):\n"
-                      "        super().__init__()\n"
-                      "        self.w, self.b = torch.nn.Parameter(torch.ones(256)), torch.nn.Parameter(torch.zeros(256))\n"
-                      "    def forward(self, x):\n"
-                      "        return torch.nn.functional.layer_norm(x + 1.0, (256,), self.w, self.b)\n"
-                      "model = torch.nn.Sequential(torch.nn.Linear(256, 256), Block())\n"
-                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-                      "x = torch.randn(64, 256)\n"
-                      "for _ in range(4):\n"
-                      "    model(x).square().mean().backward()\n"
-                      "    opt.step()\n"
-                      "    opt.zero_grad()\n")
+    script.write_text(TRAINING_SCRIPT)
     ag._BACKWARDS.clear()
     doc = apply_script(script, [], tmp_path / "out", top=3, train=True)
     assert doc["train"] is True

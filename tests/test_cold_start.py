@@ -241,7 +241,7 @@ def test_a_failed_substitution_is_rolled_back(tmp_path, monkeypatch):
 
     from advisor.analysis.api import analyze
     from advisor.collect.in_process import profile_calls
-    from advisor.patching import capture, patch, rewrite
+    from advisor.patching import capture, forward, patch, rewrite
 
     model, kw = tiny("bert", layers=1)
     x = inputs("bert", seq=12)  # shapes no other test captured: a fresh rewrite
@@ -260,7 +260,7 @@ def test_a_failed_substitution_is_rolled_back(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rewrite, "substitute", half_done)
     monkeypatch.setattr(capture, "_SHARED", {})
-    monkeypatch.setattr(capture, "_CLASS", {})
+    monkeypatch.setattr(forward, "_CLASS", {})
     h = patch(model, plan)
     assert torch.equal(run(model, kw, x), ref)
     assert any("substitution failed half-way" in e for e in h.errors())
@@ -276,7 +276,7 @@ def _patched_llama(tmp_path, monkeypatch, seq: int):
 
     from advisor.analysis.api import analyze
     from advisor.collect.in_process import profile_calls
-    from advisor.patching import capture, patch
+    from advisor.patching import capture, forward, patch
 
     model, _ = tiny("llama", layers=2)
     x = inputs("llama", seq=seq)  # shapes no other test captured
@@ -284,7 +284,7 @@ def _patched_llama(tmp_path, monkeypatch, seq: int):
     a = analyze(profile_calls(lambda: run(model, {}, x), tmp_path, "cpu", calls=1))
     plan, _ = plan_for(a, [ROTARY, SWIGLU], "program")
     monkeypatch.setattr(capture, "_SHARED", {})
-    monkeypatch.setattr(capture, "_CLASS", {})
+    monkeypatch.setattr(forward, "_CLASS", {})
     return model, x, ref, patch(model, plan)
 
 
@@ -317,7 +317,7 @@ def test_inference_mode_and_no_grad_share_one_capture(tmp_path, monkeypatch, fir
 def test_inference_tensor_inputs_are_written_in_place():
     """The normal tensor a patched forward hands its capture for an inference tensor is the same memory:
     what the capture writes into it (an in-place op on an input) is in the caller's tensor, as in eager."""
-    from advisor.patching.capture import _as_normal_tensor
+    from advisor.patching.forward import _as_normal_tensor
 
     with torch.inference_mode():
         x = torch.arange(12.0).reshape(3, 4)[:, 1:]

@@ -215,7 +215,7 @@ def test_captures_of_torch_module_forwards_never_share_one_cache():
     # dynamo compiles a function of torch's own files (nn.Linear.forward: a patched LM head) from a wrapper
     # frame and wrapped them all in one shared `inner`: its 8-entry cache filled and the ninth capture in a
     # process ran uncaptured (a padded head trained op by op after the test suite's earlier models)
-    from advisor.patching.capture import _fresh
+    from advisor.patching.forward import _fresh
 
     graphs = []
 

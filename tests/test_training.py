@@ -414,7 +414,7 @@ def test_a_pattern_without_a_backward_trains_at_eager_cost(tmp_path):
     Once the input needs one too, its strided slices' backward has no kernel: that call and every later one run the
     original forward, said once in `fallbacks()`, with eager's gradients."""
     import advisor
-    from advisor.patching.capture import NO_BACKWARD
+    from advisor.patching.forward import NO_BACKWARD
 
     model = Rotate()
     twin = copy.deepcopy(model)

@@ -22,7 +22,7 @@ import torch
 
 from advisor.errors import AdvisorError
 from advisor.patching import rewrite
-from advisor.patching.capture import PatchedForward
+from advisor.patching.forward import PatchedForward
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.modules import called_ancestor, contains, outermost, qualified, resolve
 from advisor.patching.plan import Plan, PatternSpec, Target, build_plan, load_plan, manifest_entry, \

@@ -31,7 +31,7 @@ from advisor.patching.match import Match, Pattern, compute_users, input_offset, 
 from advisor.patching.program import is_scalar_slot
 
 # Which patterns run their launcher: None = all; a set of pattern keys = only those (the rest fall
-# back). `off` bypasses patched forwards entirely (see capture.PatchedForward).
+# back). `off` bypasses patched forwards entirely (see forward.PatchedForward).
 _RUNTIME = threading.local()
 
 

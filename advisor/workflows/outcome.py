@@ -90,7 +90,7 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
 
 def _only_trained(handle) -> bool:
     """Whether the patched modules were only ever called needing gradients (a training script as it is)."""
-    from advisor.patching.capture import TRAINING_CALL  # dynamo, when a patched handle exists anyway
+    from advisor.patching.forward import TRAINING_CALL  # dynamo, when a patched handle exists anyway
 
     whys = [w for per_module in handle.fallbacks().values() for w in per_module]
     return TRAINING_CALL in whys and not any(log.graphs for log in handle._logs())

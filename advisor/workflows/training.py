@@ -21,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from advisor.bench import timing  # read at call time: tests replace its clocks
-from advisor.patching.capture import TRAINING_CALL
+from advisor.patching.forward import TRAINING_CALL
 from advisor.patching.train_graphs import drop_training_recordings
 from advisor.workflows.selection import ROUNDS, Option, margin_ms, shown_faster
 

@@ -1,0 +1,477 @@
+"""The patched `forward`: `PatchedForward`, what it compiles and when it runs the original code instead.
+
+A patched forward whose patterns cannot have a backward (stand-ins, matmul anchors other than the SPLADE
+head's, `splade.py`) runs the original code whenever autograd needs it, as does any forward until training
+is fused (`Patched.train_fused`, `optimize(..., train=True)`).
+
+Modules of one class with one plan capture once (`ClassCapture`): the first one to run (the owner)
+compiles a function shared by the class; every other instance calls it under dynamo's
+`fail_on_recompile` stance, so it is served by the owner's graph exactly when dynamo's guards accept it
+(parameters are graph inputs, `inline_inbuilt_nn_modules`), and costs no trace: N identical layers,
+one dynamo trace, one AOTAutograd, one rewrite. An instance the guards refuse (HF layers guard on their
+integer `layer_idx` when they index a KV cache; train mode), or that has hooks or instance-level
+forwards inside (dynamo does not guard on hooks: `HookWatch.plain`) gets its own compiled function, as
+before (its own dynamo cache: 32 layers recompiling one cache would exhaust dynamo's recompile limit of
+8 and later layers would silently run unpatched); so does every instance when the owner's capture had
+a graph break (a refusal in a resumed frame would come after side effects). Each compiled function's
+dynamo state goes with its holder (`compile_fresh`): a deleted model takes its graphs with it.
+A call in inference mode runs the capture a `no_grad` call made (its inference tensors passed as normal
+tensors over the same memory, `PatchedForward._call_as_no_grad`): dynamo's guards would otherwise tell
+the two modes apart and trace every module once per mode.
+A forward captures at most `EXTRA_CAPTURES` more graphs after `optimize` has checked it (new shapes,
+train mode): later new shapes run the original forward instead of recompiling inside the user's loop.
+An outer capture (`outer=True`: a module holding several patched layers, e.g. a decoder stack) runs
+only when switched on (`Patched.set_outer`, chosen by selection's timing): its one graph holds every
+layer, so it fuses across them (layer N's residual add with layer N+1's norm) and replays the whole
+stack as one CUDA graph. A patched forward reached while dynamo traces (inside an outer capture, or
+inside the user's own `torch.compile`) is transparent: dynamo inlines the original forward.
+Hooks registered (or removed) after patching on any module inside a captured one, and instance
+forwards replaced there, are not seen by dynamo's guards: `HookWatch` sees them and the module then
+runs its original forward, which honours them (said once). Nothing unpicklable is stored on the module.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import types
+import warnings
+import weakref
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+from advisor.patching import rewrite
+from advisor.patching.capture import Backend, CaptureLog, graphs_run, log_for, plan_digest, trainable
+from advisor.patching.plan import PatternSpec
+from advisor.patching.train_graphs import release_unused_pool
+
+
+def compile_fresh(fn: Callable, backend: Backend, holder: object) -> Callable:
+    """`torch.compile` of a copy of `fn` with a code object of its own (`_fresh`), whose compiled state
+    goes when `holder` does (the capture's users: a model deleted, or unpatched and dropped). Dynamo keeps
+    its graphs alive through the code object's cache (and the globals its bytecode installs), and every
+    backend ever compiled with in a module-level table (for `torch._dynamo.reset`): both would otherwise
+    keep a dead model's captured graphs, and their CUDA-graph recordings' memory, for the process's life."""
+    fresh = _fresh(fn)
+    compiled = torch.compile(fresh, backend=backend, dynamic=False)
+    release = weakref.finalize(holder, _release_compiled, getattr(fresh, "__code__", None), backend)
+    release.atexit = False  # the process is ending: nothing to hand back, and dynamo may be half torn down
+    return compiled
+
+
+def _release_compiled(code, backend: Backend) -> None:
+    try:
+        from torch._dynamo import eval_frame, reset_code
+
+        if code is not None:
+            reset_code(code)  # its cache entries, hence the compiled graphs their bytecode calls
+        for k, wrapper in list(eval_frame.cached_backends.items()):
+            if getattr(wrapper, "compiler_fn", wrapper) is backend:
+                eval_frame.cached_backends.pop(k, None)
+    except Exception:  # dynamo's internals moved: the memory stays, as it would have without this
+        pass
+
+
+def _fresh(fn: Callable) -> Callable:
+    """The same function with its own code object. Dynamo keeps its compiled-code cache on the code
+    object and stops compiling after `recompile_limit` (8) entries; every plan (set of pattern keys)
+    is a new backend, hence a new entry, so plans would otherwise share, and exhaust, one cache.
+    A function of torch's own files (`nn.Linear.forward`: a patched LM head) dynamo compiles only from a
+    wrapper frame, and it wraps them all in one `inner` whose code, and cache, they then share: the
+    ninth such capture in a process ran uncaptured. Those get a wrapper of ours, with its own code."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    if _wrapped_by_dynamo(fn):
+        def call(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        call.__code__ = call.__code__.replace(co_name=fn.__name__)  # a code object of its own
+        call.__name__, call.__qualname__ = fn.__name__, fn.__qualname__
+        return call
+    g = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    g.__kwdefaults__ = fn.__kwdefaults__
+    g.__dict__.update(fn.__dict__)
+    g.__qualname__ = fn.__qualname__
+    return g
+
+
+def _wrapped_by_dynamo(fn: Callable) -> bool:
+    """Whether `torch.compile(fn)` would run `fn` through dynamo's shared wrapper (its skip rules)."""
+    try:
+        from torch._dynamo import trace_rules
+
+        return bool(trace_rules.check(fn))
+    except Exception:  # internals moved: a wrapper of ours is right either way
+        return True
+
+
+# ------------------------------------------------------------------------------------ the forward
+EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
+TRAINING_CALL = ("a call needing gradients: the original forward runs it, as by default (optimize(..., train=True) "
+                 "trains through the fused kernels)")
+NO_BACKWARD = ("no fused backward validated (or faster than the original ops) here: calls needing gradients run the "
+               "original forward")
+
+
+class PatchedForward:
+    """`module.forward` while patched. Holds plain data only (module, specs, the forward it replaced);
+    its compiled function and hook watch are made on first use and never pickled or deep-copied."""
+
+    def __init__(self, module: torch.nn.Module, specs: list[PatternSpec], saved: Callable | None = None,
+                 outer: bool = False):
+        self.module = module
+        self.outer = outer  # holds other patched modules; runs its capture only while switched on
+        self.active = not outer
+        self.specs = specs
+        self.saved = saved  # an instance-level forward that was there before us (None: the class's)
+        self.failed: str | None = None
+        self.rejected: str | None = None  # an outer capture whose check failed: never switched on
+        self.fallbacks: dict[str, int] = {}  # why calls ran the original forward -> how many
+        self._compiled: Callable | None = None
+        self._backend: Backend | None = None
+        self._watch: HookWatch | None = None
+        self._owns: ClassCapture | None = None  # the class's shared capture, compiled by this instance
+        self._via: ClassCapture | None = None  # the class's shared capture, called without compiling
+        self._budget: int | None = None  # calls allowed to capture, in total (None: until `settle`)
+        self._capturing_calls = 0  # calls that made dynamo capture at least one graph
+        self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
+        self.train_fused = False  # see `trains`
+
+    @property
+    def trains(self) -> bool:
+        """Calls that need gradients go through the capture (sites with a generated backward) when asked
+        (`Patched.train_fused`) and a pattern may have one; else they run the original forward, at eager's
+        cost (the default: measured slower than eager on the H100's Llama, see reports/train-h100.md)."""
+        return self.train_fused and self._may_train
+
+    @functools.cached_property
+    def _may_train(self) -> bool:
+        return any(trainable(s) for s in self.specs)
+
+    @property
+    def keys(self) -> tuple:
+        return tuple(s.key for s in self.specs)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """`plan_digest` of the specs, which never change (a JSON dump of every program: worth computing once)."""
+        return plan_digest(self.specs)
+
+    def _target(self) -> tuple[Callable, tuple]:
+        """The function that gets captured and the arguments that go before the caller's."""
+        return (self.saved, ()) if self.saved is not None else (type(self.module).forward, (self.module,))
+
+    def log(self) -> CaptureLog:
+        """What the rewriter did in the captures this forward runs (shared with same-class modules)."""
+        return log_for((self._target()[0], self.digest))
+
+    def original(self) -> Callable:
+        return self.saved if self.saved is not None else type(self.module).forward.__get__(self.module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The original forward's: callers read it (HF `generate` passes `position_ids` and `logits_to_keep`
+        only to a forward that names them; with `(*args, **kwargs)` Gemma-2 generated other scores)."""
+        return inspect.signature(self.original())
+
+    def settle(self) -> None:
+        """Called once `optimize` has checked the model: from now on at most `EXTRA_CAPTURES` more calls
+        may capture (new shapes, modes; one call can capture several graphs where dynamo breaks the
+        forward up); beyond that a call that would recompile runs the original forward, so a decoding
+        loop whose lengths grow never waits for dynamo."""
+        self._budget = self._capturing_calls + EXTRA_CAPTURES
+
+    def _compile(self) -> Callable:
+        """The function this instance calls: its class's shared capture where there is one to join (or
+        to own), else its own."""
+        self._watch = self._watch or HookWatch(self.module)
+        # Dynamo does not guard on hooks (`skip_nnmodule_hook_guards`): only hook-free instances share.
+        if self.saved is None and not self.outer and self._watch.plain():
+            fn = self._target()[0]
+            key = (fn, self.digest)
+            entry = _CLASS.get(key)
+            if entry is None or entry.owner() is None:
+                backend = Backend(self.specs, self.log(), self.digest, self._may_train)
+                entry = _CLASS[key] = ClassCapture(fn, backend, self, key)
+            self._backend, self._compiled = entry.backend, entry.compiled
+            if entry.owner() is self:
+                self._owns = entry
+            elif not entry.breaks and not entry.diverges:
+                self._via = entry
+                return self._compiled
+        if self._owns is None:
+            return self._own()
+        return self._compiled
+
+    def _own(self) -> Callable:
+        """This instance's own compiled function (its own dynamo cache)."""
+        self._via = None
+        self._backend = Backend(self.specs, self.log(), self.digest, self._may_train)
+        self._compiled = compile_fresh(self._target()[0], self._backend, holder=self)
+        return self._compiled
+
+    def _fall_back(self, why: str, args, kwargs):
+        self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+        return self.original()(*args, **kwargs)
+
+    @property
+    def refused(self) -> str | None:
+        """Why this capture may not run (a failed capture, or an outer capture its check rejected), else None."""
+        return self.rejected or self.failed
+
+    def on(self) -> bool:
+        if self.rejected:
+            return False
+        forced = rewrite.outer_override() if self.outer else None
+        return self.active if forced is None else forced
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # traced by an outer capture (or the user's torch.compile): inlined
+            # (a plain call, as `_target` spells it: dynamo cannot trace `function.__get__`, and a graph
+            # break inside the outer capture's layer loop made dynamo skip the whole stack's frame)
+            fn, lead = self._target()
+            return fn(*lead, *args, **kwargs)
+        m = self.module
+        grad = _needs_autograd(m, args, kwargs)
+        # An outer capture never trains: under autograd its layers' captures (with their backwards) do.
+        if rewrite.patches_are_off() or not self.on() or (grad and (self.outer or not self.trains)):
+            if grad and not self.train_fused and not self.outer and self.on() and not rewrite.patches_are_off():
+                self.fallbacks[TRAINING_CALL] = self.fallbacks.get(TRAINING_CALL, 0) + 1
+            return self.original()(*args, **kwargs)
+        if grad:
+            if getattr(self._backend, "trains_nothing", False):  # a module sharing this capture found no site fused
+                self._may_train = False
+                self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
+                return self.original()(*args, **kwargs)
+            fused = rewrite.fused_runs()
+            out = self._call(m, args, kwargs)
+            if rewrite.fused_runs() == fused:
+                # No site here has a validated backward for these inputs: the capture would only replay
+                # eager's ops op by op, so training calls run the original forward from now on.
+                self._may_train = False
+                self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
+                if self._backend is not None:
+                    self._backend.trains_nothing = True  # the layers sharing it need not record to find out
+                    for graphed in self._backend.train_graphs:
+                        graphed.recordings.clear()  # eager's ops replayed: memory for nothing (BERT: 6 GB)
+                release_unused_pool()
+            return out
+        if torch.is_inference_mode_enabled():
+            return self._call_as_no_grad(m, args, kwargs)
+        return self._call(m, args, kwargs)
+
+    def _call_as_no_grad(self, m, args, kwargs):
+        """A call in inference mode, run as a `no_grad` call: the same capture serves both. Dynamo's tensor
+        guards hold each tensor's dispatch keys as the thread's dispatch state sees them, and inference mode
+        changes them for every tensor (it excludes the autograd keys; inference tensors lack them too), so
+        each mode would cost a trace of its own (measured: an 8-layer Llama's stack, 1.7-1.9 s on a 2-core CPU).
+        Inference tensors among the inputs are passed as normal tensors over the same memory (no copy, so
+        in-place writes reach the caller's tensor); no autograd is recorded either way. The outputs are then
+        normal tensors that do not require grad, where eager would hand out inference tensors."""
+        with torch.inference_mode(False), torch.no_grad():
+            return self._call(m, _as_normal_inputs(args), _as_normal_inputs(kwargs))
+
+    def _call(self, m, args, kwargs):
+        if self.failed:
+            return self._fall_back(self.failed, args, kwargs)
+        fn = self._compiled or self._compile()
+        if self._via is not None and self._via.breaks:
+            fn = self._own()
+        changed = self._watch.changed()
+        if changed:
+            if changed not in self.fallbacks:
+                warnings.warn(f"fusion-advisor: {changed} inside the patched {type(m).__name__}: it runs its "
+                              "original forward, which honours them (optimize again to fuse with them)",
+                              RuntimeWarning, stacklevel=2)
+            return self._fall_back(changed, args, kwargs)
+        ran, captures = graphs_run(), self._backend.captures
+        spent = self._budget is not None and self._capturing_calls >= self._budget
+        lead = self._target()[1]
+        caller = rewrite.set_caller(id(self))
+        scoped = self.enabled is not None and rewrite.enabled_keys() is None  # an `only()` block decides itself
+        if scoped:
+            rewrite.set_enabled(self.enabled)
+        breaks = _graph_breaks() if self._owns is not None else None
+        try:
+            out = _NOT_SERVED
+            if self._via is not None:
+                via = self._via
+                out = _served(fn, lead, args, kwargs)
+                if out is _NOT_SERVED:  # the shared capture's guards refuse this instance: its own from now on
+                    via.refused += 1
+                    fn = self._own()
+                    captures = self._backend.captures
+                else:
+                    via.served += 1
+            if out is _NOT_SERVED and spent:
+                with torch.compiler.set_stance("eager_on_recompile"):
+                    out = fn(*lead, *args, **kwargs)
+            elif out is _NOT_SERVED:
+                out = fn(*lead, *args, **kwargs)
+        except Exception as e:
+            # A capture that cannot run (dynamo limitation, launcher import error, ...): say so once,
+            # then behave exactly like the unpatched module.
+            self.failed = f"capture failed: {type(e).__name__}: {e}"
+            warnings.warn(f"fusion-advisor: patched {type(m).__name__}.forward failed ({self.failed}); "
+                          "running the original forward", RuntimeWarning, stacklevel=2)
+            return self._fall_back(self.failed, args, kwargs)
+        finally:
+            rewrite.set_caller(caller)
+            if scoped:
+                rewrite.set_enabled(None)
+        if self._backend.captures > captures:
+            self._capturing_calls += 1
+            if breaks is not None and _graph_breaks() > breaks:
+                self._owns.breaks = True  # the other instances compile their own from now on
+        if graphs_run() == ran:  # dynamo ran the frame without our graph (recompile limit, skipped frame)
+            why = "new input shapes or modes after the capture budget" if spent \
+                else "dynamo ran it without a captured graph"
+            self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+        return out
+
+    def __deepcopy__(self, memo):
+        new = PatchedForward(copy.deepcopy(self.module, memo), self.specs, copy.deepcopy(self.saved, memo), self.outer)
+        new.failed, new.enabled, new.active, new.train_fused = self.failed, self.enabled, self.active, self.train_fused
+        return new
+
+    def __reduce__(self):
+        return (PatchedForward, (self.module, self.specs, self.saved, self.outer),
+                {"failed": self.failed, "enabled": self.enabled, "active": self.active, "train_fused": self.train_fused})
+
+    def __setstate__(self, state: dict) -> None:
+        self.failed, self.enabled = state.get("failed"), state.get("enabled")
+        self.active = state.get("active", not self.outer)
+        self.train_fused = state.get("train_fused", False)
+
+    def __repr__(self) -> str:
+        tier = f"outer, {'on' if self.active else 'off'}; " if self.outer else ""
+        return f"<fusion-advisor patched forward of {type(self.module).__name__} ({tier}{', '.join(self.keys)})>"
+
+
+_CLASS: dict = {}  # (captured function, plan digest) -> ClassCapture
+_NOT_SERVED = object()
+_REFUSED = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+
+
+class ClassCapture:
+    """One compiled function shared by the patched instances of a class that have one plan: compiled (and
+    recompiled) only by its owner, the first instance that ran; the others call it without compiling."""
+
+    def __init__(self, fn: Callable, backend: Backend, owner: PatchedForward, key: tuple):
+        self.backend = backend
+        self.compiled = compile_fresh(fn, backend, holder=self)
+        # The registry keeps no module alive, and lets go of the capture once its owner is gone: instances
+        # it serves hold it themselves; otherwise its compiled graphs (and their CUDA-graph recordings, the
+        # pool memory they keep) are freed with the model, as dynamo's cache on its code object goes.
+        self.owner = weakref.ref(owner, functools.partial(_forget_capture, key, weakref.ref(self)))
+        self.breaks = False  # the owner's capture broke into several frames: nobody else joins it
+        self.served = self.refused = 0  # calls of other instances it served / instances its guards refused
+
+    @property
+    def diverges(self) -> bool:
+        """Two instances refused and none served (HF layers guarding on their `layer_idx`): the next ones
+        compile their own without asking (a refusal costs dynamo's account of the failed guards)."""
+        return self.refused >= 2 and not self.served
+
+
+def _forget_capture(key: tuple, entry: weakref.ref, _owner) -> None:
+    if entry() is not None and _CLASS.get(key) is entry():
+        del _CLASS[key]
+
+
+def _served(fn: Callable, lead: tuple, args, kwargs):
+    """The shared capture's output, or `_NOT_SERVED` when dynamo would have to compile for these inputs
+    (its guards refuse them: raised before the frame runs, so nothing ran)."""
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return fn(*lead, *args, **kwargs)
+    except RuntimeError as e:
+        if str(e).startswith(_REFUSED):
+            return _NOT_SERVED
+        raise
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+class HookWatch:
+    """Whether hooks or forwards inside a captured module changed since it was captured. Dynamo does not
+    guard on them, so a hook added later on a submodule would silently never run. Checked on every call:
+    one comparison of a global counter and of the hook dicts' sizes (a few µs for a decoder layer)."""
+
+    def __init__(self, module: torch.nn.Module):
+        from torch.nn.modules import module as nn_module
+
+        # The module's own hooks run around the patched forward, outside the capture: always honoured.
+        self.subs = list(module.modules())[1:]
+        self.dicts = [d for m in self.subs for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                                                 m._backward_pre_hooks)]
+        self.dicts += [getattr(nn_module, name) for name in _GLOBAL_HOOKS]
+        self.keys = self._keys()
+        self.sizes = self._sizes()
+        self.next_id = RemovableHandle.next_id
+
+    def _sizes(self) -> tuple:
+        return tuple(map(len, self.dicts)) + tuple(id(m.__dict__.get("forward")) for m in self.subs)
+
+    def plain(self) -> bool:
+        """No hooks on any module inside, and no instance-level forward there: what a capture of another
+        instance of the class (which dynamo's guards do not check for hooks) may stand for."""
+        own = len(self.dicts) - len(_GLOBAL_HOOKS)
+        return not any(self.dicts[:own]) and all("forward" not in m.__dict__ for m in self.subs)
+
+    def _keys(self) -> tuple:
+        return tuple(tuple(d) for d in self.dicts)
+
+    def changed(self) -> str | None:
+        """None when nothing changed, else what did (in words)."""
+        if RemovableHandle.next_id == self.next_id and self._sizes() == self.sizes:
+            return None
+        if self._sizes()[len(self.dicts):] != self.sizes[len(self.dicts):]:
+            return "a forward replaced after patching"
+        if self._keys() != self.keys:
+            return "hooks registered or removed after patching"
+        self.next_id = RemovableHandle.next_id  # a hook elsewhere (a tensor's, another model's)
+        return None
+
+
+def _as_normal_inputs(x):
+    """`x` with each inference tensor in it, through plain tuples, lists and dicts, as `_as_normal_tensor`
+    (walked by hand: pytree's walk cost 25 µs of a decoder layer's call here, this one 3). Tensors inside
+    other objects (a KV cache) stay as they are: dynamo's guards see them and capture afresh where they differ."""
+    if isinstance(x, torch.Tensor):
+        return _as_normal_tensor(x)
+    kind = type(x)
+    if kind is tuple or kind is list:
+        return kind(_as_normal_inputs(v) for v in x)
+    if kind is dict:
+        return {k: _as_normal_inputs(v) for k, v in x.items()}
+    return x
+
+
+def _as_normal_tensor(t: torch.Tensor) -> torch.Tensor:
+    """An inference tensor's memory as a normal tensor (outside inference mode): same storage, offset, sizes
+    and strides. Left as they are: normal tensors, subclasses and layouts or bits a bare storage view
+    would lose (sparse, conjugate, negative); dynamo's guards then decide whether the capture serves them."""
+    if not t.is_inference() or type(t) is not torch.Tensor or t.layout != torch.strided or t.is_conj() or t.is_neg():
+        return t
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
+                                                               t.stride())
+
+
+def _needs_autograd(m: torch.nn.Module, args, kwargs) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if any(p.requires_grad for p in m.parameters()):
+        return True
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_leaves((args, kwargs)))
