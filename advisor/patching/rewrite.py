@@ -26,6 +26,7 @@ import torch
 from torch.fx import Graph, Node
 
 from advisor.graph.dtypes import torch_dtype
+from advisor.ops.registry import OpClass, lookup
 from advisor.patching.match import Match, Pattern, compute_users, input_offset, is_transparent, layout, \
     same_strides, strip, val
 from advisor.patching.program import is_scalar_slot
@@ -344,6 +345,14 @@ def substitute(graph: Graph, match: Match, pattern: Pattern, make_site: Callable
     specs = pattern.program["inputs"]
     pos = _position(graph)
     inside = match.g_nodes()
+    for k in written_inputs(pattern.program):
+        b = match.inputs[k]
+        if b is not None and b.kind != "literal" and _external_users(b.root, inside):
+            # The kernel writes this input where the program wrote it in place; the graph (functional: the
+            # write is an output AOTAutograd copies back after it) still reads it elsewhere, and would read
+            # the written values (a module that reads x, then updates it with x.mul_().add_(), computed
+            # from the updated x).
+            return f"its kernel writes input {k} in place, which other ops of the graph read"
     external = [u for o in match.outputs for u in _external_users(o, inside)]
     first_use = min((pos[u] for u in external), default=len(pos))
     args: list[Any] = []
@@ -384,6 +393,28 @@ def substitute(graph: Graph, match: Match, pattern: Pattern, make_site: Callable
         prev = item
     _erase_dead(graph, inside)
     return site
+
+
+def written_inputs(program: dict) -> set[int]:
+    """Indices of the program inputs its in-place ops write (through views and chains of in-place ops): the
+    generated kernel writes them too (`codegen.read`: an in-place op's output is a view of its target)."""
+    index = {s["id"]: k for k, s in enumerate(program["inputs"])}
+    target: dict = {}  # value id -> the input index it is (a view of), where known
+    out = set()
+    for n in program["nodes"]:
+        first = next((a.get("ref") for a in n.get("args", []) if isinstance(a, dict) and "ref" in a), None)
+        src = index.get(first, target.get(first))
+        if n.get("inplace") and src is not None:
+            out.add(src)
+        for o in n.get("outputs", []):
+            if src is not None and (n.get("inplace") or _is_view(n.get("op"))):
+                target[o["id"]] = src
+    return out
+
+
+def _is_view(op) -> bool:
+    info = lookup(op) if op else None
+    return info is not None and info.cls == OpClass.VIEW
 
 
 def _erase_dead(graph: Graph, nodes: set[Node]) -> None:
