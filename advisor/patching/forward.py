@@ -237,8 +237,9 @@ class PatchedForward:
         m = self.module
         grad = _needs_autograd(m, args, kwargs)
         # An outer capture never trains: under autograd its layers' captures (with their backwards) do.
-        if rewrite.patches_are_off() or not self.on() or (grad and (self.outer or not self.trains)):
-            if grad and not self.train_fused and not self.outer and self.on() and not rewrite.patches_are_off():
+        off = rewrite.patches_are_off() or not self.on()
+        if off or (grad and (self.outer or not self.trains)):
+            if grad and not off and not self.outer and not self.train_fused:
                 self.fallbacks[TRAINING_CALL] = self.fallbacks.get(TRAINING_CALL, 0) + 1
             return self.original()(*args, **kwargs)
         if grad:

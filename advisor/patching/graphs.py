@@ -25,7 +25,6 @@ and a function whose recording failed (said once).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import traceback
@@ -53,15 +52,9 @@ def replay_enabled() -> bool:
     return os.environ.get("FUSION_ADVISOR_CUDA_GRAPHS", "1") != "0" if on is None else on
 
 
-@contextlib.contextmanager
 def replay_off():
     """Inside this block captured functions run op by op (the comparison for the graphs' benefit)."""
-    old = getattr(_STATE, "on", None)
-    _STATE.on = False
-    try:
-        yield
-    finally:
-        _STATE.on = old
+    return rewrite.thread_flag(_STATE, "on", False)
 
 
 @dataclass
@@ -238,9 +231,9 @@ class Graphed:
 
     def _static_inputs(self, args) -> list:
         """Per argument: a static buffer holding a copy of it, or None (read in place, or not a tensor)."""
-        dev = self.recorder.device_type
-        inputs = [_static_like(a, pinned=_host_scalar(a, dev))
-                  if isinstance(a, torch.Tensor) and not read_in_place(a) else None for a in args]
+        kinds = [input_kind(a, self.recorder.device_type) for a in args]
+        inputs = [_static_like(a, pinned=k == "host scalar") if k in ("host scalar", "copied") else None
+                  for a, k in zip(args, kinds)]
         _copy_in(inputs, args)
         return inputs
 

@@ -76,19 +76,24 @@ def count_fused_runs(n: int) -> None:
 
 
 @contextlib.contextmanager
-def recording_replayed_graph():
-    """Inside: the ops run are being made ready to be replayed from a CUDA graph (a layer's training graph,
-    `train_graphs`), so what a site costs there is GPU time alone, not the host's (`autograd.time_both`)."""
-    old = getattr(_RUNTIME, "replayed", False)
-    _RUNTIME.replayed = True
+def thread_flag(local: threading.local, name: str, value):
+    """`local.name` is `value` inside the block, as it was (unset: None) after it."""
+    old = getattr(local, name, None)
+    setattr(local, name, value)
     try:
         yield
     finally:
-        _RUNTIME.replayed = old
+        setattr(local, name, old)
+
+
+def recording_replayed_graph():
+    """Inside: the ops run are being made ready to be replayed from a CUDA graph (a layer's training graph,
+    `train_graphs`), so what a site costs there is GPU time alone, not the host's (`autograd.time_both`)."""
+    return thread_flag(_RUNTIME, "replayed", True)
 
 
 def in_replayed_graph() -> bool:
-    return getattr(_RUNTIME, "replayed", False)
+    return bool(getattr(_RUNTIME, "replayed", False))
 
 
 def patches_are_off() -> bool:
