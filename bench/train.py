@@ -160,6 +160,7 @@ class Mode:
             fused_causal_lm_loss(model)
         if name == "splade":  # the encoder's output: its gradient is part of the step
             w.inputs[0].requires_grad_(True)
+        model.train().requires_grad_(True)  # as a training loop has it before optimize (workloads build frozen)
         if mode in ("advisor", "advisor_lce"):
             import advisor
             from advisor.patching import autograd, splade
@@ -174,7 +175,6 @@ class Mode:
             res["optimize_s"] = round(time.perf_counter() - t0, 2)
             res["patched"] = [f"{p['candidate']} {p['title']}" for p in report.applied]  # as backwards' labels
             res["training"] = report.training
-        model.train().requires_grad_(True)
         if mode == "compile":
             model = torch.compile(model)
         self.model, self.w = model, w

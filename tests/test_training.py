@@ -495,7 +495,8 @@ def test_fused_training_is_kept_only_where_a_whole_call_measures_faster_and_no_h
 def test_the_training_comparison_leaves_the_model_and_inputs_as_it_found_them(monkeypatch):
     """The comparison trains (train mode, BatchNorm statistics move, gradients accumulate, dropout draws
     random numbers) but hands back the modes, buffers, gradients (the parameters' and an input's that
-    collects one) and RNG state it found; a model whose outputs need no gradient is not compared."""
+    collects one), `requires_grad` flags and RNG state it found; a frozen model is compared with its
+    parameters trainable; a call with nothing that could need a gradient is not compared."""
     from advisor.bench.timing import Timing
     from advisor.workflows import training
 
@@ -529,8 +530,16 @@ def test_the_training_comparison_leaves_the_model_and_inputs_as_it_found_them(mo
     assert model[0].bias.grad is None
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), stats))
     assert torch.equal(torch.get_rng_state(), rng)
-    frozen = training.keep_faster_training(model.requires_grad_(False), Handle(), (x.detach(),), {}, "cpu")
-    assert not frozen["kept"] and "needs a gradient" in frozen["decision"]
+    # handed over frozen (an inference-built model its loop unfreezes later): compared as it will train,
+    # its parameters trainable for the comparison only
+    probe = Handle()
+    frozen = training.keep_faster_training(model.requires_grad_(False), probe, (x.detach(),), {}, "cpu")
+    assert True in probe.states and "made trainable for the comparison" in frozen["decision"], frozen
+    assert not any(p.requires_grad for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters() if p is not model[0].weight)
+    # nothing that could need a gradient: not compared
+    nothing = training.keep_faster_training(torch.nn.ReLU(), Handle(), (x.detach(),), {}, "cpu")
+    assert not nothing["kept"] and "needs a gradient" in nothing["decision"]
 
 
 def test_a_site_reading_outside_its_input_view_is_not_substituted_where_the_graph_trains(tmp_path):
@@ -616,3 +625,27 @@ def test_a_site_inside_a_replayed_layer_is_timed_by_its_gpu_work(monkeypatch, re
     assert fused_ms == eager_ms == 8.0 / per
     assert bw.timed_by == ("CUDA-graph replays" if recordable else "calls (not recordable: RuntimeError)")
     assert ("replay" in ran) == recordable and not rewrite.in_replayed_graph()
+
+
+def test_a_model_handed_over_in_training_mode_with_dropout_is_checked_in_eval_mode(tmp_path):
+    """A training user calls `optimize(model, batch, train=True)` on a model in training mode: its dropout
+    drew a new mask per call, so the patched-vs-unpatched check saw every pattern differ and nothing was
+    patched. optimize now profiles, checks and times it in eval mode and hands the modes back."""
+    import advisor
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                       intermediate_size=128, vocab_size=256)).train()  # dropout 0.1
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = advisor.optimize(model, {"input_ids": ids}, out=tmp_path, reuse=False, interpret=True,
+                                  train=True, select=False)
+    assert report.applied, str(report)
+    assert report.check["ok"] and not report.check["dropped"], report.check
+    assert all(m.training for m in model.modules())  # the user's modes, as handed over
+    assert report.modes and "eval mode" in str(report)
+    loss = model(input_ids=ids, labels=ids).loss  # and it trains, dropout on, through the patched model
+    loss.backward()
+    assert torch.isfinite(loss) and model.bert.embeddings.word_embeddings.weight.grad is not None

@@ -8,17 +8,48 @@ dropped) and the model is re-patched without them.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._pytree import tree_map
 
 from advisor.bench.compare import Comparison, compare_outputs
 from advisor.bench.timing import Stopwatch
 from advisor.patching import Patched, only, patch, patches_off, whole
 from advisor.patching.capture import launched_sites
+
+
+def repeatable(m: torch.nn.Module) -> bool:
+    """Can the call run twice (patched and unpatched) with the same result and no lasting effect?
+    Not with active dropout (random) or batch norm in training mode (updates its running stats)."""
+    return not any(x.training and (isinstance(x, _BatchNorm) or (isinstance(x, _DropoutNd) and x.p > 0))
+                   for x in m.modules())
+
+
+EVAL_FOR_CHECKS = ("optimize ran the model in eval mode (in training mode its dropout or BatchNorm make two "
+                   "calls differ, so nothing could be checked or timed); its modes are restored")
+
+
+@contextlib.contextmanager
+def eval_if_unrepeatable(model: torch.nn.Module):
+    """Profile, check and time a model handed over in training mode as it runs for inference, where those
+    modules would otherwise make every comparison fail (a random mask per call) or move its statistics;
+    yields the note to report, or None where nothing was switched."""
+    if repeatable(model):
+        yield None
+        return
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield EVAL_FOR_CHECKS
+    finally:
+        for m, training in modes.items():
+            m.training = training
 
 
 @dataclass

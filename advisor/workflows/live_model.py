@@ -30,7 +30,7 @@ from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, unpatch
 from advisor.patching.capture import launched_sites
 from advisor.patching.graphs import clear_recordings
-from advisor.patching.verify import check, float32_reference
+from advisor.patching.verify import check, eval_if_unrepeatable, float32_reference
 from advisor.records import PatternResult
 from advisor.workflows import plan_cache
 from advisor.workflows.generate import warm_worker
@@ -51,6 +51,7 @@ class OptimizeReport:
     phases_s: dict = field(default_factory=dict)  # wall seconds per step of the cold path
     selection: dict | None = None  # what selection handed back, and why (apply.json `selection`)
     training: dict | None = None  # with train=True: whether calls needing gradients run fused, and why
+    modes: str | None = None  # set where optimize ran a model handed over in training mode in eval mode
 
     @property
     def patterns(self) -> list[dict]:
@@ -75,6 +76,8 @@ class OptimizeReport:
             lines.append(f"  selection: {self.selection['decision']}")
         if self.training and self.training.get("decision"):
             lines.append(f"  training: {self.training['decision']}")
+        if self.modes:
+            lines.append(f"  {self.modes}")
         if self.end_to_end:
             lines.append("  " + describe_timing(self.end_to_end))
         return "\n".join(lines)
@@ -92,6 +95,13 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
              interpret: bool = False, train: bool = False) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
+    with eval_if_unrepeatable(model) as modes:
+        return _optimize(model, example_inputs, top, out, replacement, calls, benchmark, iters, granularity, reuse,
+                         select, interpret, train, modes)
+
+
+def _optimize(model, example_inputs, top, out, replacement, calls, benchmark, iters, granularity, reuse, select,
+              interpret, train, modes) -> OptimizeReport:
     use_interpreter_without_gpu()
     args, kwargs = split_inputs(example_inputs)
     device = _device_of(model, args, kwargs)
@@ -138,9 +148,9 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
                "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
            "plan_key_parts": key_parts,
                "selection": {"decision": "nothing patched: no GPU (interpret=True patches anyway, for checks)",
-                             "kept": []}}
+                             "kept": []}, "modes": modes}
         write_json(out_dir / "apply.json", out)
-        return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds, out["selection"])
+        return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds, out["selection"], modes=modes)
     handle.train_fused(train)
     before = handle.launches()
     with phases("check"):  # the first patched call captures the modules (dynamo) and runs the kernels
@@ -182,12 +192,12 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
            "plan_key_parts": key_parts, "selection": selection, "training": training,
            "enabled": sorted(handle.enabled) if handle.enabled is not None else None,
            "outer": handle.outer_on,
-           "skipped_targets": getattr(plan, "skipped", {})}
+           "skipped_targets": getattr(plan, "skipped", {}), "modes": modes}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
         plan_cache.store(out_dir, key)
     return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds, selection,
-                          training)
+                          training, modes)
 
 
 def _final_status(records, specs, handle, dropped, doc, launched, selection) -> list:

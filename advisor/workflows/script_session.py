@@ -21,15 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.dropout import _DropoutNd
 
 from advisor.collect.runner import script_env
 from advisor.errors import AdvisorError
 from advisor.patching import Patched, patch, unpatch
 from advisor.patching.modules import root_class
 from advisor.patching.plan import Plan
-from advisor.patching.verify import check, float32_reference
+from advisor.patching.verify import check, float32_reference, repeatable
 
 
 @dataclass
@@ -68,7 +66,7 @@ class Session:
         st = self._state.get(m)
         if st is None and cls in self.roots and self.plan.targets:
             st = self._state[m] = {"handle": self._patch(m), "checked": 0}
-        if st is None or st["handle"] is None or st["checked"] >= self.compare_calls or not _repeatable(m):
+        if st is None or st["handle"] is None or st["checked"] >= self.compare_calls or not repeatable(m):
             return call(m, *args, **kwargs)
         st["checked"] += 1
         chk = check(lambda: call(m, *args, **kwargs), st["handle"], float32_reference(m, args, kwargs))
@@ -93,13 +91,6 @@ class Session:
     def close(self) -> None:
         for h in self.handles:
             unpatch(h.model)
-
-
-def _repeatable(m: torch.nn.Module) -> bool:
-    """Can the call run twice (patched and unpatched) with the same result and no lasting effect?
-    Not with active dropout (random) or batch norm in training mode (updates its running stats)."""
-    return not any(x.training and (isinstance(x, _BatchNorm) or (isinstance(x, _DropoutNd) and x.p > 0))
-                   for x in m.modules())
 
 
 @contextlib.contextmanager

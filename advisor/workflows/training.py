@@ -9,8 +9,13 @@ fused path and through the original forwards, interleaved, and its peak memory t
 training is kept only when it is faster beyond the noise and no heavier than the original forwards;
 otherwise training runs the original forwards (eager's time and memory) and the training recordings go.
 
-The model is left as it was found: module modes, parameter gradients, buffers (BatchNorm statistics) and
-the random number generators' state.
+A model handed over frozen (no parameter needing a gradient, as an inference-built model is until its
+training loop unfreezes it) is compared with its floating-point parameters made trainable for the
+comparison: `train=True` says it will train, and leaving the fused path off unmeasured would hand back
+eager's training cost where the fused one may be faster.
+
+The model is left as it was found: module modes, parameters' `requires_grad`, gradients, buffers
+(BatchNorm statistics) and the random number generators' state.
 """
 from __future__ import annotations
 
@@ -39,12 +44,19 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
     on = next((t.device for t in [*model.parameters(), *model.buffers()] if t.is_cuda), None)
     with torch.cuda.device(on) if on is not None else contextlib.nullcontext(), \
             _left_as_found(model, _grad_leaves((args, kwargs)), device):  # (the memory stats are the model's GPU's)
+        frozen = not any(p.requires_grad for p in model.parameters())
+        if frozen:  # see the module's note: compared as it will train
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.requires_grad_(True)
         try:
             handle.train_fused(False)  # the probe call runs the original forwards
             step = training_call(model, args, kwargs)
             out = _compare(step, handle, device, iters) if step is not None else \
-                {"decision": "no output of the example call needs a gradient: training not compared",
-                 "kept": False}
+                {"decision": "no output of the example call needs a gradient, even with every parameter "
+                             "trainable: training not compared", "kept": False}
+            if step is not None and frozen:
+                out["decision"] += " (the model's parameters were made trainable for the comparison: none was)"
         except Exception as e:  # the comparison failing must not cost the user their (inference) patch
             out = {"decision": f"training runs the original forwards (its comparison failed: "
                                f"{type(e).__name__}: {str(e)[:200]})", "kept": False}
@@ -146,6 +158,7 @@ def _left_as_found(model: torch.nn.Module, input_leaves: list, device: str):
     """The comparison runs in training mode; afterwards modes, gradients (the parameters' and the inputs'),
     buffers and RNG are as before."""
     modes = {m: m.training for m in model.modules()}
+    trainable = {p: p.requires_grad for p in model.parameters()}
     grads = {t: t.grad for t in [*model.parameters(), *input_leaves]}
     for t in grads:
         t.grad = None  # else the comparison's backward would accumulate into the user's gradients in place
@@ -158,6 +171,8 @@ def _left_as_found(model: torch.nn.Module, input_leaves: list, device: str):
         finally:
             for m, training in modes.items():
                 m.training = training
+            for p, flag in trainable.items():
+                p.requires_grad_(flag)
             for p, g in grads.items():
                 p.grad = g
             with torch.no_grad():
