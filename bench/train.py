@@ -224,7 +224,7 @@ class Mode:
             self.torch.cuda.synchronize()
         avg = prof.key_averages()
         (out_dir / f"profile-{self.name}-{self.mode}.txt").write_text(
-            avg.table(sort_by="cuda_time_total", row_limit=40) + "\n\n"
+            avg.table(sort_by="self_device_time_total", row_limit=70) + "\n\n"
             + avg.table(sort_by="self_cpu_time_total", row_limit=40))
 
     def finish(self, interleaved: bool) -> dict:
