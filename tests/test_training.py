@@ -649,3 +649,25 @@ def test_a_model_handed_over_in_training_mode_with_dropout_is_checked_in_eval_mo
     loss = model(input_ids=ids, labels=ids).loss  # and it trains, dropout on, through the patched model
     loss.backward()
     assert torch.isfinite(loss) and model.bert.embeddings.word_embeddings.weight.grad is not None
+
+
+def test_dropout_written_as_a_function_call_is_found_by_its_effect():
+    """OPT and many HF models call `F.dropout(x, p, training=self.training)`: no module type shows it, so
+    two calls under different seeds decide; a deterministic model in training mode is left as it is."""
+    from advisor.patching.verify import eval_if_unrepeatable
+
+    class Functional(torch.nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.lin, self.p = torch.nn.Linear(8, 8), p
+
+        def forward(self, x):
+            return torch.nn.functional.dropout(self.lin(x), self.p, training=self.training)
+
+    x = torch.randn(4, 8)
+    for p, switched in ((0.5, True), (0.0, False)):
+        model = Functional(p).train()
+        with eval_if_unrepeatable(model, lambda: model(x)) as note:
+            assert bool(note) == switched and model.training != switched
+            assert torch.equal(model(x), model(x))  # repeatable inside, either way
+        assert model.training  # handed back as found

@@ -95,7 +95,14 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
              interpret: bool = False, train: bool = False) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
-    with eval_if_unrepeatable(model) as modes:
+    args, kwargs = split_inputs(example_inputs)
+    unpatch(model)  # (the probe for random ops calls the original)
+
+    def plain_call():
+        with torch.no_grad():
+            return model(*args, **kwargs)
+
+    with eval_if_unrepeatable(model, plain_call) as modes:
         return _optimize(model, example_inputs, top, out, replacement, calls, benchmark, iters, granularity, reuse,
                          select, interpret, train, modes)
 
