@@ -651,23 +651,28 @@ def test_a_model_handed_over_in_training_mode_with_dropout_is_checked_in_eval_mo
     assert torch.isfinite(loss) and model.bert.embeddings.word_embeddings.weight.grad is not None
 
 
-def test_dropout_written_as_a_function_call_is_found_by_its_effect():
-    """OPT and many HF models call `F.dropout(x, p, training=self.training)`: no module type shows it, so
-    two calls under different seeds decide; a deterministic model in training mode is left as it is."""
+def test_random_ops_no_module_type_shows_are_found_in_the_call():
+    """OPT and many HF models call `F.dropout(x, p, training=self.training)`, SegFormer's drop path draws
+    `torch.rand`: no module type shows them, so the ops one call runs decide (the registry's random ops);
+    a deterministic model in training mode is left as it is."""
     from advisor.patching.verify import eval_if_unrepeatable
 
     class Functional(torch.nn.Module):
-        def __init__(self, p):
+        def __init__(self, p, drop_path=False):
             super().__init__()
-            self.lin, self.p = torch.nn.Linear(8, 8), p
+            self.lin, self.p, self.drop_path = torch.nn.Linear(8, 8), p, drop_path
 
         def forward(self, x):
-            return torch.nn.functional.dropout(self.lin(x), self.p, training=self.training)
+            h = self.lin(x)
+            if self.drop_path and self.training:  # stochastic depth: a whole sample's branch kept or dropped
+                keep = torch.floor(1 - self.p + torch.rand(x.shape[0], 1, dtype=x.dtype, device=x.device))
+                return x + h / (1 - self.p) * keep
+            return torch.nn.functional.dropout(h, self.p, training=self.training)
 
     x = torch.randn(4, 8)
-    for p, switched in ((0.5, True), (0.0, False)):
-        model = Functional(p).train()
+    for p, drop_path, switched in ((0.5, False, True), (0.1, True, True), (0.0, False, False)):
+        model = Functional(p, drop_path).train()
         with eval_if_unrepeatable(model, lambda: model(x)) as note:
-            assert bool(note) == switched and model.training != switched
+            assert bool(note) == switched and model.training != switched, (p, drop_path)
             assert torch.equal(model(x), model(x))  # repeatable inside, either way
         assert model.training  # handed back as found

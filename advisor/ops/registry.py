@@ -241,6 +241,17 @@ for _n in ["zeros", "ones", "zeros_like", "ones_like", "full_like", "rand", "ran
 # A constant tensor: pointwise (one literal at every index), so a kernel holds it in registers. Derived
 # backwards pad a slice's gradient with it (`advisor.patching.backward`: slice_backward as a cat).
 register("aten::full", OpClass.POINTWISE, tags=frozenset({"factory"}))
+# Ops that draw random numbers (dropout in training mode; the others always): a call that runs one cannot
+# be run twice and compared (`patching.verify.eval_if_unrepeatable`).
+RANDOM = frozenset(f"aten::{_n}" for _n in [*_IDENTITY_IN_EVAL, *(f"{n}_" for n in _IDENTITY_IN_EVAL), "rand", "randn",
+                   "randint", "rand_like", "randn_like", "randint_like", "randperm", "normal", "normal_", "uniform_",
+                   "bernoulli", "bernoulli_", "random_", "multinomial", "exponential_", "geometric_", "cauchy_",
+                   "log_normal_", "rrelu", "rrelu_with_noise", "poisson"])
+
+
+def draws_random(name: str) -> bool:
+    """Whether the op ("aten::bernoulli_" or with its overload, "aten::bernoulli_.float") draws random numbers."""
+    return name in RANDOM or name.rsplit(".", 1)[0] in RANDOM
 
 # Ops the analyzer may fuse that the generator does not lower, and why (the reason reaches the user).
 not_generated("no Triton math for it that runs in the interpreter as on the GPU (core tl has none; "

@@ -16,10 +16,12 @@ from typing import Callable
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from advisor.bench.compare import Comparison, compare_outputs
 from advisor.bench.timing import Stopwatch
+from advisor.ops import registry
 from advisor.patching import Patched, only, patch, patches_off, whole
 from advisor.patching.capture import launched_sites
 
@@ -35,28 +37,34 @@ EVAL_FOR_CHECKS = ("optimize ran the model in eval mode (in training mode its dr
                    "calls differ, so nothing could be checked or timed); its modes are restored")
 
 
-def draws_random(call: Callable[[], object]) -> bool:
-    """Whether two calls under different random seeds give different outputs: dropout that no module's type
-    shows (`F.dropout(x, p, training=self.training)`, as OPT and many HF models write it)."""
-    outs = []
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    for seed in (1, 2):
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            outs.append([t for t in tree_leaves(call()) if isinstance(t, torch.Tensor)])
-    return len(outs[0]) != len(outs[1]) or not all(_same(a, b) for a, b in zip(*outs))
+class _RandomOps(TorchDispatchMode):
+    """Notes the first op of a call that draws random numbers (the op registry says which do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.seen is None and registry.draws_random(func._schema.name):
+            self.seen = func._schema.name
+        return func(*args, **(kwargs or {}))
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and (torch.equal(a, b) or a.is_floating_point() and torch.allclose(a, b, 0, 0, True))
+def draws_random(call: Callable[[], object]) -> str | None:
+    """The first op a call runs that draws random numbers, or None: dropout that no module's type shows
+    (`F.dropout(x, p, training=self.training)`, as OPT and many HF models write it), stochastic depth
+    (`torch.rand` in a drop-path), noise layers."""
+    with _RandomOps() as mode:
+        call()
+    return mode.seen
 
 
 @contextlib.contextmanager
 def eval_if_unrepeatable(model: torch.nn.Module, call: Callable[[], object] | None = None):
     """Profile, check and time a model handed over in training mode as it runs for inference, where its
     dropout or BatchNorm would otherwise make every comparison fail (a random mask per call) or move its
-    statistics: by module type, and (given `call`, a call of the model as optimize makes it) by two calls
-    under different seeds. Yields the note to report, or None where nothing was switched."""
+    statistics: by module type, and (given `call`, a call of the model as optimize makes it) by the ops one
+    call runs. Yields the note to report, or None where nothing was switched."""
     training = any(m.training for m in model.modules())
     if not training or (repeatable(model) and (call is None or not draws_random(call))):
         yield None
