@@ -56,7 +56,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 MODELS = ["hf_llama", "hf_gpt2", "hf_bert", "timm_vit", "splade"]
 DEFAULT_MODELS = "hf_llama,hf_gpt2"  # ~3 min each on an H100 (two compiles, one optimize): the 8-minute budget
 # eager_again: eager once more, last (how far the GPU drifted over the run: modes run one after another)
-MODES = ["eager", "compile", "advisor", "lce", "liger", "advisor_lce", "eager_again"]
+MODES = ["eager", "compile", "advisor", "lce", "liger", "advisor_lce", "eager_again", "advisor_autocast"]
+# --autocast: fp32 weights, each step's forward and loss under `torch.autocast` (bf16 on a GPU), the usual mixed-
+# precision loop; `advisor` calls optimize outside the autocast context (as most scripts would),
+# `advisor_autocast` inside it (the state its training check then measures is the one the loop runs).
+AUTOCAST = os.environ.get("FUSION_BENCH_AUTOCAST") == "1"
 DEFAULT_MODES = "eager,compile,advisor,lce,liger"  # advisor_lce: a second optimize per model, asked for by name
 
 
@@ -139,7 +143,7 @@ class Mode:
         self.name, self.mode, self.device, self.torch = name, mode, device, torch
         self.resident_from = torch.cuda.memory_allocated() if device == "cuda" else 0
         w = build(name, device, quick)
-        model = w.model
+        model = w.model.float() if AUTOCAST else w.model
         lm = type(model).__name__.endswith(("LMHeadModel", "CausalLM"))  # HF LMs compute their own loss from labels
         self.labels = w.inputs["input_ids"] if lm and isinstance(w.inputs, dict) else None
         self.res = res = {"mode": mode, "shape": w.shape, "state_before": process_state()}
@@ -151,7 +155,7 @@ class Mode:
                 raise Skip("Liger's patch here is for Llama only")
             apply_liger_kernel_to_llama()
             w = build(name, device, quick)  # rebuilt: Liger patches the classes, models made after use its modules
-            model = w.model
+            model = w.model.float() if AUTOCAST else w.model
         if mode in ("lce", "advisor_lce"):  # the LM loss through advisor.kernels.linear_cross_entropy (no logits)
             if self.labels is None:
                 raise Skip("the fused linear + cross-entropy loss is for causal LMs")
@@ -161,7 +165,7 @@ class Mode:
         if name == "splade":  # the encoder's output: its gradient is part of the step
             w.inputs[0].requires_grad_(True)
         model.train().requires_grad_(True)  # as a training loop has it before optimize (workloads build frozen)
-        if mode in ("advisor", "advisor_lce"):
+        if mode in ("advisor", "advisor_lce", "advisor_autocast"):
             import advisor
             from advisor.patching import autograd, splade
 
@@ -169,9 +173,10 @@ class Mode:
             autograd._BACKWARDS.clear()
             splade._RECORDS.clear()
             t0 = time.perf_counter()
-            report = self.report = advisor.optimize(model, w.inputs, train=True,
-                                                    out=out_dir / f"advisor-{name}",
-                                                    **({"interpret": True} if device != "cuda" else {}))
+            with self.autocast(mode == "advisor_autocast"):
+                report = self.report = advisor.optimize(model, w.inputs, train=True,
+                                                        out=out_dir / f"advisor-{name}",
+                                                        **({"interpret": True} if device != "cuda" else {}))
             res["optimize_s"] = round(time.perf_counter() - t0, 2)
             res["patched"] = [f"{p['candidate']} {p['title']}" for p in report.applied]  # as backwards' labels
             res["training"] = report.training
@@ -194,7 +199,8 @@ class Mode:
             before = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         self.clock.start()
-        loss = _loss(self.model, self.w.inputs, self.labels, self.name)
+        with self.autocast():
+            loss = _loss(self.model, self.w.inputs, self.labels, self.name)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -213,6 +219,9 @@ class Mode:
         self.steps += 1
         if timed:
             self.times.append(ms)
+
+    def autocast(self, on: bool = True):
+        return self.torch.autocast(self.device, dtype=self.torch.bfloat16, enabled=AUTOCAST and on)
 
     def profile(self, out_dir: Path) -> None:
         """Where a mode's step goes: kernel and host time per op, two steps."""
@@ -242,7 +251,7 @@ class Mode:
         res["peak_extra_mb"] = round(max(self.extra) / 2**20, 1) if self.extra else None
         res["losses"] = [round(x, 5) for x in self.losses]
         res["interleaved"] = interleaved
-        if self.mode in ("advisor", "advisor_lce"):
+        if self.mode in ("advisor", "advisor_lce", "advisor_autocast"):
             from advisor.patching import autograd, patched_modules
             from advisor.patching.graphs import _LIVE
             from advisor.patching.train_graphs import TrainGraphed
@@ -267,7 +276,7 @@ class Skip(Exception):
 
 # Modes that can share a process with the others and be timed in interleaved rounds (Liger patches HF's
 # classes for the whole process: it runs alone, last; the lce modes change the model's loss the same way).
-INTERLEAVED = {"eager", "compile", "advisor", "eager_again"}
+INTERLEAVED = {"eager", "compile", "advisor", "eager_again", "advisor_autocast"}
 
 
 def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: Path, profile: bool = False,
@@ -365,7 +374,7 @@ def table(doc: dict) -> str:
                 continue
             x = f"{eager / m['step_ms']:.2f}" if eager else "—"
             note = ""
-            if mode in ("advisor", "advisor_lce"):
+            if mode in ("advisor", "advisor_lce", "advisor_autocast"):
                 bws = m.get("backwards") or []
                 used = sum(1 for b in bws if b.get("used", b["validated"]) and b["launches"])
                 note = (f"optimize {m.get('optimize_s')} s; {len(m.get('patched') or [])} patterns; "
@@ -411,6 +420,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--out", type=Path, default=Path("reports/train-h100"))
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--autocast", action="store_true", help="fp32 weights, steps under torch.autocast (bf16)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3, help="eager / compile / advisor built side by side and timed in "
@@ -441,7 +451,8 @@ def main(argv=None) -> int:
                "--warmup", str(a.warmup), "--steps", str(a.steps), "--rounds", str(a.rounds)] \
             + (["--quick"] if a.quick else []) + (["--profile"] if a.profile else [])
         try:
-            proc = subprocess.run(cmd, timeout=a.timeout, capture_output=True, text=True, env=os.environ.copy())
+            proc = subprocess.run(cmd, timeout=a.timeout, capture_output=True, text=True,
+                                  env={**os.environ, **({"FUSION_BENCH_AUTOCAST": "1"} if a.autocast else {})})
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
         except subprocess.TimeoutExpired as e:
             tail = [(e.stdout or b"").decode(errors="replace")[-2000:] if isinstance(e.stdout, bytes) else (e.stdout or ""),

@@ -312,7 +312,8 @@ def test_eager_attention_is_patched_end_to_end(name, tmp_path, monkeypatch):
 
 def test_the_plan_fingerprint_covers_settings_that_change_the_forward():
     """Two GPT-2s of one shape, one with eager attention: different forwards, different plans (an sdpa plan
-    reused for the eager model had no attention pattern). The same settings in a new object: same key."""
+    reused for the eager model had no attention pattern). The same settings in a new object: same key.
+    A call inside `torch.autocast`: its own key."""
     from advisor.workflows import plan_cache
 
     x = inputs("gpt2")
@@ -327,6 +328,10 @@ def test_the_plan_fingerprint_covers_settings_that_change_the_forward():
     assert plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}) == keys[0]
     model.transformer.ln_f.eps = 1e-3  # a module's own setting
     assert plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}) != keys[0]
+    model.transformer.ln_f.eps = 1e-5
+    assert plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}) == keys[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the ops' dtypes change: a plan of its own
+        assert plan_cache.fingerprint(model, (), {**x, **kw}, "cpu", {"top": 4}) != keys[0]
 
 
 TRAINING_SCRIPT = """

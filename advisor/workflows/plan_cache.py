@@ -50,6 +50,9 @@ def fingerprint(model: torch.nn.Module, args: tuple, kwargs: dict, device: str, 
 
     put("advisor", _source_digest(), torch.__version__, sorted(options.items()))
     put("device", torch.cuda.get_device_name() if device == "cuda" else "cpu")
+    # autocast changes every traced op's dtype (a plan profiled without it found other patterns, its kernels
+    # other dtypes): a call made inside `torch.autocast` has a plan of its own
+    put("autocast", torch.is_autocast_enabled(device), str(torch.get_autocast_dtype(device)))
     configs: dict = {}
     for name, mod in model.named_modules():
         put("module", name, type(mod).__module__, type(mod).__qualname__, mod.training, settings(mod))
