@@ -339,20 +339,20 @@ def train(model, example, steps: int) -> list:
     return losses
 
 
-# name: the patterns with a fused forward whose backward must be generated, validated and used (the
-# matmul-anchored ones, linear + GELU epilogues and padded GEMMs, have no derived backward: they train
-# through their original ops)
+# name: the patterns with a fused forward whose backward must be generated, validated and used (a matmul
+# with a pointwise epilogue trains its epilogue so, the matmul by PyTorch; padded GEMMs have no derived
+# backward: autograd differentiates their padded ops)
 SUITE = {"llama": ["RMSNorm", "Residual add + RMSNorm", "Rotary embedding"],
          "gpt2": ["GELU", "Residual add + LayerNorm"],
-         "bert": ["Residual add + LayerNorm", "LayerNorm"],  # the embeddings' (add, add, LayerNorm), the layers'
-         # residual ones, the MLM head's LayerNorm
-         "vit": ["Residual add + LayerNorm"]}
+         "bert": ["Residual add + LayerNorm", "LayerNorm", "linear epilogue (GELU, dense)"],  # the embeddings'
+         # (add, add, LayerNorm), the layers' residual ones, the MLM head's LayerNorm, the intermediate GELU
+         "vit": ["Residual add + LayerNorm", "linear epilogue (GELU, fc1)"]}
 
 
 @pytest.mark.parametrize("name", list(SUITE))
 def test_tiny_model_trains_through_fused_kernels_like_eager(name, tmp_path):
-    """Every fused pattern of the suite's models but the matmul-anchored ones trains through a generated,
-    validated backward: Llama's RMSNorm, residual add + RMSNorm and rotary embedding (slices: zero-padded
+    """Every fused pattern of the suite's models but the padded GEMM trains through a generated, validated
+    backward (a matmul's epilogue apart from its matmul): Llama's RMSNorm, residual add + RMSNorm and rotary embedding (slices: zero-padded
     gradients), GPT-2's tanh-GELU and residual add + LayerNorm, BERT's residual add + LayerNorm (whose
     training graph holds LayerNorm's unused mean/rstd outputs, which an inference pattern never does; the
     embeddings' position table broadcast over the batch), the ViT's; losses and weights as eager's."""
@@ -676,3 +676,47 @@ def test_random_ops_no_module_type_shows_are_found_in_the_call():
             assert bool(note) == switched and model.training != switched, (p, drop_path)
             assert torch.equal(model(x), model(x))  # repeatable inside, either way
         assert model.training  # handed back as found
+
+
+def test_a_matmul_epilogue_splits_into_pytorchs_matmul_and_a_fused_tail():
+    """SwiGLU (silu(x @ W^T) * up): the linear by PyTorch, the tail a program of its own reading the
+    matmul's output and `up`; a matmul whose own output is returned, or whose epilogue holds a row op,
+    is not split (it keeps its original ops under autograd)."""
+    import torch.nn.functional as F
+
+    from advisor.patching.epilogue import split
+    from advisor.patching.program import run_program
+
+    x, w, up = torch.randn(3, 5, 8), torch.randn(12, 8), torch.randn(3, 5, 12)
+    prog = record_program(lambda x, w, up: F.silu(F.linear(x, w)) * up, x, w, up)
+    anchor, tail, sources = split(prog)
+    assert [n["op"] for n in anchor["nodes"]] == ["aten::mm"]  # (as recorded: the linear's matmul over flattened rows)
+    assert [n["op"] for n in tail["nodes"]] == ["aten::silu", "aten::mul"]
+    assert sources == [("input", 2), ("anchor", 0)]
+    (a,) = run_program(anchor, (x, w, up))
+    (out,) = run_program(tail, [(x, w, up)[i] if k == "input" else a for k, i in sources])
+    torch.testing.assert_close(out, F.silu(F.linear(x, w)) * up)
+    assert split(record_program(lambda x, w: (F.linear(x, w), F.gelu(F.linear(x, w))), x, w)) is None
+    assert split(record_program(lambda x, w: torch.softmax(F.linear(x, w), -1), x, w)) is None
+
+
+def test_an_epilogue_that_does_not_generate_keeps_the_sites_original_ops(monkeypatch):
+    """The tail is generated and validated at the first call that trains; where that fails the site runs
+    its original ops (None), says why, and does not try again."""
+    import torch.nn.functional as F
+
+    from advisor.codegen import Unsupported
+    from advisor.patching import epilogue
+
+    x, w = torch.randn(4, 8), torch.randn(6, 8, requires_grad=True)
+    prog = record_program(lambda x, w: F.gelu(F.linear(x, w)), x, w)
+    tries = []
+
+    def refuse(program, *a, **k):
+        tries.append(program)
+        raise Unsupported("planted")
+
+    monkeypatch.setattr("advisor.codegen.generate", refuse)
+    site = epilogue.EpilogueTrainable(epilogue.split(prog), "c1 test")
+    assert site((x, w)) is None and site((x, w)) is None
+    assert len(tries) == 1 and "planted" in site.reason

@@ -34,7 +34,7 @@ import torch
 
 from advisor.codegen.cache import load_module
 from advisor.ops.registry import OpClass, op_class
-from advisor.patching import rewrite, splade, timing
+from advisor.patching import epilogue, rewrite, splade, timing
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import make_host_copies_recordable
 from advisor.patching.match import Pattern, find, is_transparent
@@ -273,8 +273,14 @@ class Backend:
             from advisor.patching.autograd import Trainable  # torch.autograd machinery: loaded for training only
 
             roles = splade.head_roles(program)
-            site.trainable = splade.SpladeTrainable(program, roles, site.label) if roles else \
-                Trainable(program, site.forward, site.launch, _outputs_kept_intact(m), site.label, fallback)
+            parts = None if roles else epilogue.split(program)
+            if roles:
+                site.trainable = splade.SpladeTrainable(program, roles, site.label)
+            elif parts:
+                site.trainable = epilogue.EpilogueTrainable(parts, site.label, _outputs_kept_intact(m))
+            else:
+                site.trainable = Trainable(program, site.forward, site.launch, _outputs_kept_intact(m), site.label,
+                                           fallback)
         return site
 
 
@@ -300,11 +306,13 @@ def _outputs_kept_intact(m) -> bool:
 
 def trainable(spec: PatternSpec) -> bool:
     """Whether a pattern may get a generated backward: a generated kernel of pointwise and row ops (the
-    stand-in replacements stay bit-identical to eager, gradients included; matmul-anchored kernels
-    have no derived backward yet), or the SPLADE head's matmul + reduction, which trains through its
-    hand-written Function (`splade.py`), or a module autograd differentiates itself (`differentiable`).
-    Whether a generated backward is used is decided per site, by validation."""
-    if spec.replacement == "kernel" and splade.head_roles(spec.program) is not None:
+    stand-in replacements stay bit-identical to eager, gradients included), a matmul with a pointwise
+    epilogue (the matmul by PyTorch, the epilogue generated apart: `epilogue.py`), or the SPLADE head's
+    matmul + reduction, which trains through its hand-written Function (`splade.py`), or a module autograd
+    differentiates itself (`differentiable`). Whether a generated backward is used is decided per site, by
+    validation and timing."""
+    if spec.replacement == "kernel" and (splade.head_roles(spec.program) is not None
+                                         or epilogue.split(spec.program) is not None):
         return True
     return spec.replacement == "kernel" and bool(spec.program.get("nodes")) and not any(
         op_class(n["op"]) in (OpClass.MATMUL, OpClass.ATTENTION) for n in spec.program["nodes"]) or differentiable(spec)
