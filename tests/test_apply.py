@@ -385,3 +385,21 @@ def test_apply_train_fuses_the_training_script_it_runs(tmp_path):
     assert patched and all(p["sites"] > 0 for p in patched), [(p["title"], p["status"]) for p in doc["patterns"]]
     assert doc["checks"] and all(c["ok"] for c in doc["checks"]), doc["checks"]
     assert any(b["validated"] and b["launches"] for b in ag.summary()), ag.summary()  # backwards ran fused
+
+
+def test_apply_train_does_not_judge_a_script_whose_calls_draw_random_numbers(tmp_path):
+    """A training script with dropout (here `F.dropout(..., training=self.training)`, which no module type
+    shows): two calls never agree, so its calls are not compared and nothing is dropped for differing."""
+    from advisor.workflows.user_script import apply_script
+
+    script = tmp_path / "train.py"
+    script.write_text(TRAINING_SCRIPT.replace(
+        "model = torch.nn.Sequential(torch.nn.Linear(256, 256), Block())",
+        "class Drop(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return torch.nn.functional.dropout(x, 0.5, training=self.training)\n"
+        "model = torch.nn.Sequential(Drop(), torch.nn.Linear(256, 256), Block())"))
+    doc = apply_script(script, [], tmp_path / "out", top=3, train=True)
+    assert doc["checks"] and all("draws random numbers" in (c["reason"] or "") for c in doc["checks"]), doc["checks"]
+    assert not any(c["dropped"] for c in doc["checks"])
+    assert [p for p in doc["patterns"] if p["patched"]], [(p["title"], p["status"]) for p in doc["patterns"]]

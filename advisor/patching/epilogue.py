@@ -40,7 +40,7 @@ def split(program: dict) -> tuple[dict, dict, list] | None:
         return None
     inputs = {s["id"]: i for i, s in enumerate(program["inputs"])}
     made = {o["id"]: o for n in anchors for o in n["outputs"]}
-    if any("ref" in a and a["ref"] not in inputs for n in anchors for a in _refs(n)):
+    if any(a["ref"] not in inputs for n in anchors for a in _refs(n)):
         return None  # an anchor reading another anchor's output: not the shape of an epilogue
     if any(o in made for o in program["outputs"]):
         return None  # the matmul's own output returned too: the graph keeps it, nothing to recompute

@@ -1,4 +1,5 @@
 """Patched vs unpatched on the same inputs; a pattern whose outputs differ is unpatched and says why.
+A call that draws random numbers (dropout in training mode) is not compared: no two of its calls agree.
 
 `check(call, handle, exact)`: runs `call()` with patches off (the reference) and on, compares with
 validation's dtype tolerances (and, for low-precision models, validation's rule against a float32
@@ -94,8 +95,11 @@ def check(call: Callable[[], object], handle: Patched, exact: Callable[[], objec
     """`exact()`, when given, computes the same call in float32 (see `float32_reference`); it is only run
     when the patched output is not within the dtype tolerance of the unpatched one."""
     clock = Stopwatch()
-    with clock("unpatched call"), patches_off():
+    with clock("unpatched call"), patches_off(), _RandomOps() as random_ops:
         ref = call()
+    if random_ops.seen:  # no two calls agree (dropout in a training script): nothing to compare, nothing dropped
+        return Check(Comparison(True, f"not compared: the call draws random numbers ({random_ops.seen})",
+                                exact=False), {}, handle, ref, clock.seconds)
     with clock("first patched call"):
         out = call()
     with clock("compare"):

@@ -53,8 +53,9 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
             handle.train_fused(False)  # the probe call runs the original forwards
             step = training_call(model, args, kwargs)
             out = _compare(step, handle, device, iters) if step is not None else \
-                {"decision": "no output of the example call needs a gradient, even with every parameter "
-                             "trainable: training not compared", "kept": False}
+                {"decision": "no output of the example call needs a gradient" + (
+                    ", even with every parameter trainable" if frozen else "") + ": training not compared",
+                 "kept": False}
             if step is not None and frozen:
                 out["decision"] += " (the model's parameters were made trainable for the comparison: none was)"
         except Exception as e:  # the comparison failing must not cost the user their (inference) patch
