@@ -406,7 +406,8 @@ def markdown(doc: dict) -> str:
                            f"{mb(b['saved_bytes'])} | "
                            f"{mb(b['eager_saved_bytes'])} | {(b['reason'] or '')[:160]} |")
             derived = {b.get("pattern") for b in adv["backwards"]}
-            eager_ops = [p for p in adv.get("patched") or [] if not any(d and d.startswith(p) for d in derived)]
+            eager_ops = [p for p in adv.get("patched") or []
+                         if not any(d and d.startswith(p) for d in derived)]  # (an epilogue's label adds to it)
             if eager_ops:  # padded GEMMs (and epilogues that never trained): no backward derived for them
                 out.append(f"| {' / '.join(eager_ops)} | — | — | — | — | — | — | no backward derived: a padded GEMM "
                            "trains through autograd on its padded ops; an epilogue here never trained fused |")

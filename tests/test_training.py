@@ -352,10 +352,11 @@ SUITE = {"llama": ["RMSNorm", "Residual add + RMSNorm", "Rotary embedding"],
 @pytest.mark.parametrize("name", list(SUITE))
 def test_tiny_model_trains_through_fused_kernels_like_eager(name, tmp_path):
     """Every fused pattern of the suite's models but the padded GEMM trains through a generated, validated
-    backward (a matmul's epilogue apart from its matmul): Llama's RMSNorm, residual add + RMSNorm and rotary embedding (slices: zero-padded
-    gradients), GPT-2's tanh-GELU and residual add + LayerNorm, BERT's residual add + LayerNorm (whose
-    training graph holds LayerNorm's unused mean/rstd outputs, which an inference pattern never does; the
-    embeddings' position table broadcast over the batch), the ViT's; losses and weights as eager's."""
+    backward (a matmul's epilogue apart from its matmul): Llama's RMSNorm, residual add + RMSNorm and
+    rotary embedding (slices: zero-padded gradients), GPT-2's tanh-GELU and residual add + LayerNorm,
+    BERT's residual add + LayerNorm (whose training graph holds LayerNorm's unused mean/rstd outputs,
+    which an inference pattern never does; the embeddings' position table broadcast over the batch) and
+    its intermediate GELU epilogue, the ViT's; losses and weights as eager's."""
     import advisor
 
     model, example = tiny(name)
@@ -693,7 +694,8 @@ def test_a_matmul_epilogue_splits_into_pytorchs_matmul_and_a_fused_tail():
     assert [n["op"] for n in anchor["nodes"]] == ["aten::mm"]  # (as recorded: the linear's matmul over flattened rows)
     assert [n["op"] for n in tail["nodes"]] == ["aten::silu", "aten::mul"]
     assert sources == [("input", 2), ("anchor", 0)]
-    (a,) = run_program(anchor, (x, w, up))
+    assert anchor["reads"] == [0, 1]  # x and W: the matmul's operands
+    (a,) = run_program(anchor, (x, w))
     (out,) = run_program(tail, [(x, w, up)[i] if k == "input" else a for k, i in sources])
     torch.testing.assert_close(out, F.silu(F.linear(x, w)) * up)
     assert split(record_program(lambda x, w: (F.linear(x, w), F.gelu(F.linear(x, w))), x, w)) is None

@@ -30,7 +30,9 @@ ANCHORS = (OpClass.MATMUL,)
 def split(program: dict) -> tuple[dict, dict, list] | None:
     """(anchor program, tail program, sources) where the program is matmul-class nodes reading only its
     inputs, then pointwise nodes, returning only tail values; `sources[k]` says where tail input k comes
-    from: ("input", i) the site's input i, ("anchor", j) the anchor program's output j. None otherwise."""
+    from: ("input", i) the site's input i, ("anchor", j) the anchor program's output j. The anchor program
+    takes the site's inputs its `reads` lists (the matmul's operands, no scalar the tail reads). None
+    otherwise."""
     nodes = program.get("nodes") or []
     n_anchor = 0
     while n_anchor < len(nodes) and op_class(nodes[n_anchor]["op"]) in ANCHORS:
@@ -57,7 +59,10 @@ def split(program: dict) -> tuple[dict, dict, list] | None:
     for n in tail_nodes:
         for a in _refs(n):
             a["ref"] = rename.get(a["ref"], a["ref"])
-    anchor_program = {"inputs": program["inputs"], "nodes": anchors, "outputs": used_anchors}
+    anchor_reads = {a["ref"] for n in anchors for a in _refs(n)}
+    reads = [i for i, s in enumerate(program["inputs"]) if s["id"] in anchor_reads]
+    anchor_program = {"inputs": [program["inputs"][i] for i in reads], "nodes": anchors, "outputs": used_anchors,
+                      "reads": reads}
     return anchor_program, {"inputs": tail_inputs, "nodes": tail_nodes, "outputs": list(program["outputs"])}, sources
 
 
@@ -105,6 +110,9 @@ class EpilogueTrainable:
     def _tail_inputs(self, xs, anchors) -> list:
         return [xs[i] if kind == "input" else anchors[i] for kind, i in self.sources]
 
+    def _anchors(self, xs) -> tuple:
+        return run_program(self.anchor, [xs[i] for i in self.anchor["reads"]])
+
     def __call__(self, xs) -> tuple | None:
         fused = self._trainable()
         if fused is None:
@@ -112,7 +120,7 @@ class EpilogueTrainable:
         sig = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
         if sig not in self._use:
             with torch.no_grad():
-                probe = run_program(self.anchor, xs)
+                probe = self._anchors(xs)
             grad = any(sig)  # the anchor's outputs need a gradient when anything it reads does
             probe = [p.detach().requires_grad_(grad) for p in probe]
             bw = fused.backward_for(self._tail_inputs(xs, probe))
@@ -121,4 +129,4 @@ class EpilogueTrainable:
                 self.reason = bw.reason or "the fused epilogue's forward + backward was not faster"
         if not self._use[sig]:
             return None
-        return fused(self._tail_inputs(xs, run_program(self.anchor, xs)))
+        return fused(self._tail_inputs(xs, self._anchors(xs)))
