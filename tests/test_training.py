@@ -722,3 +722,17 @@ def test_an_epilogue_that_does_not_generate_keeps_the_sites_original_ops(monkeyp
     site = epilogue.EpilogueTrainable(epilogue.split(prog), "c1 test")
     assert site((x, w)) is None and site((x, w)) is None
     assert len(tries) == 1 and "planted" in site.reason
+
+
+def test_attention_with_its_own_dropout_is_found_by_its_argument():
+    """Fused attention draws its dropout inside the kernel (`dropout_p` in training mode): no random op
+    runs, the argument says it. An op of that signature with dropout_p 0 is deterministic."""
+    from advisor.patching.verify import draws_random
+
+    @torch.library.custom_op("advisor_test::attention", mutates_args=())
+    def attention(q: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        return q.clone()
+
+    q = torch.randn(2, 3)
+    assert draws_random(lambda: torch.ops.advisor_test.attention(q, 0.1)) == "advisor_test::attention"
+    assert draws_random(lambda: torch.ops.advisor_test.attention(q, 0.0)) is None

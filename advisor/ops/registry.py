@@ -249,9 +249,17 @@ RANDOM = frozenset(f"aten::{_n}" for _n in [*_IDENTITY_IN_EVAL, *(f"{n}_" for n 
                    "log_normal_", "rrelu", "rrelu_with_noise", "poisson"])
 
 
-def draws_random(name: str) -> bool:
-    """Whether the op ("aten::bernoulli_" or with its overload, "aten::bernoulli_.float") draws random numbers."""
-    return name in RANDOM or name.rsplit(".", 1)[0] in RANDOM
+# Arguments that make an op draw random numbers where they are non-zero: fused attention's own dropout
+# (`_scaled_dot_product_flash_attention(..., dropout_p, ...)` and its siblings, in training mode).
+RANDOM_ARGUMENTS = ("dropout_p",)
+
+
+def draws_random(name: str, arguments: dict | None = None) -> bool:
+    """Whether the op ("aten::bernoulli_" or with its overload, "aten::bernoulli_.float") draws random numbers;
+    `arguments` (by name), where given, are read for `RANDOM_ARGUMENTS`."""
+    if name in RANDOM or name.rsplit(".", 1)[0] in RANDOM:
+        return True
+    return bool(arguments) and any(arguments.get(a) for a in RANDOM_ARGUMENTS)
 
 # Ops the analyzer may fuse that the generator does not lower, and why (the reason reaches the user).
 not_generated("no Triton math for it that runs in the interpreter as on the GPU (core tl has none; "

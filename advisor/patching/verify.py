@@ -46,9 +46,14 @@ class _RandomOps(TorchDispatchMode):
         self.seen: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.seen is None and registry.draws_random(func._schema.name):
-            self.seen = func._schema.name
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if self.seen is None:
+            schema = func._schema
+            named = {**{a.name: v for a, v in zip(schema.arguments, args)}, **kwargs} if any(
+                a.name in registry.RANDOM_ARGUMENTS for a in schema.arguments) else None
+            if registry.draws_random(schema.name, named):
+                self.seen = schema.name
+        return func(*args, **kwargs)
 
 
 def draws_random(call: Callable[[], object]) -> str | None:
