@@ -121,7 +121,7 @@ class EpilogueTrainable:
         if sig not in self._use:
             with torch.no_grad():
                 probe = self._anchors(xs)
-            grad = any(sig)  # the anchor's outputs need a gradient when anything it reads does
+            grad = any(sig[i] for i in self.anchor["reads"])  # as autograd will have it: anything it reads does
             probe = [p.detach().requires_grad_(grad) for p in probe]
             bw = fused.backward_for(self._tail_inputs(xs, probe))
             self._use[sig] = bw.used
