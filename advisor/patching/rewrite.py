@@ -26,7 +26,7 @@ import torch
 from torch.fx import Graph, Node
 
 from advisor.graph.dtypes import torch_dtype
-from advisor.ops.registry import OpClass, lookup
+from advisor.ops.registry import OpClass, op_class
 from advisor.patching.match import Match, Pattern, compute_users, input_offset, is_transparent, layout, \
     same_strides, strip, val
 from advisor.patching.program import is_scalar_slot
@@ -418,8 +418,7 @@ def written_inputs(program: dict) -> set[int]:
 
 
 def _is_view(op) -> bool:
-    info = lookup(op) if op else None
-    return info is not None and info.cls == OpClass.VIEW
+    return bool(op) and op_class(op) == OpClass.VIEW
 
 
 def _erase_dead(graph: Graph, nodes: set[Node]) -> None:

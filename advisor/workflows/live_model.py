@@ -95,31 +95,24 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
              interpret: bool = False, train: bool = False) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
-    args, kwargs = split_inputs(example_inputs)
-    unpatch(model)  # (the probe for random ops calls the original)
-
-    def plain_call():
-        with torch.no_grad():
-            return model(*args, **kwargs)
-
-    with eval_if_unrepeatable(model, plain_call) as modes:
-        return _optimize(model, example_inputs, top, out, replacement, calls, benchmark, iters, granularity, reuse,
-                         select, interpret, train, modes)
-
-
-def _optimize(model, example_inputs, top, out, replacement, calls, benchmark, iters, granularity, reuse, select,
-              interpret, train, modes) -> OptimizeReport:
     use_interpreter_without_gpu()
     args, kwargs = split_inputs(example_inputs)
-    device = _device_of(model, args, kwargs)
-    out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="fusion-advisor-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    unpatch(model)  # profile the original
+    unpatch(model)  # profile the original (and probe it for random ops)
 
     def call():  # as most users call a model for inference (HF's docs, eval loops); a patched forward
         with torch.no_grad():  # runs calls in inference mode through the same capture (`PatchedForward`)
             return model(*args, **kwargs)
 
+    with eval_if_unrepeatable(model, call) as modes:
+        return _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity,
+                         reuse, select, interpret, train, modes)
+
+
+def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity, reuse, select,
+              interpret, train, modes) -> OptimizeReport:
+    device = _device_of(model, args, kwargs)
+    out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="fusion-advisor-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
     phases = Stopwatch()
     options = {"top": top, "replacement": replacement, "granularity": granularity, "select": select is not False}
     key_parts: dict = {}
