@@ -58,6 +58,7 @@ def main(argv=None) -> int:
                    "of it, later runs are skipped")
     p.add_argument("--timeout", type=float, default=200.0, help="seconds per child process at most")
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, interpret=True, no torch.compile runs")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "RUN"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.out = a.out or Path(tempfile.mkdtemp(prefix="cold-start-"))
@@ -65,7 +66,10 @@ def main(argv=None) -> int:
         return child(a, *a.child)
     a.out.mkdir(parents=True, exist_ok=True)
     models = [SMOKE_MODEL] if a.smoke else [m for m in a.models.split(",") if m]
-    runs = RUNS[:3] if a.smoke else RUNS
+    runs = [r for r in RUNS if r in a.runs.split(",") and not (a.smoke and r.startswith("compile"))]
+    if not runs:
+        print(f"cold_start: no run named in --runs {a.runs!r} (runs: {', '.join(RUNS)})", file=sys.stderr)
+        return 2
     t_start, records = time.time(), []
     for model in models:
         for run in runs:

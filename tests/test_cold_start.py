@@ -172,6 +172,36 @@ def test_bundle_cli(optimized, tmp_path):
     assert not bundle.is_bundle(tmp_path / "p.fab.missing") and bundle.is_bundle(tmp_path / "p.fab")
 
 
+def test_a_tuned_kernels_compiles_run_ahead_of_its_job_and_the_others_meanwhile(tmp_path, monkeypatch):
+    """Issue 17: the tile configs a candidate's validation would compile one after another go to the pool
+    first; its job starts once they are done, while the other candidates' jobs need not wait."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from advisor.workflows import generate
+
+    events, lock = [], threading.Lock()
+
+    def log(what):
+        with lock:
+            events.append(what)
+
+    def ahead(c, job):
+        time.sleep(0.2)
+        log(f"compiled {c} {job}")
+
+    monkeypatch.setattr(generate, "_ahead_jobs", lambda c: [("recorded", 0), ("recorded", 1)] if c == "tuned" else [])
+    monkeypatch.setattr(generate, "_compile_ahead", ahead)
+    monkeypatch.setattr(generate, "_job", lambda c, out: log(f"job {c}") or f"record {c}")
+    with ThreadPoolExecutor(2) as pool:
+        records = generate._pooled(pool, ["tuned", "plain"], tmp_path)
+    assert records == ["record tuned", "record plain"]  # in the candidates' order
+    assert events.index("job plain") < events.index("compiled tuned ('recorded', 1)")  # did not wait
+    assert events.index("job tuned") > max(events.index("compiled tuned ('recorded', 0)"),
+                                           events.index("compiled tuned ('recorded', 1)"))
+
+
 def test_workers_that_cannot_start_fall_back_in_one_line(optimized, tmp_path, monkeypatch, capsys):
     from advisor.workflows import workers
     from advisor.workflows.generate import generate_candidates

@@ -122,6 +122,51 @@ def test_validation_times_the_configs_at_the_recorded_shape_only():
     assert seen == [mod.TUNE, False, False] and mod.TUNE  # and the module's own setting is left as it was
 
 
+def test_compile_jobs_are_the_compiles_validation_makes(monkeypatch):
+    """Issue 17: a tuned kernel's validation compiles every tile config at the recorded shape, then the
+    default config at each other shape; those are the jobs the compile workers run ahead of it."""
+    import advisor.validate as validation
+
+    fn, shapes = EPILOGUES["linear+gelu"]
+    gen, mod = generated(fn, *[rand(*s) for s in shapes])
+    assert validation.compile_jobs(gen, mod) == []  # the interpreter compiles nothing
+    monkeypatch.setattr(validation, "interpreted", lambda: False)
+    monkeypatch.setattr(validation, "memo_key", lambda *a: "key")  # (the real one names the GPU)
+    monkeypatch.setattr(validation, "recall", lambda key: None)
+    assert validation.compile_jobs(gen, mod) == [("recorded", i) for i in range(len(mod.CONFIGS))] + \
+        [("odd", None), ("ones", None)]
+    monkeypatch.setattr(mod, "TUNE", False)  # FUSION_ADVISOR_TUNE=0: validation times nothing
+    assert validation.compile_jobs(gen, mod) == []
+    monkeypatch.setattr(mod, "TUNE", True)
+    monkeypatch.setattr(validation, "recall", lambda key: {"rel_l2": 0.0})  # memoised: the kernel will not run
+    assert validation.compile_jobs(gen, mod) == []
+
+
+def test_compile_ahead_launches_the_config_asked_and_leaves_the_module_as_found():
+    from advisor.validate import compile_ahead
+
+    fn, shapes = EPILOGUES["linear+gelu"]
+    gen, mod = generated(fn, *[rand(*s) for s in shapes])
+    name = next(k for k in vars(mod) if k.endswith("_kernel"))  # the @triton.jit function the launcher calls
+    real, launched = getattr(mod, name), []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(tuple(kw[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
+                                                      "num_stages")))
+                return real[grid](*args, **kw)
+            return launch
+
+    config, tune = mod._config, mod.TUNE
+    setattr(mod, name, Spy())
+    compile_ahead(gen, mod, "odd", len(mod.CONFIGS) - 1)
+    assert launched == [mod.CONFIGS[-1]]  # the tile asked for, not the interpreter's small one
+    assert mod._config is config and mod.TUNE == tune
+    compile_ahead(gen, mod, "ones", None)  # the default: what `_config` picks untuned (the interpreter's tile)
+    assert len(launched) == 2 and launched[1] != mod.CONFIGS[-1] and launched[1][:3] == (64, 16, 16)
+
+
 def test_matmul_skipping_the_last_k_block_is_rejected(tmp_path):
     fn, shapes = EPILOGUES["mm*scale+residual"]
     gen, _ = generated(fn, *[rand(*s) for s in shapes])

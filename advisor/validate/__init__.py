@@ -21,7 +21,7 @@ from advisor.validate.memo import memo_key, recall, remember
 from advisor.validate.reference import run_reference
 from advisor.validate.shapes import cases
 
-__all__ = ["validate", "Validation", "TOLERANCES", "interpreted"]
+__all__ = ["validate", "Validation", "TOLERANCES", "interpreted", "compile_jobs", "compile_ahead"]
 
 
 def interpreted() -> bool:
@@ -105,6 +105,41 @@ def _tuning(module, on: bool):
         yield
     finally:
         module.TUNE = old
+
+
+def compile_jobs(gen, module, seed: int = 0) -> list[tuple[str, int | None]]:
+    """The Triton compiles `validate` is about to make, as independent jobs for `compile_ahead` (in other
+    processes: `workflows.generate` runs them in its compile workers before the validation): each tile
+    config a tuned kernel times at the recorded shape, and its default config at each other shape (as
+    `_tuning` runs them). [] for a kernel with nothing to tune, or whose validation is memoised (it will
+    not run the kernel), or under the interpreter (nothing compiles)."""
+    configs = getattr(module, "CONFIGS", None)
+    if interpreted() or not configs or not getattr(module, "TUNE", False):
+        return []
+    if recall(memo_key(gen, module, seed, False)):
+        return []
+    others = [c.name for c in cases(gen.program, False) if c.name != "recorded"]
+    return [("recorded", i) for i in range(len(configs))] + [(name, None) for name in others]
+
+
+def compile_ahead(gen, module, case_name: str, config: int | None, seed: int = 0) -> None:
+    """Run `module.run` once on inputs of that case's shapes, at tile config `config` (an index into
+    `module.CONFIGS`; None: the kernel's default, untuned), so that Triton compiles that specialisation
+    into its on-disk cache, which every process shares: `validate` in another process then loads it
+    instead of compiling it (the results are not looked at: `validate` checks them)."""
+    prog, interp = gen.program, interpreted()
+    case = next(c for c in cases(prog, interp) if c.name == case_name)
+    device = "cpu" if interp else "cuda"
+    inputs = draw(prog, case, device, torch.Generator(device=device).manual_seed(seed))
+    real_config, real_tune = module._config, module.TUNE
+    if config is not None:
+        fixed = module.CONFIGS[config]
+        module._config = lambda key, launch, tune: fixed
+    module.TUNE = False
+    try:
+        _run_kernel(module, prog, inputs)
+    finally:
+        module._config, module.TUNE = real_config, real_tune
 
 
 def _errors(worst, failed, dtypes, shapes, notes) -> dict:

@@ -9,6 +9,7 @@ to `advisor.codegen.anchored.generate_anchored` (issue 10); their entries add `m
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import re
@@ -25,7 +26,7 @@ from advisor.codegen.cache import load_module
 from advisor.jsonio import APPLY_SCHEMA_VERSION, atomic_write, write_json
 from advisor.ops.registry import OpClass, op_class
 from advisor.records import Candidate, Kind, PatternResult, candidates_of
-from advisor.validate import interpreted, validate
+from advisor.validate import compile_ahead, compile_jobs, interpreted, validate
 from advisor.validate.inputs import draw
 from advisor.validate.shapes import cases
 
@@ -132,13 +133,51 @@ def _in_workers(chosen: list, out_dir: Path) -> list | None:
         return None
     try:
         pool = workers.start(n, warm=warm_worker)
-        return list(pool.map(_job, chosen, [out_dir] * len(chosen))) if pool else None
+        return _pooled(pool, chosen, out_dir) if pool else None
     except (BrokenProcessPool, OSError, RuntimeError) as e:
         print(f"fusion-advisor: compile workers unavailable ({type(e).__name__}: {e}); "
               f"generating {len(chosen)} kernels in this process", file=sys.stderr)
         return None
     finally:  # each worker holds a CUDA context (~0.5 GB of GPU memory): not kept past the stage
         workers.discard()
+
+
+def _pooled(pool, chosen: list, out_dir: Path) -> list:
+    """Each candidate's `_job` run in `pool`, the records in the candidates' order. A kernel that times its
+    tile configs (matmul-anchored) would compile them one after another inside its job (the H100: eight
+    ~2 s compiles, the longest job of a cold start, while other workers sat idle): those compiles go to the
+    pool first, as jobs of their own (`_compile_ahead`, into Triton's on-disk cache, which the processes
+    share), and that candidate's `_job` starts once they are done; the other candidates' jobs run meanwhile."""
+    ahead = [_ahead_jobs(c) for c in chosen]
+    if not any(ahead):
+        return list(pool.map(_job, chosen, [out_dir] * len(chosen)))
+    futures = {i: pool.submit(_job, c, out_dir) for i, c in enumerate(chosen) if not ahead[i]}
+    warming = {i: [pool.submit(_compile_ahead, chosen[i], job) for job in jobs] for i, jobs in enumerate(ahead) if jobs}
+    for i, compiles in warming.items():
+        concurrent.futures.wait(compiles)
+        futures[i] = pool.submit(_job, chosen[i], out_dir)
+    return [futures[i].result() for i in range(len(chosen))]
+
+
+def _ahead_jobs(c: Candidate) -> list:
+    """`validate.compile_jobs` of candidate `c`'s kernel (generated here: the generator's cache makes that
+    cheap, and the workers then find the module in it); [] when there is nothing to compile ahead."""
+    if not c.kind.anchored or skip_reason(c) is not None:
+        return []
+    try:
+        gen = generate_anchored(c.program, c.kind.value)
+        return compile_jobs(gen, load_module(gen.path))
+    except Exception:  # noqa: BLE001  (the candidate's own job generates it again and says why it failed)
+        return []
+
+
+def _compile_ahead(c: Candidate, job: tuple) -> None:
+    """A worker job: one of `_ahead_jobs(c)`. A failure is for the validation to find and report."""
+    try:
+        gen = generate_anchored(c.program, c.kind.value)
+        compile_ahead(gen, load_module(gen.path), *job)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def choose_launcher(entry: PatternResult, times_ms: dict) -> PatternResult:
