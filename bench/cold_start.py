@@ -35,6 +35,7 @@ output. Runs past `--budget` seconds are skipped and said so; a child past `--ti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -59,6 +60,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=200.0, help="seconds per child process at most")
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, interpret=True, no torch.compile runs")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--profile", action="store_true", help="advisor runs under cProfile: OUT/MODEL-RUN.prof.txt, "
+                   "the host's time by function (cumulative and own), to see where a cold start goes")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "RUN"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.out = a.out or Path(tempfile.mkdtemp(prefix="cold-start-"))
@@ -99,7 +102,7 @@ def spawn(a, model: str, run: str, timeout: float) -> dict:
     env = {**os.environ, **caches(a.out, model, run), "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", model, run, "--out", str(a.out),
-           "--top", str(a.top), *(["--smoke"] if a.smoke else [])]
+           "--top", str(a.top), *(["--smoke"] if a.smoke else []), *(["--profile"] if a.profile else [])]
     log, result = a.out / f"{model}-{run}.log", a.out / f"{model}-{run}.json"
     result.unlink(missing_ok=True)
     t0 = time.time()
@@ -115,6 +118,29 @@ def spawn(a, model: str, run: str, timeout: float) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- child
+@contextlib.contextmanager
+def profiled(path: Path | None):
+    """cProfile around the block, its top functions by cumulative and by own time written to `path`."""
+    if path is None:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("cumulative").print_stats(70)
+        stats.sort_stats("tottime").print_stats(40)
+        path.write_text(text.getvalue())
+
+
 def child(a, model: str, run: str) -> int:
     sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
     import torch
@@ -154,7 +180,8 @@ def child(a, model: str, run: str) -> int:
         rec["first_call_s"] = round(time.perf_counter() - t1, 3)
         rec["patched_modules"] = len(handle.manifest())
     else:
-        report = advisor.optimize(m, inputs, top=a.top, out=a.out / f"{model}-{run}", interpret=a.smoke)
+        with profiled(a.out / f"{model}-{run}.prof.txt" if a.profile else None):
+            report = advisor.optimize(m, inputs, top=a.top, out=a.out / f"{model}-{run}", interpret=a.smoke)
         rec["optimize_s"] = round(time.perf_counter() - t0, 3)
         t1 = time.perf_counter()
         call()

@@ -38,7 +38,7 @@ GENERATOR_VERSION = _version()
 @dataclass
 class Generated:
     key: str  # the pattern's cache key
-    code: str  # the module's source (without the per-candidate header)
+    code: str  # the module's source (`cache.FIRST_LINE` where a kernel file names its candidate)
     cached: bool  # True when an earlier run had generated it already
     program: Program
     kind: str  # "pointwise" | "rows"
@@ -55,7 +55,7 @@ def generate(program: dict, use_cache: bool = True) -> Generated:
     code = cache.get(key) if use_cache else None
     cached = code is not None
     if code is None:
-        code = module_source(plan(prog))
+        code = cache.with_first_line(module_source(plan(prog)))
         # Bypassing the cache (a patched lowering table, say) must not leave a module under the pattern's key.
         path = cache.put(key, code) if use_cache else cache.scratch(key, code)
     else:

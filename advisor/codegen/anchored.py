@@ -52,7 +52,7 @@ def generate_anchored(program: dict, kind: str | None = None, use_cache: bool = 
     code = cache.get(key) if use_cache else None
     cached = code is not None
     if code is None:
-        code = emit(ctx)
+        code = cache.with_first_line(emit(ctx))
         path = cache.put(key, code) if use_cache else cache.scratch(key, code)
     else:
         path = cache.path_of(key)
