@@ -279,16 +279,20 @@ def _us(x) -> str:
 
 def estimates(doc: dict) -> str:
     """How many kept patterns' measured saving lies within ±25% of the analyzer's estimate for their sites."""
-    pairs = []
+    from suite import estimate_resolution, resolves_quarter
+
+    pairs = []  # (within, resolved)
     for r in doc["results"].values():
         for p in r.get("patterns", []):
             alone = p.get("applied_alone") or {}
             est, meas = alone.get("est_saved_us_per_iter"), alone.get("saved_us_per_iter")
             if p.get("status_code") == "patched" and isinstance(est, (int, float)) and est > 0 \
                     and isinstance(meas, (int, float)):
-                pairs.append(abs(meas / est - 1) <= 0.25)
-    return (f"Estimate vs measured: {sum(pairs)} of {len(pairs)} kept patterns within ±25% of the analyzer's estimate "
-            "for the sites patched (target: 80%).") if pairs else ""
+                pairs.append((abs(meas / est - 1) <= 0.25, resolves_quarter(est, alone.get("spread_us"))))
+    sharp = [w for w, resolved in pairs if resolved]
+    return (f"Estimate vs measured: {sum(w for w, _ in pairs)} of {len(pairs)} kept patterns within ±25% of the "
+            f"analyzer's estimate for the sites patched (target: 80%); {estimate_resolution(len(sharp), sum(sharp))}."
+            ) if pairs else ""
 
 
 def table(doc: dict) -> str:

@@ -243,6 +243,11 @@ def test_summary_and_markdown_on_gpu_like_results():
     assert met[3] is False and "hf_llama 2.5 s" in s["targets"][3]["detail"]
     assert met[4] is True and "0 kept of 1 patched" in s["targets"][4]["detail"]
     assert met[5] is False and "hf_llama c1 0.52x" in s["targets"][5]["detail"]
+    assert "resolves ±25% (its spread under a quarter of the estimate) for 3 of them, 1 of those within" \
+        in s["targets"][5]["detail"]  # spread 3 µs: every pattern here resolved
+    results[1]["advisor"]["patterns"][0]["measured_spread_us"] = 120.0  # llama c1's rounds moved half its estimate
+    detail = suite.summarise(results, True)["targets"][5]["detail"]
+    assert "1 of 3 within" in detail and "for 2 of them, 1 of those within" in detail
     doc = {"host": {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11"}, "summary": s, "timing_meaningful": True,
            "workloads": results, "quick": False, "generated": "now", "command": "python bench/suite.py",
            "budget_s": 560, "top": 8, "iters": 30, "wall_s": 500}
@@ -432,3 +437,19 @@ def test_keep_faster_hands_back_its_timing_when_it_keeps_the_handle(optimized_ll
     handle, sel, _ = keep_faster(call, report.handle, "cuda", records)
     assert handle is report.handle and set(sel["kept"]) == patched
     assert sel["timing"]["before_ms"] == 10.0 and sel["timing"]["after_ms"] == 9.0
+
+
+def test_zoo_estimates_say_which_measurements_can_judge_the_estimate():
+    """bench/zoo.py's line: within ±25% over every kept pattern (the target), and over those whose
+    measurement resolves ±25% at all (a host-bound model's rounds moved by more than a pattern's estimate)."""
+    from bench import zoo
+
+    def pattern(est, meas, spread, status="patched"):
+        return {"status_code": status, "applied_alone": {"est_saved_us_per_iter": est, "saved_us_per_iter": meas,
+                                                         "spread_us": spread}}
+
+    doc = {"results": {"m": {"patterns": [pattern(1000, 1050, 40), pattern(250, 20, 3500), pattern(100, 60, 10),
+                                          pattern(100, 100, 1, status="not_kept")]}}}
+    line = zoo.estimates(doc)
+    assert line.startswith("Estimate vs measured: 1 of 3 kept patterns within ±25%")
+    assert "resolves ±25% (its spread under a quarter of the estimate) for 2 of them, 1 of those within" in line
