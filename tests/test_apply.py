@@ -403,3 +403,19 @@ def test_apply_train_does_not_judge_a_script_whose_calls_draw_random_numbers(tmp
     assert doc["checks"] and all("draws random numbers" in (c["reason"] or "") for c in doc["checks"]), doc["checks"]
     assert not any(c["dropped"] for c in doc["checks"])
     assert [p for p in doc["patterns"] if p["patched"]], [(p["title"], p["status"]) for p in doc["patterns"]]
+
+
+def test_the_apply_summary_says_each_module_check_once():
+    """A script calls its model many times; the summary gave one identical line per call. One per module:
+    its state over the calls and the worst call's errors, a mismatch counted."""
+    from advisor.workflows.user_script import check_lines
+
+    ok = {"module": "MLPBlock", "ok": True, "bit_identical": False, "rel_l2": 5e-8, "max_abs": 2e-7}
+    assert check_lines([ok, dict(ok, rel_l2=9e-8)]) == [
+        "check MLPBlock: patched vs unpatched outputs match over 2 calls (worst rel_l2 9e-08, max_abs 2e-07)"]
+    same = {"module": "Head", "ok": True, "bit_identical": True}
+    bad = dict(ok, ok=False, rel_l2=0.3, max_abs=4.0)
+    assert check_lines([ok, same, bad]) == [
+        "check MLPBlock: patched vs unpatched outputs MISMATCH in 1 of 2 calls (worst rel_l2 0.3, max_abs 4)",
+        "check Head: patched vs unpatched outputs bit-identical"]
+    assert check_lines([ok]) == ["check MLPBlock: patched vs unpatched outputs match (rel_l2 5e-08, max_abs 2e-07)"]

@@ -263,6 +263,25 @@ class _RegionTimer:
         return [(e - s) * 1e3 for s, e in self.spans]
 
 
+def check_lines(checks: list) -> list[str]:
+    """One line per module compared (the script may call it many times): match, bit-identical or MISMATCH
+    over its calls, with the worst call's errors."""
+    lines = []
+    for module in dict.fromkeys(c["module"] for c in checks):
+        mine = [c for c in checks if c["module"] == module]
+        bad = [c for c in mine if not c.get("ok")]
+        calls = f" in {len(bad)} of {len(mine)} calls" if bad and len(mine) > 1 else \
+            (f" over {len(mine)} calls" if len(mine) > 1 else "")
+        if not bad and all(c.get("bit_identical") for c in mine):
+            lines.append(f"check {module}: patched vs unpatched outputs bit-identical{calls}")
+            continue
+        worst = max(bad or mine, key=lambda c: c.get("rel_l2") or 0.0)
+        lines.append(f"check {module}: patched vs unpatched outputs {'MISMATCH' if bad else 'match'}{calls} "
+                     f"({'worst ' if len(mine) > 1 else ''}rel_l2 {worst.get('rel_l2') or 0:.2g}, "
+                     f"max_abs {worst.get('max_abs') or 0:.2g})")
+    return lines
+
+
 def print_summary(console, doc: dict, out: Path) -> None:
     t = Table(title="fusion-advisor apply", title_justify="left")
     for col in ("cand.", "pattern", "status", "sites", "est. saved µs/iter", "measured µs/iter (alone)"):
@@ -275,10 +294,8 @@ def print_summary(console, doc: dict, out: Path) -> None:
                   f"{est:.1f}" if isinstance(est, (int, float)) else "-",
                   f"{alone:.1f}" if isinstance(alone, (int, float)) else "-")
     console.print(t)
-    for c in doc.get("checks") or []:
-        state = "bit-identical" if c.get("bit_identical") else ("match" if c.get("ok") else "MISMATCH")
-        console.print(f"check {c['module']}: patched vs unpatched outputs {state}"
-                      + (f" (rel_l2 {c['rel_l2']:.2g}, max_abs {c['max_abs']:.2g})" if not c.get("bit_identical") else ""))
+    for line in check_lines(doc.get("checks") or []):
+        console.print(line)
     for e in doc.get("errors") or []:
         console.print(f"[yellow]warning:[/] {e}")
     e2e = doc.get("end_to_end") or {}
