@@ -673,10 +673,15 @@ def slim_pattern(p: dict) -> dict:
            "kernel_file": Path(p["kernel_file"]).name if p.get("kernel_file") else None}
     if isinstance(est, (int, float)) and est and isinstance(meas, (int, float)):
         out["measured_over_est"] = round(meas / est, 3)
-        out["within_25pct"] = abs(meas / est - 1) <= 0.25
+        out["within_25pct"] = within_quarter(est, meas)
     out["matmul_epilogue"] = bool(re.search(r"\b(linear|addmm|mm|bmm|matmul|conv\w*) epilogue",
                                             str(p.get("title") or "")))
     return out
+
+
+def within_quarter(est: float, meas: float) -> bool:
+    """The measured saving within ±25% of the (non-zero) estimate."""
+    return abs(meas / est - 1) <= 0.25
 
 
 def resolves_quarter(est, spread) -> bool:

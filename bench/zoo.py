@@ -279,7 +279,7 @@ def _us(x) -> str:
 
 def estimates(doc: dict) -> str:
     """How many kept patterns' measured saving lies within ±25% of the analyzer's estimate for their sites."""
-    from suite import estimate_resolution, resolves_quarter
+    from suite import estimate_resolution, resolves_quarter, within_quarter
 
     pairs = []  # (within, resolved)
     for r in doc["results"].values():
@@ -288,7 +288,7 @@ def estimates(doc: dict) -> str:
             est, meas = alone.get("est_saved_us_per_iter"), alone.get("saved_us_per_iter")
             if p.get("status_code") == "patched" and isinstance(est, (int, float)) and est > 0 \
                     and isinstance(meas, (int, float)):
-                pairs.append((abs(meas / est - 1) <= 0.25, resolves_quarter(est, alone.get("spread_us"))))
+                pairs.append((within_quarter(est, meas), resolves_quarter(est, alone.get("spread_us"))))
     sharp = [w for w, resolved in pairs if resolved]
     return (f"Estimate vs measured: {sum(w for w, _ in pairs)} of {len(pairs)} kept patterns within ±25% of the "
             f"analyzer's estimate for the sites patched (target: 80%); {estimate_resolution(len(sharp), sum(sharp))}."

@@ -131,15 +131,15 @@ def compile_ahead(gen, module, case_name: str, config: int | None, seed: int = 0
     case = next(c for c in cases(prog, interp) if c.name == case_name)
     device = "cpu" if interp else "cuda"
     inputs = draw(prog, case, device, torch.Generator(device=device).manual_seed(seed))
-    real_config, real_tune = module._config, module.TUNE
+    real_config = module._config
     if config is not None:
         fixed = module.CONFIGS[config]
         module._config = lambda key, launch, tune: fixed
-    module.TUNE = False
     try:
-        _run_kernel(module, prog, inputs)
+        with _tuning(module, False):
+            _run_kernel(module, prog, inputs)
     finally:
-        module._config, module.TUNE = real_config, real_tune
+        module._config = real_config
 
 
 def _errors(worst, failed, dtypes, shapes, notes) -> dict:
