@@ -4,9 +4,11 @@ padded launcher `advisor.optimize` patches in (`padded_matmul` candidates, advis
 GPT-2's head (tokens 8192 = batch 8 x 1024, K = 1024, N = 50257) ran cuBLAS's
 `cutlass_75_..._align1` kernel for 8.7 ms on the H100; Inductor pads the weight (68 µs) and runs
 `nvjet_sm90` (1.14 ms), returning a strided slice of the padded logits. Per head shape this times:
-eager `linear`; the generated launcher (pad, GEMM, first N columns copied out in eager's layout); the
-same without that copy (Inductor's strided slice: what the copy costs); and torch.compile. Each names
-its kernels and its error against an fp32 reference; the launcher is validated as `optimize` does.
+eager `linear`; the generated launcher (pad, GEMM, the first N columns as a strided view, as Inductor);
+the same slice written by hand; the launcher's result copied out into eager's layout (what that layout
+costs); the generator's Triton GEMM writing eager's layout directly (masked stores at the odd row
+stride); and torch.compile. Each names its kernels and its error against an fp32 reference; the
+launcher is validated as `optimize` does.
 
     python3 bench/padded_matmul.py --out OUT.json      # on a GPU, about a minute
 """
@@ -30,7 +32,6 @@ HEADS = {  # name: (tokens, K, N, bias)
     "bert mlm decoder": (8192, 768, 30522, True),
     "roberta lm_head": (8192, 768, 50265, True),
 }
-
 
 def linear_program(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> dict:
     """The analyzer's program of one `aten::linear` (what analysis.json holds for an LM head)."""
@@ -79,9 +80,13 @@ def main() -> None:
             w_p = F.pad(w, (0, 0, 0, n_p - n))
             return F.linear(x, w_p, None if b is None else F.pad(b, (0, n_p - n)))[..., :n]
 
+        direct = load_module(generate_anchored(linear_program(x, w, b), "epilogue", use_cache=False).path)
         compiled = torch.compile(lambda x, w, b: F.linear(x, w, b), dynamic=False)
-        ways = {"eager linear": lambda: F.linear(x, w, b), "padded launcher (eager's layout)": lambda: mod.run(*operands)[0],
-                "padded, strided slice (no copy)": strided_slice, "torch.compile": lambda: compiled(x, w, b)}
+        ways = {"eager linear": lambda: F.linear(x, w, b), "padded launcher (strided view)": lambda: mod.run(*operands)[0],
+                "padded, strided slice (no copy)": strided_slice,
+                "padded, copied out in eager's layout": lambda: mod.run(*operands)[0].contiguous(),
+                "Triton GEMM into eager's layout (generated, tuned)": lambda: direct.run(*operands)[0],
+                "torch.compile": lambda: compiled(x, w, b)}
         ref = F.linear(x.float(), w.float(), None if b is None else b.float())
         for way, fn in ways.items():
             out = fn()

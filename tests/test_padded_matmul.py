@@ -71,8 +71,8 @@ def test_launcher_validates(case, dtype):
 @pytest.mark.parametrize("old, new", [
     (".zero_()", ".fill_(1)"),  # padding K with ones: the products pick up the padded columns
     ("result[..., :n]", "result[..., 1:n + 1]"),  # the wrong N columns kept
-    ("    out0.copy_(result[..., :n])\n", ""),  # the output never written (validation poisons it with NaN)
-], ids=["ones-in-padding", "shifted-columns", "output-not-written"])
+    ("return (result[..., :n],)", "return (result,)"),  # the padded columns handed out too
+], ids=["ones-in-padding", "shifted-columns", "padding-handed-out"])
 def test_planted_wrong_launcher_is_rejected(old, new, tmp_path):
     gen, _ = _gen(lambda a, b: torch.mm(a, b), _a(12, 13, dtype=torch.float32), _a(13, 37, dtype=torch.float32))
     assert old in gen.code
@@ -126,8 +126,10 @@ def test_unaligned_vocab_head_is_padded_by_optimize(name, head, tmp_path):
     out = _logits(model, x)
     ran = launched_sites(before, report.handle.launches())
     assert ran.get(f"{cand['pattern_id']}:kernel") == 1, ran
-    assert out.stride() == ref.stride()  # eager's layout, not the padded product's
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # a view of the padded product, as torch.compile returns it: rows of 1004, the loss code's flattening
+    # of batch and sequence still a view
+    assert out.shape == ref.shape and out.stride()[-2] == 1004 and not out.is_contiguous()
+    torch.testing.assert_close(out.view(-1, ODD_VOCAB), ref.view(-1, ODD_VOCAB), rtol=1e-5, atol=1e-5)
 
 
 def test_aligned_vocab_has_no_padded_candidate(tmp_path):
@@ -138,12 +140,13 @@ def test_aligned_vocab_has_no_padded_candidate(tmp_path):
 
 def test_h100_gpt2_trace_lm_head_is_the_top_candidate():
     """The committed H100 trace of GPT-2 (bf16, batch 8 x 1024): its LM head ran cuBLAS's align1 kernel for
-    8.8 ms; padded, it is predicted at its roofline plus the pad copies, about 1.9 ms."""
+    8.8 ms; padded, it is predicted at its roofline plus the weight's pad copy, about 1.3 ms (measured on the
+    H100: 1.25 ms, reports/padded_matmul_h100.json)."""
     doc = analyze(ROOT / "sample_traces" / "hf_gpt2").doc
     [cand] = _padded(doc)
     assert cand["rank"] == 1 and cand["title"].startswith("GEMM with unaligned N=50257 → 50264, padded (lm_head)")
     assert 8000 < cand["measured_time_us"] < 9500
-    assert 6000 < cand["est_time_saved_us"] < 7500
+    assert 7000 < cand["est_time_saved_us"] < 8000
     assert cand["bytes_saved"] < 0  # padding costs traffic: it saves time
 
 
@@ -175,3 +178,18 @@ def test_padded_head_trains_through_autograd(tmp_path):
     ref_model(**x).logits.float().pow(2).mean().backward()
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("paths, keeps", [((((32, 1001), (2, 16, 1001)),), True), ((((2, 16016),),), False),
+                                          (None, False)], ids=["views-that-accept-it", "a-merging-view", "read-in-graph"])
+def test_a_launchers_layout_reaches_the_caller_only_where_the_graph_accepts_it(paths, keeps):
+    # the padded head's strided view is handed on where the graph only views it on the way out and every
+    # view can be taken of it; otherwise it is copied into the layout the graph was traced with
+    from advisor.patching.rewrite import Site
+
+    padded = torch.randn(2, 16, 1004)
+    site = Site(key="k", label="c8", launcher=None, fallback=None, inputs=[],
+                outputs=[((2, 16, 1001), (16016, 1001, 1), torch.float32)], device_type=None, handed_back=(paths,))
+    [out] = site._check((padded[..., :1001],))
+    assert (out.stride() == (16064, 1004, 1)) is keeps and out.stride() in {(16064, 1004, 1), (16016, 1001, 1)}
+    torch.testing.assert_close(out, padded[..., :1001])

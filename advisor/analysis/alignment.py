@@ -37,7 +37,7 @@ class PaddedGemm:
     n_padded: int
     k_padded: int
     unaligned: tuple  # which tensors cuBLAS finds unaligned: "a", "b", "out"
-    copy_bytes: int  # HBM bytes the pad copies move (read + write), the output's slice copy included
+    copy_bytes: int  # HBM bytes the pad copies move (read + write); the output is a view of the padded product
     copies: int  # kernels they take
 
     @property
@@ -105,8 +105,6 @@ def unaligned_gemm(node) -> PaddedGemm | None:
     bias = by_role.get("bias")
     if bias is not None and n_p != n and bias.shape and bias.shape[-1] == n:
         copies, moved = copies + 1, moved + 2 * math.prod(bias.shape) * itemsize
-    if n_p != n:  # the first N columns copied out of the padded result: eager's layout (see codegen/padded.py)
-        copies, moved = copies + 1, moved + 2 * batch * m * n * itemsize
     return PaddedGemm(m, n, k, batch, dtype, align, n_p, k_p, unaligned, moved, copies)
 
 

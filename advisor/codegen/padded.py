@@ -11,16 +11,17 @@ Under autograd the module trains as it is (`DIFFERENTIABLE`): the pads, the prod
 PyTorch's ops, so autograd's backward of the padded product is two more aligned GEMMs (the gradient of
 the slice is the output gradient zero-padded, of the pads a slice). What Inductor does for training.
 
-What it returns: a fresh tensor in eager's layout, the slice copied out of the padded result. Inductor
-returns the strided slice itself (row stride N_padded), which saves one pass over the output (GPT-2's
-logits: 0.8 GB read and written, about 0.55 ms of the H100's 1.8 ms for the padded head), but a caller's
-`.view` of logits (`logits.view(-1, V)` in loss code) fails on it, and inside a captured graph the ops
-after the site were traced against eager's strides. Eager's layout is the safe default until a
-measurement shows the copy matters where no one reshapes the result.
+What it returns: the padded product's first N columns as they lie, a strided view (row stride N_padded),
+as Inductor's `pad_mm` does: torch.compile hands GPT-2's logits back the same way. Copying them out into
+eager's layout cost a second pass over the output (GPT-2's logits on the H100: 2.19 ms for the launcher
+with the copy against 1.25 ms without it, reports/padded_matmul_h100.json; a Triton GEMM writing eager's
+layout directly measured 1.87 ms). Values and shape are eager's; what differs is `is_contiguous()` and the
+views that need it: `logits.view(-1, V)` (loss code's flattening of batch and sequence) works, because
+those dims stay uniformly strided; a view that merges N with another dim (`.view(-1)`) fails, as it does
+on torch.compile's output, and `.reshape` copies instead.
 """
 from __future__ import annotations
 
-from advisor.codegen.ir import _order
 from advisor.codegen.matmul import Anchored, the_anchor
 from advisor.ops.lowering import Unsupported
 
@@ -34,11 +35,6 @@ CALLS = {  # aten op -> the call on the padded operands (a, b, bias are the role
 }
 
 HELPERS = '''
-
-def _empty(shape, order, dtype, device):
-    """A new output, dense in the memory order eager produced (validation swaps in a NaN-filled one)."""
-    return torch.empty_permuted(shape, order, dtype=dtype, device=device)
-
 
 def _round_up(n):
     return -(-n // ALIGN) * ALIGN
@@ -80,7 +76,6 @@ def padded_matmul_source(ctx: Anchored) -> str:
     out = p.outputs[0]
     itemsize = out.dtype.itemsize
     align = 16 // itemsize
-    order = tuple(_order(out.rec_strides, out.rec_shape))
     # b is [.., K, N], or [N, K] for linear's weight: which of its last two dims is N decides its padding.
     b_sizes = "(n_p, k_p)" if anc.b_nk else "(k_p, n_p)"
     n_of_b = "b.shape[-2]" if anc.b_nk else "b.shape[-1]"
@@ -99,7 +94,7 @@ def padded_matmul_source(ctx: Anchored) -> str:
         HELPERS,
         "",
         f"def run({', '.join(ids)}):",
-        f'    """{name}: the padded product, its first N columns copied out in eager\'s layout."""',
+        f'    """{name}: the padded product\'s first N columns (a strided view of it)."""',
         f"    {unpack}{',' if len(ids) == 1 else ''} = {', '.join(ids)}",
         f"    n, k = {n_of_b}, a.shape[-1]",
         "    n_p, k_p = _round_up(n), _round_up(k)",
@@ -110,10 +105,6 @@ def padded_matmul_source(ctx: Anchored) -> str:
         lines.append("    bias = _padded(bias, (*bias.shape[:-1], n_p)) if bias.dim() and bias.shape[-1] == n else bias")
     lines += [
         f"    result = {call}",
-        "    if n_p == n:  # only K or a layout was padded: the product is the output as it stands",
-        "        return (result,)",
-        f"    out0 = _empty((*result.shape[:-1], n), {order}, result.dtype, result.device)",
-        "    out0.copy_(result[..., :n])",
-        "    return (out0,)",
+        "    return (result[..., :n],)  # the padded columns are never handed out",
     ]
     return "\n".join(lines) + "\n"

@@ -265,7 +265,8 @@ class Backend:
         site = rewrite.Site(key=spec.key, label=f"{spec.candidate} {spec.title}",
                             launcher=_launcher(spec, program, kernel_file, fallback),
                             fallback=fallback, inputs=[rewrite.InputSpec.of(s) for s in program["inputs"]],
-                            outputs=rewrite.output_layouts(m), device_type=spec.device_type,
+                            outputs=rewrite.output_layouts(m), handed_back=rewrite.handed_back(m),
+                            device_type=spec.device_type,
                             scalar_device=self.device if spec.replacement == "kernel" else "cpu")
         if differentiable(spec):
             site.trainable = site.forward  # PyTorch's own ops: autograd differentiates the launcher itself

@@ -139,6 +139,10 @@ class Site:
     outputs: list[tuple]  # (shape, strides, dtype) the graph expects of each output
     device_type: str | None  # what the kernel was validated on; None = any
     scalar_device: torch.device | str = "cpu"  # where launchers get wrapped scalars (as 0-dim tensors)
+    # Per output: the views the graph takes of it on the way out, or None where an op of the graph reads
+    # it (`handed_back`): an output only handed back may keep the launcher's layout (the padded GEMM's
+    # strided view, as torch.compile returns it) instead of being copied into the traced one.
+    handed_back: tuple = ()
     stats: dict = field(default_factory=lambda: {"launched": 0, "fell_back": 0})
     callers: dict = field(default_factory=dict)  # caller token (see `set_caller`) -> launches
     broken: str | None = None
@@ -207,7 +211,8 @@ class Site:
         if len(outs) != len(self.outputs):
             raise RuntimeError(f"launcher returned {len(outs)} outputs, the program has {len(self.outputs)}")
         fixed = []
-        for o, (shape, strides, dtype) in zip(outs, self.outputs):
+        back = self.handed_back or (None,) * len(outs)
+        for o, (shape, strides, dtype), paths in zip(outs, self.outputs, back):
             if isinstance(o, torch.Tensor) and tuple(o.shape) != shape and o.dtype == dtype \
                     and o.numel() == math.prod(shape):
                 # The graph holds the output flattened (AOTAutograd decomposes a 4-d matmul into a 3-d bmm
@@ -216,7 +221,7 @@ class Site:
             if not isinstance(o, torch.Tensor) or tuple(o.shape) != shape or o.dtype != dtype:
                 got = f"{tuple(o.shape)} {o.dtype}" if isinstance(o, torch.Tensor) else type(o).__name__
                 raise RuntimeError(f"launcher output is {got}, expected {shape} {dtype}")
-            if not same_strides(shape, strides, o.stride()):
+            if not same_strides(shape, strides, o.stride()) and (paths is None or not views_accept(o, paths)):
                 # Later views in the graph were recorded for the original layout: restore it.
                 o = torch.empty_strided(shape, strides, dtype=dtype, device=o.device).copy_(o)
             fixed.append(o)
@@ -476,6 +481,49 @@ def _fake_view(root: Node, spec: dict, off: int):
         except Exception:
             return None
     return None
+
+
+VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
+
+
+def handed_back(match: Match) -> tuple:
+    """Per output of the match: None where an op of the graph reads it, else the shapes of the views the
+    graph takes of it on the way to its output (each path one tuple of shapes; `()` for none: AOTAutograd
+    flattens a linear's product to 2-d and views it back). Such an output may reach the caller in the
+    launcher's layout, when those views accept it (`views_accept`); any other keeps the layout the
+    graph's later ops were traced with."""
+    inside = match.g_nodes()
+
+    def paths(node, shapes: tuple):
+        out = []
+        for u in node.users:
+            if u in inside:
+                continue
+            if u.op == "output":
+                out.append(shapes)
+            elif u.op == "call_function" and u.target in VIEWS and u.args[0] is node and len(u.args) == 2 \
+                    and all(type(d) is int for d in u.args[1]):
+                sub = paths(u, shapes + (tuple(u.args[1]),))
+                if sub is None:
+                    return None
+                out += sub
+            else:
+                return None
+        return tuple(out)
+
+    return tuple(paths(o, ()) for o in match.outputs)
+
+
+def views_accept(t: torch.Tensor, paths: tuple) -> bool:
+    """Whether every chain of views in `paths` can be taken of t as it is laid out (no copy)."""
+    try:
+        for shapes in paths:
+            v = t
+            for shape in shapes:
+                v = v.view(shape)
+    except RuntimeError:  # a view merging dims t's strides keep apart
+        return False
+    return True
 
 
 def output_layouts(match: Match) -> list[tuple]:

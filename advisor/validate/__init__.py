@@ -184,13 +184,15 @@ def _run_kernel(module, prog, inputs: dict) -> tuple[list, dict]:
     from advisor.validate.reference import _clone_strided
 
     args = {k: _clone_strided(t, t.dtype) for k, t in inputs.items()}
-    real_empty = module._empty
-    module._empty = lambda *a, **k: poison(real_empty(*a, **k))
+    real_empty = getattr(module, "_empty", None)  # absent where no output is allocated (a view is returned)
+    if real_empty is not None:
+        module._empty = lambda *a, **k: poison(real_empty(*a, **k))
     try:
         with np.errstate(all="ignore"):  # the interpreter's numpy warns on log(0) etc., as the GPU does not
             outs = module.run(*[args[i.id] for i in prog.inputs])
     finally:
-        module._empty = real_empty
+        if real_empty is not None:
+            module._empty = real_empty
     if torch.cuda.is_available() and not interpreted():
         torch.cuda.synchronize()
     return list(outs), args
