@@ -27,6 +27,9 @@ Matmuls and convolutions are anchors; more rules build on them:
 10. Padded matmul: a GEMM alone whose leading dimension or base is not 16-byte aligned (GPT-2's logits,
    N = 50257), which cuBLAS runs with a slow unaligned kernel: padded to alignment it runs at its FLOP
    roofline (`alignment.py`; the analyzer keeps it only where that measures worth the pad copies).
+11. Window: a max-pool whose input a pointwise group (or one fusible op) makes and nothing else reads: the
+   group is computed at each tap of each window (again where windows overlap: cheap arithmetic, the
+   loads hit the cache) and its output is never written: ResNet's stem, BatchNorm + ReLU + max-pool.
 Everything else is a barrier.
 """
 from __future__ import annotations
@@ -60,7 +63,7 @@ class Group:
 
 def fusible(info: OpInfo) -> bool:
     """Whether the rules may put an op of this registry entry in a group (given its arguments and shapes)."""
-    return (info.cls in (OpClass.POINTWISE, OpClass.REDUCTION) or "fusible_cat" in info.tags
+    return (info.cls in (OpClass.POINTWISE, OpClass.REDUCTION) or bool({"fusible_cat", "window"} & info.tags)
             or (info.cls == OpClass.NORM and bool({"batchnorm", "rowwise"} & info.tags)))
 
 
@@ -74,8 +77,8 @@ def not_generated(graph: Graph, group: Group) -> list[dict]:
 def node_domain(graph: Graph, n: Node) -> Domain | None:
     """The node's iteration space if the registry says it can fuse, else None (a barrier)."""
     info = lookup(n.op)
-    if info is None or not n.writes or not fusible(info):
-        return None
+    if info is None or not n.writes or not fusible(info) or "window" in info.tags:
+        return None  # (a window op only ends a group: rule 11, `_windows`)
     out_numel = _numel(n.writes[0].shape)
     if n.cls == OpClass.POINTWISE or (info.tags and "fusible_cat" in info.tags):
         return Domain(max(out_numel, 1))
@@ -128,7 +131,7 @@ def find_groups(graph: Graph) -> list[Group]:
     for g in fused:
         g.members.sort()
     groups = (fused + _epilogues(graph, domains, group_of) + _attention(graph, fused, group_of)
-              + _matmul_reductions(graph, domains, group_of) + _padded_matmuls(graph))
+              + _matmul_reductions(graph, domains, group_of) + _padded_matmuls(graph) + _windows(graph, domains, group_of))
     return [g for g in groups if not any(_apart(nodes[g.members[0]], nodes[m]) for m in g.members)]  # rule 6
 
 
@@ -267,6 +270,27 @@ def _matmul_reductions(graph: Graph, domains: list, group_of: dict[int, Group]) 
             continue
         out.append(Group(sorted({anchors[0], *members, r.idx}), _numel(r.reads[0].shape), None,
                          kind="matmul_reduction"))
+    return out
+
+
+def _windows(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[Group]:
+    """Rule 11: each max-pool after a pointwise group (or one fusible op) that only it reads, with that group."""
+    out = []
+    for n in graph.nodes:
+        info = lookup(n.op)
+        if info is None or "window" not in info.tags or not n.reads or not n.writes:
+            continue
+        if any(graph.values[w.value].consumers for w in n.writes[1:]):
+            continue  # its indices are read (max_unpool, a backward): the kernel computes only the maxima
+        src = graph.values[n.reads[0].value].producer
+        if src < 0 or domains[src] is None or domains[src].rows is not None or graph.nodes[src].iteration != n.iteration:
+            continue
+        chain = group_of.get(src)
+        members = list(chain.members) if chain is not None and len(chain.members) >= 2 and chain.rows is None else [src]
+        inside = set(members) | {n.idx}
+        if not all(_only_read_by(graph, m, inside) for m in members):
+            continue  # the chain's output is needed elsewhere too: it is written anyway
+        out.append(Group(sorted(inside), _numel(n.writes[0].shape), None, extends=chain))
     return out
 
 

@@ -187,7 +187,13 @@ def family_of(labels: list[str], group: Group) -> Family:
     return next((f for hit, f in rules if hit), Family.POINTWISE)
 
 
+_POOLS = {"max_pool2d", "max_pool2d_with_indices"}
+
+
 def _name(labels: list[str], group: Group) -> str:
+    if any(l in _POOLS for l in labels):  # a window op ends its chain (fusion rule 11): the chain, then the pool
+        rest = [l for l in labels if l not in _POOLS]
+        return (_name(rest, group) + " + max-pool") if rest else "max-pool"
     fam = family_of(labels, group)
     s = set(l.rstrip("_") for l in labels)
     prefix = "Residual add + " if labels and labels[0].rstrip("_") == "add" and group.rows else ""

@@ -99,6 +99,8 @@ class Builder:
             return self.eval_cat(op, idx)
         if kind == "row":
             return self.eval_row(op, slot, idx)
+        if kind == "window":
+            return self.eval_window(op, slot, idx)
         return self.eval_pointwise(op, slot, idx)
 
     def eval_pointwise(self, op: Op, slot: int, idx: tuple) -> Node:
@@ -183,6 +185,39 @@ class Builder:
                               dtype=ct, logical=out.dtype, comment=op.qualname)
         return self.finish(res, op, out.dtype)
 
+    def eval_window(self, op: Op, slot: int, idx: tuple) -> Node:
+        """Max-pooling at output index idx: the input (its whole chain, recomputed) at each tap of the window,
+        taps outside the input as -inf (PyTorch's padding), NaN winning as in eager's kernel. The spatial
+        sizes are literals here (pinned by the shape rule), so the taps' bounds are constants."""
+        if slot:
+            raise Unsupported(f"{op.qualname}: its indices are read; the kernel computes only the maxima")
+        x, out = op.args["self"], op.outputs[0]
+        if not out.dtype.is_floating_point:
+            raise Unsupported(f"{op.qualname} of {out.dtype}: only floating-point inputs pad with -inf")
+        k = _pair(op.args.get("kernel_size"))
+        s, pad, dil = _pair(op.args.get("stride") or k), _pair(op.args.get("padding") or 0), _pair(op.args.get("dilation") or 1)
+        size = [self.p.sizes.norm(d).const for d in x.shape[-2:]]
+        ct = opmath(out.dtype)
+        lead, at = tuple(idx[:-2]), idx[-2:]
+        taps = []  # per spatial dim: (in-bounds test, clamped index) of each tap
+        for d in range(2):
+            row = []
+            for t in range(k[d]):
+                i = self.dag.iadd(self.dag.imul(at[d], self.dag.lit(s[d])), self.dag.lit(t * dil[d] - pad[d]))
+                inside = self.dag.op("({} >= 0) & ({} < {})", i, i, self.dag.lit(size[d]), dtype=torch.bool)
+                clamped = self.dag.add("op", "tl.minimum(tl.maximum({}, 0), {})", (i, self.dag.lit(size[d] - 1)))
+                row.append((inside, clamped))  # clamped: loads stay in bounds; `inside` drops them
+            taps.append(row)
+        best = None
+        for inside_h, ih in taps[0]:
+            for inside_w, iw in taps[1]:
+                v = self.dag.cast(self.read(x, lead + (ih, iw)), ct)
+                v = self.dag.op('tl.where({} & {}, {}, -float("inf"))', inside_h, inside_w, v, dtype=ct)
+                best = v if best is None else self.dag.op(
+                    "tl.where(({} > {}) | ({} != {}), {}, {})", v, best, v, v, v, best, dtype=ct,
+                    comment=op.qualname)
+        return self.finish(best, op, out.dtype)
+
     def eval_row(self, op: Op, slot: int, idx: tuple) -> Node:
         self_view = next(v for v in op.args.values() if isinstance(v, View))
         nlead = len(self_view.shape) - 1
@@ -265,6 +300,12 @@ def _result_type(vals) -> torch.dtype:
     if dt is None:
         return dummies[0].dtype if isinstance(dummies[0], torch.Tensor) else torch.tensor(dummies[0]).dtype
     return dt
+
+
+def _pair(v) -> tuple:
+    """A pooling argument as (h, w): an int or a one-element list stands for both."""
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return (int(v[0]), int(v[-1])) if v else (0, 0)
 
 
 def size_name(d: Dim) -> str:

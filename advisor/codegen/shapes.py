@@ -23,6 +23,13 @@ def infer_shapes(p: Program, op: Op, recorded: list) -> list:
             if isinstance(v, View) and len(first) > 1:
                 p.sizes.unify(first[1], v.shape[0])
         return [list(first)] + [[Dim((), n, n) for n in shape] for shape in recorded[1:]]
+    if rule == "window":  # max-pooling: the windows' geometry is the spatial sizes', fixed at the recorded ones
+        if len(first) < 3:
+            raise Unsupported(f"{op.qualname} of a {len(first)}-d input")
+        for d in first[-2:]:
+            p.sizes.pin(d)
+        out = list(first[:-2]) + [Dim((), n, n) for n in recorded[0][-2:]]
+        return [out, out]  # the second output (indices) is refused where read: `Builder.eval_window`
     if rule == "row":
         _check_last_dim(a.get("dim"), len(first))
         return [list(first)]

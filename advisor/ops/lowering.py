@@ -36,12 +36,12 @@ class Unsupported(Exception):
 @dataclass(frozen=True)
 class Lowering:
     op: str  # "aten::add" (in-place twins share the entry)
-    kind: str  # "pointwise" | "cat" | "row"
+    kind: str  # "pointwise" | "cat" | "row" | "window"
     emit: Callable | None
     promote: str = "common"
     operands: tuple = ("self",)  # schema args that are tensors or numbers taking part in promotion
     positive: tuple = ()  # operands that validation draws strictly positive (log, sqrt, pow, ...)
-    shape: str = "broadcast"  # broadcast | cat | reduce | row | norm | channel | factory: output shape rule
+    shape: str = "broadcast"  # broadcast | cat | reduce | row | norm | channel | factory | window: output shapes
     channel: tuple = ()  # per-channel vector operands, indexed by dim 1 of the output (batch norm)
 
 
@@ -378,6 +378,14 @@ pw("batch_norm native_batch_norm cudnn_batch_norm miopen_batch_norm _native_batc
 
 # --------------------------------------------------------------------------------------------- cat
 _add("cat", "cat", None, promote="none", operands=("tensors",), shape="cat")
+
+
+# ------------------------------------------------------------------------------------------ windows
+# Max-pooling: the max over each output element's window, tap by tap (`Builder.eval_window`), so the chain
+# before it is computed at every tap and never written: ResNet's stem (BatchNorm + ReLU + max-pool) is one
+# kernel, as Inductor makes it. The spatial sizes are fixed at the recorded ones (`shapes`: rule "window").
+_add("max_pool2d", "window", None, promote="none", operands=("self",), shape="window")
+_add("max_pool2d_with_indices", "window", None, promote="none", operands=("self",), shape="window")
 
 
 # ------------------------------------------------------------------------- rows (last-dim ops)

@@ -43,7 +43,7 @@ class OpInfo:
     cls: OpClass
     inplace: bool = False  # writes its first tensor argument
     # Families the fusion rules ask about: rowwise (last-dim row ops), grouped, batchnorm, fusible_cat,
-    # convert, factory.
+    # convert, factory, window (max-pooling).
     tags: frozenset = field(default_factory=frozenset)
     # Cost model. Bytes: every op moves its tensors' true sizes (read and written), whatever the op.
     # Flops: "output" counts one per output element; "matmul" 2 * output * K.
@@ -113,6 +113,12 @@ def lookup(name: str) -> OpInfo | None:
     if info is None and "." in name.split("::", 1)[-1]:
         info = _REGISTRY.get(name.rsplit(".", 1)[0])
     return info
+
+
+def tagged(name: str, tag: str) -> bool:
+    """Whether the op belongs to a family the rules ask about ("window", "batchnorm", ...)."""
+    info = lookup(name)
+    return info is not None and tag in info.tags
 
 
 def op_class(name: str) -> OpClass:
@@ -222,11 +228,15 @@ flatten_dense_tensors _has_compatible_shallow_copy_type""".split():
 
 for _n in """cat stack gather scatter scatter_add index index_select index_put index_put_ embedding
 take masked_select masked_scatter repeat tile roll flip narrow_copy _index_put_impl_ constant_pad_nd pad
-max_pool2d max_pool2d_with_indices adaptive_avg_pool2d avg_pool2d _adaptive_avg_pool2d triu tril
+adaptive_avg_pool2d avg_pool2d _adaptive_avg_pool2d triu tril
 sort topk arange linspace one_hot nonzero upsample_nearest2d upsample_bilinear2d im2col col2im
 _unsafe_index slice_scatter select_scatter""".split():
     register(f"aten::{_n}", OpClass.DATA_MOVEMENT)
 register("aten::cat", OpClass.DATA_MOVEMENT, tags=frozenset({"fusible_cat"}))
+# Window reductions: each output element is the max over a window of the input. They end a fusion group (the
+# chain before one is evaluated at each tap: `analysis.fusion`, rule 11), never start or extend one.
+for _n in ["max_pool2d", "max_pool2d_with_indices"]:
+    register(f"aten::{_n}", OpClass.DATA_MOVEMENT, tags=frozenset({"window"}))
 
 for _n in """empty empty_like empty_strided new_empty new_empty_strided zeros_like_alloc resize_ _local_scalar_dense
 item is_nonzero record_stream _assert_async size stride numel dim is_same_size result_type

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from advisor.ops.registry import tagged
 from advisor.patching.plan import PatternSpec, spec_from_candidate
 from advisor.records import Candidate, PatternResult, Verdict, candidates_of
 from advisor.status import Status
@@ -49,7 +50,26 @@ def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
             specs.append(spec_from_candidate(c.to_json(), "kernel", r.kernel_file, r.device_type or device_type,
                                              r.variants))
     rank = {c.id: i for i, c in enumerate(top_candidates)}
-    return specs, sorted(records + negligible, key=lambda r: rank[r.candidate])
+    return substitution_order(specs, by_id), sorted(records + negligible, key=lambda r: rank[r.candidate])
+
+
+def substitution_order(specs: list[PatternSpec], by_id: dict) -> list[PatternSpec]:
+    """The specs in the order the patcher substitutes them (where patterns overlap, the first takes the ops):
+    rank order, except that a chain ending in a window op (fusion rule 11: BatchNorm + ReLU + max-pool) goes
+    before the chain alone that it extends. Ranked by total saving, the chain alone (ResNet-50's BatchNorm +
+    ReLU, 33 sites) would come first and take the pooled site's ops too; fusing the pool as well only saves
+    more there (the chain's output is never written). Epilogues keep rank order: theirs is a trade against
+    cuBLAS that selection measures."""
+    out = list(specs)
+    for s in specs:
+        c = by_id.get(s.candidate)
+        if c is None or not c.extends or not any(tagged(op, "window") for op in c.ops):
+            continue
+        base = next((i for i, t in enumerate(out) if t.candidate == c.extends), None)
+        if base is not None and out.index(s) > base:
+            out.remove(s)
+            out.insert(base, s)
+    return out
 
 
 def worth_patching(candidates: list[Candidate]) -> tuple[list[Candidate], list[PatternResult]]:
