@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     for name in models:
         for _ in range(3):
             step(name)
+    print("process and model state:", state(torch, models))
     got = {name: [] for name in models}
     for _ in range(a.rounds):
         for name in models:
@@ -88,6 +89,25 @@ def main(argv=None) -> int:
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
         print(f"== {name}\n" + "\n".join(out.getvalue().splitlines()[:34]))
     return 0
+
+
+def state(torch, models: dict) -> dict:
+    """What might make one model's ops cost more on the host than the other's: modes and hooks left active,
+    threads, the garbage collector's load, and per model the hooks on its parameters and modules."""
+    import gc
+    import threading
+
+    out = {"torch_function_modes": torch._C._len_torch_function_stack(),
+           "dispatch_modes": torch._C._len_torch_dispatch_stack(), "threads": threading.active_count(),
+           "gc_objects": len(gc.get_objects()), "grad": torch.is_grad_enabled(),
+           "anomaly": torch.is_anomaly_enabled(), "saved_tensor_hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None}
+    for name, m in models.items():
+        params = list(m.model.parameters())
+        out[name] = {"params": len(params), "params_with_hooks": sum(bool(p._backward_hooks) or bool(getattr(p, "_post_accumulate_grad_hooks", None)) for p in params),
+                     "modules_with_hooks": sum(bool(x._forward_hooks or x._forward_pre_hooks or x._backward_hooks) for x in m.model.modules()),
+                     "contiguous_params": sum(p.is_contiguous() for p in params),
+                     "dtypes": sorted({str(p.dtype) for p in params})}
+    return out
 
 
 if __name__ == "__main__":
