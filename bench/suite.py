@@ -597,7 +597,7 @@ def select_patterns(c: Child, report, model, call, device: str, meaningful: bool
     """`advisor.workflows.selection.keep_faster`: each patched pattern timed alone, the ones that save time kept, and
     the kept set only if it beats eager end to end (else the model runs unpatched); what it decided goes
     into the workload's record. Skipped (all kept) when the budget has no time left for it."""
-    from advisor.workflows.selection import keep_faster
+    from advisor.workflows.selection import final_status, keep_faster
 
     adv = c.r["advisor"]
     patched = [p for p in report.patterns if p.get("patched")]
@@ -609,7 +609,11 @@ def select_patterns(c: Child, report, model, call, device: str, meaningful: bool
         _mark(adv, set(adv["kept"]))
         return
     # `exact`: the float32 reference the outer capture's check judges low-precision outputs by, as optimize's
-    _, sel, report.results = keep_faster(call, report.handle, device, report.results, iters=20, exact=exact)
+    handle, sel, report.results = keep_faster(call, report.handle, device, report.results, iters=20, exact=exact)
+    if sel.get("outer") and sel.get("outer_sites") is not None:  # as optimize's: patterns only the whole stack fuses
+        doc = json.loads((report.out_dir / "analysis.json").read_text())
+        report.results = final_status(report.results, report.handle.plan.patterns, handle,
+                                      report.check.get("dropped") or {}, doc, sel["outer_sites"], sel)
     adv.update(decision=sel["decision"], kept=sel["kept"])
     # what the final comparison timed (every state, the whole stack's included) and why a state was refused
     adv["selection"] = {k: sel.get(k) for k in ("state", "final", "outer", "outer_check")}

@@ -403,6 +403,27 @@ def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkey
     assert _enabled(w.model) == "unpatched"
 
 
+def test_select_marks_the_patterns_only_the_whole_stack_fuses_patched_when_it_is_chosen(optimized_llama, monkeypatch):
+    """The suite selects as optimize does: when the whole stack measures fastest, the patterns only its outer
+    capture fuses (occurrences across layers) are reported patched, not "fused only by the outer capture"."""
+    from advisor.patching import patch
+
+    w, call, report = optimized_llama
+    report.handle = patch(w.model, report.handle.plan)  # every pattern on again (an earlier test unpatched it)
+    keys = {s.candidate: s.key for s in report.handle.plan.patterns}
+    outer_only = report.handle.plan.outer_only_keys()
+    assert any(p["status"].startswith("not patched: its ops lie in") for p in report.patterns
+               if keys.get(p["candidate"]) in outer_only)
+    _fake_timings(monkeypatch, {}, before=10.0, final={"all": 9.0, "captured": 9.5, "whole": 6.0})
+    c = _FakeChild()
+    suite.select_patterns(c, report, w.model, call, "cuda", True)
+    adv = c.r["advisor"]
+    assert adv["selection"]["state"] == "whole", adv["decision"]
+    cross = [p for p in adv["patterns"] if keys.get(p["candidate"]) in outer_only]
+    assert cross and all(p["status"] == "patched" and p["kept"] for p in cross), cross
+    assert set(adv["kept"]) >= {p["candidate"] for p in cross}
+
+
 def test_select_keeps_the_captures_alone_when_they_are_what_is_faster(optimized_llama, monkeypatch):
     """Every pattern slower alone, the captured layers faster than eager (their CUDA-graph replay): the
     captures stay with every site on its original ops, and the decision says so."""

@@ -36,7 +36,7 @@ from advisor.workflows import plan_cache
 from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.outcome import interpreter_only, pattern_status
-from advisor.workflows.selection import keep_faster, mark_kept, time_patterns
+from advisor.workflows.selection import final_status, keep_faster, time_patterns
 from advisor.workflows.training import keep_faster_training
 from advisor.workflows.workers import start_soon
 
@@ -167,7 +167,7 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
                                                        float32_reference(model, args, kwargs))
         if selection.get("outer_sites") is not None and selection.get("state"):
             # statuses as selection left them: patterns fused only across layers are patched or not kept by it
-            records = _final_status(records, specs, selected, chk.dropped, doc,
+            records = final_status(records, specs, selected, chk.dropped, doc,
                                     selection["outer_sites"] if selection.get("outer") else launched, selection)
         timed = selection.pop("timing", None)
         if selected is not handle or selection.get("state") not in (None, "all"):
@@ -198,17 +198,6 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
         plan_cache.store(out_dir, key)
     return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds, selection,
                           training, modes)
-
-
-def _final_status(records, specs, handle, dropped, doc, launched, selection) -> list:
-    """Statuses once selection chose between the layer captures and the outer ones (patterns fused only
-    across layers are patched, or not kept, by that choice)."""
-    records = pattern_status(records, specs, handle, dropped, doc, launched, selected=True)
-    key_of = {s.candidate: s.key for s in handle.plan.patterns}
-    enabled = handle.enabled if handle.enabled is not None else frozenset(key_of.values())
-    records = mark_kept(records, key_of, enabled, True)
-    selection["kept"] = [r.candidate for r in records if r.kept]
-    return records
 
 
 def split_inputs(example_inputs) -> tuple[tuple, dict]:

@@ -15,6 +15,7 @@ from advisor.bench import timing  # read at call time: tests replace its clocks
 from advisor.patching import only, patch, patches_off, whole
 from advisor.patching.verify import check_outer
 from advisor.records import PatternResult
+from advisor.workflows.outcome import pattern_status
 from advisor.status import Status
 
 ROUNDS = 5  # interleaved rounds of the final comparison: pairs enough for `margin_ms` to mean something
@@ -142,6 +143,18 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
     records = mark_kept(records, key_of, enabled, best is not None)
     out["kept"] = [r.candidate for r in records if r.kept]
     return best, out, records
+
+
+def final_status(records, specs, handle, dropped, doc, launched, selection) -> list:
+    """Statuses once selection chose between the layer captures and the outer ones (patterns fused only
+    across layers are patched, or not kept, by that choice). `launched`: the chosen state's launched sites
+    (the outer capture's `outer_sites` where it was chosen)."""
+    records = pattern_status(records, specs, handle, dropped, doc, launched, selected=True)
+    key_of = {s.candidate: s.key for s in handle.plan.patterns}
+    enabled = handle.enabled if handle.enabled is not None else frozenset(key_of.values())
+    records = mark_kept(records, key_of, enabled, True)
+    selection["kept"] = [r.candidate for r in records if r.kept]
+    return records
 
 
 def mark_kept(records: list[PatternResult], key_of: dict, enabled: frozenset,
