@@ -474,3 +474,24 @@ def test_zoo_estimates_say_which_measurements_can_judge_the_estimate():
     line = zoo.estimates(doc)
     assert line.startswith("Estimate vs measured: 1 of 3 kept patterns within ±25%")
     assert "resolves ±25% (its spread under a quarter of the estimate) for 2 of them, 1 of those within" in line
+
+
+def test_interleaved_rounds_reverse_their_order_every_other_round(monkeypatch):
+    """A drift within a round (a host slowing down as it goes) must not always land on the same state:
+    the configurations run in order, then reversed, round after round (ABBA)."""
+    import contextlib
+
+    from advisor.bench import timing
+
+    order = []
+
+    def state(name):
+        @contextlib.contextmanager
+        def ctx():
+            order.append(name)
+            yield
+        return ctx
+
+    monkeypatch.setattr(timing, "warm_up", lambda *a, **k: None)
+    t = timing.time_configs(lambda: None, {n: state(n) for n in "abc"}, "cpu", iters=4, rounds=4)
+    assert order == list("abccbaabccba") and all(len(t[n].rounds_ms) == 4 for n in "abc")

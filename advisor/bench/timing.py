@@ -8,9 +8,10 @@ them `timing_meaningful: false` and claim no speedup.
 `time_configs` compares several configurations of one call (unpatched, patched, each pattern alone):
 all are warmed up together for a fixed time first (`warm_up`: GPU clocks and the allocator settle: on
 an H100 the first 20 calls of an 8-layer Llama ran 25% slower than later ones), then timed in interleaved
-rounds, so drift hits all alike. Each configuration keeps its round medians (`rounds_ms`): two
-configurations are compared round by round (paired: a host stall or a clock change in one round hits
-both), and `spread_ms` (max - min of a configuration's round medians) says how much one drifted.
+rounds, in reversed order every other round, so drift hits all alike. Each configuration keeps its
+round medians (`rounds_ms`): two configurations are compared round by round (paired: a host stall or a
+clock change in one round hits both), and `spread_ms` (max - min of a configuration's round medians)
+says how much one drifted.
 """
 from __future__ import annotations
 
@@ -73,8 +74,12 @@ def time_configs(call: Callable[[], object], configs: dict, device: str, iters: 
     per_round = max(1, math.ceil(iters / rounds))
     samples: dict = {k: [] for k in configs}
     medians: dict = {k: [] for k in configs}
-    for _ in range(rounds):
-        for name, ctx in configs.items():
+    names = list(configs)
+    for r in range(rounds):
+        # ABBA: the order reversed every other round, so a drift within a round (clocks, the allocator, a
+        # host that slows down) falls on every configuration alike over two rounds instead of on the last
+        for name in names if r % 2 == 0 else names[::-1]:
+            ctx = configs[name]
             with ctx():
                 t = time_call(call, device, warmup=2, iters=per_round)
             samples[name] += t.samples_ms
