@@ -775,9 +775,9 @@ def _time(fn, device: str, warmup: int, iters: int) -> dict:
 
 
 def interleaved(fns: dict, device: str, iters: int, rounds: int, warmup_s: float) -> dict:
-    """Each callable warmed up (>= 3 calls and `warmup_s`), then timed in `rounds` interleaved rounds
-    (`advisor.bench.timing.time_call`: CUDA events on a GPU): median over all samples; spread = max - min
-    of the round medians."""
+    """Each callable warmed up (>= 3 calls and `warmup_s`), then timed in `rounds` interleaved rounds, in
+    reversed order every other round (`advisor.bench.timing.time_call`: CUDA events on a GPU): median over
+    all samples; spread = max - min of the round medians."""
     import torch
 
     from advisor.bench.timing import time_call
@@ -793,9 +793,10 @@ def interleaved(fns: dict, device: str, iters: int, rounds: int, warmup_s: float
     per = math.ceil(iters / rounds)
     samples = {k: [] for k in fns}
     medians = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t = time_call(fn, device, warmup=1, iters=per)
+    names = list(fns)
+    for r in range(rounds):  # ABBA, as `advisor.bench.timing.time_configs`: in-round drift hits all alike
+        for k in names if r % 2 == 0 else names[::-1]:
+            t = time_call(fns[k], device, warmup=1, iters=per)
             samples[k] += t.samples_ms
             medians[k].append(t.median_ms)
     out = {}
@@ -1065,7 +1066,7 @@ def markdown(doc: dict) -> str:
           "- Order in the child: eager (reference output), `advisor.optimize` on a deep copy of the model (the "
           "process's first real dynamo capture, as in the warm-cache process), selection, torch.compile of the "
           "original model (it may profit from the warmer dynamo, the advisor never does), then the final "
-          "interleaved timing of all three (each warmed up ≥ 0.5 s, then 3 rounds of eager / advisor / compile, "
+          "interleaved timing of all three (each warmed up ≥ 0.5 s, then 3 rounds of eager / advisor / compile (reversed in the second), "
           "CUDA events around each call), then outputs and kernel counts. Each phase is time-capped (SIGALRM) so "
           "one slow phase cannot take the others' time; a phase that fails or overruns is reported, not hidden.",
           "- Selection: `advisor.workflows.selection.time_patterns` times each patched pattern alone against the captured "

@@ -175,8 +175,10 @@ def test_interleaved_and_time_limit():
     calls = []
     t = suite.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, "cpu", 6, 3, 0.0)
     assert t["a"]["iters"] == 6 and t["a"]["rounds"] == 3 and len(t["a"]["round_medians_ms"]) == 3
-    # one warm-up turn, then each of the 3 rounds times a's calls, then b's: never all of a's rounds first
-    assert [name for name, _ in itertools.groupby(calls)] == ["a", "b"] * (1 + 3)
+    # one warm-up call each, then 3 rounds of 3 calls each (1 untimed + 2 timed): a then b, b then a, a then b
+    # (ABBA: the second round's b follows the first's, its a the third's); never all of a's rounds first
+    runs = [(name, len(list(g))) for name, g in itertools.groupby(calls)]
+    assert runs == [("a", 1), ("b", 1), ("a", 3), ("b", 6), ("a", 6), ("b", 3)], runs
     import time
 
     with pytest.raises(suite.PhaseTimeout):
