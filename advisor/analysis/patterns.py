@@ -10,7 +10,7 @@ from advisor.analysis.alignment import unaligned_gemm
 from advisor.analysis.fusion import Group
 from advisor.graph.nodes import Graph, Node, per_template
 from advisor.graph.dtypes import short as short_dtype
-from advisor.ops.registry import lookup
+from advisor.ops.registry import lookup, tagged
 
 
 def signature(graph: Graph, group: Group) -> str:
@@ -187,12 +187,10 @@ def family_of(labels: list[str], group: Group) -> Family:
     return next((f for hit, f in rules if hit), Family.POINTWISE)
 
 
-_POOLS = {"max_pool2d", "max_pool2d_with_indices"}
-
-
 def _name(labels: list[str], group: Group) -> str:
-    if any(l in _POOLS for l in labels):  # a window op ends its chain (fusion rule 11): the chain, then the pool
-        rest = [l for l in labels if l not in _POOLS]
+    pools = {l for l in labels if tagged(f"aten::{l}", "window")}
+    if pools:  # a window op ends its chain (fusion rule 11): the chain, then the pool
+        rest = [l for l in labels if l not in pools]
         return (_name(rest, group) + " + max-pool") if rest else "max-pool"
     fam = family_of(labels, group)
     s = set(l.rstrip("_") for l in labels)
