@@ -426,35 +426,3 @@ def test_kernel_files_keep_the_validated_kernels_on_their_lines(optimized, tmp_p
         assert "# Validated against PyTorch" in text and "# Replaces: " in text and written.__doc__
         checked += 1
     assert checked
-
-
-def test_the_warm_up_floor_is_paid_once_per_comparison_not_per_state(monkeypatch):
-    """Selection times several states of one call; what its time floor waits for (clocks, the allocator)
-    is the GPU's, so the floor is paid once: each state still gets its first calls (recordings, tuning)
-    and the states share the rest round by round."""
-    from advisor.bench import timing
-
-    clock = [0.0]
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
-    calls: dict = {}
-    current = []
-
-    def state(name):
-        import contextlib
-
-        @contextlib.contextmanager
-        def ctx():
-            current.append(name)
-            yield
-            current.pop()
-        return ctx
-
-    def call():  # 10 ms a call, by the fake clock
-        clock[0] += 0.01
-        calls[current[-1]] = calls.get(current[-1], 0) + 1
-
-    names = [f"s{i}" for i in range(8)]
-    timing.warm_up(call, {n: state(n) for n in names}, "cpu", warmup_s=0.5)
-    assert min(calls.values()) >= timing.WARMUP
-    assert max(calls.values()) - min(calls.values()) <= timing.WARMUP  # shared round by round
-    assert 0.5 <= clock[0] < 0.5 + 0.01 * len(names) + 1e-9  # one floor, not eight: 4 s before
