@@ -612,7 +612,7 @@ def select_patterns(c: Child, report, model, call, device: str, meaningful: bool
     handle, sel, report.results = keep_faster(call, report.handle, device, report.results, iters=20, exact=exact)
     if sel.get("outer") and sel.get("outer_sites") is not None:  # as optimize's: patterns only the whole stack fuses
         doc = json.loads((report.out_dir / "analysis.json").read_text())
-        report.results = final_status(report.results, report.handle.plan.patterns, handle,
+        report.results = final_status(report.results, handle.plan.patterns, handle,
                                       report.check.get("dropped") or {}, doc, sel["outer_sites"], sel)
     adv.update(decision=sel["decision"], kept=sel["kept"])
     # what the final comparison timed (every state, the whole stack's included) and why a state was refused
@@ -780,7 +780,7 @@ def interleaved(fns: dict, device: str, iters: int, rounds: int, warmup_s: float
     all samples; spread = max - min of the round medians."""
     import torch
 
-    from advisor.bench.timing import time_call
+    from advisor.bench.timing import round_order, time_call
 
     for fn in fns.values():
         t0, n = time.perf_counter(), 0
@@ -793,9 +793,8 @@ def interleaved(fns: dict, device: str, iters: int, rounds: int, warmup_s: float
     per = math.ceil(iters / rounds)
     samples = {k: [] for k in fns}
     medians = {k: [] for k in fns}
-    names = list(fns)
-    for r in range(rounds):  # ABBA, as `advisor.bench.timing.time_configs`: in-round drift hits all alike
-        for k in names if r % 2 == 0 else names[::-1]:
+    for r in range(rounds):
+        for k in round_order(list(fns), r):
             t = time_call(fns[k], device, warmup=1, iters=per)
             samples[k] += t.samples_ms
             medians[k].append(t.median_ms)

@@ -74,11 +74,8 @@ def time_configs(call: Callable[[], object], configs: dict, device: str, iters: 
     per_round = max(1, math.ceil(iters / rounds))
     samples: dict = {k: [] for k in configs}
     medians: dict = {k: [] for k in configs}
-    names = list(configs)
     for r in range(rounds):
-        # ABBA: the order reversed every other round, so a drift within a round (clocks, the allocator, a
-        # host that slows down) falls on every configuration alike over two rounds instead of on the last
-        for name in names if r % 2 == 0 else names[::-1]:
+        for name in round_order(list(configs), r):
             ctx = configs[name]
             with ctx():
                 t = time_call(call, device, warmup=2, iters=per_round)
@@ -87,6 +84,13 @@ def time_configs(call: Callable[[], object], configs: dict, device: str, iters: 
     method = "cuda_events" if device == "cuda" else "perf_counter"
     return {k: Timing(statistics.median(samples[k]), len(samples[k]), method, samples[k],
                       max(medians[k]) - min(medians[k]), medians[k]) for k in configs}
+
+
+def round_order(names: list, r: int) -> list:
+    """The order round r times its configurations in: as given, reversed every other round (ABBA), so a
+    drift within a round (clocks, the allocator, a host that slows down) falls on every configuration
+    alike over two rounds instead of always on the last."""
+    return names if r % 2 == 0 else names[::-1]
 
 
 def warm_up(call: Callable[[], object], configs: dict, device: str, warmup_s: float) -> None:
