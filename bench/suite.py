@@ -616,7 +616,7 @@ def select_patterns(c: Child, report, model, call, device: str, meaningful: bool
                                       report.check.get("dropped") or {}, doc, sel["outer_sites"], sel)
     adv.update(decision=sel["decision"], kept=sel["kept"])
     # what the final comparison timed (every state, the whole stack's included) and why a state was refused
-    adv["selection"] = {k: sel.get(k) for k in ("state", "final", "outer", "outer_check")}
+    adv["selection"] = {k: sel.get(k) for k in ("state", "states", "final", "outer", "outer_check")}
     if sel.get("all_patched"):
         adv["all_patched"] = sel["all_patched"]
     if sel.get("kept_set"):

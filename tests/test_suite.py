@@ -6,7 +6,7 @@ Triton's interpreter, torch.compile's C++ backend); about 1.5-2 minutes on 2 cor
 """
 from __future__ import annotations
 
-import dataclasses
+import re
 import itertools
 import json
 import math
@@ -304,30 +304,30 @@ def monkeypatch_module():
 
 
 def _fake_timings(monkeypatch, saves: dict, before: float, final: dict, noise: float = 0.01):
-    """time_patterns: pattern `candidate` alone saves saves[candidate] µs; the final comparison
-    (time_configs): `before` ms unpatched and final[state] ms for each state it asks for."""
+    """Fake clocks for selection's interleaved runs (time_configs): `before` ms unpatched, final[state] ms for
+    each state named there (a state not named measures 1 ms slower than unpatched), and pattern `candidate`
+    alone saves[candidate] µs (-5 µs where not named) against the state with no kernel it is measured in
+    (the whole stack's where the run has it, else the layer captures')."""
     import advisor.bench.timing as timing
-    import advisor.workflows.selection as selection
 
-    def time_patterns(call, handle, device, iters, records):
-        records = [dataclasses.replace(r, applied_alone={"saved_us_per_iter": saves.get(r.candidate, -5.0), "spread_us": 1.0})
-                   if r.patched else r for r in records]
-        return {"before_ms": before, "after_ms": final.get("all", before), "captured_only_ms": final.get("captured", before),
-                "speedup": before / final.get("all", before), "noise_ms": noise}, records
-
-    class T:  # five interleaved rounds spread `noise`; the unpatched model's drift the other way
-        def __init__(self, ms, sign=-1):
-            self.median_ms, self.spread_ms = ms, noise
-            self.rounds_ms = [ms + sign * noise * (i - 2) / 4 for i in range(5)]
+    def T(ms, sign=-1):  # five interleaved rounds spread `noise`; the unpatched model's drift the other way
+        rounds = [ms + sign * noise * (i - 2) / 4 for i in range(5)]
+        return timing.Timing(ms, 20, "fake clock", rounds, noise, rounds)
 
     asked = []
 
+    def ms(k, configs):
+        if k in final:
+            return final[k]
+        if re.fullmatch(r"c\d+", k):  # a pattern alone
+            base = "whole_captured" if "whole_captured" in configs else "captured"
+            return ms(base, configs) - saves.get(k, -5.0) / 1e3
+        return before + 1.0
+
     def time_configs(call, configs, device, iters=20, rounds=5):
         asked.append(sorted(configs))
-        # states a test does not time (the whole-stack ones) measure slower than unpatched
-        return {k: T(before, 1) if k == "before" else T(final.get(k, before + 1.0)) for k in configs}
+        return {k: T(before, 1) if k == "before" else T(ms(k, configs)) for k in configs}
 
-    monkeypatch.setattr(selection, "time_patterns", time_patterns)
     monkeypatch.setattr(timing, "timing_meaningful", lambda device: device == "cuda")
     monkeypatch.setattr(timing, "time_configs", time_configs)
     return asked
@@ -384,8 +384,12 @@ def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkey
     c = _FakeChild()
     suite.select_patterns(c, report, w.model, call, "cuda", True)
     adv = c.r["advisor"]
-    # one final interleaved comparison, the whole stack (one outer capture over the layers) included
-    assert asked[-1] == ["all", "before", "captured", "kept", "whole", "whole_kept"]
+    # one interleaved run of the states (the whole stack, one outer capture over the layers, included) and
+    # each pattern alone; then the pattern that saved time alone, against the first run's leader
+    alone = sorted(patched)
+    assert asked[-2] == sorted(["all", "before", "captured", "whole", "whole_captured", *alone]), asked
+    assert asked[-1] == ["all", "before", "kept", "whole_kept"]
+    assert all(p["applied_alone"]["in"] == "whole stack" for p in report.patterns if p.get("patched"))
     assert adv["kept"] == [first] and adv["decision"].startswith("kept the 1 patterns"), adv["decision"]
     assert [p["candidate"] for p in adv["patterns"] if p["kept"]] == [first]
     assert _enabled(w.model) == {key}  # the state timed is the state handed back
@@ -456,9 +460,10 @@ def test_keep_faster_hands_back_its_timing_when_it_keeps_the_handle(optimized_ll
     w, call, report = optimized_llama
     records = report.results
     patched = {r.candidate for r in records if r.patched}
-    _fake_timings(monkeypatch, {cand: 10.0 for cand in patched}, before=10.0, final={"all": 9.0, "captured": 9.5})
+    asked = _fake_timings(monkeypatch, {cand: 10.0 for cand in patched}, before=10.0, final={"all": 9.0, "captured": 9.5})
     handle, sel, _ = keep_faster(call, report.handle, "cuda", records)
     assert handle is report.handle and set(sel["kept"]) == patched
+    assert len(asked) == 1  # every pattern saved time alone: one interleaved run decided, no second
     assert sel["timing"]["before_ms"] == 10.0 and sel["timing"]["after_ms"] == 9.0
 
 

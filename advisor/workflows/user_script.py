@@ -124,8 +124,9 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
         with console.status("timing the steady state before and after …"):
             # Training: what counts is the whole step (forward, backward, optimizer), so the script's own
             # runs (or its region) are timed, never a replay of the forward call alone.
-            e2e, records = _benchmark(script, args, dev, steady, session, handles, records, iters, train)
-            recorded = None if train else session.recorded.get(root_class(steady.get("name") or ""))
+            recorded = None if train or steady.get("source") != "module" else \
+                session.recorded.get(root_class(steady.get("name") or ""))
+            e2e, records = _benchmark(script, args, dev, steady, session, handles, records, iters, train, recorded)
             selection, records = select(records, e2e, recorded, dev, iters, session.plan, handles)
         if selection.get("outer"):  # the whole stack kept: statuses as it runs the patterns
             records = pattern_status(records, specs, handles, session.dropped, analysis.doc, selection["outer_sites"],
@@ -154,18 +155,20 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
 
 
 def _benchmark(script, args, dev, steady, session, handles, records: list[PatternResult], iters,
-               train: bool = False) -> tuple:
-    """(the steady state timed before and after, the results: each pattern timed alone where the steady
-    state is a recorded module call, and the script does not train through the fused kernels)."""
+               train: bool = False, recorded=None) -> tuple:
+    """(the steady state timed before and after, the results). With the steady state recorded as one
+    module call (`recorded`: the script does not train), that call is timed by selection's one comparison
+    (`select`), each pattern alone among its states; else the script's own runs (or its region) are timed
+    before and after."""
     base = {"steady_state": {"source": steady.get("source"), "name": steady.get("name")}}
     if not timing_meaningful(dev):
         return {**base, "timing_meaningful": False, "device": dev,
                 "reason": "kernels run in Triton's interpreter on the CPU; no speedup is claimed"}, records
-    if steady.get("source") == "module" and not train:
-        rec = session.recorded.get(root_class(steady.get("name") or ""))
-        if rec is not None:
-            timed, records = time_patterns(rec.replay, handles, dev, iters, records)
-            return {**base, **timed}, records
+    if recorded is not None:
+        if any(r.patched for r in records):
+            return {**base, "timing_meaningful": True, "device": dev, "timed_by": "selection"}, records
+        timed, records = time_patterns(recorded.replay, handles, dev, iters, records)  # before and after alike
+        return {**base, **timed}, records
     before = _script_timing(script, args, dev, steady, None, iters)
     after = _script_timing(script, args, dev, steady, session.plan, iters, train)
     return {**base, "timing_meaningful": True, "device": dev, "method": before["method"], "iters": before["iters"],
@@ -188,6 +191,8 @@ def select(records: list[PatternResult], e2e: dict, recorded, dev: str, iters: i
                 "kept": [r.candidate for r in patched]}, records
     if recorded is not None and handles is not None:
         best, out, records = compare_states(recorded.replay, handles, dev, records, iters)
+        e2e.update(out.pop("timing"))  # the steady state's before / after: this comparison's
+        e2e.pop("timed_by", None)
         handles.set_outer(bool(best and best.outer))
         out["before_ms"] = out["final"]["before"]
         out["after_ms"] = best.ms if best else out["before_ms"]
