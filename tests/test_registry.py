@@ -36,7 +36,8 @@ def test_every_lowering_belongs_to_a_registry_entry():
 def test_reasons_reach_users():
     assert why_not_generated("aten::add") is None and why_not_generated("aten::add_") is None
     assert "interpreter" in why_not_generated("aten::lgamma") and "interpreter" in why_not_generated("aten::erfinv_")
-    assert "channel groups" in why_not_generated("aten::group_norm")
+    assert "batch statistics" in why_not_generated("aten::_native_batch_norm_legit")
+    assert why_not_generated("aten::group_norm") is None and why_not_generated("aten::native_group_norm") is None
     assert why_not_generated("aten::atan2") is None  # lowered from core tl math
 
 

@@ -64,7 +64,7 @@ class Group:
 def fusible(info: OpInfo) -> bool:
     """Whether the rules may put an op of this registry entry in a group (given its arguments and shapes)."""
     return (info.cls in (OpClass.POINTWISE, OpClass.REDUCTION) or bool({"fusible_cat", "window"} & info.tags)
-            or (info.cls == OpClass.NORM and bool({"batchnorm", "rowwise"} & info.tags)))
+            or (info.cls == OpClass.NORM and bool({"batchnorm", "rowwise", "grouped"} & info.tags)))
 
 
 def not_generated(graph: Graph, group: Group) -> list[dict]:
@@ -95,6 +95,11 @@ def node_domain(graph: Graph, n: Node) -> Domain | None:
         norm_shape = args.get("normalized_shape")
         cols = _numel(norm_shape) if isinstance(norm_shape, list) and norm_shape else in_shape[-1]
         return Domain(total, (total // max(cols, 1), cols))
+    if n.cls == OpClass.NORM and "grouped" in info.tags:
+        # GroupNorm: each (sample, group) a row of its channels' elements, C / G x H x W of them.
+        groups = args.get("group", args.get("num_groups"))
+        rows = in_shape[0] * groups if isinstance(groups, int) and groups > 0 else 0
+        return Domain(total, (rows, total // rows)) if rows and total % rows == 0 else None
     if n.cls == OpClass.REDUCTION and args and reduced_dims(args.get("dim"), len(in_shape)) == (len(in_shape) - 1,):
         # The last dim only (a full reduction of a vector is one row): R rows of N.
         return Domain(total, (total // max(in_shape[-1], 1), in_shape[-1]))

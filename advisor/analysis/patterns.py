@@ -148,6 +148,7 @@ class Family(str, Enum):
     EPILOGUE = "epilogue"
     RMSNORM = "rmsnorm"
     LAYERNORM = "layernorm"
+    GROUPNORM = "groupnorm"
     SOFTMAX = "softmax"
     LOG_SOFTMAX = "log_softmax"
     BATCHNORM = "batchnorm"
@@ -160,8 +161,9 @@ class Family(str, Enum):
     POINTWISE = "pointwise"
 
 
-NORMS = frozenset({Family.RMSNORM, Family.LAYERNORM, Family.BATCHNORM})
+NORMS = frozenset({Family.RMSNORM, Family.LAYERNORM, Family.GROUPNORM, Family.BATCHNORM})
 _LAYER_NORMS = {"layer_norm", "native_layer_norm"}
+_GROUP_NORMS = {"group_norm", "native_group_norm"}
 _SOFTMAXES = {"softmax", "_softmax", "_safe_softmax"}
 _LOG_SOFTMAXES = {"log_softmax", "_log_softmax"}
 _BATCH_NORMS = {"cudnn_batch_norm", "batch_norm", "_native_batch_norm_legit_no_training", "native_batch_norm"}
@@ -179,6 +181,7 @@ def family_of(labels: list[str], group: Group) -> Family:
         return Family.EPILOGUE
     s = set(l.rstrip("_") for l in labels)
     rules = [({"mean", "rsqrt"} <= s, Family.RMSNORM), (bool(s & _LAYER_NORMS), Family.LAYERNORM),
+             (bool(s & _GROUP_NORMS), Family.GROUPNORM),
              (bool(s & _SOFTMAXES) or {"amax", "exp", "sum"} <= s, Family.SOFTMAX),
              (bool(s & _LOG_SOFTMAXES), Family.LOG_SOFTMAX), (bool(s & _BATCH_NORMS), Family.BATCHNORM),
              ({"addcdiv", "lerp"} <= s or {"addcdiv", "addcmul"} <= s, Family.ADAM),
@@ -209,6 +212,8 @@ def _name(labels: list[str], group: Group) -> str:
         return "BatchNorm" + (" + residual add" if "add" in s else "") + (" + ReLU" if "relu" in s else "")
     if fam is Family.GELU:
         return "GELU" + (" + residual" if "add" in s and "gelu" in s else "")
+    if fam is Family.GROUPNORM:  # a diffusion UNet's GroupNorm + SiLU
+        return "GroupNorm" + "".join(f" + {_SINGLE[a]}" for a in ("silu", "gelu", "relu") if a in s)
     return (prefix if fam in (Family.RMSNORM, Family.LAYERNORM) else "") + _FAMILY_NAME[fam]
 
 

@@ -7,11 +7,22 @@ materialised: an intermediate read at two different indices is simply computed t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from advisor.codegen.dag import Dag, Node, opmath
 from advisor.codegen.ir import Dim, Input, Op, Program, View
 from advisor.ops.lowering import Args, Unsupported
+
+@dataclass(frozen=True)
+class GroupRows:
+    """A grouped-rows kernel's current element (`codegen.plan.plan_group_rows`): its index in GroupNorm's
+    input shape (n, c, *spatial), and the row's index in the statistics' (n, g)."""
+
+    index: tuple
+    stats: tuple
+
 
 class Builder:
     def __init__(self, prog: Program, dag: Dag):
@@ -22,6 +33,7 @@ class Builder:
         self.flat_inputs: set[str] = set()
         self.cols: Node | None = None  # row kernels: the column index
         self.n: Node | None = None  # row kernels: the row width
+        self.group: GroupRows | None = None  # grouped-rows kernels (GroupNorm): the row's element
         self.size_args: dict[str, Dim] = {}  # kernel argument -> the size it carries
         self.strides: dict[str, tuple] = {}  # kernel argument -> (tensor name, dim)
         self.landing: dict = {}  # (view, index) -> the source index it reads, where known (an inverted reshape)
@@ -219,6 +231,8 @@ class Builder:
         return self.finish(best, op, out.dtype)
 
     def eval_row(self, op: Op, slot: int, idx: tuple) -> Node:
+        if op.low.shape == "group":
+            return self.eval_group(op, slot, idx)
         self_view = next(v for v in op.args.values() if isinstance(v, View))
         nlead = len(self_view.shape) - 1
         lead = tuple(idx[:nlead])
@@ -239,11 +253,27 @@ class Builder:
             raise Unsupported(f"{op.qualname}: output {slot} is used, the lowering computes only {len(outs)}")
         return self.finish(outs[slot], op, op.outputs[slot].dtype)
 
-    def decompose(self, op: Op, lead: tuple) -> tuple:
+    def eval_group(self, op: Op, slot: int, idx: tuple) -> Node:
+        """GroupNorm's output at the row's own element (slot 0) or its statistics at the row (mean, rstd):
+        one program normalises one (sample, group), so any other element is another program's."""
+        if self.group is None:
+            raise Unsupported(f"{op.qualname} in a kernel whose rows are not its groups")
+        if not self._same_index(idx, self.group.index if slot == 0 else self.group.stats):
+            raise Unsupported(f"{op.qualname}'s output is read at another element than the row's own")
+        outs = self.memo.get(("row", op.id))
+        if outs is None:
+            outs = self.memo[("row", op.id)] = self.decompose(op, (), self.group.index)
+        return self.finish(outs[slot], op, op.outputs[slot].dtype)
+
+    def _same_index(self, a: tuple, b: tuple) -> bool:
+        lit = lambda n: n.kind == "lit" and n.fmt == "0"  # noqa: E731  (a size-1 dim's index)
+        return len(a) == len(b) and all(x is y or (lit(x) and lit(y)) for x, y in zip(a, b))
+
+    def decompose(self, op: Op, lead: tuple, full: tuple | None = None) -> tuple:
         if self.cols is None:
             raise Unsupported(f"{op.qualname} in a pointwise kernel")
         low = op.low
-        full = lead + (self.cols,)
+        full = lead + (self.cols,) if full is None else full
         out0 = op.outputs[0].dtype
         ct = opmath(out0)  # bool for all/any, int64 for integer sums, fp32 for bf16/fp16
         if low.promote == "input":  # argmax: compares the values themselves, returns an index
@@ -252,7 +282,8 @@ class Builder:
         first = None
         for name, a in op.args.items():
             if isinstance(a, View):
-                node = self.dag.cast(self.read(a, self.operand_index(full, a)), ct)
+                at = (full[1],) if name in low.channel and len(a.shape) == 1 else self.operand_index(full, a)
+                node = self.dag.cast(self.read(a, at), ct)
                 first = first or (name, a)
                 vals[name] = node
             else:

@@ -194,7 +194,7 @@ def _launch_pointwise(plan: Plan, name: str, call: list) -> list:
 
 def _launch_rows(plan: Plan, name: str, call: list) -> list:
     p = plan.prog
-    n = size_expr(p, plan.n)
+    n = plan.n_expr or size_expr(p, plan.n)
     r = " * ".join(f"({size_expr(p, d)})" if "+" in size_expr(p, d) else size_expr(p, d) for d in plan.lead) or "1"
     return [f"    N = {n}  # row width",
             f"    R = {r}  # rows: one program each",
@@ -216,6 +216,8 @@ def _row_input(plan: Plan) -> str:
 def _size_name(plan: Plan) -> str:
     from advisor.codegen.build import size_name
 
+    if plan.n is None:  # grouped rows: the kernel computes the width from the sizes it is passed
+        return ""
     return size_name(plan.prog.sizes.norm(plan.n)) if not plan.prog.sizes.norm(plan.n).literal else ""
 
 

@@ -3,7 +3,8 @@
 Pointwise programs walk each output shape with a flat index (in the output's memory order, so
 stores are contiguous), unravelled into one index per dim. Programs with a row op (reductions,
 softmax, norms over the last dim) run one program per row: leading indices from the program id,
-`cols` along the row. Both leave the rest to `Builder.value_at`.
+`cols` along the row; GroupNorm's rows are its (sample, group) pairs (`plan_group_rows`). All leave
+the rest to `Builder.value_at`.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from advisor.codegen.build import Builder
+from advisor.codegen.build import Builder, GroupRows
 from advisor.codegen.dag import Dag, Node
 from advisor.codegen.ir import Dim, Program, Value, _order
 from advisor.ops.lowering import Unsupported
@@ -47,6 +48,7 @@ class Plan:
     groups: list = field(default_factory=list)
     lead: list = field(default_factory=list)  # rows: [Dim] of the leading dims
     n: Dim | None = None  # rows: the row width
+    n_expr: str | None = None  # grouped rows: the row width as the launcher computes it (no one Dim holds it)
 
 
 def plan(prog: Program) -> Plan:
@@ -146,9 +148,11 @@ def _flat_inputs(prog: Program, ref: Value) -> set:
 
 # ------------------------------------------------------------------------------------------ rows
 def plan_rows(prog: Program) -> Plan:
+    first = prog.row_ops[0]
+    if first.low.shape == "group":
+        return plan_group_rows(prog)
     dag = Dag()
     b = Builder(prog, dag)
-    first = prog.row_ops[0]
     view = next(v for v in first.args.values() if hasattr(v, "identity"))
     full = list(view.shape)
     for o in prog.row_ops[1:]:
@@ -191,6 +195,60 @@ def plan_rows(prog: Program) -> Plan:
         offset = dag.isum([dag.imul(i, b.stride(f"out{k}", d)) for d, i in enumerate(idx)], hint=f"out{k}_row")
         stores.append(Store(k, val, offset, b.mask if offset.full else None, v.dtype))
     return Plan("rows", prog, dag, b, stores, lead=lead, n=n)
+
+
+def plan_group_rows(prog: Program) -> Plan:
+    """GroupNorm's rows: one program per (sample, group) of an (N, C, *spatial) input, `cols` walking the
+    group's C / G x H x W elements in the input's memory order, unravelled into its own index (n, c, h, w). Every value of the program is read at that index (the pointwise ops
+    around the norm: SiLU after it, a residual add before it), per-channel vectors at c, and the norm's
+    statistics per row at (n, g). A second GroupNorm in the chain must have the same rows."""
+    dag = Dag()
+    b = Builder(prog, dag)
+    first = prog.row_ops[0]
+    view = next(v for v in first.args.values() if hasattr(v, "identity"))
+    full = list(view.shape)
+    groups = first.args.get("group", first.args.get("num_groups"))
+    keys = [prog.dim_key(d) for d in full]
+    for o in prog.row_ops[1:]:
+        shape = next(v for v in o.args.values() if hasattr(v, "identity")).shape
+        if o.low.shape != "group" or o.args.get("group", o.args.get("num_groups")) != groups or \
+                [prog.dim_key(d) for d in shape] != keys:
+            raise Unsupported(f"{o.qualname} beside a GroupNorm over other rows")
+    per = full[1].value // groups  # channels per group (the channel count is pinned by the shape rule)
+    spatial = full[2:]
+    lead = [full[0], Dim((), groups, groups)]
+    row = dag.var("row", full=False)
+    b.cols = dag.var("cols", full=True)
+    b.mask = dag.var("col_mask", full=True)
+    n_idx, g_idx = _unravel(b, row, lead, [0, 1], "r", "")
+    # The walk along a row follows the input's memory order: channel by channel for NCHW, position by
+    # position (its C / G channels side by side) for channels_last, so neighbouring columns are neighbours
+    # in memory and the loads coalesce either way.
+    src = prog.source(view.src)
+    last = view.identity and len(src.rec_strides) > 2 and src.rec_strides[1] < min(src.rec_strides[2:])
+    order = list(range(1, len(spatial) + 1)) + [0] if last else list(range(len(spatial) + 1))
+    within = _unravel(b, b.cols, [Dim((), per, per)] + spatial, order, "g", "")
+    c_idx = dag.iadd(dag.imul(g_idx, dag.lit(per)), within[0])
+    b.n = dag.lit(per)
+    for d in spatial:
+        b.n = dag.imul(b.n, b.size(d))
+    b.group = GroupRows((n_idx, c_idx) + tuple(within[1:]), (n_idx, g_idx))
+    stores = []
+    for k, v in enumerate(prog.outputs):
+        out_keys = [prog.dim_key(d) for d in v.shape]
+        if out_keys == keys:
+            idx = b.group.index
+        elif out_keys == [keys[0], str(groups)]:
+            idx = b.group.stats
+        else:
+            raise Unsupported(f"output {v.id} of shape {[d.value for d in v.shape]} is neither GroupNorm's input "
+                              f"shape ({[d.value for d in full]}) nor one value per group")
+        val = b.value_at(v.id, idx)
+        offset = dag.isum([dag.imul(i, b.stride(f"out{k}", d)) for d, i in enumerate(idx)], hint=f"out{k}_row")
+        stores.append(Store(k, val, offset, b.mask if offset.full else None, v.dtype))
+    n_expr = " * ".join([str(per)] + [f"({size_expr(prog, d)})" if "+" in size_expr(prog, d) else size_expr(prog, d)
+                                      for d in spatial])
+    return Plan("rows", prog, dag, b, stores, lead=lead, n=None, n_expr=n_expr)
 
 
 def _permutation(keys: list, lead_keys: list) -> list | None:

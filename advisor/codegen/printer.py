@@ -199,8 +199,9 @@ def row_kernels(plan: Plan, name: str, params: list) -> tuple[str, str]:
     head = [f"{INDENT}row = tl.program_id(0).to(tl.int64)  # one program per row; 64-bit so row offsets cannot overflow"]
     # persistent: the row lives in registers
     pr = Printer(plan)
-    body = list(head) + [f"{INDENT}cols = tl.arange(0, BLOCK_N)", f"{INDENT}col_mask = cols < {pr.expr(plan.builder.n)}"]
-    done: set = set()
+    body, done = list(head), set()
+    pr.emit(_closure([plan.builder.n], lambda n: n.full), body, 1, done)  # a width computed from sizes (GroupNorm's)
+    body += [f"{INDENT}cols = tl.arange(0, BLOCK_N)", f"{INDENT}col_mask = cols < {pr.expr(plan.builder.n)}"]
     pr.emit(pr.needed, body, 1, done, lambda n: _reduce_expr(n.meta["kind_"], pr.expr(n.inputs[0]), n.dtype))
     body += [pr.store(s, 1) for s in plan.stores]
     persistent = "\n".join(["@triton.jit", signature(name, params + ["BLOCK_N: tl.constexpr"])] + body) + "\n"

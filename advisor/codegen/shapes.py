@@ -1,5 +1,6 @@
 """Output shapes of ops in sizes' symbols: broadcasting unifies sizes, cat adds them, reductions
-drop the last dim; row ops and norms must work over the last dim (the only rows the generator knows)."""
+drop the last dim; row ops and norms must work over the last dim (the rows the generator knows), except
+GroupNorm, whose rows are its groups (`codegen.plan`'s grouped rows)."""
 from __future__ import annotations
 
 from advisor.codegen.ir import Dim, Op, Program, Sizes, View
@@ -39,6 +40,17 @@ def infer_shapes(p: Program, op: Op, recorded: list) -> list:
             raise Unsupported(f"normalized_shape {ns}: only the last dim is a row")
         broadcast(p.sizes, [first] + [v.shape for v in views[1:]])  # weight and bias walk the row
         stats = list(first[:-1]) + [Dim((), 1, 1)]
+        return [list(first), stats, stats]
+    if rule == "group":  # GroupNorm over (N, C, *spatial): rows are (sample, group), weight and bias walk C
+        groups = a.get("group", a.get("num_groups"))
+        if len(first) < 2 or not isinstance(groups, int) or groups < 1 or first[1].value % groups:
+            raise Unsupported(f"{op.qualname} of shape {[d.value for d in first]} in {groups} groups")
+        for name in op.low.channel:
+            v = a.get(name)
+            if isinstance(v, View):
+                p.sizes.unify(first[1], v.shape[0])
+        p.sizes.pin(first[1])  # a row is C / G channels: the channel count is fixed at the recorded one
+        stats = [first[0], Dim((), groups, groups)]
         return [list(first), stats, stats]
     if rule == "reduce":
         dims = a.get("dim")

@@ -41,7 +41,7 @@ class Lowering:
     promote: str = "common"
     operands: tuple = ("self",)  # schema args that are tensors or numbers taking part in promotion
     positive: tuple = ()  # operands that validation draws strictly positive (log, sqrt, pow, ...)
-    shape: str = "broadcast"  # broadcast | cat | reduce | row | norm | channel | factory | window: output shapes
+    shape: str = "broadcast"  # broadcast | cat | reduce | row | norm | group | channel | factory | window: output shapes
     channel: tuple = ()  # per-channel vector operands, indexed by dim 1 of the output (batch norm)
 
 
@@ -449,6 +449,19 @@ def _layer_norm(b, a):
     return y, mean, rstd
 
 
+def _group_norm(b, a):
+    """GroupNorm over the current row, which is one (sample, group): its C / G channels' elements (the
+    plan's grouped rows, `codegen.plan`); weight and bias are per channel (`channel`)."""
+    mean, var = _mean_var(b, a, a.input, 0.0)
+    rstd = b.op("tl.rsqrt({} + {})", var, b.lit(a.eps))
+    y = b.op("({} - {}) * {}", a.input, mean, rstd)
+    if a.weight is not None:
+        y = b.op("{} * {}", y, a.weight)
+    if a.bias is not None:
+        y = b.op("{} + {}", y, a.bias)
+    return y, mean, rstd
+
+
 def _rms_norm(b, a):
     eps = a.eps if a.eps is not None else torch.finfo(a.in_dtype).eps
     ms = b.op("{} / {}", b.reduce("sum", b.op("{} * {}", a.self, a.self)), b.n)
@@ -487,6 +500,9 @@ row("_safe_softmax", lambda b, a: _softmax(b, a, safe=True), shape="row")
 row("log_softmax _log_softmax", lambda b, a: _softmax(b, a, log=True), shape="row")
 row("layer_norm", lambda b, a: _layer_norm(b, a)[:1], shape="norm", operands=("input", "weight", "bias"))
 row("native_layer_norm", _layer_norm, shape="norm", operands=("input", "weight", "bias"))
+row("group_norm", lambda b, a: _group_norm(b, a)[:1], shape="group", operands=("input", "weight", "bias"),
+    channel=("weight", "bias"))
+row("native_group_norm", _group_norm, shape="group", operands=("input", "weight", "bias"), channel=("weight", "bias"))
 row("rms_norm", lambda b, a: _rms_norm(b, a)[:1], shape="norm", operands=("input", "weight"))
 row("_fused_rms_norm", _rms_norm, shape="norm", operands=("input", "weight"))
 

@@ -275,7 +275,6 @@ def draws_random(name: str, arguments: dict | None = None) -> bool:
 not_generated("no Triton math for it that runs in the interpreter as on the GPU (core tl has none; "
               "libdevice does not run in the interpreter)", "lgamma digamma erfinv")
 not_generated("a backward helper, not seen in inference graphs", "glu_jvp")
-not_generated("normalises over channel groups, not the last dim: no row kernel", "group_norm native_group_norm")
 not_generated("the training-mode variant normalises by batch statistics", "_native_batch_norm_legit")
 not_generated("returns cuDNN/MIOpen reserve buffers and a backend index: call batch_norm instead",
               "_batch_norm_impl_index")

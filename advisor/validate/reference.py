@@ -7,6 +7,8 @@ numbers, which keeps torch's type promotion exactly as eager had it.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from advisor.analysis.program import as_torch, declared_types
@@ -63,7 +65,14 @@ def _arg(prog: Program, case: Case, env: dict, v, schema_arg, declared: str, mod
         return False
     if schema_arg.name == "normalized_shape" and isinstance(v, list) and len(v) == 1:
         return [env["__row_width__"]]  # normalises the last dim, whatever its size in this case
+    if schema_arg.name in SIZES_OF_INPUT and tensors:  # native_group_norm's N, C, HxW: its input's, in this case
+        return SIZES_OF_INPUT[schema_arg.name](tensors[0].shape)
     return v
+
+
+# Integer arguments that restate the first input's sizes (`native_group_norm(input, weight, bias, N, C, HxW,
+# group, eps)`): recorded as numbers, they must follow the input at every validation shape.
+SIZES_OF_INPUT = {"N": lambda s: s[0], "C": lambda s: s[1], "HxW": lambda s: math.prod(s[2:])}
 
 
 def _wrapped(v, tensors: list) -> torch.Tensor:

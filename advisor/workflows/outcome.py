@@ -58,8 +58,8 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
                 f"outer capture of {where}, which " + \
                 (f"was not used ({outer_refused})" if outer_refused else
                  "selection measured no faster than the layer captures" if selected else
-                 "runs only where selection has timed it faster than the layer captures (`advisor.optimize` "
-                 "on a GPU; `apply` does not try it yet)")
+                 "runs only where selection has timed it faster than the layer captures (on a GPU: "
+                 "`advisor.optimize`, and `apply` on a script whose steady state is one module call)")
         elif not sites and handle is not None and not getattr(handle, "reached", True):
             code, why = Status.NOT_CALLED, "not patched: no module of the plan was called"
         elif not substituted and handle is not None and _only_trained(handle):
