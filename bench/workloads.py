@@ -6,7 +6,7 @@ Full shapes are the issue's table (bf16 on cuda; the seed workload is fp32 by de
 shapes are tiny, for the CPU test run (fp32 on the CPU, bf16 on cuda). timm and torchvision are
 imported only when their workload is built; `NotInstalled` says which package is missing.
 
-Used by bench/suite.py only.
+Used by bench/suite.py; `UNetBlocks` also by bench/zoo.py and tests/zoo_models.py.
 """
 from __future__ import annotations
 
@@ -96,6 +96,57 @@ class MLPBlock(nn.Module):
 
     def forward(self, x):
         return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class UNetBlocks(nn.Module):
+    """A diffusion UNet's middle, as diffusers writes one: resnet blocks (GroupNorm -> SiLU -> conv, the
+    timestep embedding added per channel, GroupNorm -> SiLU -> conv, plus the input) around a spatial
+    self-attention block (GroupNorm, attention over the H x W positions, plus the input), and the output's
+    GroupNorm -> SiLU. GroupNorm + SiLU is what Inductor fuses there and eager runs as two kernels.
+    Used by bench/zoo.py (the GPU zoo) and tests/zoo_models.py (the CPU zoo)."""
+
+    def __init__(self, channels: int = 64, groups: int = 32, temb: int = 128, heads: int = 1):
+        super().__init__()
+        self.time = nn.Linear(temb, temb)
+        self.resnets = nn.ModuleList(_ResnetBlock(channels, groups, temb) for _ in range(2))
+        self.attentions = nn.ModuleList([_SpatialAttention(channels, groups, heads)])
+        self.norm_out = nn.GroupNorm(groups, channels)
+        self.conv_out = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, sample, timestep_embedding):
+        t = nn.functional.silu(self.time(timestep_embedding))
+        x = self.resnets[0](sample, t)
+        for attn, resnet in zip(self.attentions, self.resnets[1:]):  # as diffusers' UNetMidBlock2D
+            x = resnet(attn(x), t)
+        return self.conv_out(nn.functional.silu(self.norm_out(x)))
+
+
+class _ResnetBlock(nn.Module):
+    def __init__(self, c: int, groups: int, temb: int):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(groups, c, eps=1e-6), nn.Conv2d(c, c, 3, padding=1)
+        self.time_emb_proj = nn.Linear(temb, c)
+        self.norm2, self.conv2 = nn.GroupNorm(groups, c, eps=1e-6), nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x, t):
+        h = self.conv1(nn.functional.silu(self.norm1(x)))
+        h = h + self.time_emb_proj(t)[:, :, None, None]
+        h = self.conv2(nn.functional.silu(self.norm2(h)))
+        return x + h
+
+
+class _SpatialAttention(nn.Module):
+    def __init__(self, c: int, groups: int, heads: int):
+        super().__init__()
+        self.group_norm, self.heads = nn.GroupNorm(groups, c, eps=1e-6), heads
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(c, c) for _ in range(4))
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        y = self.group_norm(x).view(b, c, h * w).transpose(1, 2)
+        q, k, v = (f(y).view(b, h * w, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        o = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, h * w, c)
+        return x + self.to_out(o).transpose(1, 2).reshape(b, c, h, w)
 
 
 def build(name: str, device: str, quick: bool = False, seed: int = 0) -> Workload:

@@ -68,6 +68,20 @@ def _vision(lib: str, name: str, batch: int, size: int = 224, channels_last: boo
     return build
 
 
+def _unet(batch: int, channels: int, side: int, groups: int = 32, temb: int = 1280):
+    """bench/workloads.py's UNetBlocks: GroupNorm + SiLU around convs and a spatial attention (diffusers' shapes)."""
+    def build(device, dtype):
+        import torch
+        from workloads import UNetBlocks
+
+        with torch.device(device):
+            model = UNetBlocks(channels, groups, temb).to(dtype).eval()
+            x = torch.randn(batch, channels, side, side, dtype=dtype)
+            t = torch.randn(batch, temb, dtype=dtype)
+        return model, (x, t), f"UNet blocks (GroupNorm + SiLU, resnets, spatial attention), batch {batch} x {channels} x {side}^2"
+    return build
+
+
 def _suite(name: str):
     """A suite workload called as the suite calls it, but timed in the user's loop."""
     def build(device, dtype):
@@ -107,6 +121,8 @@ MODELS = {
     "convnext_tiny": _vision("timm", "convnext_tiny", 32, channels_last=True),
     "mobilenet_v3": _vision("torchvision", "mobilenet_v3_large", 64, channels_last=True),
     "efficientnet_b0": _vision("torchvision", "efficientnet_b0", 64, channels_last=True),
+    # a diffusion UNet's blocks at Stable Diffusion's first level (320 channels, a 64 x 64 latent, 32 groups)
+    "unet_blocks": _unet(4, 320, 64),
 }
 
 

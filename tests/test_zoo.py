@@ -1,7 +1,8 @@
-"""The model zoo (issue 15): `advisor.optimize` on tiny models of many transformers architectures and two
-hand-written nets, each called as its users call it (tests/zoo_models.py builds them and their inputs:
-padded attention masks, decoder inputs, pixel and audio inputs, caches as configured), with real
-profiles, real generated kernels (in Triton's interpreter on the CPU) and real patches.
+"""The model zoo (issue 15): `advisor.optimize` on tiny models of many transformers architectures and three
+hand-written nets (a conv net, an MLP, a diffusion UNet's blocks: bench/workloads.py's UNetBlocks), each
+called as its users call it (tests/zoo_models.py builds them and their inputs: padded attention masks,
+decoder inputs, pixel and audio inputs, caches as configured), with real profiles, real generated kernels
+(in Triton's interpreter on the CPU) and real patches.
 
 Per model, one test each (ids `test_<check>[<model>]`), in this order on one optimised model:
   optimize_completes  `optimize(model, inputs, interpret=True)` returns a report

@@ -1,5 +1,6 @@
 """The model zoo of tests/test_zoo.py: tiny models of the installed transformers (random weights, nothing
-downloaded) and two hand-written nets, each with the inputs its users call it with.
+downloaded) and three hand-written nets (a conv net, an MLP, a diffusion UNet's blocks), each with the inputs
+its users call it with.
 
 Every `Arch` builds a fresh model (fixed seed, `.eval()`) and its keyword inputs for a (batch, size)
 pair: `size` is the sequence length of text models (the decoder's length for Whisper, whose encoder
@@ -11,7 +12,9 @@ train mode computes what eval mode does and is deterministic (nothing else is ch
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -156,6 +159,26 @@ class MLPBlock(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
 
 
+def unet():
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # the GPU zoo's model (bench/workloads.py), at a CPU test's size
+        sys.path.insert(0, root)
+    from bench.workloads import UNetBlocks
+
+    model = UNetBlocks(channels=32, groups=8, temb=32, heads=2)
+    for m in model.modules():  # trained-looking GroupNorm affines
+        if isinstance(m, nn.GroupNorm):
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.normal_(m.bias, std=0.5)
+    return model
+
+
+def unet_inputs(batch: int, side: int) -> dict:
+    g = _gen(batch, side)
+    return {"sample": torch.randn(batch, 32, side, side, generator=g),
+            "timestep_embedding": torch.randn(batch, 32, generator=g)}
+
+
 def mlp_inputs(batch: int, seq: int) -> dict:
     return {"x": torch.randn(batch, seq, 64, generator=_gen(batch, seq))}
 
@@ -256,5 +279,6 @@ ARCHS: list[Arch] = [
     # hand-written
     Arch("convnet", "hand-written", lambda: _batch_norm_stats(ConvNet()), pixels, (2, 16), (3, 12)),
     Arch("mlp", "hand-written", MLP, mlp_inputs),
+    Arch("unet", "hand-written", unet, unet_inputs, (2, 8), (3, 6)),
 ]
 BY_NAME = {a.name: a for a in ARCHS}

@@ -213,7 +213,7 @@ def _name(labels: list[str], group: Group) -> str:
     if fam is Family.GELU:
         return "GELU" + (" + residual" if "add" in s and "gelu" in s else "")
     if fam is Family.GROUPNORM:  # a diffusion UNet's GroupNorm + SiLU
-        return "GroupNorm" + "".join(f" + {_SINGLE[a]}" for a in ("silu", "gelu", "relu") if a in s)
+        return prefix + "GroupNorm" + "".join(f" + {_SINGLE[a]}" for a in ("silu", "gelu", "relu") if a in s)
     return (prefix if fam in (Family.RMSNORM, Family.LAYERNORM) else "") + _FAMILY_NAME[fam]
 
 
