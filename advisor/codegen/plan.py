@@ -191,10 +191,15 @@ def plan_rows(prog: Program) -> Plan:
         else:
             raise Unsupported(f"output {v.id} of shape {shape} is neither a row ({[d.value for d in full]}) "
                               f"nor one value per row")
-        val = b.value_at(v.id, idx)
-        offset = dag.isum([dag.imul(i, b.stride(f"out{k}", d)) for d, i in enumerate(idx)], hint=f"out{k}_row")
-        stores.append(Store(k, val, offset, b.mask if offset.full else None, v.dtype))
+        stores.append(_row_store(b, k, v, idx))
     return Plan("rows", prog, dag, b, stores, lead=lead, n=n)
+
+
+def _row_store(b: Builder, k: int, v: Value, idx: tuple) -> Store:
+    """Output k written at `idx` through its strides, masked where the index walks the row."""
+    val = b.value_at(v.id, idx)
+    offset = b.dag.isum([b.dag.imul(i, b.stride(f"out{k}", d)) for d, i in enumerate(idx)], hint=f"out{k}_row")
+    return Store(k, val, offset, b.mask if offset.full else None, v.dtype)
 
 
 def plan_group_rows(prog: Program) -> Plan:
@@ -243,9 +248,7 @@ def plan_group_rows(prog: Program) -> Plan:
         else:
             raise Unsupported(f"output {v.id} of shape {[d.value for d in v.shape]} is neither GroupNorm's input "
                               f"shape ({[d.value for d in full]}) nor one value per group")
-        val = b.value_at(v.id, idx)
-        offset = dag.isum([dag.imul(i, b.stride(f"out{k}", d)) for d, i in enumerate(idx)], hint=f"out{k}_row")
-        stores.append(Store(k, val, offset, b.mask if offset.full else None, v.dtype))
+        stores.append(_row_store(b, k, v, idx))
     n_expr = " * ".join([str(per)] + [f"({size_expr(prog, d)})" if "+" in size_expr(prog, d) else size_expr(prog, d)
                                       for d in spatial])
     return Plan("rows", prog, dag, b, stores, lead=lead, n=None, n_expr=n_expr)

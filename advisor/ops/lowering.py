@@ -449,19 +449,6 @@ def _layer_norm(b, a):
     return y, mean, rstd
 
 
-def _group_norm(b, a):
-    """GroupNorm over the current row, which is one (sample, group): its C / G channels' elements (the
-    plan's grouped rows, `codegen.plan`); weight and bias are per channel (`channel`)."""
-    mean, var = _mean_var(b, a, a.input, 0.0)
-    rstd = b.op("tl.rsqrt({} + {})", var, b.lit(a.eps))
-    y = b.op("({} - {}) * {}", a.input, mean, rstd)
-    if a.weight is not None:
-        y = b.op("{} * {}", y, a.weight)
-    if a.bias is not None:
-        y = b.op("{} + {}", y, a.bias)
-    return y, mean, rstd
-
-
 def _rms_norm(b, a):
     eps = a.eps if a.eps is not None else torch.finfo(a.in_dtype).eps
     ms = b.op("{} / {}", b.reduce("sum", b.op("{} * {}", a.self, a.self)), b.n)
@@ -500,9 +487,11 @@ row("_safe_softmax", lambda b, a: _softmax(b, a, safe=True), shape="row")
 row("log_softmax _log_softmax", lambda b, a: _softmax(b, a, log=True), shape="row")
 row("layer_norm", lambda b, a: _layer_norm(b, a)[:1], shape="norm", operands=("input", "weight", "bias"))
 row("native_layer_norm", _layer_norm, shape="norm", operands=("input", "weight", "bias"))
-row("group_norm", lambda b, a: _group_norm(b, a)[:1], shape="group", operands=("input", "weight", "bias"),
+# GroupNorm is LayerNorm's arithmetic over a row that is one (sample, group) (the plan's grouped rows,
+# `codegen.plan.plan_group_rows`), with weight and bias per channel.
+row("group_norm", lambda b, a: _layer_norm(b, a)[:1], shape="group", operands=("input", "weight", "bias"),
     channel=("weight", "bias"))
-row("native_group_norm", _group_norm, shape="group", operands=("input", "weight", "bias"), channel=("weight", "bias"))
+row("native_group_norm", _layer_norm, shape="group", operands=("input", "weight", "bias"), channel=("weight", "bias"))
 row("rms_norm", lambda b, a: _rms_norm(b, a)[:1], shape="norm", operands=("input", "weight"))
 row("_fused_rms_norm", _rms_norm, shape="norm", operands=("input", "weight"))
 
