@@ -25,13 +25,15 @@ Float outputs are compared leaf by leaf (logits, hidden states, cache tensors...
 Which models run (CI runs the whole suite on a 2-core CPU machine, so the zoo runs a part per run):
   - QUICK, every run: one model per family (LLaMA, GPT-2, BERT, T5, Whisper, ViT, the conv net, the MLP).
   - plus ROTATE more from the rest, chosen by a seed: the rest, in a fixed order, split into chunks of
-    ROTATE; a run takes chunk `seed % chunks`, so every model runs at least once every 4 days. The seed
+    ROTATE; a run takes chunk `seed % chunks`, so every model runs about once every 6 days. The seed
     is FUSION_ADVISOR_ZOO_SEED, by default today's date (UTC, as YYYYMMDD). Models not chosen are
     skipped with a reason that names the seed (to re-run a day's choice, set the seed).
   - FUSION_ADVISOR_ZOO=all runs every model; FUSION_ADVISOR_ZOO=quick only QUICK;
     FUSION_ADVISOR_ZOO=llama,bart (names from tests/zoo_models.py) exactly those.
 Measured on 2 shared cores, main 7b37561 (optimize and its 10 checks): 1-31 s per model; QUICK 2 min,
-a rotation chunk 1.8-2.2 min, so about 4 min per CI run; all 40 models 9.5 min.
+a rotation chunk 1.8-2.2 min, so about 4 min per CI run; all 40 models 9.5 min. The 13 added on 2026-11-26
+(gemma3, olmo2, cohere, granite, qwen2_moe, modernbert, esm, hubert, dinov2, siglip_vision, beit, convnextv2,
+regnet), on 2 cores beside other work: 13-71 s each, all checks passing (tests/zoo_triage.py).
 """
 from __future__ import annotations
 
