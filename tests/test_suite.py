@@ -467,6 +467,26 @@ def test_keep_faster_hands_back_its_timing_when_it_keeps_the_handle(optimized_ll
     assert sel["timing"]["before_ms"] == 10.0 and sel["timing"]["after_ms"] == 9.0
 
 
+def test_patterns_alone_are_timed_in_the_layers_where_whole_stack_recordings_would_not_fit(optimized_llama,
+                                                                                           monkeypatch):
+    """Each state timed inside the whole stack keeps its own recording until selection ends: where those would
+    not fit in the GPU's free memory, the patterns alone are timed in the layer captures, and the decision
+    says so; the whole stack is still a state to choose."""
+    import advisor.workflows.selection as selection
+    from advisor.patching import patch
+
+    w, call, report = optimized_llama
+    handle = patch(w.model, report.handle.plan)
+    patched = {r.candidate for r in report.results if r.patched}
+    asked = _fake_timings(monkeypatch, {c: 10.0 for c in patched}, before=10.0,
+                          final={"all": 9.0, "captured": 9.5, "whole": 6.0})
+    monkeypatch.setattr(selection, "_fits", lambda device, nbytes: False)
+    handle, sel, after = selection.keep_faster(call, handle, "cuda", report.results)
+    assert "whole" in asked[0] and "alone_in_layers" in sel
+    assert all(r.applied_alone["in"] == "layer captures" for r in after if r.patched)
+    assert sel["state"] == "whole"
+
+
 def test_zoo_estimates_say_which_measurements_can_judge_the_estimate():
     """bench/zoo.py's line: within ±25% over every kept pattern (the target), and over those whose
     measurement resolves ±25% at all (a host-bound model's rounds moved by more than a pattern's estimate)."""

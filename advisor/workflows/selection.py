@@ -12,6 +12,8 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from advisor.bench import timing  # read at call time: tests replace its clocks
 from advisor.patching import only, patch, patches_off, whole
 from advisor.patching.verify import check_outer
@@ -113,24 +115,33 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
     last: the caller puts it in the chosen one.
 
     One run instead of two (each pattern alone, then the states): the unpatched model, every pattern and
-    the captures were timed twice, with a warm-up floor each time (a third of selection's calls on the
-    suite's BERT), and a pattern's alone state recorded a CUDA graph per layer where the whole stack's
-    records one."""
+    the captures were timed twice, with a warm-up floor each time (a tiny 4-layer Llama on the CPU: 436
+    model calls then, 317 now), and a pattern's alone state recorded a CUDA graph per layer where the whole
+    stack's records one. Those whole-stack recordings keep their static outputs until selection ends: where
+    they would not fit in half the GPU's free memory (measured by the first one's growth), the patterns
+    are timed alone in the layer captures instead (`alone_in_layers` says so)."""
     patched = [r for r in records if r.patched]
     key_of = {s.candidate: s.key for s in handle.plan.patterns}
     every = frozenset(key_of[r.candidate] for r in patched)
     out: dict = {}
+    grown = 0
     if handle.outer:
-        out["outer_sites"] = check_outer(call, handle, exact)
+        reserved = _reserved(device)
+        out["outer_sites"] = check_outer(call, handle, exact)  # its first call records the whole stack's graph
+        grown = _reserved(device) - reserved
         out["outer_check"] = next((f.refused for f in handle.outer if f.refused), "outputs as unpatched")
     outer = any(not f.refused for f in handle.outer)
     states = {"all": (None, False), "captured": (frozenset(), False)}
     if outer:
         states |= {"whole": (None, True), "whole_captured": (frozenset(), True)}
-    alone = {r.candidate: (frozenset({key_of[r.candidate]}), outer) for r in patched if r.candidate in key_of}
+    in_whole = outer and _fits(device, (len(patched) + 2) * grown)
+    if outer and not in_whole:
+        out["alone_in_layers"] = (f"each pattern alone timed in the layer captures: a whole-stack recording took "
+                                  f"{grown / 2**20:.0f} MB, too many for the GPU's free memory")
+    alone = {r.candidate: (frozenset({key_of[r.candidate]}), in_whole) for r in patched if r.candidate in key_of}
     t = _time_states(call, device, iters, {**states, **alone})
-    base = t["whole_captured" if outer else "captured"]
-    whole_sites = out.get("outer_sites") if outer else None
+    base = t["whole_captured" if in_whole else "captured"]
+    whole_sites = out.get("outer_sites") if in_whole else None
     records = [_timed_alone(r, t[r.candidate], base, None if whole_sites is None else whole_sites.get(key_of[r.candidate], 0))
                if r.candidate in alone else r for r in records]
     out["timing"] = _summary(t, device)
@@ -168,6 +179,19 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
     records = mark_kept(records, key_of, enabled, best is not None)
     out["kept"] = [r.candidate for r in records if r.kept]
     return best, out, records
+
+
+def _reserved(device: str) -> int:
+    return torch.cuda.memory_reserved() if device == "cuda" and torch.cuda.is_available() else 0
+
+
+def _fits(device: str, nbytes: int) -> bool:
+    """Whether recordings of `nbytes` in all fit in half the GPU's free memory (each state timed inside the
+    whole stack keeps its own recording, static outputs included, until selection ends)."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return True
+    free, _ = torch.cuda.mem_get_info()
+    return nbytes <= 0.5 * (free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
 
 
 def _time_states(call, device: str, iters: int, states: dict) -> dict:
@@ -251,10 +275,12 @@ def estimate_for_sites(record: PatternResult, sites: int | None = None) -> float
     iteration, and a pattern launched at fewer sites (cross-layer occurrences left to the outer capture,
     say: the suite's Llama patched 8 of its 16 residual add + norms per layer) saves that share of it.
     `sites`: those launched in the state measured (the whole stack's), else the record's."""
-    est, occ = record.est_time_saved_us, record.occurrences
-    sites = record.sites if sites is None else sites
-    if est is None or not occ or not sites:
+    est, occ, measured = record.est_time_saved_us, record.occurrences, sites is not None
+    sites = sites if measured else record.sites
+    if est is None or not occ:
         return est
+    if not sites:  # not launched in the state measured: it saves nothing there
+        return 0.0 if measured else est
     return round(est * min(1.0, sites / occ), 2)
 
 
