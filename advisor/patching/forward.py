@@ -57,6 +57,7 @@ def compile_fresh(fn: Callable, backend: Backend, holder: object) -> Callable:
     keep a dead model's captured graphs, and their CUDA-graph recordings' memory, for the process's life."""
     fresh = _fresh(fn)
     compiled = torch.compile(fresh, backend=backend, dynamic=False)
+    compiled._fusion_advisor_fresh = fresh  # whose code object holds dynamo's cache (`_guards_accept` reads it)
     release = weakref.finalize(holder, _release_compiled, getattr(fresh, "__code__", None), backend)
     release.atexit = False  # the process is ending: nothing to hand back, and dynamo may be half torn down
     return compiled
@@ -385,7 +386,12 @@ def _forget_capture(key: tuple, entry: weakref.ref, _owner) -> None:
 
 def _served(fn: Callable, lead: tuple, args, kwargs):
     """The shared capture's output, or `_NOT_SERVED` when dynamo would have to compile for these inputs
-    (its guards refuse them: raised before the frame runs, so nothing ran)."""
+    (its guards refuse them: raised before the frame runs, so nothing ran). The guards are asked first
+    (`_guards_accept`): a refusal raised under dynamo's `fail_on_recompile` stance keeps the capture's
+    backend alive for the rest of the process (torch 2.13: its failing callback is never released), and
+    with it the owner's graphs; HF decoder layers, which guard on their `layer_idx`, were each refused."""
+    if _guards_accept(fn, lead, args, kwargs) is False:
+        return _NOT_SERVED
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
             return fn(*lead, *args, **kwargs)
@@ -393,6 +399,26 @@ def _served(fn: Callable, lead: tuple, args, kwargs):
         if str(e).startswith(_REFUSED):
             return _NOT_SERVED
         raise
+
+
+def _guards_accept(fn: Callable, lead: tuple, args, kwargs) -> bool | None:
+    """Whether one of the compiled entries of `fn` (a `compile_fresh` function) accepts these arguments,
+    by the guards dynamo would check on entry; None where that cannot be told (no entries yet, another
+    torch's internals): the caller then asks dynamo itself."""
+    fresh = getattr(fn, "_fusion_advisor_fresh", None)
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        entries = _debug_get_cache_entry_list(fresh.__code__)
+        if not entries:
+            return None
+        bound = inspect.signature(fresh, follow_wrapped=False).bind(*lead, *args, **kwargs)  # the frame's own locals
+        bound.apply_defaults()
+        f_locals = dict(bound.arguments)  # and the free variables a decorator's wrapper closes over, which
+        f_locals.update(zip(fresh.__code__.co_freevars, (c.cell_contents for c in fresh.__closure__ or ())))
+        return any(e.guard_manager.check(f_locals) for e in entries)  # the frame sees as locals too
+    except Exception:  # noqa: BLE001  (internals moved: dynamo decides, as before)
+        return None
 
 
 def _graph_breaks() -> int:
