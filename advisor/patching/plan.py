@@ -146,7 +146,8 @@ def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[
     layer), at the price of a bigger graph for dynamo to capture.
 
     `layer` (what `optimize` and `apply` use) is `pattern` where that stays inside one repeated layer,
-    else `occurrence` widened to the repeated layer it is in (`layer_of`); a module that holds several
+    else `occurrence` widened to the repeated layer it is in (`layer_of`), and every pattern of one
+    layer is tried in its siblings (`share_across_layers`); a module that holds several
     repeated layers is not captured in this tier. Instead it becomes one *outer* target (the innermost
     module holding every occurrence, e.g. the decoder stack) over the layer targets, with every
     pattern: its capture fuses what straddles two layers (layer N's last residual add and layer N+1's
@@ -182,10 +183,28 @@ def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[
             skipped[m] = "holds several repeated layers: fused only by the outer capture of the whole stack"
             for k in targets.pop(m).keys:
                 uncaptured.setdefault(k, []).append(m)
+        share_across_layers(targets)
         outer = lca(every)
         if outer and (skipped or len(targets) > 1) and outer not in targets:
             targets[outer] = Target(outer, [s.key for s in specs], outer=True)
     return Plan(list(specs), list(targets.values()), skipped, uncaptured)
+
+
+def share_across_layers(targets: dict) -> None:
+    """A pattern found in one repeated layer is tried in every sibling captured here (the other entries of
+    its ModuleList). The analysis sees a chain as a pattern of its own only where nothing else joined it:
+    Llama's input RMSNorm stands alone in layer 0 only, since in every later layer the previous layer's
+    residual add joins it across the layer boundary (a pattern only the outer capture fuses), so the
+    layer captures left it unfused in all but one layer. The matcher finds it where its ops are and
+    nowhere else. Siblings then hold one set of patterns, so layers of one class can share one capture."""
+    lists: dict = {}
+    for m, t in targets.items():
+        if not t.outer and _numbered_prefix(m) == m:  # a layer itself (`model.layers.3`)
+            lists.setdefault(m.rsplit(".", 1)[0], []).append(t)
+    for layers in lists.values():
+        keys = list(dict.fromkeys(k for t in layers for k in t.keys))
+        for t in layers:
+            t.keys.extend(k for k in keys if k not in t.keys)
 
 
 def layer_of(module: str) -> str:
