@@ -218,6 +218,39 @@ def test_captures_of_torch_module_forwards_never_share_one_cache():
     assert len(graphs) == 12
 
 
+def test_a_refused_shared_capture_is_not_kept_alive():
+    """A shared capture whose guards refuse another instance's inputs says so without dynamo's
+    `fail_on_recompile` stance raising (a refusal raised there keeps the backend alive for the process's
+    life), and its backend goes with its holder; inputs its guards accept are served."""
+    import gc
+    import weakref
+
+    from advisor.patching.forward import _NOT_SERVED, _guards_accept, _served, compile_fresh
+
+    class Backend:
+        def __call__(self, gm, example_inputs):
+            return gm.forward
+
+    class Holder:
+        pass
+
+    def scaled(x, k):
+        return x * k
+
+    backend, holder = Backend(), Holder()
+    fn = compile_fresh(scaled, backend, holder=holder)
+    assert _guards_accept(fn, (), (torch.ones(2), 1), {}) is None  # nothing compiled yet: dynamo decides
+    fn(torch.ones(2), 1)
+    assert _guards_accept(fn, (), (torch.ones(2), 1), {}) is True
+    assert _guards_accept(fn, (), (torch.ones(2), 2), {}) is False  # a guard on the constant k
+    assert _served(fn, (), (torch.ones(2), 2), {}) is _NOT_SERVED
+    torch.testing.assert_close(_served(fn, (), (torch.full((2,), 3.0), 1), {}), torch.full((2,), 3.0))
+    gone = weakref.ref(backend)
+    del backend, holder, fn
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_deleted_patched_model_takes_its_captured_graphs_with_it(tmp_path, monkeypatch):
     """A patched model that goes out of scope frees what its captures hold: the compiled graphs (on a GPU
     their CUDA-graph recordings, gigabytes of pool memory: BERT kept 6 GB in a process that went on to
