@@ -204,9 +204,10 @@ def _row_store(b: Builder, k: int, v: Value, idx: tuple) -> Store:
 
 def plan_group_rows(prog: Program) -> Plan:
     """GroupNorm's rows: one program per (sample, group) of an (N, C, *spatial) input, `cols` walking the
-    group's C / G x H x W elements in the input's memory order, unravelled into its own index (n, c, h, w). Every value of the program is read at that index (the pointwise ops
-    around the norm: SiLU after it, a residual add before it), per-channel vectors at c, and the norm's
-    statistics per row at (n, g). A second GroupNorm in the chain must have the same rows."""
+    group's C / G x H x W elements in the input's memory order, unravelled into its own index (n, c, h, w).
+    Every value of the program is read at that index (the pointwise ops around the norm: SiLU after it, a
+    residual add before it), per-channel vectors at c, and the norm's statistics per row at (n, g). A
+    second GroupNorm in the chain must have the same rows."""
     dag = Dag()
     b = Builder(prog, dag)
     first = prog.row_ops[0]
