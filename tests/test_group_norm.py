@@ -80,7 +80,8 @@ def test_bf16_group_norm_rounds_as_eager_and_validates():
 
 
 def test_native_group_norm_statistics_are_outputs_per_group():
-    fn = lambda x, w, b: torch.ops.aten.native_group_norm(x, w, b, x.shape[0], x.shape[1], x.shape[2] * x.shape[3], 4, 1e-5)  # noqa: E731
+    def fn(x, w, b):
+        return torch.ops.aten.native_group_norm(x, w, b, x.shape[0], x.shape[1], x.shape[2] * x.shape[3], 4, 1e-5)
     gen, mod = _check(fn, _inputs((3, 16, 5, 5), 4))
     assert validate(gen, mod).validated
 

@@ -412,11 +412,13 @@ def _guards_accept(fn: Callable, lead: tuple, args, kwargs) -> bool | None:
         entries = _debug_get_cache_entry_list(fresh.__code__)
         if not entries:
             return None
-        bound = inspect.signature(fresh, follow_wrapped=False).bind(*lead, *args, **kwargs)  # the frame's own locals
+        # The frame's own locals: its parameters (a decorator's `wrapper(*args, **kwargs)`, not the signature
+        # it advertises) and the free variables it closes over, which dynamo's guards read as locals too.
+        bound = inspect.signature(fresh, follow_wrapped=False).bind(*lead, *args, **kwargs)
         bound.apply_defaults()
-        f_locals = dict(bound.arguments)  # and the free variables a decorator's wrapper closes over, which
+        f_locals = dict(bound.arguments)
         f_locals.update(zip(fresh.__code__.co_freevars, (c.cell_contents for c in fresh.__closure__ or ())))
-        return any(e.guard_manager.check(f_locals) for e in entries)  # the frame sees as locals too
+        return any(e.guard_manager.check(f_locals) for e in entries)
     except Exception:  # noqa: BLE001  (internals moved: dynamo decides, as before)
         return None
 

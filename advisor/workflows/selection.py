@@ -142,7 +142,8 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
     t = _time_states(call, device, iters, {**states, **alone})
     base = t["whole_captured" if in_whole else "captured"]
     whole_sites = out.get("outer_sites") if in_whole else None
-    records = [_timed_alone(r, t[r.candidate], base, None if whole_sites is None else whole_sites.get(key_of[r.candidate], 0))
+    records = [_timed_alone(r, t[r.candidate], base,
+                            None if whole_sites is None else whole_sites.get(key_of[r.candidate], 0))
                if r.candidate in alone else r for r in records]
     out["timing"] = _summary(t, device)
     options = [Option(k, e, t[k].median_ms, o, tuple(t[k].rounds_ms)) for k, (e, o) in states.items()]
