@@ -79,6 +79,23 @@ def test_bf16_group_norm_rounds_as_eager_and_validates():
     assert validate(gen, mod).validated
 
 
+@pytest.mark.parametrize("name", ["features", "no affine", "scale-shift"])
+def test_group_norm_variants_users_write(name):
+    """GroupNorm over (N, C) features, without its affine, and a diffusion model's scale-shift after it
+    (`norm(x) * (1 + scale) + shift`, scale and shift per sample and channel)."""
+    x, w, b = _inputs((2, 16) if name == "features" else (2, 16, 5, 5), 4)
+    g = torch.Generator().manual_seed(7)
+    if name == "features":
+        fn, inputs = (lambda x, w, b: F.silu(F.group_norm(x, 4, w, b))), (x, w, b)
+    elif name == "no affine":
+        fn, inputs = (lambda x: F.silu(F.group_norm(x, 4))), (x,)
+    else:
+        scale, shift = (torch.randn(2, 16, 1, 1, generator=g).to(DEV) for _ in range(2))
+        fn, inputs = (lambda x, w, b, s, t: F.silu(F.group_norm(x, 4, w, b) * (1 + s) + t)), (x, w, b, scale, shift)
+    gen, mod = _check(fn, inputs)
+    assert validate(gen, mod).validated
+
+
 def test_native_group_norm_statistics_are_outputs_per_group():
     def fn(x, w, b):
         return torch.ops.aten.native_group_norm(x, w, b, x.shape[0], x.shape[1], x.shape[2] * x.shape[3], 4, 1e-5)
