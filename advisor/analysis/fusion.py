@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from advisor.analysis.alignment import unaligned_gemm
 from advisor.graph.nodes import Graph, Node, per_template
-from advisor.ops.args import bind, reduced_dims
+from advisor.ops.args import bind, group_count, reduced_dims
 from advisor.ops.lowering import why_not_generated
 from advisor.ops.registry import OpClass, OpInfo, lookup
 
@@ -97,7 +97,7 @@ def node_domain(graph: Graph, n: Node) -> Domain | None:
         return Domain(total, (total // max(cols, 1), cols))
     if n.cls == OpClass.NORM and "grouped" in info.tags:
         # GroupNorm: each (sample, group) a row of its channels' elements, C / G x H x W of them.
-        groups = args.get("group", args.get("num_groups"))
+        groups = group_count(args)
         rows = in_shape[0] * groups if isinstance(groups, int) and groups > 0 else 0
         return Domain(total, (rows, total // rows)) if rows and total % rows == 0 else None
     if n.cls == OpClass.REDUCTION and args and reduced_dims(args.get("dim"), len(in_shape)) == (len(in_shape) - 1,):

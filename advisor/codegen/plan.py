@@ -16,6 +16,7 @@ import torch
 from advisor.codegen.build import Builder, GroupRows
 from advisor.codegen.dag import Dag, Node
 from advisor.codegen.ir import Dim, Program, Value, _order
+from advisor.ops.args import group_count
 from advisor.ops.lowering import Unsupported
 
 
@@ -213,11 +214,11 @@ def plan_group_rows(prog: Program) -> Plan:
     first = prog.row_ops[0]
     view = next(v for v in first.args.values() if hasattr(v, "identity"))
     full = list(view.shape)
-    groups = first.args.get("group", first.args.get("num_groups"))
+    groups = group_count(first.args)
     keys = [prog.dim_key(d) for d in full]
     for o in prog.row_ops[1:]:
         shape = next(v for v in o.args.values() if hasattr(v, "identity")).shape
-        if o.low.shape != "group" or o.args.get("group", o.args.get("num_groups")) != groups or \
+        if o.low.shape != "group" or group_count(o.args) != groups or \
                 [prog.dim_key(d) for d in shape] != keys:
             raise Unsupported(f"{o.qualname} beside a GroupNorm over other rows")
     per = full[1].value // groups  # channels per group (the channel count is pinned by the shape rule)

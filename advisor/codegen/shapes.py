@@ -4,6 +4,7 @@ GroupNorm, whose rows are its groups (`codegen.plan`'s grouped rows)."""
 from __future__ import annotations
 
 from advisor.codegen.ir import Dim, Op, Program, Sizes, View
+from advisor.ops.args import group_count
 from advisor.ops.lowering import Unsupported
 
 
@@ -42,7 +43,7 @@ def infer_shapes(p: Program, op: Op, recorded: list) -> list:
         stats = list(first[:-1]) + [Dim((), 1, 1)]
         return [list(first), stats, stats]
     if rule == "group":  # GroupNorm over (N, C, *spatial): rows are (sample, group), weight and bias walk C
-        groups = a.get("group", a.get("num_groups"))
+        groups = group_count(a)
         if len(first) < 2 or not isinstance(groups, int) or groups < 1 or first[1].value % groups:
             raise Unsupported(f"{op.qualname} of shape {[d.value for d in first]} in {groups} groups")
         for name in op.low.channel:

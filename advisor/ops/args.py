@@ -145,3 +145,9 @@ def reduced_dims(dim, ndim: int) -> tuple[int, ...]:
     if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
         raise ValueError(f"not a dim argument: {dim!r}")
     return tuple(sorted({d % ndim for d in dims}))
+
+
+def group_count(args: dict):
+    """A GroupNorm's number of groups, by either schema's name for it (`group_norm(input, num_groups, ...)`,
+    `native_group_norm(..., group, eps)`); None where the arguments hold neither."""
+    return args.get("group", args.get("num_groups"))

@@ -138,7 +138,7 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
     if outer and not in_whole:
         out["alone_in_layers"] = (f"each pattern alone timed in the layer captures: a whole-stack recording took "
                                   f"{grown / 2**20:.0f} MB, too many for the GPU's free memory")
-    alone = {r.candidate: (frozenset({key_of[r.candidate]}), in_whole) for r in patched if r.candidate in key_of}
+    alone = alone_states(records, key_of, in_whole)
     t = _time_states(call, device, iters, {**states, **alone})
     base = t["whole_captured" if in_whole else "captured"]
     whole_sites = out.get("outer_sites") if in_whole else None
@@ -193,6 +193,13 @@ def _fits(device: str, nbytes: int) -> bool:
         return True
     free, _ = torch.cuda.mem_get_info()
     return nbytes <= 0.5 * (free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+
+
+def alone_states(records: list[PatternResult], key_of: dict, outer: bool) -> dict:
+    """{candidate: (enabled, outer)}: each patched pattern alone, in the whole stack (`outer`) or the layer
+    captures."""
+    return {r.candidate: (frozenset({key_of[r.candidate]}), outer) for r in records
+            if r.patched and r.candidate in key_of}
 
 
 def _time_states(call, device: str, iters: int, states: dict) -> dict:
@@ -264,8 +271,7 @@ def time_patterns(call, handle, device: str, iters: int, records: list[PatternRe
         return {"timing_meaningful": False, "device": device,
                 "reason": "kernels run in Triton's interpreter on the CPU; no speedup is claimed"}, records
     key_of = {s.candidate: s.key for s in handle.plan.patterns}
-    alone = {r.candidate: (frozenset({key_of[r.candidate]}), False) for r in records
-             if r.patched and r.candidate in key_of}
+    alone = alone_states(records, key_of, False)
     t = _time_states(call, device, iters, {"all": (None, False), "captured": (frozenset(), False), **alone})
     records = [_timed_alone(r, t[r.candidate], t["captured"], None) if r.candidate in alone else r for r in records]
     return _summary(t, device), records
