@@ -76,12 +76,12 @@ def test_workers_generate_what_one_process_does(optimized, tmp_path, monkeypatch
     assert os.getpid() not in pids and len(pids) <= 2
     monkeypatch.setattr(workers, "discard", lambda: None)  # kept, to see who worked
     jobs = []
-    real_submit = pool.submit
-    monkeypatch.setattr(pool, "submit", lambda fn, *a: jobs.append(fn.__name__) or real_submit(fn, *a))
+    real_map = pool.map
+    monkeypatch.setattr(pool, "map", lambda fn, *its: jobs.append(fn.__name__) or real_map(fn, *its))
     parallel = generate_candidates(doc, tmp_path / "parallel", top=4)
     monkeypatch.undo()
     workers.discard()
-    assert jobs == ["_job"] * len(parallel["patterns"])  # the interpreter compiles nothing ahead
+    assert jobs == ["_job"]
     assert sum(p["validated"] for p in serial["patterns"]) >= 2
     assert _comparable(parallel) == _comparable(serial)
     for p in parallel["patterns"]:
@@ -200,39 +200,6 @@ def test_a_tuned_kernels_compiles_run_ahead_of_its_job_and_the_others_meanwhile(
     assert events.index("job plain") < events.index("compiled tuned ('recorded', 1)")  # did not wait
     assert events.index("job tuned") > max(events.index("compiled tuned ('recorded', 0)"),
                                            events.index("compiled tuned ('recorded', 1)"))
-
-
-def test_a_candidates_job_starts_when_its_own_compiles_are_done(tmp_path, monkeypatch):
-    """Issue 17: every kernel's shape cases compile ahead; a candidate whose compiles finish first is
-    validated meanwhile, not behind an earlier candidate's slower compiles, and the candidates with the
-    most compiles are queued first."""
-    import threading
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    from advisor.workflows import generate
-
-    events, lock = [], threading.Lock()
-
-    def ahead(c, job):
-        time.sleep(0.6 if c == "slow" else 0.05)
-        with lock:
-            events.append(f"compiled {c} {job[0]}")
-
-    def job(c, out):
-        with lock:
-            events.append(f"job {c}")
-        return c
-
-    jobs = {"slow": [("recorded", None)], "quick": [("recorded", None)], "many": [("recorded", None), ("odd", None)]}
-    monkeypatch.setattr(generate, "_ahead_jobs", jobs.get)
-    monkeypatch.setattr(generate, "_compile_ahead", ahead)
-    monkeypatch.setattr(generate, "_job", job)
-    with ThreadPoolExecutor(2) as pool:
-        assert generate._pooled(pool, ["slow", "quick", "many"], tmp_path) == ["slow", "quick", "many"]
-    assert events[0].startswith("compiled many")  # queued first: the most compiles
-    assert events.index("job quick") < events.index("compiled slow recorded")
-    assert events.index("job slow") > events.index("compiled slow recorded")
 
 
 def test_workers_that_cannot_start_fall_back_in_one_line(optimized, tmp_path, monkeypatch, capsys):

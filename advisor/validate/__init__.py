@@ -109,20 +109,17 @@ def _tuning(module, on: bool):
 
 def compile_jobs(gen, module, seed: int = 0) -> list[tuple[str, int | None]]:
     """The Triton compiles `validate` is about to make, as independent jobs for `compile_ahead` (in other
-    processes: `workflows.generate` runs them in its compile workers before the validation): each shape
-    case is a specialisation of its own (the all-ones case's block size, the odd case's unaligned sizes),
-    so a kernel's three cases were three compiles one after another in one worker (a row kernel's
-    validation: 4-5 s of the H100's empty-cache generate). A tuned kernel times each tile config at the
-    recorded shape and runs its default config at each other shape (as `_tuning` runs them). [] for a
-    kernel with a single case, or whose validation is memoised (it will not run the kernel), or under the
-    interpreter (nothing compiles)."""
-    if interpreted() or recall(memo_key(gen, module, seed, False)):
-        return []
-    names = [c.name for c in cases(gen.program, False)]
+    processes: `workflows.generate` runs them in its compile workers before the validation): each tile
+    config a tuned kernel times at the recorded shape, and its default config at each other shape (as
+    `_tuning` runs them). [] for a kernel with nothing to tune, or whose validation is memoised (it will
+    not run the kernel), or under the interpreter (nothing compiles)."""
     configs = getattr(module, "CONFIGS", None)
-    if configs and getattr(module, "TUNE", False):
-        return [("recorded", i) for i in range(len(configs))] + [(n, None) for n in names if n != "recorded"]
-    return [(n, None) for n in names] if len(names) > 1 else []
+    if interpreted() or not configs or not getattr(module, "TUNE", False):
+        return []
+    if recall(memo_key(gen, module, seed, False)):
+        return []
+    others = [c.name for c in cases(gen.program, False) if c.name != "recorded"]
+    return [("recorded", i) for i in range(len(configs))] + [(name, None) for name in others]
 
 
 def compile_ahead(gen, module, case_name: str, config: int | None, seed: int = 0) -> None:
@@ -134,22 +131,15 @@ def compile_ahead(gen, module, case_name: str, config: int | None, seed: int = 0
     case = next(c for c in cases(prog, interp) if c.name == case_name)
     device = "cpu" if interp else "cuda"
     inputs = draw(prog, case, device, torch.Generator(device=device).manual_seed(seed))
-    with _tuning(module, False), _fixed_config(module, config):
-        _run_kernel(module, prog, inputs)
-
-
-@contextlib.contextmanager
-def _fixed_config(module, config: int | None):
-    """A tuned module's `_config` answering tile config `config` (None: the module as it is)."""
-    if config is None:
-        yield
-        return
-    real, fixed = module._config, module.CONFIGS[config]
-    module._config = lambda key, launch, tune: fixed
+    real_config = module._config
+    if config is not None:
+        fixed = module.CONFIGS[config]
+        module._config = lambda key, launch, tune: fixed
     try:
-        yield
+        with _tuning(module, False):
+            _run_kernel(module, prog, inputs)
     finally:
-        module._config = real
+        module._config = real_config
 
 
 def _errors(worst, failed, dtypes, shapes, notes) -> dict:

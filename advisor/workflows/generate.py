@@ -128,12 +128,12 @@ def _in_workers(chosen: list, out_dir: Path) -> list | None:
 
     from advisor.workflows import workers  # function-level: multiprocessing only on this path
 
-    if workers.wanted(0, interpreted()) == 0:  # the interpreter, or FUSION_ADVISOR_COMPILE_WORKERS=0/1
+    n = workers.wanted(len(chosen), interpreted())
+    if n == 0:
         return None
-    ahead = [_ahead_jobs(c) for c in chosen]  # the compiles a candidate's validation would make in turn
     try:
-        pool = workers.start(workers.wanted(len(chosen) + sum(map(len, ahead)), interpreted()), warm=warm_worker)
-        return _pooled(pool, chosen, out_dir, ahead) if pool else None
+        pool = workers.start(n, warm=warm_worker)
+        return _pooled(pool, chosen, out_dir) if pool else None
     except (BrokenProcessPool, OSError, RuntimeError) as e:
         print(f"fusion-advisor: compile workers unavailable ({type(e).__name__}: {e}); "
               f"generating {len(chosen)} kernels in this process", file=sys.stderr)
@@ -142,42 +142,30 @@ def _in_workers(chosen: list, out_dir: Path) -> list | None:
         workers.discard()
 
 
-def _pooled(pool, chosen: list, out_dir: Path, ahead: list | None = None) -> list:
-    """Each candidate's `_job` run in `pool`, the records in the candidates' order. A validation compiles
-    one Triton specialisation per shape case, and a tuned kernel one per tile config too, one after another
-    inside its job (the H100: a row kernel's three cases 4-5 s, a matmul epilogue's eight configs ~2 s
-    each, while other workers sat idle): those compiles go to the pool first, as jobs of their own
-    (`_compile_ahead`, into Triton's on-disk cache, which the processes share), the candidates with the most
-    of them first; a candidate's `_job` is submitted as soon as its own compiles are done, and then loads
-    them instead of compiling. `ahead`: each candidate's `_ahead_jobs`, where the caller has them."""
-    ahead = ahead if ahead is not None else [_ahead_jobs(c) for c in chosen]
+def _pooled(pool, chosen: list, out_dir: Path) -> list:
+    """Each candidate's `_job` run in `pool`, the records in the candidates' order. A kernel that times its
+    tile configs (matmul-anchored) would compile them one after another inside its job (the H100: eight
+    ~2 s compiles, the longest job of a cold start, while other workers sat idle): those compiles go to the
+    pool first, as jobs of their own (`_compile_ahead`, into Triton's on-disk cache, which the processes
+    share), and that candidate's `_job` starts once they are done; the other candidates' jobs run meanwhile."""
+    ahead = [_ahead_jobs(c) for c in chosen]
+    if not any(ahead):
+        return list(pool.map(_job, chosen, [out_dir] * len(chosen)))
     futures = {i: pool.submit(_job, c, out_dir) for i, c in enumerate(chosen) if not ahead[i]}
-    waiting: dict = {}  # compile future -> its candidate's index
-    for i in sorted((i for i, jobs in enumerate(ahead) if jobs), key=lambda i: -len(ahead[i])):
-        waiting |= {pool.submit(_compile_ahead, chosen[i], job): i for job in ahead[i]}
-    left = {i: len(jobs) for i, jobs in enumerate(ahead) if jobs}
-    while waiting:
-        done, _ = concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
-        for f in done:
-            i = waiting.pop(f)
-            left[i] -= 1
-            if not left[i]:
-                futures[i] = pool.submit(_job, chosen[i], out_dir)
+    warming = {i: [pool.submit(_compile_ahead, chosen[i], job) for job in jobs] for i, jobs in enumerate(ahead) if jobs}
+    for i, compiles in warming.items():
+        concurrent.futures.wait(compiles)
+        futures[i] = pool.submit(_job, chosen[i], out_dir)
     return [futures[i].result() for i in range(len(chosen))]
-
-
-def _generated(c: Candidate):
-    """Candidate `c`'s generated kernel (the generator's cache makes a second call cheap)."""
-    return generate_anchored(c.program, c.kind.value) if c.kind.anchored else generate(c.program)
 
 
 def _ahead_jobs(c: Candidate) -> list:
     """`validate.compile_jobs` of candidate `c`'s kernel (generated here: the generator's cache makes that
     cheap, and the workers then find the module in it); [] when there is nothing to compile ahead."""
-    if skip_reason(c) is not None:
+    if not c.kind.anchored or skip_reason(c) is not None:
         return []
     try:
-        gen = _generated(c)
+        gen = generate_anchored(c.program, c.kind.value)
         return compile_jobs(gen, load_module(gen.path))
     except Exception:  # noqa: BLE001  (the candidate's own job generates it again and says why it failed)
         return []
@@ -186,7 +174,7 @@ def _ahead_jobs(c: Candidate) -> list:
 def _compile_ahead(c: Candidate, job: tuple) -> None:
     """A worker job: one of `_ahead_jobs(c)`. A failure is for the validation to find and report."""
     try:
-        gen = _generated(c)
+        gen = generate_anchored(c.program, c.kind.value)
         compile_ahead(gen, load_module(gen.path), *job)
     except Exception:  # noqa: BLE001
         pass
@@ -231,7 +219,7 @@ def _job(c: Candidate, out_dir: Path) -> PatternResult:
     clock = Stopwatch()
     try:
         with clock("generate"):
-            gen = _generated(c)
+            gen = generate_anchored(c.program, c.kind.value) if c.kind.anchored else generate(c.program)
         entry = dataclasses.replace(entry, cached=gen.cached)
         with clock("validate"):
             module = load_module(gen.path)
