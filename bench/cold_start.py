@@ -187,6 +187,8 @@ def child(a, model: str, run: str) -> int:
         call()
         rec["first_call_s"] = round(time.perf_counter() - t1, 3)
         rec.update(phases_s=report.phases_s, patched=[p["title"] for p in report.applied])
+        # each candidate's job in the compile workers: generate, load, validate and its steps (`validate_steps`)
+        rec["jobs_s"] = {r.candidate: r.seconds for r in report.results if r.seconds}
     rec["to_first_call_s"] = round(time.perf_counter() - t0, 3)
     # where the captures' time went, up to the end of the first call (optimize's own calls included)
     rec["capture_phases_s"] = timing.since(phases_before)
@@ -264,6 +266,15 @@ def markdown(doc: dict) -> str:
                  str(r.get("triton_compiles", "")), _f(r.get("first_inference_call_s")),
                  _f((r.get("inference_call_phases_s") or {}).get("dynamo")), _f(r.get("process_s"))]
         lines.append("| " + " | ".join(cells) + " |")
+    jobs = [(r["model"], c, sec) for r in doc["records"] for c, sec in (r.get("jobs_s") or {}).items()]
+    if jobs:
+        lines += ["", "Each candidate's job in the compile workers (s; `validate` broken down into its steps, "
+                      "summed over the shape cases; `kernel <case>`: that case's launch, its Triton compile included):", ""]
+        for model, c, sec in jobs:
+            steps = sec.get("validate_steps") or {}
+            top = ", ".join(f"{k} {v:.2f}" for k, v in sec.items() if isinstance(v, (int, float)))
+            lines.append(f"- {model} {c}: {top}" + (f" ({', '.join(f'{k} {v:.2f}' for k, v in steps.items())})"
+                                                    if steps else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -426,3 +426,23 @@ def test_kernel_files_keep_the_validated_kernels_on_their_lines(optimized, tmp_p
         assert "# Validated against PyTorch" in text and "# Replaces: " in text and written.__doc__
         checked += 1
     assert checked
+
+
+def test_a_validation_says_where_its_seconds_went(optimized, tmp_path, monkeypatch):
+    """Issue 17: a row kernel's validation took 4-5 s in its H100 worker and compiling its shape cases ahead
+    did not shorten it; each job's record now breaks `validate` into its steps (inputs, references, each
+    case's kernel launch, compare), so a cold start's report says which step it is."""
+    from advisor.workflows import workers
+    from advisor.workflows.generate import generate_candidates
+
+    monkeypatch.setenv(workers.ENV, "0")
+    doc = json.loads((optimized.out_dir / "analysis.json").read_text())
+    done = generate_candidates(doc, tmp_path, top=2)
+    validated = [p for p in done["patterns"] if p["validated"]]
+    assert validated
+    for p in validated:
+        steps = p["seconds"]["validate_steps"]
+        cases = [s["case"] for s in p["errors"]["shapes"]]
+        assert set(steps) == {"inputs", "reference", "compare"} | {f"kernel {c}" for c in cases}, steps
+        assert steps[f"kernel {cases[0]}"] > 0  # the interpreter ran the kernel there
+        assert sum(steps.values()) <= p["seconds"]["validate"] + 0.01  # the steps are inside `validate`

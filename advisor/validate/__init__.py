@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from advisor.bench.timing import Stopwatch
 from advisor.interpreter import interpreter_problem
 from advisor.validate.compare import TOLERANCES, compare, poison
 from advisor.validate.inputs import draw
@@ -33,6 +34,10 @@ class Validation:
     validated: bool
     reason: str | None
     errors: dict = field(default_factory=dict)
+    # Wall seconds per step (inputs, reference, `kernel <case>`: a case's first launch holds its Triton compile,
+    # compare), summed over the cases: a row kernel's validation took 4-5 s in its H100 worker, and compiling its
+    # cases ahead did not shorten it (reports/cold-start-h100-session15/cases-ahead.md); these say which step does.
+    steps: dict = field(default_factory=dict)
 
 
 def validate(gen, module, seed: int = 0, memo: bool | None = None) -> Validation:
@@ -54,6 +59,13 @@ def validate(gen, module, seed: int = 0, memo: bool | None = None) -> Validation
 
 
 def _validate(gen, module, seed: int, interp: bool) -> Validation:
+    clock = Stopwatch()
+    result = _checked(gen, module, seed, interp, clock)
+    result.steps = clock.seconds
+    return result
+
+
+def _checked(gen, module, seed: int, interp: bool, clock: Stopwatch) -> Validation:
     prog = gen.program
     device = "cpu" if interp else "cuda"
     g = torch.Generator(device=device).manual_seed(seed)
@@ -62,25 +74,29 @@ def _validate(gen, module, seed: int, interp: bool) -> Validation:
     dtypes = sorted({str(v.dtype)[6:] for v in prog.outputs})
     matmul = any(o.low.kind == "anchor" for o in prog.ops)  # matmul-anchored kernels: compare.MATMUL_TOLERANCES
     for case in cases(prog, interp):
-        inputs = draw(prog, case, device, g)
+        with clock("inputs"):
+            inputs = draw(prog, case, device, g)
         shapes.append({"case": case.name, "inputs": [list(t.shape) for t in inputs.values()]})
         if case.note:
             notes.append(case.note)
         try:
-            ref64, mutated64 = run_reference(prog, case, inputs, "fp64")
-            native, mutated_native = run_reference(prog, case, inputs, "native")
+            with clock("reference"):
+                ref64, mutated64 = run_reference(prog, case, inputs, "fp64")
+                native, mutated_native = run_reference(prog, case, inputs, "native")
         except Exception as e:  # the trace's program itself does not replay
             return Validation(False, f"reference replay failed at {case.name} shape: {type(e).__name__}: {e}")
         try:
-            with _tuning(module, case.name == "recorded"):
+            with _tuning(module, case.name == "recorded"), clock(f"kernel {case.name}"):
                 outs, after = _run_kernel(module, prog, inputs)
         except Exception as e:
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else ""
             return Validation(False, f"kernel failed to compile or run ({case.name} shape): {type(e).__name__}: {msg}"[:500])
-        checks = [compare(o, ref64[v.id], native[v.id], f"{v.id} ({case.name} shape)", matmul, _through(prog, v.id))
-                  for o, v in zip(outs, prog.outputs[:prog.returned])]
-        checks += [compare(after[k], mutated64[k], mutated_native[k], f"{k} written in place ({case.name} shape)",
-                           matmul, _through(prog, _writer(prog, k))) for k in _mutated(prog)]
+        with clock("compare"):
+            checks = [compare(o, ref64[v.id], native[v.id], f"{v.id} ({case.name} shape)", matmul,
+                              _through(prog, v.id))
+                      for o, v in zip(outs, prog.outputs[:prog.returned])]
+            checks += [compare(after[k], mutated64[k], mutated_native[k], f"{k} written in place ({case.name} shape)",
+                               matmul, _through(prog, _writer(prog, k))) for k in _mutated(prog)]
         for c in checks:
             if not c.ok:
                 return Validation(False, c.reason, _errors(worst, c, dtypes, shapes, notes))
