@@ -919,14 +919,18 @@ def summarise(results: list, meaningful: bool) -> dict:
     targets.append({"target": "a matmul-epilogue pattern is kept only if it beats cuBLAS + the separate epilogue",
                     "met": not bad, "detail": f"{sum(1 for _, p in epi if p.get('kept'))} kept of {len(epi)} patched"
                     + (f"; kept without a measured win: {', '.join(bad)}" if bad else "")})
-    meas = [(r["workload"], p) for r in results for p in (r.get("advisor") or {}).get("patterns", [])
-            if p.get("measured_over_est") is not None]
+    # Issue 16's target counts the kept patterns (what the user runs); every measured pattern is said beside it.
+    applied = [(r["workload"], p) for r in results for p in (r.get("advisor") or {}).get("patterns", [])
+               if p.get("measured_over_est") is not None]
+    meas = [(w, p) for w, p in applied if p.get("kept")]
     off = [f"{w} {p['candidate']} {p['measured_over_est']:.2f}x" for w, p in meas if not p.get("within_25pct")]
     sharp = [p for _, p in meas if resolves_quarter(p.get("est_us"), p.get("measured_spread_us"))]
-    targets.append({"target": "analyzer estimate within ±25% of the measured saving, per applied pattern",
-                    "met": (not off) if meas else None,
-                    "detail": f"{len(meas) - len(off)} of {len(meas)} within" + (f"; off: {', '.join(off)}" if off else "")
-                    + f"; {estimate_resolution(len(sharp), sum(bool(p.get('within_25pct')) for p in sharp))}"})
+    applied_within = sum(bool(p.get("within_25pct")) for _, p in applied)
+    targets.append({"target": "analyzer estimate within ±25% of the measured saving for 80% of kept patterns",
+                    "met": (len(meas) - len(off) >= 0.8 * len(meas)) if meas else None,
+                    "detail": f"{len(meas) - len(off)} of {len(meas)} kept within" + (f"; off: {', '.join(off)}" if off else "")
+                    + f"; {estimate_resolution(len(sharp), sum(bool(p.get('within_25pct')) for p in sharp))}"
+                    + f"; every measured pattern (kept or not): {applied_within} of {len(applied)} within"})
     s["targets"] = targets
     return s
 
