@@ -156,6 +156,61 @@ def test_row_max_propagates_nan(variant):
     assert got[1].isnan()
 
 
+@pytest.mark.skipif(DEV == "cuda", reason="a patch of Triton's interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32], ids=lambda d: str(d)[6:])
+def test_interpreter_folds_the_combine_helpers_in_numpy(dtype, tmp_path):
+    """`tl.reduce` with `_max_nan`, `_min_nan`, `_mul_combine` runs as one numpy reduce in the interpreter
+    (element by element it took minutes per kernel): the same results, NaN and -0.0 included, as the
+    interpreter's own elementwise fold, which a helper of the same name but another source still takes.
+    (Not bf16: the interpreter holds it as uint16 bits, which its own maximum compares as integers; the
+    generated kernels reduce in fp32.)"""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from advisor.codegen.helpers import HELPERS, _fold_of, helper_source
+
+    head = "import triton\nimport triton.language as tl\n"
+    path = tmp_path / "folds.py"
+    path.write_text(head + helper_source(["_max_nan", "_min_nan", "_mul_combine"]) + '''
+
+@triton.jit
+def fold_kernel(x_ptr, o_ptr, KIND: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, 16)[:, None] * 8 + tl.arange(0, 8)[None, :])
+    if KIND == 0:
+        y = tl.reduce(x, 0, _max_nan)
+    elif KIND == 1:
+        y = tl.reduce(x, 0, _min_nan)
+    else:
+        y = tl.reduce(x, 0, _mul_combine)
+    tl.store(o_ptr + tl.arange(0, 8), y)
+''')
+    mod = load_module(path)  # installs the numpy folds
+    fast = interpreter.ReduceOps.apply_impl
+    elementwise = fast.__closure__[0].cell_contents  # the interpreter's own apply_impl, which it wraps
+    assert fast.helpers_in_numpy and not getattr(elementwise, "helpers_in_numpy", False)
+    x = torch.randn(128).to(dtype) if dtype.is_floating_point else torch.randint(-3, 4, (128,), dtype=dtype)
+    if dtype.is_floating_point:
+        x[5], x[17], x[30] = float("nan"), -0.0, 0.0
+    for kind in range(3):
+        outs = []
+        for impl in (fast, elementwise):
+            interpreter.ReduceOps.apply_impl = impl
+            try:
+                out = torch.empty(8, dtype=dtype)
+                mod.fold_kernel[(1,)](x, out, KIND=kind)
+            finally:
+                interpreter.ReduceOps.apply_impl = fast
+            outs.append(out)
+        assert torch.equal(outs[0].isnan(), outs[1].isnan()) and torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
+        assert torch.equal(torch.signbit(outs[0]), torch.signbit(outs[1]))
+        if kind < 2 and dtype.is_floating_point:
+            assert outs[0][5].isnan()  # x[5]'s column: NaN propagates
+    other = tmp_path / "other.py"
+    other.write_text(head + HELPERS["_max_nan"].replace(", propagate_nan=tl.PropagateNan.ALL", ""))
+    assert _fold_of(mod._max_nan) is np.maximum and _fold_of(mod._mul_combine) is np.multiply
+    assert _fold_of(load_module(other)._max_nan) is None  # NaN-dropping: not the helper numpy's max folds
+
+
 def test_looped_kernel_passes():
     """Softmax loops three times over a wide row: max, sum of exp, then the outputs."""
     gen, mod = build(lambda x: torch.softmax(x, -1), torch.randn(2, 40))

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from advisor.codegen.helpers import reduce_helpers_in_numpy
 from advisor.interpreter import round_like_the_gpu
 from advisor.jsonio import atomic_write  # noqa: F401  (the cache writes through it; tests import it from here)
 
@@ -63,6 +64,7 @@ def path_of(key: str) -> Path:
 def load_module(path: Path, name: str | None = None):
     """Import a generated module from its file (Triton's JIT needs the source on disk)."""
     round_like_the_gpu()  # without a GPU its kernels run in the interpreter: bf16 stores as on the GPU
+    reduce_helpers_in_numpy()  # ... and their tl.reduce helpers fold in numpy, not one element per Python call
     path = Path(path)
     name = name or f"fusion_advisor_kernel_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
