@@ -106,6 +106,30 @@ def test_interpreter_caps_rows_but_keeps_the_row_width():
     assert width == 96 and rows < 512
 
 
+@pytest.mark.skipif(DEV == "cuda", reason="the cap applies to Triton's interpreter only")
+def test_interpreter_caps_a_tiled_kernel_by_what_it_reads_and_keeps_two_blocks():
+    """A matmul + amax over its rows: its output (one row of the vocabulary) is small, but K and the rows
+    it reduces are in no output. Capped under the interpreter by every value it reads or computes, each
+    dim of several blocks keeps two (the K loop and the loop over rows carry their sums and maxima from
+    step to step), and the recorded sizes stay on the GPU."""
+    from advisor.codegen.anchored import generate_anchored
+    from advisor.validate.shapes import INTERPRETER_MAX_BLOCK, cases
+
+    fn = lambda h, w: torch.amax(torch.relu(torch.nn.functional.linear(h, w)), 0)  # noqa: E731
+    gen = generate_anchored(record_program(fn, torch.randn(512, 256), torch.randn(300, 256)), "matmul_reduction")
+    prog, mod = gen.program, load_module(gen.path)
+    assert mod._small(1 << 20) == INTERPRETER_MAX_BLOCK  # the kernels' largest block in the interpreter
+    rec = cases(prog, interpreter=True)[0]
+    (rows, k), (n, k_w) = (rec.shape(prog, i.shape) for i in prog.inputs)
+    assert k == k_w and 2 * INTERPRETER_MAX_BLOCK <= min(rows, k, n) and rows < 512 and k < 256 and n < 300
+    assert "every value" in rec.note
+    gpu = cases(prog, interpreter=False)[0]
+    assert [gpu.shape(prog, i.shape) for i in prog.inputs] == [[512, 256], [300, 256]]
+    v = validate(gen, mod)
+    assert v.validated, v.reason
+    assert v.errors["shapes"][0]["inputs"] == [[rows, k], [n, k]]
+
+
 def test_tolerances_by_dtype():
     assert TOLERANCES[torch.float32].rel_l2 == 1e-5
     assert TOLERANCES[torch.bfloat16].rel_l2 == 1e-2

@@ -7,6 +7,13 @@ elements for pointwise kernels) so validation stays cheap: hard under Triton's i
 on a GPU at 16 M elements, where a kernel's masks and index arithmetic are exercised as at full size
 (offsets stay 32-bit below 2^31 elements either way) and a full-size fp64 reference of a 1 GB
 activation would cost seconds of the cold start. The result says when a case was capped.
+
+Matmul-anchored (tiled) kernels under the interpreter are capped by every value they read or compute,
+not only their outputs: a GEMM's K, the rows a matmul + amax reduces and attention's score matrix are
+in none of the outputs, and SPLADE's matmul + amax (B x L x V x K = 32 x 256 x 237 x 384 after the
+output cap) took 190 s of a CI run, GPT-2's attention (16 heads x 1021 x 1021 keys at its odd case)
+280 s. A tile walks every dim in blocks, so no row width is kept for them (attention's softmax runs a
+block of keys at a time), and a dim recorded over one interpreter block keeps two (`_floor`).
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ from advisor.codegen.ir import Dim, Program
 
 INTERPRETER_MAX_ROWS = 24
 INTERPRETER_MAX_NUMEL = 1 << 13
+# The largest block the generated matmul-anchored kernels take under the interpreter (their `_small`).
+INTERPRETER_MAX_BLOCK = 64
 GPU_MAX_ROWS = 1 << 14
 GPU_MAX_NUMEL = 1 << 24
 ODD = [3, 5, 7, 11, 13, 17, 19, 23]
@@ -40,6 +49,11 @@ def free_classes(prog: Program) -> dict:
     """Representative symbol -> recorded size, for the classes validation may resize."""
     s = prog.sizes
     return {s.find(t): s.value[t] for t in s.parent if s.find(t) not in s.pinned and s.find(t) not in s.defs}
+
+
+def tiled(prog: Program) -> bool:
+    """Matmul-anchored: the kernel walks every dim in tiles (`advisor.codegen.matmul`), none in one block."""
+    return any(o.low.kind == "anchor" for o in prog.ops)
 
 
 def row_class(prog: Program) -> str | None:
@@ -66,12 +80,20 @@ def domain_numel(prog: Program, case: Case) -> tuple[int, int]:
     return 1, numel
 
 
+def all_values_numel(prog: Program, case: Case) -> int:
+    """Elements of the biggest value `prog` reads or computes under `case`: inputs, intermediates, outputs."""
+    shapes = [i.shape for i in prog.inputs] + [v.shape for v in prog.values.values()]
+    return max((math.prod(case.shape(prog, s)) for s in shapes), default=1)
+
+
 def cases(prog: Program, interpreter: bool) -> list:
     free = free_classes(prog)
-    n_cls = row_class(prog)
+    by_tiles = interpreter and tiled(prog)
+    n_cls = None if by_tiles else row_class(prog)  # tiles hold no whole row: none to keep
     recorded = dict(free)
     limits = (INTERPRETER_MAX_ROWS, INTERPRETER_MAX_NUMEL) if interpreter else (GPU_MAX_ROWS, GPU_MAX_NUMEL)
-    recorded, note = _cap(prog, recorded, n_cls, *limits, "interpreter" if interpreter else "GPU")
+    where = "interpreter" if interpreter else "GPU"
+    recorded, note = _cap_tiles(prog, recorded) if by_tiles else _cap(prog, recorded, n_cls, *limits, where)
     odd = {}
     for k, (rep, v) in enumerate(sorted(free.items())):
         if rep == n_cls:  # row width: not a power of two, so the block has a masked tail
@@ -105,6 +127,35 @@ def _cap(prog: Program, chosen: dict, n_cls: str | None, max_rows: int, max_nume
         return chosen, ""
     what = "rows" if prog.row_ops else "elements"
     return chosen, f"{where}: recorded shape capped to fewer {what}" + (" (same row width)" if prog.row_ops else "")
+
+
+def _cap_tiles(prog: Program, chosen: dict) -> tuple[dict, str]:
+    """`_cap` for a tiled kernel under the interpreter: the biggest resizable class shrinks until every value
+    the kernel reads or computes has at most INTERPRETER_MAX_NUMEL elements, or each is at its `_floor`."""
+    chosen = dict(chosen)
+    shrunk = False
+    for _ in range(64):
+        if all_values_numel(prog, _case(prog, "cap", chosen)) <= INTERPRETER_MAX_NUMEL:
+            break
+        cands = [r for r, v in chosen.items()
+                 if v > 1 and _halve(v, prog.sizes.value.get(r, 0)) >= _floor(prog.sizes.value.get(r, 0))]
+        if not cands:
+            break
+        big = max(cands, key=lambda r: chosen[r])
+        chosen[big] = _halve(chosen[big], free_value=prog.sizes.value.get(big, 0))
+        shrunk = True
+    if not shrunk:
+        return chosen, ""
+    return chosen, ("interpreter: recorded shape capped to fewer elements (every value the tiles read or "
+                    "compute; a dim of several blocks keeps two)")
+
+
+def _floor(recorded: int) -> int:
+    """The least a tiled kernel's dim recorded at `recorded` is capped to under the interpreter: two of its
+    largest blocks where it had more, so each loop (K, reduced rows, attention's keys) still carries its
+    running sum or max from one step to the next and the grid still has two programs along it; else two
+    indices where it had them, so that its stride is exercised (sizes of 1 are the all-ones case's)."""
+    return min(recorded, 2 * INTERPRETER_MAX_BLOCK) if recorded > INTERPRETER_MAX_BLOCK else min(recorded, 2)
 
 
 def _halve(v: int, free_value: int) -> int:
