@@ -21,10 +21,10 @@ from torch.utils._pytree import tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from advisor.bench.compare import Comparison, compare_outputs
-from advisor.bench.timing import Stopwatch
 from advisor.ops import registry
 from advisor.patching import Patched, only, patch, patches_off, whole
 from advisor.patching.capture import launched_sites
+from advisor.stopwatch import Stopwatch
 
 
 def repeatable(m: torch.nn.Module) -> bool:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from advisor.bench.timing import Stopwatch
 from advisor.interpreter import interpreter_problem
+from advisor.stopwatch import Stopwatch
 from advisor.validate.compare import TOLERANCES, compare, poison
 from advisor.validate.inputs import draw
 from advisor.validate.memo import memo_key, recall, remember

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from advisor.bench.timing import Stopwatch
 from advisor.codegen import GENERATOR_VERSION, Unsupported, generate
 from advisor.codegen.anchored import AnchoredGenerated, generate_anchored
 from advisor.codegen.cache import FIRST_LINE, load_module
 from advisor.jsonio import APPLY_SCHEMA_VERSION, atomic_write, write_json
 from advisor.ops.registry import OpClass, op_class
 from advisor.records import Candidate, Kind, PatternResult, candidates_of
+from advisor.stopwatch import Stopwatch
 from advisor.validate import compile_ahead, compile_jobs, interpreted, validate
 from advisor.validate.inputs import draw
 from advisor.validate.shapes import cases

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from advisor.analysis.api import analyze
-from advisor.bench.timing import Stopwatch
 from advisor.collect.in_process import profile_calls
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
@@ -32,6 +31,7 @@ from advisor.patching.capture import launched_sites
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.verify import check, eval_if_unrepeatable, float32_reference
 from advisor.records import PatternResult
+from advisor.stopwatch import Stopwatch
 from advisor.workflows import plan_cache
 from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
