@@ -112,17 +112,11 @@ def cases(prog: Program, interpreter: bool) -> list:
 def _cap(prog: Program, chosen: dict, n_cls: str | None, max_rows: int, max_numel: int,
          where: str) -> tuple[dict, str]:
     """Shrink the biggest resizable classes (never the row width) until the recorded case is small."""
-    chosen = dict(chosen)
-    shrunk = False
-    for _ in range(64):
-        rows, numel = domain_numel(prog, _case(prog, "cap", chosen))
-        too_big = (rows > max_rows or numel > max_numel) if prog.row_ops else numel > max_numel
-        cands = [r for r, v in chosen.items() if r != n_cls and v > 1]
-        if not too_big or not cands:
-            break
-        big = max(cands, key=lambda r: chosen[r])
-        chosen[big] = _halve(chosen[big], free_value=prog.sizes.value.get(big, 0))
-        shrunk = True
+    def too_big(case: Case) -> bool:
+        rows, numel = domain_numel(prog, case)
+        return (rows > max_rows or numel > max_numel) if prog.row_ops else numel > max_numel
+
+    chosen, shrunk = _shrunk(prog, chosen, too_big, lambda r, v: r != n_cls)
     if not shrunk:
         return chosen, ""
     what = "rows" if prog.row_ops else "elements"
@@ -132,22 +126,28 @@ def _cap(prog: Program, chosen: dict, n_cls: str | None, max_rows: int, max_nume
 def _cap_tiles(prog: Program, chosen: dict) -> tuple[dict, str]:
     """`_cap` for a tiled kernel under the interpreter: the biggest resizable class shrinks until every value
     the kernel reads or computes has at most INTERPRETER_MAX_NUMEL elements, or each is at its `_floor`."""
-    chosen = dict(chosen)
-    shrunk = False
+    chosen, shrunk = _shrunk(prog, chosen, lambda case: all_values_numel(prog, case) > INTERPRETER_MAX_NUMEL,
+                             lambda r, v: _halve(v, prog.sizes.value.get(r, 0)) >= _floor(prog.sizes.value.get(r, 0)))
+    if not shrunk:
+        return chosen, ""
+    return chosen, ("interpreter: recorded shape capped to fewer elements (every value the tiles read or "
+                    "compute; a dim of several blocks keeps two)")
+
+
+def _shrunk(prog: Program, chosen: dict, too_big, resizable) -> tuple[dict, bool]:
+    """(`chosen` with its biggest `resizable(rep, size)` class halved (`_halve`) while `too_big(case)` holds and
+    one is left, whether anything was)."""
+    chosen, shrunk = dict(chosen), False
     for _ in range(64):
-        if all_values_numel(prog, _case(prog, "cap", chosen)) <= INTERPRETER_MAX_NUMEL:
+        if not too_big(_case(prog, "cap", chosen)):
             break
-        cands = [r for r, v in chosen.items()
-                 if v > 1 and _halve(v, prog.sizes.value.get(r, 0)) >= _floor(prog.sizes.value.get(r, 0))]
+        cands = [r for r, v in chosen.items() if v > 1 and resizable(r, v)]
         if not cands:
             break
         big = max(cands, key=lambda r: chosen[r])
         chosen[big] = _halve(chosen[big], free_value=prog.sizes.value.get(big, 0))
         shrunk = True
-    if not shrunk:
-        return chosen, ""
-    return chosen, ("interpreter: recorded shape capped to fewer elements (every value the tiles read or "
-                    "compute; a dim of several blocks keeps two)")
+    return chosen, shrunk
 
 
 def _floor(recorded: int) -> int:
