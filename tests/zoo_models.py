@@ -235,6 +235,16 @@ ARCHS: list[Arch] = [
     Arch("qwen2_moe", "causal-lm", hf("Qwen2MoeForCausalLM", "Qwen2MoeConfig", num_key_value_heads=2, num_experts=4,
                                       num_experts_per_tok=2, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=64, **LM), text),
+    Arch("stablelm", "causal-lm", hf("StableLmForCausalLM", "StableLmConfig", num_key_value_heads=2, **LM), text),
+    Arch("nemotron", "causal-lm", hf("NemotronForCausalLM", "NemotronConfig", num_key_value_heads=2, **LM), text),
+    Arch("persimmon", "causal-lm", hf("PersimmonForCausalLM", "PersimmonConfig", **LM), text),
+    Arch("mpt", "causal-lm", hf("MptForCausalLM", "MptConfig", vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=2,
+                                expansion_ratio=2, max_seq_len=64, **TOKENS), text),
+    Arch("biogpt", "causal-lm", hf("BioGptForCausalLM", "BioGptConfig", **LM), text),
+    # no attention: a selective state-space scan, its cache the conv and SSM states
+    Arch("mamba", "causal-lm", hf("MambaForCausalLM", "MambaConfig", vocab_size=VOCAB, hidden_size=64,
+                                  num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=8,
+                                  **TOKENS), text, (2, 8), (3, 5)),  # the slow path's scan: ops per token
     # encoders
     Arch("bert", "encoder", hf("BertModel", "BertConfig", **LM), text),
     Arch("roberta", "encoder", hf("RobertaModel", "RobertaConfig", **{**LM, "max_position_embeddings": 66}), text),
@@ -250,6 +260,10 @@ ARCHS: list[Arch] = [
                                      local_attention=8, cls_token_id=1, sep_token_id=2, **LM), text),
     Arch("esm", "encoder", hf("EsmModel", "EsmConfig", position_embedding_type="rotary", mask_token_id=3,
                               **{**LM, "max_position_embeddings": 66}), text),
+    Arch("mobilebert", "encoder", hf("MobileBertModel", "MobileBertConfig", embedding_size=32, true_hidden_size=32,
+                                     intra_bottleneck_size=32, num_feedforward_networks=2, **LM), text),
+    Arch("funnel", "encoder", hf("FunnelModel", "FunnelConfig", vocab_size=VOCAB, block_sizes=[1, 1], d_model=64,
+                                 n_head=4, d_head=16, d_inner=128, num_decoder_layers=1), text),
     # encoder-decoders
     Arch("bart", "encoder-decoder", hf("BartForConditionalGeneration", "BartConfig", vocab_size=VOCAB, d_model=64,
                                        encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -263,6 +277,10 @@ ARCHS: list[Arch] = [
                                          encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                                          decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
                                          max_position_embeddings=64, decoder_start_token_id=0, **TOKENS), seq2seq),
+    Arch("pegasus", "encoder-decoder", hf("PegasusForConditionalGeneration", "PegasusConfig", vocab_size=VOCAB,
+                                          d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                          decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                          max_position_embeddings=64, decoder_start_token_id=0, **TOKENS), seq2seq),
     # speech
     Arch("whisper", "speech", hf("WhisperForConditionalGeneration", "WhisperConfig", **WHISPER), whisper_inputs,
          example=(2, 8), other=(3, 5)),
@@ -305,6 +323,9 @@ ARCHS: list[Arch] = [
     Arch("segformer", "vision", hf("SegformerModel", "SegformerConfig", num_encoder_blocks=2, depths=[1, 1],
                                    sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
                                    num_attention_heads=[1, 2], mlp_ratios=[2, 2]), pixels, *IMG),
+    Arch("poolformer", "vision", hf("PoolFormerModel", "PoolFormerConfig", hidden_sizes=[16, 32], depths=[1, 1],
+                                    num_encoder_blocks=2, patch_sizes=[7, 3], strides=[4, 2], padding=[2, 1]),
+         pixels, *IMG),
     # hand-written
     Arch("convnet", "hand-written", lambda: _batch_norm_stats(ConvNet()), pixels, (2, 16), (3, 12)),
     Arch("mlp", "hand-written", MLP, mlp_inputs),
