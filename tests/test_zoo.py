@@ -34,7 +34,7 @@ Measured on 2 shared cores, main 7b37561 (optimize and its 10 checks): 1-31 s pe
 a rotation chunk 1.8-2.2 min, so about 4 min per CI run; all 40 models 9.5 min. The 13 added on 2026-11-26
 (gemma3, olmo2, cohere, granite, qwen2_moe, modernbert, esm, hubert, dinov2, siglip_vision, beit, convnextv2,
 regnet), on 2 cores beside other work: 13-71 s each, all checks passing (tests/zoo_triage.py). The 10 added
-on 2026-11-27 (stablelm, nemotron, persimmon, mpt, biogpt, mamba: no attention, a selective scan; mobilebert,
+on 2026-11-26 (stablelm, nemotron, persimmon, mpt, biogpt, mamba: no attention, a selective scan; mobilebert,
 funnel, pegasus, poolformer), so 64 models in all, on 2 cores beside other work (load ~4): 11-57 s each, all
 checks passing.
 """
