@@ -17,8 +17,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ["optimize_completes", "validated", "patched", "same_outputs", "other_shapes", "train_mode", "autograd",
-          "hooks", "generate", "unpatch"]
+CHECKS = ["optimize_completes", "validated", "patched", "same_outputs", "other_shapes", "whole_stack", "train_mode",
+          "autograd", "fused_training", "hooks", "generate", "unpatch"]  # tests/test_zoo.py's, in its order
 
 
 def main(argv: list[str]) -> None:
