@@ -20,21 +20,34 @@ def use_interpreter_without_gpu() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def patch_interpreter(owner: str, method: str, marker: str, make) -> None:
+    """Replace Triton's interpreter's `<owner>.<method>` (a class of `triton.runtime.interpreter`) by
+    `make(original)`, marked `marker` so that a second call leaves it as it is. A no-op when not
+    interpreting: the GPU runs Triton's own code."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    cls = getattr(interpreter, owner)
+    if getattr(getattr(cls, method), marker, False):
+        return
+    patched = make(getattr(cls, method))
+    setattr(patched, marker, True)
+    setattr(cls, method, patched)
+
+
 def round_like_the_gpu() -> None:
     """Make Triton's interpreter round float32 -> bfloat16 to nearest even, as the GPU does (the default of
     Triton's own `cast`) and as torch does. Truncating, every bf16 store carries twice the GPU's rounding
     error: over a 50-layer bf16 convnet the patched output drifted twice as far from float32 as eager's,
     and optimize's output check dropped patterns that are right. A no-op when not interpreting."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
+    patch_interpreter("InterpreterBuilder", "cast_impl", "rounds_to_nearest_even", _rounding_cast)
+
+
+def _rounding_cast(truncating):
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder.cast_impl, "rounds_to_nearest_even", False):
-        return
-    truncating = builder.cast_impl
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
@@ -44,8 +57,7 @@ def round_like_the_gpu() -> None:
         rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)  # NaN stays NaN
         return interpreter.TensorHandle(rounded.reshape(np.shape(src.data)), dst_type.scalar)
 
-    cast_impl.rounds_to_nearest_even = True
-    builder.cast_impl = cast_impl
+    return cast_impl
 
 
 def interpreter_problem() -> str | None:

@@ -5,6 +5,8 @@ generated kernels must run there (CI) exactly as on the GPU.
 """
 from __future__ import annotations
 
+from advisor.interpreter import patch_interpreter
+
 
 def _horner(coeffs: list, var: str) -> str:
     """The polynomial c0 + var * (c1 + var * (c2 + ...)) as source text."""
@@ -195,17 +197,10 @@ def reduce_helpers_in_numpy() -> None:
     same fold, NaN propagating as before; the GPU still runs the helper. A function is taken for one of
     ours only when its source is the one written here; any other keeps the interpreter's own path. A
     no-op when not interpreting."""
-    import os
+    patch_interpreter("ReduceOps", "apply_impl", "helpers_in_numpy", _numpy_folds)
 
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
 
-    ops = interpreter.ReduceOps
-    if getattr(ops.apply_impl, "helpers_in_numpy", False):
-        return
-    elementwise = ops.apply_impl
-
+def _numpy_folds(elementwise):
     def apply_impl(self, input):
         ufunc = _fold_of(self.combine_fn)
         if ufunc is None or len(input) != 1:
@@ -214,8 +209,7 @@ def reduce_helpers_in_numpy() -> None:
         folded = ufunc.reduce(data, axis=self.axis, dtype=data.dtype, keepdims=self.keep_dims)
         return self.to_tensor(folded, input[0].dtype)
 
-    apply_impl.helpers_in_numpy = True
-    ops.apply_impl = apply_impl
+    return apply_impl
 
 
 def _fold_of(combine_fn):
