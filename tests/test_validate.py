@@ -149,6 +149,28 @@ def test_compare_rules():
     assert not compare((ref * 1.05).bfloat16(), ref, ref.bfloat16(), "x").ok
 
 
+def test_compare_in_slices_is_the_whole_comparison(monkeypatch):
+    """compare works a slice at a time (validation's compare step held whole outputs in float64 on the
+    host); the verdict, the errors and the first mismatch's position must not depend on the slice size."""
+    import importlib
+    compare_mod = importlib.import_module("advisor.validate.compare")
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(6, 50, generator=g, dtype=torch.float64) * 40
+    ref[2, 3] = float("inf")
+    native = ref.bfloat16()
+    out = (ref * (1 + 1e-3 * torch.randn(6, 50, generator=g, dtype=torch.float64))).bfloat16()
+    bad = out.clone()
+    bad[4, 17] = float("nan")
+    whole = [compare(o, ref, native, "x") for o in (out, bad)]
+    monkeypatch.setattr(compare_mod, "CHUNK", 7)
+    sliced = [compare(o, ref, native, "x") for o in (out, bad)]
+    assert whole[0].ok and sliced[0].ok
+    assert sliced[0].rel_l2 == pytest.approx(whole[0].rel_l2, rel=1e-12)
+    assert sliced[0].max_abs == whole[0].max_abs and sliced[0].eager_max_abs == whole[0].eager_max_abs
+    assert not sliced[1].ok and sliced[1].reason == whole[1].reason
+    assert "NaN/Inf at 1 positions" in sliced[1].reason and "first at (4, 17)" in sliced[1].reason
+
+
 # ------------------------------------------------------------------------------- end to end
 @pytest.mark.parametrize("trace", SAMPLES, ids=lambda p: str(p.parent.relative_to(ROOT / "sample_traces")))
 def test_sample_trace_candidates(trace, tmp_path):
