@@ -241,6 +241,9 @@ def triton_entries() -> set:
 
 
 # ------------------------------------------------------------------------------------------ report
+INNER = ("workers start", "jobs", "alternatives", "outer check", "timed runs")
+
+
 def markdown(doc: dict) -> str:
     cols = ["model", "run", "status", "to first call s", "profile", "analyze", "generate", "patch", "check",
             "select", "first call s", "dynamo", "aot", "rewrite", "record", "captures", "Triton compiles",
@@ -266,6 +269,12 @@ def markdown(doc: dict) -> str:
                  str(r.get("triton_compiles", "")), _f(r.get("first_inference_call_s")),
                  _f((r.get("inference_call_phases_s") or {}).get("dynamo")), _f(r.get("process_s"))]
         lines.append("| " + " | ".join(cells) + " |")
+    inner = [(r["model"], r["run"], {k: v for k, v in (r.get("capture_phases_s") or {}).items() if k in INNER})
+             for r in doc["records"]]
+    if any(ph for _, _, ph in inner):
+        lines += ["", "Inside `generate` and `select` (s): waiting for the compile workers to start, the workers' jobs, "
+                      "timing validated alternatives; the whole stack's capture and check, the interleaved timed runs:", ""]
+        lines += [f"- {m} {run}: " + ", ".join(f"{k} {ph[k]:.2f}" for k in INNER if k in ph) for m, run, ph in inner if ph]
     jobs = [(r["model"], c, sec) for r in doc["records"] for c, sec in (r.get("jobs_s") or {}).items()]
     if jobs:
         lines += ["", "Each candidate's job in the compile workers (s; `validate` broken down into its steps, "

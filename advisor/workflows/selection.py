@@ -16,6 +16,7 @@ import torch
 
 from advisor.bench import timing  # read at call time: tests replace its clocks
 from advisor.patching import only, patch, patches_off, whole
+from advisor.patching import timing as timing_phases  # where a cold start's seconds go (bench/cold_start.py)
 from advisor.patching.verify import check_outer
 from advisor.records import PatternResult
 from advisor.workflows.outcome import pattern_status
@@ -127,7 +128,8 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
     grown = 0
     if handle.outer:
         reserved = _reserved(device)
-        out["outer_sites"] = check_outer(call, handle, exact)  # its first call records the whole stack's graph
+        with timing_phases.timed("outer check"):  # its first call captures and records the whole stack
+            out["outer_sites"] = check_outer(call, handle, exact)
         grown = _reserved(device) - reserved
         out["outer_check"] = next((f.refused for f in handle.outer if f.refused), "outputs as unpatched")
     outer = any(not f.refused for f in handle.outer)
@@ -206,7 +208,8 @@ def _time_states(call, device: str, iters: int, states: dict) -> dict:
     """{name: Timing} of the unpatched model ("before") and each state {name: (enabled, outer)}, in one
     interleaved run of `ROUNDS` rounds."""
     configs = {"before": patches_off, **{k: (lambda e, o: lambda: state(e, o))(*eo) for k, eo in states.items()}}
-    return timing.time_configs(call, configs, device, iters=iters, rounds=ROUNDS)
+    with timing_phases.timed("timed runs"):
+        return timing.time_configs(call, configs, device, iters=iters, rounds=ROUNDS)
 
 
 def _timed_alone(r: PatternResult, a, base, whole_sites: int | None) -> PatternResult:
