@@ -369,7 +369,10 @@ def test_sample_trace_anchored_candidates(sample_results, workload):
     pats = sample_results[workload]
     for want in VALIDATE.get(workload, []):
         hits = find_candidates(pats, want)
-        assert hits and all(p["validated"] for p in hits), (want, [(p["title"], p["reason"]) for p in hits])
+        # a later rival of a validated kernel (up_proj's SwiGLU beside gate_proj's) is not generated:
+        # test_rival_generated_when_the_first_fails generates it
+        assert hits and all(p["validated"] or "fuses the same group at every site" in p["reason"] for p in hits) \
+            and any(p["validated"] for p in hits), (want, [(p["title"], p["reason"]) for p in hits])
     for want in REFUSED.get(workload, []):
         hits = find_candidates(pats, want)
         assert hits and all(not p["validated"] and p["kernel_file"] is None for p in hits), want
@@ -383,6 +386,30 @@ def test_sample_trace_anchored_candidates(sample_results, workload):
             assert p["memory_saved_bytes"] > 0
         if p["kind"] == "attention":
             assert p["alternatives"]["sdpa"]["validated"]
+
+
+def test_rival_generated_when_the_first_fails(tmp_path, monkeypatch):
+    """Llama's SwiGLU is two epilogues of one group (gate_proj's, up_proj's) at the same sites: only the first
+    in rank order can be patched, so up_proj's is generated only when gate_proj's kernel fails validation,
+    and then it is (a second batch), validated on its own."""
+    from advisor.analysis.api import analyze
+    from advisor.records import candidates_of
+    from advisor.workflows import generate as gen_mod
+
+    cands = candidates_of(analyze(CPU_SAMPLES / "hf_llama").doc)
+    gate, up = (next(c for c in cands if f"SwiGLU, {m}" in c.title) for m in ("gate_proj", "up_proj"))
+    base = next(c for c in cands if c.id == gate.extends == up.extends)
+    assert gen_mod.rivals([gate, up, base], cands) == {up.id: gate}
+    failing = {gate.id}
+    monkeypatch.setattr(gen_mod, "_job", (lambda job: lambda c, out: (
+        gen_mod.pattern_record(c, validated=False, reason="planted failure") if c.id in failing else job(c, out)))(gen_mod._job))
+    res = {r.candidate: r for r in gen_mod.generate_results([gate, up], tmp_path, every=cands)}
+    assert res[gate.id].reason == "planted failure"
+    assert res[up.id].validated, res[up.id].reason
+    failing.clear()  # gate_proj's validates: up_proj's is not generated, and says why
+    res = {r.candidate: r for r in gen_mod.generate_results([gate, up], tmp_path, every=cands)}
+    assert res[gate.id].validated and not res[up.id].validated and res[up.id].kernel_file is None
+    assert res[up.id].reason.startswith(f"not generated: {gate.id} (linear epilogue (SwiGLU, gate_proj))")
 
 
 @pytest.mark.parametrize("workload", ["hf_gpt2_eager", "hf_bert_eager", "splade"])

@@ -26,6 +26,7 @@ from advisor.jsonio import APPLY_SCHEMA_VERSION, atomic_write, write_json
 from advisor.patching import timing  # where a cold start's seconds go (bench/cold_start.py)
 from advisor.ops.registry import OpClass, op_class
 from advisor.records import Candidate, Kind, PatternResult, candidates_of
+from advisor.status import Status
 from advisor.stopwatch import Stopwatch
 from advisor.validate import compile_ahead, compile_jobs, interpreted, validate
 from advisor.validate.inputs import draw
@@ -75,27 +76,26 @@ def generate_candidates(doc: dict, out_dir: Path, top: int | None = None, on_res
 
 
 def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None = None,
-                     on_result=None) -> list[PatternResult]:
+                     on_result=None, every: list[Candidate] | None = None) -> list[PatternResult]:
     """`generate_candidates` on records: the top `top` candidates' results (apply.json is not written).
-    `on_result` is called with each result as it is final."""
+    `on_result` is called with each result as it is final. `every`: all of the analysis's candidates, where
+    `candidates` are a selection of them (the groups that rivals extend are looked up there).
+
+    Candidates that extend the same group (Llama's SwiGLU as gate_proj's epilogue and as up_proj's) are
+    rivals for the same ops: the patcher substitutes the first in rank order and the other is never
+    patched beside it. The later rivals are generated only when the first one's kernel does not validate
+    (a second batch of jobs); else their record says which rival took the ops. A tuned epilogue's job is
+    ten Triton compiles (eight tile configs and two shapes): up_proj's were a third of the H100's compile
+    work in Llama's cold start, for a kernel that was never patched."""
     out_dir = Path(out_dir)
     chosen = _top_forward(candidates, top)
-    # A pattern's other shapes are jobs of their own (one kernel per shape), folded into its result below.
-    shapes = [dataclasses.replace(c, id=f"{c.id}s{i}", program=p, variants=None)
-              for c in chosen for i, p in enumerate(c.variants or [], 1)]
-    entries = _in_workers(chosen + shapes, out_dir)
-    if entries is None:
-        entries = [_job(c, out_dir) for c in chosen + shapes]
-    entries, shape_entries = entries[:len(chosen)], iter(entries[len(chosen):])
+    rival_of = rivals(chosen, every or candidates)
+    entries = _entries([c for c in chosen if c.id not in rival_of], out_dir)
+    retry = [c for c in chosen if c.id in rival_of and not entries[rival_of[c.id].id].validated]
+    entries |= _entries(retry, out_dir) if retry else {}
     results = []
-    for c, entry in zip(chosen, entries):
-        if c.variants:
-            shape_jobs = [next(shape_entries) for _ in c.variants]
-            entry = dataclasses.replace(entry, variants=[
-                {"index": i, "validated": e.validated, "kernel_file": e.kernel_file if e.validated else None,
-                 "reason": e.reason} for i, e in enumerate(shape_jobs, 1)],
-                seconds={**(entry.seconds or {}),
-                         "shapes": round(sum(_job_seconds(e) for e in shape_jobs), 3)})
+    for c in chosen:
+        entry = entries.get(c.id) or _rival_record(c, rival_of[c.id])
         if not interpreted() and entry.validated and \
                 any(a.get("validated") for a in (entry.alternatives or {}).values()):
             clock = Stopwatch()
@@ -109,6 +109,64 @@ def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None
                 entry = dataclasses.replace(entry, launcher_note=f"alternatives not timed: {type(e).__name__}: {e}"[:300])
         results.append(_report(entry, on_result))
     return results
+
+
+RIVAL_REASON = ("not generated: {rival} ({title}) fuses the same group at every site and its kernel validated; the "
+                "first in rank order takes the ops, so this one could not be patched beside it")
+
+
+def _rival_record(c: Candidate, rival: Candidate) -> PatternResult:
+    why = RIVAL_REASON.format(rival=rival.id, title=(rival.title or "").split(":")[0])
+    return pattern_record(c, reason=why).with_verdict(Status.OVERLAP, why)
+
+
+def rivals(chosen: list[Candidate], candidates: list[Candidate]) -> dict[str, Candidate]:
+    """{candidate id: the earlier candidate it rivals}: a candidate to be generated that extends the same group
+    as an earlier one (in rank order) which fuses that group at every one of its occurrences, so that no
+    site is left for the later one (ResNet's BatchNorm + ReLU + max-pool extends a chain at one site of 33:
+    not a rival of anything extending that chain elsewhere)."""
+    occurrences = {c.id: c.occurrences for c in candidates}
+    first, out = {}, {}
+    for c in chosen:
+        if not c.extends or skip_reason(c) is not None:
+            continue
+        if c.extends in first:
+            out[c.id] = first[c.extends]
+        elif c.occurrences and c.occurrences == occurrences.get(c.extends) and _generates(c):
+            first[c.extends] = c
+    return out
+
+
+def _generates(c: Candidate) -> bool:
+    """Whether the generator writes a kernel for `c` (no compile: its source, from the generator's cache
+    where it was made before; the job then finds it there). A refused one (a conv epilogue) takes no ops."""
+    try:
+        generate_anchored(c.program, c.kind.value) if c.kind.anchored else generate(c.program)
+        return True
+    except Exception:  # noqa: BLE001  (its own job says why)
+        return False
+
+
+def _entries(chosen: list[Candidate], out_dir: Path) -> dict[str, PatternResult]:
+    """{candidate id: its job's record}: each candidate generated and validated (in the compile workers where
+    they run), a pattern's other shapes as jobs of their own (one kernel per shape) folded into its record."""
+    shapes = [dataclasses.replace(c, id=f"{c.id}s{i}", program=p, variants=None)
+              for c in chosen for i, p in enumerate(c.variants or [], 1)]
+    entries = _in_workers(chosen + shapes, out_dir)
+    if entries is None:
+        entries = [_job(c, out_dir) for c in chosen + shapes]
+    entries, shape_entries = entries[:len(chosen)], iter(entries[len(chosen):])
+    out = {}
+    for c, entry in zip(chosen, entries):
+        if c.variants:
+            shape_jobs = [next(shape_entries) for _ in c.variants]
+            entry = dataclasses.replace(entry, variants=[
+                {"index": i, "validated": e.validated, "kernel_file": e.kernel_file if e.validated else None,
+                 "reason": e.reason} for i, e in enumerate(shape_jobs, 1)],
+                seconds={**(entry.seconds or {}),
+                         "shapes": round(sum(_job_seconds(e) for e in shape_jobs), 3)})
+        out[c.id] = entry
+    return out
 
 
 def _job_seconds(entry: PatternResult) -> float:

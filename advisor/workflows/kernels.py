@@ -30,7 +30,7 @@ def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
     # cut-off (a guard against captures that cost more than they save) applies to GPU traces only.
     chosen, negligible = worth_patching(top_candidates) if device_type == "cuda" else (top_candidates, [])
     if replacement == "kernel":
-        results = generate_results(chosen, Path(out_dir))
+        results = generate_results(chosen, Path(out_dir), every=candidates_of(doc))
         write_apply(out_dir, [r.to_json() for r in results])
     else:
         results = [pattern_record(c, validated=True, errors={}, source="",
