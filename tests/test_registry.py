@@ -59,3 +59,44 @@ def test_candidate_with_a_not_generated_op_is_marked(tmp_path):
     with pytest.raises(Unsupported, match="lgamma is not generated: no Triton math"):
         generate(marked["program"])
     assert "not_generated" not in by_ops[("mul", "relu", "add")]
+
+
+# Op names outside advisor/ops that carry no knowledge about the op (allowed): the synthetic reshape the
+# matmul generator inserts (its own node, named and given a schema there).
+OP_NAME_ALLOWED = {("advisor/codegen/matmul.py", "aten::reshape")}
+
+
+def _op_name_literals(path) -> list:
+    """(line, op name) of every string constant in a file that spells an aten op, docstrings aside."""
+    import ast
+    import re
+
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                docstrings.add(id(first.value))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            found += [(node.lineno, m) for m in re.findall(r"aten::\w+", node.value)]
+    return found
+
+
+def test_only_the_registry_spells_op_names():
+    """The registry is the only place that knows an aten op: another stage asks it (a tag, a table defined
+    there) instead of spelling a set of op names of its own."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spelled = []
+    for path in sorted((root / "advisor").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("advisor/ops/"):
+            continue
+        spelled += [f"{rel}:{line}: {name}" for line, name in _op_name_literals(path)
+                    if (rel, name) not in OP_NAME_ALLOWED]
+    assert not spelled, "op names spelled outside advisor/ops (ask the registry):\n" + "\n".join(spelled)

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 from advisor.codegen import GENERATOR_VERSION, Generated, cache
 from advisor.codegen.attention import attention_source
-from advisor.codegen.matmul import ANCHOR_OPS, CONV_REASON, REDUCE_KINDS, RESHAPE, Anchored, _leading_reduction, \
-    epilogue_source, is_conv, read_anchored
+from advisor.codegen.matmul import CONV_REASON, RESHAPE, Anchored, _leading_reduction, epilogue_source, is_anchor, \
+    is_conv, read_anchored
 from advisor.codegen.matmul_reduce import matmul_reduce_source
 from advisor.codegen.padded import padded_matmul_source
 from advisor.ops.lowering import Unsupported
+from advisor.ops.registry import REDUCE_KINDS
 
 
 @dataclass
@@ -27,7 +28,7 @@ def detect_kind(program: dict) -> str:
     names = [n["op"] for n in program.get("nodes", [])]
     if any(is_conv(x) for x in names):
         return "epilogue"
-    anchors = sum(1 for x in names if x in ANCHOR_OPS)
+    anchors = sum(1 for x in names if is_anchor(x))
     if anchors >= 2 and any("softmax" in x for x in names):
         return "attention"
     if any(x in REDUCE_KINDS and _leading_reduction(n) for x, n in zip(names, program["nodes"])):

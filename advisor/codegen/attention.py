@@ -26,10 +26,7 @@ from advisor.codegen.module import view_expr
 from advisor.codegen.plan import Plan, _unravel, size_expr
 from advisor.codegen.printer import signature
 from advisor.ops.lowering import Unsupported, tl_type
-
-SOFTMAX = {"aten::softmax": False, "aten::_softmax": False, "aten::_safe_softmax": True}
-IDENTITY = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout", "aten::native_dropout", "aten::clone",
-            "aten::_to_copy", "aten::contiguous", "aten::alias", "aten::alias_copy", "aten::positive"}
+from advisor.ops.registry import SDPA_MASK, SDPA_SCALE, tagged
 
 
 @dataclass
@@ -52,7 +49,7 @@ def parse(ctx: Anchored) -> Parts:
     p = ctx.prog
     ops = p.ops
     anchors = [o for o in ops if o.low.kind == "anchor"]
-    soft = [o for o in ops if o.name in SOFTMAX]
+    soft = [o for o in ops if tagged(o.name, "softmax")]
     if len(anchors) != 2 or len(soft) != 1:
         raise Unsupported(f"attention needs two matmuls around one softmax ({len(anchors)} matmuls, "
                           f"{len(soft)} softmaxes)")
@@ -85,7 +82,7 @@ def parse(ctx: Anchored) -> Parts:
         raise Unsupported("the softmax does not read the end of the score chain")
     cur = sm.outputs[0].id
     for o in after:
-        if o.name not in IDENTITY:
+        if not tagged(o.name, "attention_identity"):
             raise Unsupported(f"{o.qualname} after the softmax: only eval dropout, clones and conversions fuse")
         train = o.args.get("train")
         if "dropout" in o.name and (train is None or train not in (False, 0)):
@@ -101,7 +98,7 @@ def parse(ctx: Anchored) -> Parts:
         raise Unsupported("an intermediate of the attention escapes the group")
     if len(qk.lead) < 1 or [p.dim_key(d) for d in qk.lead] != [p.dim_key(d) for d in pv.lead]:
         raise Unsupported("P @ V does not walk the scores' rows")
-    return Parts(qk, pv, chain, sm, SOFTMAX[sm.name], after, scores)
+    return Parts(qk, pv, chain, sm, tagged(sm.name, "safe_softmax"), after, scores)
 
 
 def score_reshape(ctx: Anchored, qk: Anchor) -> str | None:
@@ -250,8 +247,8 @@ def attention_source(ctx: Anchored) -> str:
 
 # ------------------------------------------------------------------------------------------ SDPA
 def sdpa_args(p: Program, parts: Parts):
-    """((op, scale literal or 0-dim input), mask view or None) when the chain is `* scale` / `/ scale` then
-    `+ mask`, else None."""
+    """((operator, scale literal or 0-dim input), mask view or None) when the chain is `* scale` / `/ scale`
+    then `+ mask` (the registry's `SDPA_SCALE` and `SDPA_MASK`), else None. The operator is "*" or "/"."""
     if parts.qk.bias is not None or parts.qk.alpha != 1:
         return None  # baddbmm: its own bias and scale
     cur = parts.qk.op.outputs[0].id
@@ -259,11 +256,11 @@ def sdpa_args(p: Program, parts: Parts):
     for o in parts.chain:
         views = {k: v for k, v in o.args.items() if isinstance(v, View)}
         mine = [k for k, v in views.items() if v.src == cur and v.identity]
-        if len(mine) != 1 or o.name not in ("aten::mul", "aten::div", "aten::add"):
+        if len(mine) != 1 or (o.name not in SDPA_SCALE and o.name != SDPA_MASK):
             return None
         other = o.args.get("other" if mine[0] == "self" else "self")
-        if o.name in ("aten::mul", "aten::div") and scale is None and mask is None:
-            if o.name == "aten::div" and (mine[0] != "self" or o.args.get("rounding_mode") is not None):
+        if o.name in SDPA_SCALE and scale is None and mask is None:
+            if SDPA_SCALE[o.name] == "/" and (mine[0] != "self" or o.args.get("rounding_mode") is not None):
                 return None
             if isinstance(other, (int, float)) and not isinstance(other, bool):
                 x = repr(float(other))
@@ -271,14 +268,14 @@ def sdpa_args(p: Program, parts: Parts):
                 x = other.src  # a 0-dim tensor input: read on the CPU, applied to q on a device
             else:
                 return None
-            scale = (o.name, x)
-        elif o.name == "aten::add" and mask is None and o.args.get("alpha", 1) == 1 and isinstance(other, View) \
+            scale = (SDPA_SCALE[o.name], x)
+        elif o.name == SDPA_MASK and mask is None and o.args.get("alpha", 1) == 1 and isinstance(other, View) \
                 and isinstance(p.source(other.src), Input) and other.shape:
             mask = other
         else:
             return None
         cur = o.outputs[0].id
-    return scale or ("aten::mul", "1.0"), mask
+    return scale or ("*", "1.0"), mask
 
 
 def sdpa_source(p: Program, parts: Parts) -> str:
@@ -301,11 +298,11 @@ def sdpa_source(p: Program, parts: Parts) -> str:
     if x in {i.id for i in p.inputs}:
         read = f"float({x})"
         lines += [f"    if {x}.device.type == \"cpu\":",
-                  f"        scale = {read if op == 'aten::mul' else f'1.0 / {read}'}",
+                  f"        scale = {read if op == '*' else f'1.0 / {read}'}",
                   "    else:  # reading a device scalar would synchronise, which a CUDA graph cannot record",
-                  f"        q, scale = q {'*' if op == 'aten::mul' else '/'} {x}, 1.0"]
+                  f"        q, scale = q {op} {x}, 1.0"]
     else:
-        lines.append(f"    scale = {x if op == 'aten::mul' else f'1.0 / {x}'}")
+        lines.append(f"    scale = {x if op == '*' else f'1.0 / {x}'}")
     lines.append("    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask="
                  f"{'mask' if mask is not None else 'None'}, scale=scale)")
     lines.append("    return out,")

@@ -37,10 +37,8 @@ from advisor.codegen.read import _read_op, _schema, _view, read_args, set_output
 from advisor.codegen.shapes import broadcast
 from advisor.ops.args import decode, reduced_dims
 from advisor.ops.lowering import Lowering, Unsupported, tl_type
-from advisor.ops.registry import OpClass, op_class
+from advisor.ops.registry import REDUCE_KINDS, OpClass, lookup, op_class, tagged
 
-ANCHOR_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm", "aten::baddbmm")
-REDUCE_KINDS = {"aten::amax": "max", "aten::amin": "min", "aten::sum": "sum", "aten::mean": "mean"}
 CONV_REASON = "conv epilogues: not generated yet"
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -53,6 +51,11 @@ RESHAPE_SCHEMA = "aten::reshape(Tensor(a) self, SymInt[] shape) -> Tensor(a)"
 
 def is_conv(name: str) -> bool:
     return "conv" in name.split("::")[-1]
+
+
+def is_anchor(name: str) -> bool:
+    """A matmul this generator anchors a kernel on (the registry's "matmul_anchor")."""
+    return tagged(name, "matmul_anchor")
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -100,7 +103,7 @@ def read_anchored(program: dict) -> Anchored:
         name = spec["op"]
         if is_conv(name):
             raise Unsupported(CONV_REASON)
-        if name in ANCHOR_OPS:
+        if is_anchor(name):
             op = _read_anchor(ctx, spec)
         elif op_class(name) == OpClass.MATMUL:
             raise Unsupported(f"{name}: only mm, addmm, linear, matmul, bmm and baddbmm anchors are generated")
@@ -135,18 +138,14 @@ def _read_anchor(ctx: Anchored, spec: dict) -> Op:
     p = ctx.prog
     name = spec["op"]
     schema, args = read_args(p, spec)
-    bias, alpha, beta, b_nk = None, 1.0, 1.0, False
-    if name == "aten::linear":
-        a, b, bias, b_nk = args["input"], args["weight"], args.get("bias"), True
-    elif name in ("aten::addmm", "aten::baddbmm"):  # beta * self + alpha * (a @ b)
-        bias, a, b = (args["self"], args["mat1"], args["mat2"]) if name == "aten::addmm" else \
-            (args["self"], args["batch1"], args["batch2"])
-        alpha = float(args.get("alpha") if args.get("alpha") is not None else 1)
-        beta = float(args.get("beta") if args.get("beta") is not None else 1)
-    elif name == "aten::matmul":
-        a, b = args["self"], args["other"]
-    else:  # mm, bmm
-        a, b = args["self"], args["mat2"]
+    # Which argument is which: the registry's `gemm` roles, by schema position (`w`: linear's [N, K] weight).
+    # With a bias (addmm, baddbmm): beta * bias + alpha * (a @ b); linear has neither scalar (both 1).
+    roles = lookup(name).gemm.split()
+    role = {r: args[schema.arguments[k].name] for k, r in enumerate(roles) if r != "-"}
+    a, b_nk = role["a"], "w" in role
+    b, bias = role["w"] if b_nk else role["b"], role.get("bias")
+    alpha = float(args.get("alpha") if args.get("alpha") is not None else 1)
+    beta = float(args.get("beta") if args.get("beta") is not None else 1)
     if not isinstance(a, View) or not isinstance(b, View):
         raise Unsupported(f"{name}: operands are not tensors")
     if not isinstance(bias, View):
@@ -195,7 +194,7 @@ def _contiguous(shape) -> list:
 def _insert_reshapes(program: dict) -> dict:
     """Reads of an anchor's (dense) output through a reshaping view go through a synthetic reshape."""
     outs = {n["outputs"][0]["id"]: n["outputs"][0] for n in program["nodes"]
-            if n["op"] in ANCHOR_OPS and n.get("outputs")}
+            if is_anchor(n["op"]) and n.get("outputs")}
     made: dict = {}
     nodes = []
 

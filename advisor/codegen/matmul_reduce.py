@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 
 from advisor.codegen.dag import Dag
-from advisor.codegen.matmul import INDENT, REDUCE_KINDS, TUNE_TEXT, Anchored, TilePrinter, TileBuilder, assemble, \
+from advisor.codegen.matmul import INDENT, TUNE_TEXT, Anchored, TilePrinter, TileBuilder, assemble, \
     k_loop, kernel_params, matmul_launch, module_name, operand_offsets, out_index, the_anchor, tile_index
 from advisor.codegen.plan import Plan, _unravel
 from advisor.codegen.printer import signature
 from advisor.ops.args import reduced_dims
 from advisor.ops.lowering import Unsupported, tl_type
+from advisor.ops.registry import REDUCE_KINDS
 
 NEUTRAL = {"max": '-float("inf")', "min": 'float("inf")', "sum": "0.0", "mean": "0.0"}
 

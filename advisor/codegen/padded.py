@@ -24,15 +24,7 @@ from __future__ import annotations
 
 from advisor.codegen.matmul import Anchored, the_anchor
 from advisor.ops.lowering import Unsupported
-
-CALLS = {  # aten op -> the call on the padded operands (a, b, bias are the roles' names in `run`)
-    "aten::linear": "torch.nn.functional.linear(a, b, {bias})",
-    "aten::mm": "torch.mm(a, b)",
-    "aten::bmm": "torch.bmm(a, b)",
-    "aten::matmul": "torch.matmul(a, b)",
-    "aten::addmm": "torch.addmm(bias, a, b, beta={beta!r}, alpha={alpha!r})",
-    "aten::baddbmm": "torch.baddbmm(bias, a, b, beta={beta!r}, alpha={alpha!r})",
-}
+from advisor.ops.registry import GEMM_CALLS
 
 HELPERS = '''
 
@@ -66,7 +58,7 @@ def padded_matmul_source(ctx: Anchored) -> str:
     if len(p.ops) != 1 or [v.id for v in p.outputs] != [anc.op.outputs[0].id]:
         raise Unsupported("a padded_matmul program is one matmul and its output")
     name = anc.op.name
-    if name not in CALLS:
+    if name not in GEMM_CALLS:
         raise Unsupported(f"{name}: no padded form")
     ids = [i.id for i in p.inputs]
     role = {"a": anc.a, "b": anc.b, **({"bias": anc.bias} if anc.bias is not None else {})}
@@ -79,7 +71,7 @@ def padded_matmul_source(ctx: Anchored) -> str:
     # b is [.., K, N], or [N, K] for linear's weight: which of its last two dims is N decides its padding.
     b_sizes = "(n_p, k_p)" if anc.b_nk else "(k_p, n_p)"
     n_of_b = "b.shape[-2]" if anc.b_nk else "b.shape[-1]"
-    call = CALLS[name].format(bias="bias" if "bias" in role else "None", beta=anc.beta, alpha=anc.alpha)
+    call = GEMM_CALLS[name].format(bias="bias" if "bias" in role else "None", beta=anc.beta, alpha=anc.alpha)
     unpack = ", ".join(next(r for r, v in role.items() if v.src == i) if any(v.src == i for v in role.values())
                        else "_" for i in ids)
     if len(set(v.src for v in role.values())) != len(role):

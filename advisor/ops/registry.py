@@ -10,6 +10,11 @@ are written in `advisor.ops.lowering`, which attaches each to its entry through 
 one to an op the registry does not know fails at import, so the generator cannot hold a lowering the
 graph never reaches. An op the analyzer may fuse carries a lowering or a `not_generated` reason
 (tests/test_registry.py holds that). Arguments are read by schema name through `advisor.ops.args`.
+
+No other module spells an op's name (tests/test_registry.py holds that too): a family a stage asks about
+is a tag on the entries (`tagged(name, "identity_copy")`), and the few facts that are a mapping or a
+sequence rather than a family (other spellings of one op, the call that runs a GEMM, ...) are small
+tables defined here, next to the entries, each with the stage that reads it.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ class OpInfo:
     cls: OpClass
     inplace: bool = False  # writes its first tensor argument
     # Families the fusion rules ask about: rowwise (last-dim row ops), grouped, batchnorm, fusible_cat,
-    # convert, factory, window (max-pooling).
+    # convert, factory, window (max-pooling); and those other stages ask about (`_tag` below says who and why).
     tags: frozenset = field(default_factory=frozenset)
     # Cost model. Bytes: every op moves its tensors' true sizes (read and written), whatever the op.
     # Flops: "output" counts one per output element; "matmul" 2 * output * K.
@@ -270,6 +275,86 @@ def draws_random(name: str, arguments: dict | None = None) -> bool:
     if name in RANDOM or name.rsplit(".", 1)[0] in RANDOM:
         return True
     return bool(arguments) and any(arguments.get(a) for a in RANDOM_ARGUMENTS)
+
+
+def _tag(tag: str, names: str) -> None:
+    """Add `tag` to these registered ops (exactly these: in-place twins are named where they belong)."""
+    for short in names.split():
+        name = f"aten::{short}"
+        if name not in _REGISTRY:
+            raise KeyError(f"{name} is tagged {tag!r} but has no registry entry")
+        _REGISTRY[name] = replace(_REGISTRY[name], tags=_REGISTRY[name].tags | {tag})
+
+
+# Families the other stages ask about (after every entry is registered: registering again replaces one).
+# Matching a program in a captured FX graph (`patching.match`): copies that change nothing when they keep the
+# layout (eager's eval-mode dropout returns its input, the functional capture writes `clone`): seen through
+# like views.
+_tag("identity_copy", "clone")
+# Derived backwards (`patching.backward`): the reductions autograd reduces a broadcast operand's gradient
+# with (a reduction over other dims than the last: a column reduction, cut from the kernel) ...
+_tag("column_reduction", "sum mean")
+# ... and what may follow one on its way to a gradient (a clone: the gradient of a select that needs no zero
+# padding), all of it done by `Tensor.sum_to_size` instead.
+_tag("reduction_tail", "sum _to_copy clone")
+# Ops whose backward reads none of their operands: eager's autograd saves nothing for them (the estimate of
+# what eager keeps between the passes; their in-place twins count the same).
+_tag("saves_nothing", "add sub neg _to_copy clone rsub")
+# The SPLADE head's projection (`patching.splade`) as a trace records it (linear) or as the dispatcher does
+# (addmm / mm on the flattened rows and the transposed weight); its operands are read by their `gemm` roles.
+_tag("projection", "linear addmm mm")
+# Matmuls the matmul-anchored generator (`codegen.matmul`) takes as the kernel's anchor: every one whose
+# arguments it reads by their `gemm` roles.
+_tag("matmul_anchor", "linear mm addmm matmul bmm baddbmm")
+# Softmaxes flash attention (`codegen.attention`) computes online; the safe one gives 0 on a row of -inf
+# scores, not NaN.
+_tag("softmax", "softmax _softmax _safe_softmax")
+_tag("safe_softmax", "_safe_softmax")
+# Ops flash attention lets through between the softmax and P @ V: identities on the values (eval dropout,
+# copies, a dtype conversion).
+_tag("attention_identity", """dropout feature_dropout alpha_dropout native_dropout clone _to_copy contiguous
+alias alias_copy positive""")
+# Validation's inputs (`validate.inputs`): ops whose output is positive where their input is (copies,
+# conversions, eval dropout, abs), so an op that needs positive values (log, sqrt, ...) reading one gets that
+# input drawn positive (in-place twins count the same) ...
+_tag("keeps_positive", """_to_copy clone copy alias_copy contiguous _autocast_to_reduced_precision dropout
+native_dropout abs""")
+# ... and powers, whose base must be positive where the exponent is a fractional float.
+_tag("power", "pow pow_")
+
+# Other spellings of one op: the capture and a replay of the trace may spell the same math and kernel
+# differently (`patching.match` compares ops under these names; decompositions need no entry there, both
+# sides are traced).
+SPELLINGS = {"aten::true_divide": "aten::div", "aten::_unsafe_view": "aten::view"}
+
+# The SPLADE head after its projection, op by op (`patching.splade` trains exactly this chain through its
+# hand-written Function): relu, log1p, times the mask, max over the sequence.
+SPLADE_CHAIN = ("aten::relu", "aten::log1p", "aten::mul", "aten::amax")
+
+# Reductions a matmul-reduction kernel (`codegen.matmul_reduce`) folds over the leading dims, by how it
+# combines the tiles.
+REDUCE_KINDS = {"aten::amax": "max", "aten::amin": "min", "aten::sum": "sum", "aten::mean": "mean"}
+
+# Score arithmetic that `scaled_dot_product_attention` takes as its own arguments (`codegen.attention`'s SDPA
+# alternative): multiplying or dividing the scores by a scalar is its `scale` (by the operator that says
+# which), adding a tensor its `attn_mask`.
+SDPA_SCALE = {"aten::mul": "*", "aten::div": "/"}
+SDPA_MASK = "aten::add"
+
+# Each GEMM as the PyTorch call that runs it on padded operands (`codegen.padded`): a, b, bias are its `gemm`
+# roles, beta and alpha its scalars.
+GEMM_CALLS = {
+    "aten::linear": "torch.nn.functional.linear(a, b, {bias})",
+    "aten::mm": "torch.mm(a, b)",
+    "aten::bmm": "torch.bmm(a, b)",
+    "aten::matmul": "torch.matmul(a, b)",
+    "aten::addmm": "torch.addmm(bias, a, b, beta={beta!r}, alpha={alpha!r})",
+    "aten::baddbmm": "torch.baddbmm(bias, a, b, beta={beta!r}, alpha={alpha!r})",
+}
+for _table in (SPELLINGS, SPELLINGS.values(), SPLADE_CHAIN, REDUCE_KINDS, SDPA_SCALE, (SDPA_MASK,), GEMM_CALLS):
+    for _n in _table:
+        if _n not in _REGISTRY:
+            raise KeyError(f"{_n} is in a registry table but has no registry entry")
 
 # Ops the analyzer may fuse that the generator does not lower, and why (the reason reaches the user).
 not_generated("no Triton math for it that runs in the interpreter as on the GPU (core tl has none; "

@@ -37,11 +37,8 @@ from advisor.analysis.program import tensor_reads
 from advisor.codegen.record import _Recorder, _key
 from advisor.graph.dtypes import torch_dtype
 from advisor.ops.lowering import Unsupported, lowering
-from advisor.ops.registry import OpClass, lookup
+from advisor.ops.registry import OpClass, lookup, tagged
 from advisor.patching.program import is_scalar_slot, run_program, storage_numel, strided_view
-
-_TAIL_OPS = {"aten::sum", "aten::_to_copy", "aten::clone"}  # what may follow a column reduction on its way to a
-# grad (a clone: the gradient of a select that needs no zero padding, see `_zero_padded`)
 
 
 @dataclass
@@ -300,7 +297,9 @@ def _cut(program: dict, rec: dict, tensors: list, outs: list, wrt: list, ids: di
         while vid in producer and producer[vid]["id"] in tail:  # walk back to the partial
             n = producer[vid]
             refs = [a for a in n["args"] if "ref" in a]
-            if n["op"] not in _TAIL_OPS or len(refs) != 1 or any("list" in a for a in n["args"]):
+            # what may follow a column reduction on its way to a grad (the registry's "reduction_tail"; a
+            # clone: the gradient of a select that needs no zero padding, see `_zero_padded`)
+            if not tagged(n["op"], "reduction_tail") or len(refs) != 1 or any("list" in a for a in n["args"]):
                 raise Unsupported(f"a gradient is computed past a reduction over rows by {n['op']}")
             vid, reduce = refs[0]["ref"], True
         if not vid.startswith(("in", "sv")):
@@ -347,7 +346,7 @@ def _renumbered(inputs: list, nodes: list, outputs: list) -> dict:
 
 def _column_reduction(n: dict) -> bool:
     """A reduction over other dims than the last one alone (a broadcast operand's gradient)."""
-    if n["op"] not in ("aten::sum", "aten::mean"):
+    if not tagged(n["op"], "column_reduction"):
         return False
     src = next((a for a in n["args"] if "ref" in a), None)
     dims = n["args"][1].get("value") if len(n["args"]) > 1 else None
@@ -379,12 +378,11 @@ def _eager_saved(program: dict) -> int:
     """Bytes eager's autograd would keep for this program: roughly every float intermediate and input
     a backward formula reads (counted as every tensor read by an op that is not a plain add/sub/neg/cast,
     whose backward needs no operand) — an estimate for the report, not a measurement."""
-    free = {"aten::add", "aten::sub", "aten::neg", "aten::_to_copy", "aten::clone", "aten::rsub"}
     sizes = {s["id"]: _bytes(s) for s in program["inputs"] if not is_scalar_slot(s)}
     sizes.update({o["id"]: _bytes(o) for n in program["nodes"] for o in n["outputs"]})
     held = set()
     for n in program["nodes"]:
-        if n["op"].rstrip("_") in free:
+        if tagged(n["op"].rstrip("_"), "saves_nothing"):
             continue
         held |= {a["ref"] for a in n["args"] if "ref" in a and a["ref"] in sizes}
     return sum(sizes[v] for v in held)

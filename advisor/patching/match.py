@@ -5,7 +5,7 @@ so both sides are aten graphs decomposed the same way. A match maps every comput
 node of the captured graph G such that:
 
 - ops agree (overload packet; in-place ops read as their functional twin, from the op registry;
-  `SPELLINGS` holds the few ops the two sides may still spell differently),
+  the registry's `SPELLINGS` holds the few ops the two sides may still spell differently),
 - every non-tensor argument agrees (floats to 1e-6 relative; wrapped-scalar sentinels bind to
   whatever literal or 0-dim tensor G holds there), and output dtypes and shapes agree,
 - dataflow agrees *through views*: an edge reads the same producer after stripping view ops on both
@@ -34,15 +34,8 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from advisor.ops.registry import OpClass, lookup
+from advisor.ops.registry import SPELLINGS, OpClass, lookup, tagged
 from advisor.patching.program import is_scalar_slot, is_sentinel
-
-# Ops that the capture and a replay of the trace may spell differently for the same math and kernel.
-# Decompositions need no entry here (both sides are traced); in-place twins come from the registry.
-SPELLINGS = {"aten::true_divide": "aten::div", "aten::_unsafe_view": "aten::view"}
-# Copies that change nothing when they keep the layout: eager's eval-mode dropout returns its input
-# (the trace shows no op), the functional capture writes `clone`. Seen through like views.
-IDENTITY_COPIES = {"aten::clone"}
 
 
 # ------------------------------------------------------------------------------------ node helpers
@@ -65,7 +58,9 @@ def is_view(n: Node) -> bool:
 
 
 def is_identity_copy(n: Node) -> bool:
-    if canonical(n) not in IDENTITY_COPIES or not isinstance(n.args[0], Node):
+    # a copy that changes nothing when it keeps the layout (the registry's "identity_copy"): seen through
+    name = canonical(n)
+    if name is None or not tagged(name, "identity_copy") or not isinstance(n.args[0], Node):
         return False
     a, b = layout(n), layout(n.args[0])
     return a is not None and a == b

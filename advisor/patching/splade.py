@@ -21,11 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from advisor.graph.dtypes import torch_dtype
-
-# The projection as a trace records it (aten::linear) or as the dispatcher does (addmm / mm on the flattened
-# rows and the transposed weight), then the chain.
-PROJECTIONS = ("aten::linear", "aten::addmm", "aten::mm")
-CHAIN = ["aten::relu", "aten::log1p", "aten::mul", "aten::amax"]
+from advisor.ops.registry import SPLADE_CHAIN, lookup, tagged
 
 
 @dataclass(frozen=True)
@@ -40,8 +36,10 @@ class HeadRoles:
 def head_roles(program: dict) -> HeadRoles | None:
     """The roles of the inputs when the program is exactly the SPLADE head reduced over the sequence, else None."""
     nodes = program.get("nodes") or []
-    if len(nodes) != 5 or nodes[0]["op"] not in PROJECTIONS or [n["op"] for n in nodes[1:]] != CHAIN \
-            or len(program.get("outputs", [])) != 1:
+    # the projection as a trace records it (linear) or as the dispatcher does (addmm / mm on the flattened rows
+    # and the transposed weight): the registry's "projection"; then the chain
+    if len(nodes) != 5 or not tagged(nodes[0]["op"], "projection") \
+            or tuple(n["op"] for n in nodes[1:]) != SPLADE_CHAIN or len(program.get("outputs", [])) != 1:
         return None
     inputs = {s["id"]: k for k, s in enumerate(program["inputs"])}
     linear, relu, log1p, mul, amax = nodes
@@ -78,21 +76,23 @@ def head_roles(program: dict) -> HeadRoles | None:
 
 def _projection_operands(node: dict, specs: list, inputs: dict) -> tuple | None:
     """(hidden, weight, bias or None) input positions of `hidden @ weight^T + bias`, or None. addmm / mm read
-    hidden as (B*L) x D rows and weight transposed (D x V); linear reads them as they are."""
+    hidden as (B*L) x D rows and weight transposed (D x V); linear reads them as they are. Which argument is
+    which: the registry's `gemm` roles (`a`, and `w` for linear's [V, D] weight or `b` for the transposed one)."""
     args = node["args"]
-    if node["op"] == "aten::linear":
-        refs = [a.get("ref") for a in args] + [None]
-        hidden, weight, bias = inputs.get(refs[0]), inputs.get(refs[1]), inputs.get(refs[2])
-        return None if hidden is None or weight is None or (refs[2] is not None and bias is None) \
+    roles = lookup(node["op"]).gemm.split()
+    at = {r: args[k] if k < len(args) else {} for k, r in enumerate(roles)}
+    if "w" in roles:  # linear
+        ref = {r: a.get("ref") for r, a in at.items()}
+        hidden, weight, bias = inputs.get(ref["a"]), inputs.get(ref["w"]), inputs.get(ref["bias"])
+        return None if hidden is None or weight is None or (ref["bias"] is not None and bias is None) \
             else (hidden, weight, bias)
-    if node["op"] == "aten::addmm":
-        if any(a.get("value", 1) != 1 for a in args[3:]):
+    bias, rows, cols = None, at["a"], at["b"]
+    if "bias" in roles:  # addmm
+        if any(a.get("value", 1) != 1 for a in args[len(roles):]):
             return None  # beta, alpha
-        bias, rows, cols = inputs.get(args[0].get("ref")), args[1], args[2]
+        bias = inputs.get(at["bias"].get("ref"))
         if bias is None:
             return None
-    else:
-        bias, rows, cols = None, args[0], args[1]
     hidden, weight = inputs.get(rows.get("ref")), inputs.get(cols.get("ref"))
     if hidden is None or weight is None:
         return None

@@ -12,10 +12,8 @@ from __future__ import annotations
 import torch
 
 from advisor.codegen.ir import Input, Program, View, _order
+from advisor.ops.registry import tagged
 from advisor.validate.shapes import Case
-
-PASS_SIGN = {"aten::_to_copy", "aten::clone", "aten::copy", "aten::alias_copy", "aten::contiguous",
-             "aten::_autocast_to_reduced_precision", "aten::dropout", "aten::native_dropout", "aten::abs"}
 
 
 def positive_inputs(prog: Program) -> set:
@@ -23,7 +21,7 @@ def positive_inputs(prog: Program) -> set:
     need = set()
     for op in prog.ops:
         names = op.low.positive
-        if op.name.startswith("aten::pow") and isinstance(op.args.get("exponent"), float) \
+        if tagged(op.name, "power") and isinstance(op.args.get("exponent"), float) \
                 and not float(op.args["exponent"]).is_integer():
             names = ("self",)
         for n in names:
@@ -37,7 +35,7 @@ def _roots(prog: Program, sid: str) -> set:
     if sid not in prog.values:
         return {sid}
     op = prog.values[sid].op
-    if op.name.rstrip("_") not in PASS_SIGN:
+    if not tagged(op.name.rstrip("_"), "keeps_positive"):
         return set()
     return {r for v in op.args.values() if isinstance(v, View) for r in _roots(prog, v.src)}
 
