@@ -283,6 +283,11 @@ def main(argv=None) -> int:
     return 0
 
 
+# States selection may hand back with no pattern kept (advisor.workflows.selection.DESCRIBE): not "unpatched".
+NO_KERNEL = {"captured": "the captures alone (CUDA-graph replay, no kernel)",
+             "whole_captured": "the whole stack as one CUDA graph (replay, no kernel)"}
+
+
 def _geomean(xs):
     import math
     xs = [x for x in xs if x]
@@ -321,7 +326,7 @@ def table(doc: dict) -> str:
         t, s, k = r["timing"], r["speedup"], r["kernels"]
         kept = ", ".join(p["title"].split(":")[0] for p in r["patterns"] if p["status_code"] == "patched")
         state = (r.get("selection") or {}).get("state")
-        kept = kept or ("the captures alone (CUDA-graph replay, no kernel)" if state == "captured" else "unpatched")
+        kept = kept or NO_KERNEL.get(state, "unpatched")
         if state in ("whole", "whole_kept"):
             kept = "whole stack as one capture: " + kept
         rows.append(f"| {name} | {t['eager']['median_ms']:.3f} ({t['eager']['spread_ms']:.2f}) | "
