@@ -162,11 +162,11 @@ class Family(str, Enum):
 
 
 NORMS = frozenset({Family.RMSNORM, Family.LAYERNORM, Family.GROUPNORM, Family.BATCHNORM})
-_LAYER_NORMS = {"layer_norm", "native_layer_norm"}
-_GROUP_NORMS = {"group_norm", "native_group_norm"}
-_SOFTMAXES = {"softmax", "_softmax", "_safe_softmax"}
-_LOG_SOFTMAXES = {"log_softmax", "_log_softmax"}
-_BATCH_NORMS = {"cudnn_batch_norm", "batch_norm", "_native_batch_norm_legit_no_training", "native_batch_norm"}
+
+
+def _any(s: set, tag: str) -> bool:
+    """Whether any of the op labels `s` (names without the namespace) carries the registry's `tag`."""
+    return any(tagged(f"aten::{l}", tag) for l in s)
 
 
 def family_of(labels: list[str], group: Group) -> Family:
@@ -180,10 +180,10 @@ def family_of(labels: list[str], group: Group) -> Family:
     if group.anchor is not None:
         return Family.EPILOGUE
     s = set(l.rstrip("_") for l in labels)
-    rules = [({"mean", "rsqrt"} <= s, Family.RMSNORM), (bool(s & _LAYER_NORMS), Family.LAYERNORM),
-             (bool(s & _GROUP_NORMS), Family.GROUPNORM),
-             (bool(s & _SOFTMAXES) or {"amax", "exp", "sum"} <= s, Family.SOFTMAX),
-             (bool(s & _LOG_SOFTMAXES), Family.LOG_SOFTMAX), (bool(s & _BATCH_NORMS), Family.BATCHNORM),
+    rules = [({"mean", "rsqrt"} <= s, Family.RMSNORM), (_any(s, "layer_norm"), Family.LAYERNORM),
+             (_any(s, "grouped"), Family.GROUPNORM),
+             (_any(s, "softmax") or {"amax", "exp", "sum"} <= s, Family.SOFTMAX),
+             (_any(s, "log_softmax"), Family.LOG_SOFTMAX), (_any(s, "batchnorm"), Family.BATCHNORM),
              ({"addcdiv", "lerp"} <= s or {"addcdiv", "addcmul"} <= s, Family.ADAM),
              ("silu" in s and "mul" in s, Family.SWIGLU), ("gelu" in s or {"tanh", "pow"} <= s, Family.GELU),
              ("cat" in s and "neg" in s, Family.ROTARY), ("cat" in s, Family.CAT), (bool(group.rows), Family.ROWS)]

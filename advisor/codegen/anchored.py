@@ -14,7 +14,7 @@ from advisor.codegen.matmul import CONV_REASON, RESHAPE, Anchored, _leading_redu
 from advisor.codegen.matmul_reduce import matmul_reduce_source
 from advisor.codegen.padded import padded_matmul_source
 from advisor.ops.lowering import Unsupported
-from advisor.ops.registry import REDUCE_KINDS
+from advisor.ops.registry import REDUCE_KINDS, tagged
 
 
 @dataclass
@@ -29,7 +29,7 @@ def detect_kind(program: dict) -> str:
     if any(is_conv(x) for x in names):
         return "epilogue"
     anchors = sum(1 for x in names if is_anchor(x))
-    if anchors >= 2 and any("softmax" in x for x in names):
+    if anchors >= 2 and any(tagged(x, "softmax") or tagged(x, "log_softmax") for x in names):
         return "attention"
     if any(x in REDUCE_KINDS and _leading_reduction(n) for x, n in zip(names, program["nodes"])):
         return "matmul_reduction"

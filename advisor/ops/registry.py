@@ -310,6 +310,10 @@ _tag("matmul_anchor", "linear mm addmm matmul bmm baddbmm")
 # scores, not NaN.
 _tag("softmax", "softmax _softmax _safe_softmax")
 _tag("safe_softmax", "_safe_softmax")
+# The families a group is named after (`analysis.patterns`), beside "softmax", "grouped" (GroupNorm) and
+# "batchnorm" above: a LayerNorm however a trace spells it, and a LogSoftmax (a loss's, not attention's).
+_tag("layer_norm", "layer_norm native_layer_norm")
+_tag("log_softmax", "log_softmax _log_softmax")
 # Ops flash attention lets through between the softmax and P @ V: identities on the values (eval dropout,
 # copies, a dtype conversion).
 _tag("attention_identity", """dropout feature_dropout alpha_dropout native_dropout clone _to_copy contiguous
