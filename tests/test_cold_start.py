@@ -446,3 +446,28 @@ def test_a_validation_says_where_its_seconds_went(optimized, tmp_path, monkeypat
         assert set(steps) == {"inputs", "reference", "compare"} | {f"kernel {c}" for c in cases}, steps
         assert steps[f"kernel {cases[0]}"] > 0  # the interpreter ran the kernel there
         assert sum(steps.values()) <= p["seconds"]["validate"] + 0.01  # the steps are inside `validate`
+
+
+@pytest.mark.parametrize("device, starts", [("cuda", True), ("cpu", False)])
+def test_apply_starts_the_compile_workers_before_profiling(tmp_path, monkeypatch, device, starts):
+    """`fusion-advisor apply` on a GPU starts the kernel workers (3-4 s of imports on the H100) before the
+    script is profiled, as `optimize` does, so that they are up when the kernels are generated; on the CPU
+    (kernels in the interpreter, generated in process) it starts none."""
+    from advisor.workflows import user_script
+
+    events = []
+
+    class Stop(Exception):
+        pass
+
+    def profile(*a, **k):
+        events.append("profile")
+        raise Stop
+
+    monkeypatch.setattr(user_script, "resolve_device", lambda d: device)
+    monkeypatch.setattr(user_script, "start_soon", lambda warm: events.append(("workers", warm)))
+    monkeypatch.setattr(user_script, "profile_script", profile)
+    with pytest.raises(Stop):
+        user_script.apply_script(tmp_path / "train.py", [], tmp_path / "out")
+    from advisor.workflows.generate import warm_worker
+    assert events == ([("workers", warm_worker)] if starts else []) + ["profile"]

@@ -32,10 +32,12 @@ from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, occurrence_modules, only, patches_off
 from advisor.patching.modules import root_class
 from advisor.records import PatternResult
+from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.outcome import pattern_status
 from advisor.workflows.script_session import Session, intercept_roots, run_script
 from advisor.workflows.selection import Option, choose, compare_states, mark_kept, time_patterns
+from advisor.workflows.workers import start_soon
 
 class Handles:
     """The patch handles of every model instance the script built, read as one."""
@@ -102,6 +104,8 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
     console = console or Console(highlight=False, soft_wrap=True)
     out = Path(out)
     use_interpreter_without_gpu()
+    if resolve_device(device) == "cuda":  # the kernel workers start (3-4 s on the H100) while the script is profiled
+        start_soon(warm_worker)
     meta = profile_script(script, args, out_dir=out, device=device, region=region, console=console)
     dev = resolve_device(device)
     with console.status("analysing the trace …"):
