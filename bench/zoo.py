@@ -283,11 +283,6 @@ def main(argv=None) -> int:
     return 0
 
 
-# States selection may hand back with no pattern kept (advisor.workflows.selection.DESCRIBE): not "unpatched".
-NO_KERNEL = {"captured": "the captures alone (CUDA-graph replay, no kernel)",
-             "whole_captured": "the whole stack as one CUDA graph (replay, no kernel)"}
-
-
 def _geomean(xs):
     import math
     xs = [x for x in xs if x]
@@ -317,6 +312,7 @@ def estimates(doc: dict) -> str:
 
 
 def table(doc: dict) -> str:
+    from advisor.workflows.selection import DESCRIBE  # function-level: the parent process runs no model
     rows = ["| model | eager ms (spread) | advisor ms (x) | compile ms (x) | optimize s | compile 1st s | kernels e/a/c | "
             "handed back |", "|---|---|---|---|---|---|---|---|"]
     for name, r in doc["results"].items():
@@ -326,7 +322,8 @@ def table(doc: dict) -> str:
         t, s, k = r["timing"], r["speedup"], r["kernels"]
         kept = ", ".join(p["title"].split(":")[0] for p in r["patterns"] if p["status_code"] == "patched")
         state = (r.get("selection") or {}).get("state")
-        kept = kept or NO_KERNEL.get(state, "unpatched")
+        # a state with no pattern kept (the captures alone) is named as selection describes it, not "unpatched"
+        kept = kept or (DESCRIBE[state] if state in ("captured", "whole_captured") else "unpatched")
         if state in ("whole", "whole_kept"):
             kept = "whole stack as one capture: " + kept
         rows.append(f"| {name} | {t['eager']['median_ms']:.3f} ({t['eager']['spread_ms']:.2f}) | "

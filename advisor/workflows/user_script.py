@@ -104,10 +104,10 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
     console = console or Console(highlight=False, soft_wrap=True)
     out = Path(out)
     use_interpreter_without_gpu()
-    if resolve_device(device) == "cuda":  # the kernel workers start (3-4 s on the H100) while the script is profiled
+    dev = resolve_device(device)
+    if dev == "cuda":  # the kernel workers start (3-4 s on the H100) while the script is profiled
         start_soon(warm_worker)
     meta = profile_script(script, args, out_dir=out, device=device, region=region, console=console)
-    dev = resolve_device(device)
     with console.status("analysing the trace …"):
         analysis = analyze(out / "trace")
         analysis.to_json(out / "analysis.json")
