@@ -295,7 +295,9 @@ def _estimate_basis(device: DeviceModel, gpu: DeviceModel | None) -> dict:
     if gpu is None:
         return {"basis": "measured", "device": device.type, "bandwidth_Bps": device.bandwidth_Bps,
                 "launch_us": device.launch_us,
-                "note": "the unfused kernels' measured time minus a roofline estimate of the fused kernel"}
+                "l2_bytes": device.l2_bytes,
+                "note": "the unfused kernels' measured time minus a roofline estimate of the fused kernel (inputs "
+                        "still in L2 from the kernel that wrote them not counted as HBM traffic)"}
     return {"basis": "gpu_bytes_model", "device": gpu.type, "bandwidth_Bps": gpu.bandwidth_Bps,
             "launch_us": gpu.launch_us,
             "note": "what a GPU would save by the bytes model (bytes saved at its bandwidth plus the launches saved); "

@@ -4,7 +4,9 @@ Unfused bytes: what the group's kernels move today, each op reading its inputs a
 outputs (a broadcast input at its true size). Fused bytes: each outside input read once plus each
 output that escapes the group (read by an op outside it, or read by nobody: a final output) written
 once. Time: the kernels' measured time minus a roofline guess at the fused kernel,
-max(bytes / bandwidth, flops / peak) + one launch. A padded GEMM (`padded_cost`) is predicted at the
+max(HBM bytes / bandwidth, flops / peak) + one launch, where an input that was written so recently that it is
+still in L2 (`l2_resident_bytes`) is not HBM traffic: the residual add + LayerNorm after a GEMM reads the GEMM's
+output from L2, and measured 1.24-1.60x the saving a roofline of every byte from HBM predicts (reports/zoo-h100-session16). A padded GEMM (`padded_cost`) is predicted at the
 padded product's roofline plus its pad copies: it saves time, not bytes.
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ class DeviceModel:
     flops: float  # non-matmul arithmetic rate
     matmul_flops: float
     source: str  # "measured" or "table"
+    l2_bytes: int = 0  # the GPU's L2 (meta.json's device.l2_bytes); 0: unknown, every read counted from HBM
 
     @classmethod
     def from_meta(cls, meta: dict, device_type: str) -> "DeviceModel":
@@ -46,7 +49,8 @@ class DeviceModel:
         measured = bool(bw) and bool(launch) and (dev.get("type", device_type) == device_type)
         return cls(device_type, str(dev.get("name") or device_type), float(bw) if measured else table["bandwidth_Bps"],
                    float(launch) if measured else table["launch_us"], table["flops"], table["matmul_flops"],
-                   "measured" if measured else "table")
+                   "measured" if measured else "table",
+                   int(dev.get("l2_bytes") or 0) if device_type == "cuda" and dev.get("type", device_type) == device_type else 0)
 
 
 @dataclass
@@ -82,6 +86,51 @@ def external_io(graph: Graph, members: list[int]) -> tuple[dict[int, int], dict[
     return reads, escapes
 
 
+# An input still sits in L2 when it and everything the kernels between its writer and its reader moved fit in this
+# share of the L2: half, because the H100's L2 is two partitions and a line written by one SM's partition is not
+# in the other's, and the kernels between also keep their own working sets there.
+L2_SHARE = 0.5
+
+
+class TrafficSince:
+    """Bytes moved by the graph's nodes from one to another (in execution order), from prefix sums made when first
+    asked: the reuse distance that says whether a value is still in L2 when a later node reads it."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self._prefix: list[int] | None = None
+
+    def between(self, first: int, last: int) -> int:
+        """Bytes moved by nodes first+1 .. last-1."""
+        if self._prefix is None:
+            acc, prefix = 0, [0]
+            for n in self.graph.nodes:
+                acc += n.bytes
+                prefix.append(acc)
+            self._prefix = prefix
+        return self._prefix[last] - self._prefix[first + 1] if last > first + 1 else 0
+
+
+def l2_resident_bytes(graph: Graph, members: list[int], reads: dict[int, int], device: DeviceModel,
+                      traffic: TrafficSince) -> int:
+    """Of the group's outside reads, the bytes still in L2 when the group runs: the value was written by a node
+    whose output and the traffic since fit in `L2_SHARE` of the L2. Parameters and graph inputs (no writer) and
+    anything on a GPU whose L2 is unknown count as HBM reads."""
+    if device.l2_bytes <= 0:
+        return 0
+    budget = device.l2_bytes * L2_SHARE
+    first = min(members)
+    resident = 0
+    for v, nbytes in reads.items():
+        value = graph.values[v]
+        p = value.producer
+        if p < 0 or p >= first:
+            continue
+        if max(value.bytes, nbytes) + traffic.between(p, first) <= budget:
+            resident += nbytes
+    return resident
+
+
 def group_cost(graph: Graph, group: Group, device: DeviceModel) -> GroupCost:
     return next(group_costs(graph, [group], device))
 
@@ -91,6 +140,7 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
     base group's too, when it comes first in `groups`), each node template's flops once."""
     flops_of = per_template(_flops)
     bases = {id(g.extends) for g in groups if g.kind == "epilogue" and g.extends is not None}
+    traffic = TrafficSince(graph)
     io: dict[int, tuple] = {}  # id(group) -> external_io, kept for epilogue bases only
     for group in groups:
         if group.kind == "padded_matmul":
@@ -120,7 +170,10 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
             unfused = graph.nodes[group.anchor].bytes + sum(b_reads.values()) + sum(b_escapes.values())
             kernels = 2
         rate = device.matmul_flops if matmul else device.flops
-        predicted = max(fused / device.bandwidth_Bps * 1e6, flops / rate * 1e6) + device.launch_us
+        # An epilogue's saving is counted by bytes (est_time_saved_us); its prediction stays the plain roofline.
+        hbm = fused if group.kind == "epilogue" else fused - l2_resident_bytes(graph, group.members, reads, device,
+                                                                                traffic)
+        predicted = max(hbm / device.bandwidth_Bps * 1e6, flops / rate * 1e6) + device.launch_us
         yield GroupCost(int(unfused), int(fused), kernels, measured, predicted, between)
 
 
