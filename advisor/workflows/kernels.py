@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from advisor.ops.registry import tagged
+from advisor.ops.registry import OpClass, op_class, tagged
+from advisor.patching.containment import holds
 from advisor.patching.plan import PatternSpec, spec_from_candidate
 from advisor.records import Candidate, PatternResult, Verdict, candidates_of
 from advisor.status import Status
@@ -58,8 +59,11 @@ def substitution_order(specs: list[PatternSpec], by_id: dict) -> list[PatternSpe
     rank order, except that a chain ending in a window op (fusion rule 11: BatchNorm + ReLU + max-pool) goes
     before the chain alone that it extends. Ranked by total saving, the chain alone (ResNet-50's BatchNorm +
     ReLU, 33 sites) would come first and take the pooled site's ops too; fusing the pool as well only saves
-    more there (the chain's output is never written). Epilogues keep rank order: theirs is a trade against
-    cuBLAS that selection measures."""
+    more there (the chain's output is never written). Likewise any pattern goes before the earlier ones the
+    matcher finds inside its program (`containment.holds`): where both are, the trace gave those ops to the
+    longer one, and fusing more of them only saves more (BART's embedding `mul` -> `add` -> `layer_norm`
+    was found nowhere once the residual `add` -> `layer_norm` had taken its last two ops). Epilogues keep
+    rank order: theirs is a trade against cuBLAS that selection measures."""
     out = list(specs)
     for s in specs:
         c = by_id.get(s.candidate)
@@ -69,7 +73,17 @@ def substitution_order(specs: list[PatternSpec], by_id: dict) -> list[PatternSpe
         if base is not None and out.index(s) > base:
             out.remove(s)
             out.insert(base, s)
+    for s in [s for s in out if not _has_matmul(s)]:
+        i = out.index(s)
+        base = next((j for j, t in enumerate(out[:i]) if holds(s, t) and not holds(t, s)), None)
+        if base is not None:
+            out.remove(s)
+            out.insert(base, s)
     return out
+
+
+def _has_matmul(spec: PatternSpec) -> bool:
+    return any(op_class(n["op"]) in (OpClass.MATMUL, OpClass.ATTENTION) for n in spec.program.get("nodes", []))
 
 
 def worth_patching(candidates: list[Candidate]) -> tuple[list[Candidate], list[PatternResult]]:

@@ -1,0 +1,50 @@
+"""Candidates the trace found but the captured graphs did not (zoo, H100 session 16), on tiny models of the zoo
+(random weights, the CPU, kernels in Triton's interpreter, real captures):
+
+- BART's embedding `mul` -> `add` -> `layer_norm` (and ConvNeXt's layer scale -> residual add -> the next
+  stage's LayerNorm) were found nowhere: a shorter pattern ranked before them (the residual `add` ->
+  `layer_norm`; the `mul` -> `add` of every block) was substituted first and took their ops. The longer
+  pattern now goes first (`workflows.kernels.substitution_order`, `patching.containment`).
+- Mistral's rotary embedding continued into the KV cache (`... -> cat -> clone`): the `cat` the trace took
+  for an intermediate is the cache's new keys, returned by the captured graph, so no kernel writing only
+  the clone can replace it. Said as such (`Status.ESCAPES`), not as "computes it differently".
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zoo_models import BY_NAME  # noqa: E402
+
+import advisor  # noqa: E402
+from advisor.status import Status  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
+                                        "ignore::DeprecationWarning", "ignore::RuntimeWarning")
+
+
+def _optimized(name: str, tmp_path, **kw):
+    arch = BY_NAME[name]
+    model = arch.model()
+    report = advisor.optimize(model, arch.inputs(*arch.example), interpret=True, reuse=False,
+                              out=tmp_path / name, **kw)
+    advisor.unpatch(model)
+    return report
+
+
+def _statuses(report) -> str:
+    return "; ".join(f"{p['candidate']} {p['title']}: {p.get('status')}" for p in report.patterns)
+
+
+def test_a_longer_pattern_takes_its_ops_before_a_shorter_one_inside_it(tmp_path):
+    # The whole model as one capture: the embedding's ops and every layer's residual add + LayerNorm in one graph.
+    report = _optimized("bart", tmp_path, top=8, granularity="root")
+    longer = [p for p in report.patterns if p["title"].endswith("mul → add → layer_norm")]
+    shorter = [p for p in report.patterns if p["title"].endswith(": add → layer_norm")]
+    assert longer and shorter, _statuses(report)
+    assert all(p["status_code"] == Status.PATCHED.value and p["sites"] >= 1 for p in longer + shorter), \
+        _statuses(report)
+
