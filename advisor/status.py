@@ -13,6 +13,7 @@ class Status(str, Enum):
     INTERPRETER = "interpreter_only"  # validated, but its kernel would run in Triton's interpreter (CPU)
     NOT_CAPTURED = "module_not_captured"  # its occurrences lie in modules the plan does not capture
     NOT_MATCHED = "not_matched"  # captured, but the matcher found no occurrence in the captured graphs
+    ESCAPES = "intermediate_escapes"  # its ops are there, but a value inside it is used outside it (a cache)
     NOT_LAUNCHED = "not_launched"  # substituted, but the example inputs never ran its launcher
     NOT_CALLED = "module_not_called"  # no module of the plan ran
     LAUNCHER_FAILED = "launcher_failed"

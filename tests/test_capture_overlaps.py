@@ -48,3 +48,13 @@ def test_a_longer_pattern_takes_its_ops_before_a_shorter_one_inside_it(tmp_path)
     assert all(p["status_code"] == Status.PATCHED.value and p["sites"] >= 1 for p in longer + shorter), \
         _statuses(report)
 
+
+def test_a_pattern_whose_intermediate_the_capture_returns_says_so(tmp_path):
+    report = _optimized("mistral", tmp_path)
+    into_cache = [p for p in report.patterns if p["title"].startswith("Rotary") and p["title"].endswith("cat → clone")]
+    assert into_cache, _statuses(report)
+    p = into_cache[0]
+    assert p["status_code"] == Status.ESCAPES.value, _statuses(report)
+    assert "cat (op 6 of 7)" in p["status"] and "output of the captured graph" in p["status"], p["status"]
+    rotary = [q for q in report.patterns if q["title"].endswith("Rotary embedding: mul → neg → cat → mul → add")]
+    assert rotary and rotary[0]["status_code"] == Status.PATCHED.value, _statuses(report)  # the part that can be

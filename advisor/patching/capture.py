@@ -59,6 +59,7 @@ class CaptureLog:
 
     sites: dict = field(default_factory=lambda: defaultdict(list))  # key -> [Site]
     rejected: dict = field(default_factory=lambda: defaultdict(list))  # key -> [reason]
+    escapes: dict = field(default_factory=lambda: defaultdict(list))  # key -> [match.Escape]: matches refused
     graphs: int = 0
     errors: list = field(default_factory=list)
 
@@ -242,9 +243,10 @@ class Backend:
                 with timing.timed("patterns"):
                     pattern = _PATTERNS[pkey] = Pattern.build(program, program_graph(program, device))
             exclude: set = set()
+            escapes: list = []
             while True:
                 with timing.timed("find"):
-                    m = find(pattern, gm.graph, exclude)
+                    m = find(pattern, gm.graph, exclude, escapes)
                 if m is None:
                     break
                 if training and rewrite.reads_outside_inputs(m, program["inputs"]):
@@ -259,6 +261,8 @@ class Backend:
                     self.log.rejected[spec.key].append(result)
                 else:
                     self.log.sites[spec.key].append(result)
+            logged = self.log.escapes[spec.key]
+            logged.extend(e for e in dict.fromkeys(escapes) if e not in logged)  # each find meets them again
 
     def _site(self, spec: PatternSpec, m, program: dict, kernel_file: str | None) -> rewrite.Site:
         fallback = rewrite.make_fallback(m, program["inputs"])

@@ -13,7 +13,10 @@ node of the captured graph G such that:
   the view itself agrees: same shape, same strides (dims of size 1 aside) and same storage offset
   relative to the producer (program inputs: relative to the input's own view),
 - intermediates do not escape: a G node whose value is used outside the match must be a program
-  output.
+  output. A match refused for that alone is handed back as an `Escape` (which value, read by what):
+  the trace saw no reader of that value, the capture has one (a KV cache the module returns holds
+  a `cat` the trace took for an intermediate), so the kernel, which does not write it, cannot
+  replace these ops there.
 
 The search starts from one P node (an output), tries every G node with that op, and grows the
 mapping along P's edges (an argument of a mapped node is determined; a consumer of a mapped node is
@@ -232,8 +235,26 @@ class _State:
         return s
 
 
-def find(pattern: Pattern, graph: Graph, exclude: set[Node] = frozenset()) -> Match | None:
-    """The first match of the pattern in graph order, avoiding `exclude`; None if there is none."""
+@dataclass(frozen=True)
+class Escape:
+    """A complete match refused because one of its intermediates is used outside it."""
+
+    op: str  # the intermediate's op (`aten::cat`)
+    position: int  # its place among the pattern's ops, 1-based
+    ops: int  # how many ops the pattern has
+    returned: bool  # the captured graph returns it (state the module keeps or hands back, a cache)
+    reader: str | None  # else an op outside the pattern that reads it
+
+    def describe(self) -> str:
+        where = "an output of the captured graph (state the module keeps or returns, such as a cache)" \
+            if self.returned else f"read by {self.reader} outside the pattern"
+        return f"the result of its {self.op} (op {self.position} of {self.ops}) is also {where}"
+
+
+def find(pattern: Pattern, graph: Graph, exclude: set[Node] = frozenset(),
+         escapes: list[Escape] | None = None) -> Match | None:
+    """The first match of the pattern in graph order, avoiding `exclude`; None if there is none.
+    `escapes` gets an `Escape` for each complete match refused because an intermediate escapes it."""
     anchor = pattern.compute[0]
     key = canonical(anchor)
     for g in list(graph.nodes):
@@ -244,7 +265,7 @@ def find(pattern: Pattern, graph: Graph, exclude: set[Node] = frozenset()) -> Ma
             continue
         done = _grow(pattern, 1, st, exclude)
         if done is not None:
-            m = _finish(pattern, done)
+            m = _finish(pattern, done, escapes)
             if m is not None:
                 return m
     return None
@@ -377,8 +398,9 @@ def _same_view(pa: Node, pu: Node, ga: Node, gu: Node) -> bool:
             and lp[2] - lpu[2] == lg[2] - lgu[2])
 
 
-def _finish(pattern: Pattern, st: _State) -> Match | None:
-    """Whole-match checks: every input bound, input views consistent, no intermediate escapes."""
+def _finish(pattern: Pattern, st: _State, escapes: list[Escape] | None = None) -> Match | None:
+    """Whole-match checks: every input bound, input views consistent, no intermediate escapes (which one
+    does is added to `escapes`)."""
     specs = pattern.program["inputs"]
     for k, b in enumerate(st.inputs):
         if b is None:
@@ -387,12 +409,26 @@ def _finish(pattern: Pattern, st: _State) -> Match | None:
             return None
     outputs = [st.p2g[o] for o in pattern.outputs]
     inside = set(st.g2p)
-    for g in inside:
+    order = {n: i for i, n in enumerate(pattern.graph.nodes)}
+    for g in sorted(inside, key=lambda g: order[st.g2p[g]]):  # the first escaping op in P's order
         if g in outputs:
             continue
         if any(u not in inside for u in compute_users(g)) or _feeds_output(g):
+            if escapes is not None:
+                escapes.append(_escape(pattern, st.g2p[g], g, inside))
             return None
     return Match(dict(st.p2g), st.inputs, outputs)
+
+
+def _escape(pattern: Pattern, p: Node, g: Node, inside: set[Node]) -> Escape:
+    # Counted as the trace lists them: an element taken from a multi-output op is that op.
+    members = set(pattern.compute)
+    ops = [n for n in pattern.graph.nodes if n in members and n.target is not operator.getitem]
+    if p.target is operator.getitem:
+        p = p.args[0]
+    readers = [u for u in compute_users(g) if u not in inside and u.op != "output"]
+    return Escape(canonical(p) or str(p.target), ops.index(p) + 1 if p in ops else 0, len(ops),
+                  returned=_feeds_output(g), reader=(canonical(readers[0]) or str(readers[0].target)) if readers else None)
 
 
 def _feeds_output(g: Node) -> bool:

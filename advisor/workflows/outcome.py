@@ -67,6 +67,10 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
                                             "run the original forward unless training is fused "
                                             "(`fusion-advisor apply --train`, `advisor.optimize(model, inputs, "
                                             "train=True)`)")
+        elif not substituted and _escapes(handle, s.key):
+            code, why = Status.ESCAPES, ("not patched: its ops are in the captured graphs, but "
+                                         f"{_escapes(handle, s.key)[0].describe()}; the fused kernel writes only "
+                                         "the pattern's outputs, so it cannot replace these ops")
         elif not substituted:
             rejected = sorted(set(handle.rejected(s.key))) if handle else []
             code, why = Status.NOT_MATCHED, "not patched: its ops were not found in the captured graphs" \
@@ -86,6 +90,14 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
             out[i] = r.with_verdict(Status.OVERLAP,
                                     f"not patched: {base.candidate} ({(base.title or '').split(':')[0]}) took its ops first")
     return out
+
+
+def _escapes(handle, key: str) -> list:
+    """The complete matches of a pattern refused because an intermediate of theirs is used outside them
+    (`match.Escape`), over every capture of the handle."""
+    if handle is None:
+        return []
+    return list(dict.fromkeys(e for log in handle._logs(key) for e in log.escapes.get(key, [])))
 
 
 def _only_trained(handle) -> bool:
