@@ -6,6 +6,7 @@ and the committed CPU sample traces' anchored candidates must validate or say wh
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from advisor.codegen import load_module
 from advisor.codegen.anchored import detect_kind, generate_anchored
 from advisor.codegen.cache import atomic_write
-from advisor.codegen.matmul import CONV_REASON
+from advisor.codegen.conv import CONV_REASON
 from advisor.codegen.record import record_program
 from advisor.ops import lowering
 from advisor.ops.lowering import Unsupported
@@ -181,10 +182,27 @@ def test_epilogue_skipping_the_last_row_is_caught_by_poisoning(tmp_path):
     assert not v.validated and "NaN/Inf" in v.reason, v.reason
 
 
-def test_conv_epilogue_is_refused_with_reason():
-    prog = record_program(lambda x, w: torch.relu(F.conv2d(x, w)), rand(1, 3, 8, 8), rand(4, 3, 3, 3))
-    with pytest.raises(Unsupported, match=CONV_REASON):
+def test_conv_epilogue_other_than_norm_add_relu_is_refused_with_reason():
+    # cuDNN's fused conv applies a ReLU only: a conv followed by another activation stays with its pointwise kernel
+    prog = record_program(lambda x, w: F.hardswish(F.conv2d(x, w)), rand(1, 3, 8, 8), rand(4, 3, 3, 3))
+    with pytest.raises(Unsupported, match=re.escape(CONV_REASON)):
         generate_anchored(prog, "epilogue")
+
+
+def test_conv_epilogue_folds_batchnorm_and_a_planted_wrong_fold_is_caught(tmp_path):
+    """ResNet-50's conv -> BatchNorm (eval) -> residual add -> ReLU from the CPU sample trace: one module, the
+    BatchNorm folded into the conv's weight and bias, validated at the recorded batch and two others; a fold that
+    forgets the running mean fails validation."""
+    from advisor.analysis.api import analyze
+
+    doc = analyze(CPU_SAMPLES / "tv_resnet50" / "trace").doc
+    c = find_candidates(doc["candidates"], Structure(kind="epilogue", ops=("conv2d", "batch_norm", "add_", "relu_")))[0]
+    gen = generate_anchored(c["program"])
+    assert "_fold(" in gen.code and "cudnn_convolution_add_relu" in gen.code and "triton" not in gen.code
+    v = check(gen, load_module(gen.path))
+    assert [s["inputs"][0][0] for s in v.errors["shapes"]] != [v.errors["shapes"][0]["inputs"][0][0]] * 3  # the batch varies
+    wrong = planted(gen, tmp_path, "shift = -mean.float() * scale", "shift = 0 * mean.float()")
+    assert not validate(gen, wrong).validated
 
 
 def test_epilogue_that_is_not_elementwise_is_refused():
@@ -341,9 +359,12 @@ VALIDATE = {
     "mlp_block": [_epilogue("linear", "gelu"), _epilogue("linear", "add")],
     "hf_llama": [Structure(kind="epilogue", has=("linear", "silu", "mul"))],  # gate_proj's and up_proj's SwiGLU
     "timm_vit": [_epilogue("linear", "gelu")],
+    "tv_resnet50": [Structure(kind="epilogue", ops=("conv2d", "batch_norm", "relu_")),  # cuDNN's fused conv
+                    Structure(kind="epilogue", ops=("conv2d", "batch_norm", "add_", "relu_"))],
 }
 REFUSED = {"hf_llama": [Structure(kind="epilogue", has=("linear",) + ROTARY.has)],  # q/k projection + rotary
-           "tv_resnet50": [Structure(kind="epilogue", has=("conv2d",))]}
+           # BatchNorm twice before the add (the downsample branch's and the block's): not one conv's epilogue
+           "tv_resnet50": [Structure(kind="epilogue", ops=("conv2d", "batch_norm", "batch_norm", "add_", "relu_"))]}
 
 
 @pytest.fixture(scope="module")
@@ -376,7 +397,7 @@ def test_sample_trace_anchored_candidates(sample_results, workload):
     for want in REFUSED.get(workload, []):
         hits = find_candidates(pats, want)
         assert hits and all(not p["validated"] and p["kernel_file"] is None for p in hits), want
-        assert all(p["reason"] == CONV_REASON or "not elementwise" in p["reason"]
+        assert all(p["reason"].startswith(CONV_REASON) or "not elementwise" in p["reason"]
                    or "not an elementwise epilogue" in p["reason"] for p in hits), \
             [p["reason"] for p in hits]
     for p in pats:  # every anchored candidate: validated, or refused with a reason (never a failed kernel)

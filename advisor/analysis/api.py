@@ -20,7 +20,7 @@ from advisor.graph.dataflow import build_graph
 from advisor.graph.dtypes import torch_dtype_name
 from advisor.graph.nodes import Graph
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, write_json
-from advisor.ops.registry import MEMORY_BOUND, OpClass
+from advisor.ops.registry import CONV_EPILOGUE, MEMORY_BOUND, OpClass
 from advisor.records import Kind
 from advisor.trace.load import gc_paused, load_trace
 
@@ -160,9 +160,12 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
     by_pattern: dict[str, _Pattern] = {}
     gpu = gpu_model() if device.type == "cpu" else None
     ests: dict[int, float] = {}
+    whole: set[int] = set()  # id(group) of epilogues whose estimate is not an increment on their base's (conv)
     for g, sig, cost in zip(groups, signatures(graph, groups), group_costs(graph, groups, device)):
         if g.kind == "padded_matmul" and not padding_pays(cost, device):
             continue
+        if cost.in_anchor_kernel_us is not None and gpu is None:
+            whole.add(id(g))
         phase = graph.nodes[g.members[0]].phase  # one per group (fusion rule 6)
         if phase != "forward":  # the same ops in the backward are another candidate
             sig = f"{sig} @{phase}"
@@ -175,7 +178,7 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
     iters = graph.iterations
     records, group_map = [], {}
     totals = _totals(graph)
-    totals["est_time_saved_us"] = _potential([g for g in groups if id(g) in ests], ests) / iters
+    totals["est_time_saved_us"] = _potential([g for g in groups if id(g) in ests], ests, whole) / iters
     for pid, pat in by_pattern.items():
         first, extends = pat.first, pat.first.extends
         name = title(graph, first, pat.groups)
@@ -199,7 +202,9 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
             "graph": _graph_view(graph, first),
             "program": program_of(graph, first),
         }
-        variants = shape_variants(graph, pat.groups, rec["program"]) if first.kind == "fusion" else []
+        # (a conv epilogue's module is cuDNN's fused conv: no Triton compile, one module per shape as a fusion's)
+        conv = first.kind == "epilogue" and CONV_EPILOGUE.get(graph.nodes[first.anchor].op) == "conv"
+        variants = shape_variants(graph, pat.groups, rec["program"]) if first.kind == "fusion" or conv else []
         if variants:  # absent otherwise: analysis.json of a model whose occurrences share one shape is unchanged
             rec["variants"] = variants
         phase = graph.nodes[first.members[0]].phase
@@ -304,11 +309,12 @@ def _estimate_basis(device: DeviceModel, gpu: DeviceModel | None) -> dict:
                     "the fused kernels are Triton kernels, which on the CPU run in the interpreter"}
 
 
-def _potential(groups: list[Group], ests: dict[int, float]) -> float:
+def _potential(groups: list[Group], ests: dict[int, float], whole: set[int] = frozenset()) -> float:
     """What fusing every candidate could save, each op counted once. Candidates that share ops are alternatives
     (an epilogue and the pointwise group it extends, the gate and the up projection's epilogue of one SwiGLU,
     attention and its softmax): of each set of groups linked by shared ops, the best alone counts. An epilogue's
-    estimate is on top of its base group's (see cost.est_time_saved_us), so alone it is worth both."""
+    estimate is on top of its base group's (see cost.est_time_saved_us), so alone it is worth both; a conv
+    epilogue's (`whole`) is all it saves already."""
     parent = list(range(len(groups)))
 
     def root(i: int) -> int:
@@ -325,7 +331,8 @@ def _potential(groups: list[Group], ests: dict[int, float]) -> float:
                 parent[root(i)] = root(j)
     best: dict[int, float] = {}
     for i, g in enumerate(groups):
-        alone = ests[id(g)] + (ests.get(id(g.extends), 0.0) if g.kind == "epilogue" and g.extends is not None else 0.0)
+        incremental = g.kind == "epilogue" and g.extends is not None and id(g) not in whole
+        alone = ests[id(g)] + (ests.get(id(g.extends), 0.0) if incremental else 0.0)
         r = root(i)
         best[r] = max(best.get(r, 0.0), alone)
     return sum(best.values())

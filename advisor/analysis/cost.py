@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from advisor.analysis.alignment import PaddedGemm, unaligned_gemm
 from advisor.analysis.fusion import Group
 from advisor.graph.nodes import Graph, per_template
-from advisor.ops.registry import OpClass, lookup
+from advisor.ops.registry import CONV_EPILOGUE, OpClass, lookup
 
 # When meta.json has no measured figures: sustained copy bandwidth (read + write) and launch cost.
 # `unaligned_matmul_flops`: what cuBLAS's unaligned (align1) GEMM kernels reach, for CPU traces' padded-matmul
@@ -62,6 +62,9 @@ class GroupCost:
     predicted_fused_us: float
     intermediate_bytes: int = 0  # made and consumed inside the group: memory the fused kernel never allocates
     padded: PaddedGemm | None = None  # padded_matmul groups: the GEMM and its padding
+    # A conv epilogue (`CONV_EPILOGUE`) runs inside cuDNN's conv kernel: the measured time of every kernel after
+    # the conv is what it saves (not an increment on a fused base group, as a Triton GEMM epilogue's is).
+    in_anchor_kernel_us: float | None = None
 
     @property
     def bytes_saved(self) -> int:
@@ -162,6 +165,9 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
             for u in n.writes:
                 if u.value not in escapes:
                     between += u.bytes
+        in_anchor = None
+        if group.kind == "epilogue" and CONV_EPILOGUE.get(graph.nodes[group.anchor].op) == "conv":
+            in_anchor = measured - graph.nodes[group.anchor].time_us
         if group.kind == "epilogue":
             # An epilogue is counted on top of its pointwise group already being fused.
             base = group.extends
@@ -174,7 +180,7 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
         hbm = fused if group.kind == "epilogue" else fused - l2_resident_bytes(graph, group.members, reads, device,
                                                                                 traffic)
         predicted = max(hbm / device.bandwidth_Bps * 1e6, flops / rate * 1e6) + device.launch_us
-        yield GroupCost(int(unfused), int(fused), kernels, measured, predicted, between)
+        yield GroupCost(int(unfused), int(fused), kernels, measured, predicted, between, in_anchor_kernel_us=in_anchor)
 
 
 def padded_cost(graph: Graph, group: Group, device: DeviceModel) -> GroupCost:
@@ -209,6 +215,8 @@ def padding_pays(cost: GroupCost, device: DeviceModel) -> bool:
 
 
 def est_time_saved_us(cost: GroupCost, group: Group, device: DeviceModel) -> float:
+    if cost.in_anchor_kernel_us is not None:
+        return max(cost.in_anchor_kernel_us, 0.0)
     if group.kind == "epilogue":
         # Incremental: the matmul output's round trip and one launch disappear.
         return cost.bytes_saved / device.bandwidth_Bps * 1e6 + device.launch_us

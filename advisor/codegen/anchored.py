@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from advisor.codegen import GENERATOR_VERSION, Generated, cache
 from advisor.codegen.attention import attention_source
-from advisor.codegen.matmul import CONV_REASON, RESHAPE, Anchored, _leading_reduction, epilogue_source, is_anchor, \
+from advisor.codegen.conv import conv_epilogue_source, read_conv_epilogue
+from advisor.codegen.matmul import RESHAPE, Anchored, _leading_reduction, epilogue_source, is_anchor, \
     is_conv, read_anchored
 from advisor.codegen.matmul_reduce import matmul_reduce_source
 from advisor.codegen.padded import padded_matmul_source
@@ -43,7 +44,7 @@ def generate_anchored(program: dict, kind: str | None = None, use_cache: bool = 
         raise Unsupported("the analysis recorded no program for this candidate")
     kind = kind or detect_kind(program)
     if any(is_conv(n["op"]) for n in program["nodes"]):
-        raise Unsupported(CONV_REASON)
+        return _generate_conv(program, use_cache)
     ctx = read_anchored(program)
     emit = {"epilogue": epilogue_source, "attention": attention_source,
             "matmul_reduction": matmul_reduce_source, "padded_matmul": padded_matmul_source}.get(kind)
@@ -60,6 +61,22 @@ def generate_anchored(program: dict, kind: str | None = None, use_cache: bool = 
     alts = tuple(a for a in ("sdpa",) if f"def run_{a}(" in code)
     saved, note = saved_memory(ctx, kind)
     return AnchoredGenerated(key, code, cached, ctx.prog, kind, path, alts, saved, note)
+
+
+def _generate_conv(program: dict, use_cache: bool) -> AnchoredGenerated:
+    """A conv epilogue (`codegen.conv`): cuDNN's fused conv on the folded weights, no Triton kernel."""
+    conv = read_conv_epilogue(program)
+    key = conv.ctx.prog.key(GENERATOR_VERSION + "conv_epilogue")
+    code = cache.get(key) if use_cache else None
+    cached = code is not None
+    if code is None:
+        code = cache.with_first_line(conv_epilogue_source(conv))
+        path = cache.put(key, code) if use_cache else cache.scratch(key, code)
+    else:
+        path = cache.path_of(key)
+    return AnchoredGenerated(key, code, cached, conv.ctx.prog, "epilogue", path, (), conv.out_bytes,
+                             f"the conv output ({conv.out_bytes / 1e6:.2f} MB at the recorded shapes) is never written: "
+                             "cuDNN applies the folded BatchNorm, the add and the ReLU in the conv's kernel")
 
 
 def saved_memory(ctx: Anchored, kind: str) -> tuple[int, str]:

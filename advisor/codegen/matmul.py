@@ -39,7 +39,7 @@ from advisor.ops.args import decode, reduced_dims
 from advisor.ops.lowering import Lowering, Unsupported, tl_type
 from advisor.ops.registry import REDUCE_KINDS, OpClass, lookup, op_class, tagged
 
-CONV_REASON = "conv epilogues: not generated yet"
+CONV_REASON = "a conv anchors only a conv epilogue (advisor/codegen/conv.py)"
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Stand-ins for the table's entries: these ops are computed by the kernel template, not lowered.

@@ -355,7 +355,13 @@ GEMM_CALLS = {
     "aten::addmm": "torch.addmm(bias, a, b, beta={beta!r}, alpha={alpha!r})",
     "aten::baddbmm": "torch.baddbmm(bias, a, b, beta={beta!r}, alpha={alpha!r})",
 }
-for _table in (SPELLINGS, SPELLINGS.values(), SPLADE_CHAIN, REDUCE_KINDS, SDPA_SCALE, (SDPA_MASK,), GEMM_CALLS):
+# An eval conv's epilogue that cuDNN runs inside the conv's own kernel once a BatchNorm is folded into the conv's
+# weight and bias (`codegen.conv`), by role: the conv, then optionally the norm and a residual add, then the ReLU
+# (the one activation cuDNN's fused conv applies).
+CONV_EPILOGUE = {"aten::conv2d": "conv", "aten::batch_norm": "norm", "aten::add": "add", "aten::add_": "add",
+                 "aten::relu": "relu", "aten::relu_": "relu"}
+for _table in (SPELLINGS, SPELLINGS.values(), SPLADE_CHAIN, REDUCE_KINDS, SDPA_SCALE, (SDPA_MASK,), GEMM_CALLS,
+               CONV_EPILOGUE):
     for _n in _table:
         if _n not in _REGISTRY:
             raise KeyError(f"{_n} is in a registry table but has no registry entry")

@@ -84,8 +84,9 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
     # Overlapping patterns: the first in plan order takes the ops (an epilogue extends a pointwise group).
     extends = {c.id: c.extends for c in candidates_of(doc or {})}
     patched = {r.candidate: r for r in out if r.patched}
+    taker = {extends[c]: r for c, r in patched.items() if extends.get(c)}  # a base whose epilogue went first (conv)
     for i, r in enumerate(out):
-        base = patched.get(extends.get(r.candidate) or "")
+        base = patched.get(extends.get(r.candidate) or "") or taker.get(r.candidate)
         if not r.patched and r.code == Status.NOT_MATCHED and base is not None:
             out[i] = r.with_verdict(Status.OVERLAP,
                                     f"not patched: {base.candidate} ({(base.title or '').split(':')[0]}) took its ops first")
