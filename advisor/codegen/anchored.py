@@ -66,7 +66,7 @@ def generate_anchored(program: dict, kind: str | None = None, use_cache: bool = 
 def _generate_conv(program: dict, use_cache: bool) -> AnchoredGenerated:
     """A conv epilogue (`codegen.conv`): cuDNN's fused conv on the folded weights, no Triton kernel."""
     conv = read_conv_epilogue(program)
-    key = conv.ctx.prog.key(GENERATOR_VERSION + "conv_epilogue")
+    key = conv.ctx.prog.key(GENERATOR_VERSION + "conv_epilogue.derived")
     code = cache.get(key) if use_cache else None
     cached = code is not None
     if code is None:

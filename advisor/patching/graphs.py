@@ -14,7 +14,9 @@ The contract of a CUDA graph is fixed addresses, so:
 - every other tensor input is copied into a static buffer with the input's storage size, offset and
   strides (the graph may read through `as_strided` views relative to the storage), before each replay;
 - every output is copied out after the replay: nothing handed to the caller is overwritten later;
-- which patterns run their launchers (`only`) is decided at recording, so it is part of the key.
+- which patterns run their launchers (`only`) is decided at recording, so it is part of the key;
+- tensors derived from weights (`derived`: a BatchNorm folded into a conv) are read where they live and
+  recomputed in place before a replay when the weights they come from changed.
 All graphs share one memory pool: they run one at a time on one stream and their static outputs stay
 alive, so the scratch one frees at the end of its recording is safe for the next to reuse.
 Not replayed (the plain function runs): when copying the inputs in and the outputs out would cost the
@@ -31,13 +33,13 @@ import traceback
 import warnings
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from advisor.patching import rewrite, timing
+from advisor.patching import derived, rewrite, timing
 
 MAX_GRAPHS = 64  # per captured function: layers x `only` states seen while timing patterns
 MAX_STORAGE_RATIO = 4  # copy a view's whole storage only when it is at most this much larger
@@ -64,6 +66,7 @@ class Recording:
     replay: Callable[[], None]
     inputs: list  # per argument: a static buffer to copy into, or None (read in place / not a tensor)
     outputs: list
+    derived: list = field(default_factory=list)  # `derived.Derived` entries it reads: refreshed before a replay
 
 
 def clear_recordings() -> None:
@@ -240,11 +243,14 @@ class Graphed:
     def _record(self, args) -> Recording:
         inputs = self._static_inputs(args)
         static_args = [a if s is None else s for a, s in zip(args, inputs)]
-        replay, outs = self.recorder.record(self.fn, static_args)
-        return Recording(replay, inputs, outs)
+        with derived.reading() as used:
+            replay, outs = self.recorder.record(self.fn, static_args)
+        return Recording(replay, inputs, outs, list({id(d): d for d in used}.values()))
 
     @staticmethod
     def _run(rec: Recording, args) -> list:
+        for d in rec.derived:  # weights changed since (new state dict, fine-tuning): their folds, in place
+            d.refresh()
         _copy_in(rec.inputs, args)
         rec.replay()
         return _copy_out(rec.outputs)

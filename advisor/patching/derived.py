@@ -1,0 +1,125 @@
+"""Tensors derived from a model's weights, computed once and again only when those weights change.
+
+Why: an eval BatchNorm folded into the conv before it (`codegen/conv.py`) is a few small kernels on the weights.
+Run on every call they cost more than the fused conv saves: ResNet-50 handed back 6.76 ms against 6.11 ms
+without the conv epilogue on the H100 (758 kernels per call against 120, reports/conv-bn-h100/). Cached without
+a check, they would go stale when the user loads new weights, fine-tunes or updates BatchNorm statistics.
+
+So `derived(fn, *sources)` keeps `fn(*sources)` per set of source tensors (by identity) with the sources'
+version counters, which every in-place write bumps (`load_state_dict`, an optimizer step, running statistics):
+a changed version recomputes the values *into the same tensors*. That keeps a CUDA graph that read them valid:
+`Graphed` notes the derived tensors a recording read (`reading`) and refreshes them before each replay (a replay
+runs no Python, so the graph alone would never see a change).
+A source without a version counter (an inference tensor) cannot be watched: then nothing is cached and `fn`
+runs on every call, as without this module (correct, slower).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable
+
+import torch
+
+_STATE = threading.local()
+_CACHE: dict[tuple, "Derived"] = {}
+MAX_ENTRIES = 4096  # a model's worth of convs many times over; beyond it the oldest go (recomputed if used)
+
+
+def _versions(sources) -> tuple | None:
+    """The sources' version counters, or None when one has none (an inference tensor)."""
+    try:
+        return tuple(s._version if isinstance(s, torch.Tensor) else None for s in sources)
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
+
+
+class Derived:
+    """`fn(*sources)` and the source versions it was computed at."""
+
+    def __init__(self, key: tuple, fn: Callable, sources: tuple, versions: tuple):
+        self.key, self.fn = key, fn
+        me = weakref.ref(self)
+
+        def gone(_ref) -> None:  # a source freed (validation's inputs, replaced weights): its values go too
+            entry = me()
+            if entry is not None and _CACHE.get(entry.key) is entry:
+                del _CACHE[entry.key]
+
+        self.refs = tuple(weakref.ref(s, gone) if isinstance(s, torch.Tensor) else None for s in sources)
+        self.versions = versions
+        self.values = self._compute(sources)
+
+    def _compute(self, sources) -> tuple:
+        # Plain tensors outside autograd and inference mode: refreshed in place from any mode later.
+        with torch.inference_mode(False), torch.no_grad():
+            return tuple(v.detach() for v in self.fn(*sources))
+
+    def sources(self) -> tuple | None:
+        """The source tensors, or None once one was freed."""
+        out = tuple(r() if r is not None else None for r in self.refs)
+        return None if any(r is not None and s is None for r, s in zip(self.refs, out)) else out
+
+    def refresh(self) -> None:
+        """Recompute into the same tensors if a source changed since (what a replay must do before it runs)."""
+        sources = self.sources()
+        if sources is None:
+            return
+        now = _versions(sources)
+        if now == self.versions:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            for old, new in zip(self.values, self.fn(*sources)):
+                old.copy_(new)
+        self.versions = _versions(sources)  # the copies above do not touch the sources
+
+
+def derived(fn: Callable, *sources) -> tuple:
+    """`fn(*sources)` (a tuple of tensors), cached per source tensors while none of them changed."""
+    versions = _versions(sources)
+    if versions is None:
+        return tuple(fn(*sources))
+    key = (fn, tuple(id(s) if isinstance(s, torch.Tensor) else s for s in sources))
+    entry = _CACHE.get(key)
+    held = entry.sources() if entry is not None else None
+    if held is None or any(a is not b for a, b in zip(held, sources) if isinstance(b, torch.Tensor)):  # new, or an id reused by another tensor
+        entry = _CACHE[key] = Derived(key, fn, sources, versions)
+        if len(_CACHE) > MAX_ENTRIES:
+            _CACHE.pop(next(iter(_CACHE)))
+    elif not _frozen():
+        entry.refresh()
+    readers = getattr(_STATE, "readers", None)
+    if readers:
+        readers[-1].append(entry)
+    return entry.values
+
+
+def _frozen() -> bool:
+    """Inside a CUDA-graph recording (or its CPU stand-in in tests) no kernel may run to refresh: `Graphed`
+    refreshes before the recording's replays instead."""
+    return getattr(_STATE, "frozen", False) or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+class reading:
+    """`with reading() as used:` collects the derived entries read inside the block (a recording's)."""
+
+    def __enter__(self) -> list:
+        stack = getattr(_STATE, "readers", None)
+        if stack is None:
+            stack = _STATE.readers = []
+        stack.append([])
+        return stack[-1]
+
+    def __exit__(self, *exc) -> None:
+        _STATE.readers.pop()
+
+
+class frozen:
+    """Reads inside the block return the cached values without checking them (a graph replay's view)."""
+
+    def __enter__(self):
+        self.before = getattr(_STATE, "frozen", False)
+        _STATE.frozen = True
+
+    def __exit__(self, *exc) -> None:
+        _STATE.frozen = self.before

@@ -1,0 +1,110 @@
+"""`advisor.patching.derived`: tensors derived from weights (a BatchNorm folded into a conv) are computed once, and
+again into the same tensors when a weight changes, also under a CUDA-graph replay (checked with a CPU stand-in)."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+import advisor
+from advisor.patching import derived as derived_mod
+from advisor.patching.derived import derived
+from advisor.patching.graphs import Graphed
+
+sys.path.insert(0, str(Path(__file__).parent))
+from zoo_models import BY_NAME  # noqa: E402
+
+
+def scaled(w, s):
+    scaled.calls += 1
+    return (w * s,)
+
+
+scaled.calls = 0
+
+
+def test_computed_once_then_again_in_place_when_a_source_changes():
+    w, s = torch.randn(4), torch.tensor(2.0)
+    before = scaled.calls
+    (a,) = derived(scaled, w, s)
+    (b,) = derived(scaled, w, s)
+    assert a is b and scaled.calls == before + 1
+    with torch.no_grad():
+        w.mul_(3)  # e.g. load_state_dict, an optimizer step: an in-place write bumps the version
+    (c,) = derived(scaled, w, s)
+    assert c is a and torch.equal(c, w * 2) and scaled.calls == before + 2
+    other = torch.randn(4)  # other weights: their own entry
+    (d,) = derived(scaled, other, s)
+    assert d is not a and torch.equal(d, other * 2)
+
+
+def test_entries_go_with_their_sources():
+    w, s = torch.randn(4), torch.tensor(1.0)
+    derived(scaled, w, s)
+    n = len(derived_mod._CACHE)
+    assert n >= 1
+    del w  # validation's inputs, replaced weights: their folds are not kept
+    assert len(derived_mod._CACHE) == n - 1
+
+
+def test_inference_tensors_are_not_cached():
+    # an inference tensor has no version counter: a change could not be seen, so the value is computed each call
+    with torch.inference_mode():
+        w = torch.randn(4)
+    before = scaled.calls
+    derived(scaled, w, torch.tensor(2.0))
+    derived(scaled, w, torch.tensor(2.0))
+    assert scaled.calls == before + 2
+
+
+class FrozenReplayOnCpu:
+    """A CUDA graph's contract on the CPU: a replay re-runs the recorded work on the recording's tensors, and runs
+    none of the Python that chose them (derived tensors are read as they are, never re-checked)."""
+
+    device_type = "cpu"
+
+    def record(self, fn, args):
+        outs = list(fn(*args))
+
+        def replay():
+            with derived_mod.frozen():
+                for o, new in zip(outs, fn(*args)):
+                    o.copy_(new)
+        return replay, outs
+
+
+def test_a_replay_sees_weights_changed_after_its_recording():
+    w, two = torch.nn.Parameter(torch.randn(4), requires_grad=False), torch.tensor(2.0)
+    g = Graphed(lambda w, x: [x * derived(scaled, w, two)[0]], FrozenReplayOnCpu())
+    x = torch.randn(4)
+    assert torch.equal(g(w, x)[0], x * w * 2)
+    with torch.no_grad():
+        w.copy_(torch.randn(4))  # new weights loaded in place: the recording stays, its fold must follow
+    assert torch.equal(g(w, x)[0], x * w * 2) and len(g.recordings) == 1
+
+
+def test_an_optimized_convnet_follows_weights_loaded_after_optimize():
+    """The user's flow: optimize (conv + BatchNorm + ReLU patched as one conv on folded weights), then load other
+    weights and statistics, or update the statistics in train mode: the patched model gives the new model's outputs."""
+    arch = BY_NAME["convnet"]
+    torch.manual_seed(0)
+    model = arch.build()
+    inputs = arch.inputs(2, 16)
+    report = advisor.optimize(model, inputs, interpret=True)
+    assert any("conv2d epilogue" in (p.get("title") or "") and p.get("status") == "patched" for p in report.patterns), \
+        [(p.get("title"), p.get("status")) for p in report.patterns]
+    model(**inputs)
+    torch.manual_seed(1)
+    other = arch.build()
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(model(**inputs), other(**inputs), rtol=1e-4, atol=1e-4)
+        model.train(), other.train()
+        model(**inputs), other(**inputs)  # running statistics updated in place
+        model.eval(), other.eval()
+        assert torch.allclose(model(**inputs), other(**inputs), rtol=1e-4, atol=1e-4)
+    advisor.unpatch(model)
+    ref = copy.deepcopy(other)
+    assert torch.allclose(model(**inputs), ref(**inputs), rtol=1e-4, atol=1e-4)
