@@ -362,9 +362,22 @@ VALIDATE = {
     "tv_resnet50": [Structure(kind="epilogue", ops=("conv2d", "batch_norm", "relu_")),  # cuDNN's fused conv
                     Structure(kind="epilogue", ops=("conv2d", "batch_norm", "add_", "relu_"))],
 }
-REFUSED = {"hf_llama": [Structure(kind="epilogue", has=("linear",) + ROTARY.has)],  # q/k projection + rotary
-           # BatchNorm twice before the add (the downsample branch's and the block's): not one conv's epilogue
-           "tv_resnet50": [Structure(kind="epilogue", ops=("conv2d", "batch_norm", "batch_norm", "add_", "relu_"))]}
+REFUSED = {"hf_llama": [Structure(kind="epilogue", has=("linear",) + ROTARY.has)]}  # q/k projection + rotary
+
+
+def test_conv_epilogues_offered_only_where_cudnn_runs_them():
+    """ResNet-50's downsample block (BatchNorm twice before the add: the branch's and the block's) has no conv
+    epilogue cuDNN runs: the analysis offers none, and the pointwise group stays a candidate of its own."""
+    from advisor.analysis.api import analyze
+    from advisor.ops.registry import conv_epilogue_fits
+
+    cands = analyze(CPU_SAMPLES / "tv_resnet50" / "trace").doc["candidates"]
+    convs = [c for c in cands if c["kind"] == "epilogue" and "conv" in c["ops"][0]]
+    assert convs and all(conv_epilogue_fits(c["ops"]) for c in convs), [c["ops"] for c in convs]
+    assert find_candidates(cands, Structure(kind="norm", ops=("batch_norm", "batch_norm", "add_", "relu_")))
+    assert not conv_epilogue_fits(["aten::conv2d", "aten::batch_norm", "aten::hardswish_"])
+    assert not conv_epilogue_fits(["aten::conv2d", "aten::batch_norm", "aten::add_"])
+    assert conv_epilogue_fits(["aten::conv2d", "aten::relu"])
 
 
 @pytest.fixture(scope="module")

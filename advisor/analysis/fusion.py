@@ -19,7 +19,8 @@ Every node gets a *domain*: the iteration space its kernel walks. Pointwise ops 
    module's forward, which holds no op outside it.
 
 Matmuls and convolutions are anchors; more rules build on them:
-7. Epilogue: a pure pointwise group (or op) that alone reads an anchor's output, elementwise.
+7. Epilogue: a pure pointwise group (or op) that alone reads an anchor's output, elementwise. A conv's only
+   where cuDNN's fused conv runs it (conv [-> eval BatchNorm] [-> residual add] -> ReLU: `conv_epilogue_fits`).
 8. Attention: matmul -> (scale / mask / other pointwise) -> softmax -> matmul, where each
    intermediate is read only inside the chain: the score matrix need never be written.
 9. Matmul + reduction: matmul -> pointwise -> a reduction over leading (non-contracted) dims of
@@ -42,7 +43,7 @@ from advisor.analysis.alignment import unaligned_gemm
 from advisor.graph.nodes import Graph, Node, per_template
 from advisor.ops.args import bind, group_count, reduced_dims
 from advisor.ops.lowering import why_not_generated
-from advisor.ops.registry import OpClass, OpInfo, lookup
+from advisor.ops.registry import OpClass, OpInfo, conv_epilogue_fits, is_conv, lookup
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,8 @@ def _epilogues(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[
         if d is None or d.rows is not None or d.numel != _numel(v.shape):
             continue
         members = sorted({n.idx, *(base.members if base else [c.idx])})
+        if is_conv(n.op) and not conv_epilogue_fits([graph.nodes[m].op for m in members]):
+            continue  # no conv kernel runs it: conv + the pointwise group is all there is (rule 7's conv clause)
         out.append(Group(members, d.numel, None, anchor=n.idx, extends=base, kind="epilogue"))
     return out
 

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 from advisor.codegen import GENERATOR_VERSION, Generated, cache
 from advisor.codegen.attention import attention_source
 from advisor.codegen.conv import conv_epilogue_source, read_conv_epilogue
-from advisor.codegen.matmul import RESHAPE, Anchored, _leading_reduction, epilogue_source, is_anchor, \
-    is_conv, read_anchored
+from advisor.codegen.matmul import RESHAPE, Anchored, _leading_reduction, epilogue_source, is_anchor, read_anchored
 from advisor.codegen.matmul_reduce import matmul_reduce_source
 from advisor.codegen.padded import padded_matmul_source
 from advisor.ops.lowering import Unsupported
-from advisor.ops.registry import REDUCE_KINDS, tagged
+from advisor.ops.registry import REDUCE_KINDS, is_conv, tagged
 
 
 @dataclass

@@ -30,7 +30,7 @@ from advisor.codegen.ir import Program, Sizes, Value, View, Input, Op, torch_dty
 from advisor.codegen.matmul import ANCHOR, MATMUL_DTYPES, Anchored
 from advisor.codegen.read import _read_op, read_args, set_outputs
 from advisor.ops.lowering import Unsupported
-from advisor.ops.registry import CONV_EPILOGUE
+from advisor.ops.registry import CONV_EPILOGUE, conv_epilogue_fits
 
 CONV_REASON = "conv epilogues: cuDNN fuses a conv with BatchNorm (eval), a residual add and a ReLU only"
 
@@ -61,10 +61,7 @@ def _input_id(v, p: Program, what: str) -> str | None:
 def read_conv_epilogue(program: dict) -> ConvEpilogue:
     """The IR and the roles of a conv epilogue program; raises Unsupported saying why it is not one."""
     nodes = program.get("nodes") or []
-    roles = [CONV_EPILOGUE.get(n["op"]) for n in nodes]
-    order = {"conv": 0, "norm": 1, "add": 2, "relu": 3}
-    if not roles or roles[0] != "conv" or roles[-1] != "relu" or None in roles \
-            or [order[r] for r in roles] != sorted(set(order[r] for r in roles)):
+    if not conv_epilogue_fits([n["op"] for n in nodes]):
         raise Unsupported(f"{CONV_REASON}; this one is {' -> '.join(n['op'].split('::')[-1] for n in nodes)}")
     sizes = Sizes()
     p = Program([], {}, [], [], sizes)

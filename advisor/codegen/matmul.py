@@ -37,7 +37,7 @@ from advisor.codegen.read import _read_op, _schema, _view, read_args, set_output
 from advisor.codegen.shapes import broadcast
 from advisor.ops.args import decode, reduced_dims
 from advisor.ops.lowering import Lowering, Unsupported, tl_type
-from advisor.ops.registry import REDUCE_KINDS, OpClass, lookup, op_class, tagged
+from advisor.ops.registry import REDUCE_KINDS, OpClass, is_conv, lookup, op_class, tagged
 
 CONV_REASON = "a conv anchors only a conv epilogue (advisor/codegen/conv.py)"
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,10 +47,6 @@ ANCHOR = Lowering("anchor", "anchor", None, promote="none", operands=(), shape="
 RESHAPE = Lowering("aten::reshape", "reshape", None, promote="none", operands=(), shape="reshape")
 REDUCE = Lowering("reduce", "anchor_reduce", None, promote="none", operands=(), shape="reduce_dims")
 RESHAPE_SCHEMA = "aten::reshape(Tensor(a) self, SymInt[] shape) -> Tensor(a)"
-
-
-def is_conv(name: str) -> bool:
-    return "conv" in name.split("::")[-1]
 
 
 def is_anchor(name: str) -> bool:

@@ -360,6 +360,25 @@ GEMM_CALLS = {
 # (the one activation cuDNN's fused conv applies).
 CONV_EPILOGUE = {"aten::conv2d": "conv", "aten::batch_norm": "norm", "aten::add": "add", "aten::add_": "add",
                  "aten::relu": "relu", "aten::relu_": "relu"}
+CONV_ROLES = ("conv", "norm", "add", "relu")  # their order in an epilogue
+
+
+def is_conv(name: str) -> bool:
+    """A convolution (an anchor: `MATMUL` class)."""
+    return "conv" in name.split("::")[-1]
+
+
+def conv_epilogue_fits(ops: list[str]) -> bool:
+    """Whether `ops` (the conv first) are an epilogue cuDNN's fused conv runs: conv [norm] [add] relu, each once.
+    Any other conv epilogue (BatchNorm + hardswish or SiLU, an add without a ReLU) would be a conv then a pointwise
+    kernel, which the pointwise group alone already is: measured no faster (reports/conv-bn-h100/)."""
+    roles = [CONV_EPILOGUE.get(o) for o in ops]
+    if not roles or None in roles or roles[0] != "conv" or roles[-1] != "relu":
+        return False
+    ranks = [CONV_ROLES.index(r) for r in roles]
+    return ranks == sorted(set(ranks))
+
+
 for _table in (SPELLINGS, SPELLINGS.values(), SPLADE_CHAIN, REDUCE_KINDS, SDPA_SCALE, (SDPA_MASK,), GEMM_CALLS,
                CONV_EPILOGUE):
     for _n in _table:
