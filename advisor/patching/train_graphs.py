@@ -120,10 +120,10 @@ class TrainGraphed(Graphed):
             return "no input needs a gradient"
         return None
 
-    def _copied_bytes(self, args) -> int:
+    def _copied_bytes(self, args, inputs_bytes: int) -> int:
         # inputs and outputs copied, their gradients too, and every gradient handed to autograd
         grads = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
-        return 2 * super()._copied_bytes(args) + grads
+        return 2 * super()._copied_bytes(args, inputs_bytes) + grads
 
     def _record(self, args) -> TrainRecording:
         inputs = self._static_inputs(args)
