@@ -553,3 +553,17 @@ def test_the_warm_up_floor_is_paid_once_per_comparison_not_per_state(monkeypatch
     assert min(calls.values()) >= timing.WARMUP
     assert max(calls.values()) - min(calls.values()) <= timing.WARMUP  # shared round by round
     assert 0.5 <= clock[0] < 0.5 + 0.01 * len(names) + 1e-9  # one floor, not eight: 4 s before
+
+
+def test_a_pattern_alone_is_measured_by_paired_rounds():
+    """Both states drift alike round by round (a 2 ms host-bound model: clocks, host stalls): the saving alone is
+    the median of the rounds' differences and its spread theirs, which resolve a 0.4 ms saving that the spread of
+    either state's rounds (1.5 ms) would call noise."""
+    from advisor.bench.timing import Timing
+    from advisor.records import PatternResult
+    from advisor.workflows.selection import _timed_alone
+
+    base = Timing(2.7, 25, "cuda_events", spread_ms=1.5, rounds_ms=[2.6, 4.1, 2.7, 2.65, 3.0])
+    alone = Timing(2.3, 25, "cuda_events", spread_ms=1.5, rounds_ms=[2.2, 3.7, 2.3, 2.3, 2.55])
+    got = _timed_alone(PatternResult(candidate="c1", pattern_id="p"), alone, base, None).applied_alone
+    assert got["saved_us_per_iter"] == pytest.approx(400.0) and got["spread_us"] == pytest.approx(100.0)
