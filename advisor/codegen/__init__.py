@@ -52,12 +52,5 @@ def generate(program: dict, use_cache: bool = True) -> Generated:
 
     prog = read_program(program)
     key = prog.key(GENERATOR_VERSION)
-    code = cache.get(key) if use_cache else None
-    cached = code is not None
-    if code is None:
-        code = cache.with_first_line(module_source(plan(prog)))
-        # Bypassing the cache (a patched lowering table, say) must not leave a module under the pattern's key.
-        path = cache.put(key, code) if use_cache else cache.scratch(key, code)
-    else:
-        path = cache.path_of(key)
+    code, cached, path = cache.fetch_or_write(key, lambda: module_source(plan(prog)), use_cache)
     return Generated(key, code, cached, prog, "rows" if prog.row_ops else "pointwise", path)

@@ -50,13 +50,7 @@ def generate_anchored(program: dict, kind: str | None = None, use_cache: bool = 
     if emit is None:
         raise Unsupported(f"candidate kind {kind!r} has no matmul-anchored generator")
     key = ctx.prog.key(GENERATOR_VERSION + kind)
-    code = cache.get(key) if use_cache else None
-    cached = code is not None
-    if code is None:
-        code = cache.with_first_line(emit(ctx))
-        path = cache.put(key, code) if use_cache else cache.scratch(key, code)
-    else:
-        path = cache.path_of(key)
+    code, cached, path = cache.fetch_or_write(key, lambda: emit(ctx), use_cache)
     alts = tuple(a for a in ("sdpa",) if f"def run_{a}(" in code)
     saved, note = saved_memory(ctx, kind)
     return AnchoredGenerated(key, code, cached, ctx.prog, kind, path, alts, saved, note)
@@ -66,13 +60,7 @@ def _generate_conv(program: dict, use_cache: bool) -> AnchoredGenerated:
     """A conv epilogue (`codegen.conv`): cuDNN's fused conv on the folded weights, no Triton kernel."""
     conv = read_conv_epilogue(program)
     key = conv.ctx.prog.key(GENERATOR_VERSION + "conv_epilogue.derived")
-    code = cache.get(key) if use_cache else None
-    cached = code is not None
-    if code is None:
-        code = cache.with_first_line(conv_epilogue_source(conv))
-        path = cache.put(key, code) if use_cache else cache.scratch(key, code)
-    else:
-        path = cache.path_of(key)
+    code, cached, path = cache.fetch_or_write(key, lambda: conv_epilogue_source(conv), use_cache)
     return AnchoredGenerated(key, code, cached, conv.ctx.prog, "epilogue", path, (), conv.out_bytes,
                              f"the conv output ({conv.out_bytes / 1e6:.2f} MB at the recorded shapes) is never written: "
                              "cuDNN applies the folded BatchNorm, the add and the ReLU in the conv's kernel")

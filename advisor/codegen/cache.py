@@ -61,6 +61,17 @@ def path_of(key: str) -> Path:
     return cache_dir() / f"{key}.py"
 
 
+def fetch_or_write(key: str, make, use_cache: bool = True) -> tuple[str, bool, Path]:
+    """(source, whether it came from the cache, its path): the cached module under `key`, else `make()`'s source
+    (with the first line) written there. Bypassing the cache (a patched lowering table, say) writes a scratch
+    file instead: it must not leave a module under the pattern's key."""
+    code = get(key) if use_cache else None
+    if code is not None:
+        return code, True, path_of(key)
+    code = with_first_line(make())
+    return code, False, put(key, code) if use_cache else scratch(key, code)
+
+
 def load_module(path: Path, name: str | None = None):
     """Import a generated module from its file (Triton's JIT needs the source on disk)."""
     round_like_the_gpu()  # without a GPU its kernels run in the interpreter: bf16 stores as on the GPU
