@@ -1,4 +1,4 @@
-"""`advisor.patching.derived`: tensors derived from weights (a BatchNorm folded into a conv) are computed once, and
+"""`advisor.kernels.derived`: tensors derived from weights (a BatchNorm folded into a conv) are computed once, and
 again into the same tensors when a weight changes, also under a CUDA-graph replay (checked with a CPU stand-in)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 import advisor
-from advisor.patching import derived as derived_mod
-from advisor.patching.derived import derived
+from advisor.kernels import derived as derived_mod
+from advisor.kernels.derived import derived
 from advisor.patching.graphs import Graphed
 
 sys.path.insert(0, str(Path(__file__).parent))

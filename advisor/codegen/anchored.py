@@ -59,7 +59,7 @@ def generate_anchored(program: dict, kind: str | None = None, use_cache: bool = 
 def _generate_conv(program: dict, use_cache: bool) -> AnchoredGenerated:
     """A conv epilogue (`codegen.conv`): cuDNN's fused conv on the folded weights, no Triton kernel."""
     conv = read_conv_epilogue(program)
-    key = conv.ctx.prog.key(GENERATOR_VERSION + "conv_epilogue.derived")
+    key = conv.ctx.prog.key(GENERATOR_VERSION + "conv_epilogue.derived-tensors")
     code, cached, path = cache.fetch_or_write(key, lambda: conv_epilogue_source(conv), use_cache)
     return AnchoredGenerated(key, code, cached, conv.ctx.prog, "epilogue", path, (), conv.out_bytes,
                              f"the conv output ({conv.out_bytes / 1e6:.2f} MB at the recorded shapes) is never written: "

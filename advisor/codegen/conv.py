@@ -12,7 +12,7 @@ eager, so activations other than ReLU (hardswish, SiLU: cuDNN's fused conv has n
 their BatchNorm + activation stays the pointwise kernel.
 
 The fold (in fp32, a few small kernels on the weights) is computed once per set of weights and again, into the same
-tensors, when one of them changed (`patching/derived.py`; CUDA-graph replays refresh it first). Computed on every
+tensors, when one of them changed (`kernels/derived.py`; CUDA-graph replays refresh it first). Computed on every
 call it cost more than the fused conv saves: ResNet-50 came back 6.76 ms against 6.11 ms on the H100 (758 kernels
 per call against 120).
 Without a GPU (validation in the interpreter, CPU models) the same folded weights run through F.conv2d.
@@ -147,7 +147,7 @@ def conv_epilogue_source(c: ConvEpilogue) -> str:
         "import torch",
         "import torch.nn.functional as F",
         "",
-        "from advisor.patching.derived import derived  # cached per weights, refreshed when they change",
+        "from advisor.kernels.derived import derived  # cached per weights, refreshed when they change",
         "",
         f"STRIDE, PADDING, DILATION, GROUPS = {c.stride!r}, {c.padding!r}, {c.dilation!r}, {c.groups!r}",
         f"EPS = {n.get('eps', 0.0)!r}",

@@ -39,7 +39,8 @@ from typing import Callable
 
 import torch
 
-from advisor.patching import derived, rewrite, timing
+from advisor.kernels import derived
+from advisor.patching import rewrite, timing
 
 MAX_GRAPHS = 64  # per captured function: layers x `only` states seen while timing patterns
 MAX_STORAGE_RATIO = 4  # copy a view's whole storage only when it is at most this much larger
