@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from advisor.errors import AdvisorError
-from advisor.ops.registry import CONV_EPILOGUE
+from advisor.ops.registry import conv_epilogue_fits, tagged
 from advisor.patching.modules import contains, lca, root_path
 from advisor.patching.program import is_scalar_slot, program_text
 
@@ -193,15 +193,38 @@ def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[
 
 
 def patch_order(specs: list[PatternSpec], by_cand: dict) -> list[PatternSpec]:
-    """The order patterns take the ops of a site in: the analysis's rank, except that a conv epilogue goes before
-    the pointwise group it extends. cuDNN runs that group inside the conv's own kernel (`codegen.conv`), so at
-    every site it saves all the group's kernels save fused, and more (0.053-0.224 vs 0.115-0.303 ms per ResNet-50
-    block on the H100, reports/conv-bn-h100/). A GEMM epilogue keeps its rank: our Triton GEMM against cuBLAS can
-    lose, and a base group that took its sites keeps them when selection drops the epilogue."""
-    def conv_first(s: PatternSpec) -> bool:
-        c = by_cand.get(s.candidate) or {}
-        return c.get("kind") == "epilogue" and bool(c.get("ops")) and CONV_EPILOGUE.get(c["ops"][0]) == "conv"
-    return [s for s in specs if conv_first(s)] + [s for s in specs if not conv_first(s)]
+    """The order patterns take the ops of a site in: the analysis's rank, except for patterns that extend a
+    pointwise chain (`extends`) where the extension only saves more:
+    - a conv epilogue goes before the chain it extends: cuDNN runs the chain inside the conv's own kernel
+      (`codegen.conv`), so at every site it saves all the chain's kernels save fused, and more (0.053-0.224 vs
+      0.115-0.303 ms per ResNet-50 block on the H100, reports/conv-bn-h100/);
+    - a chain ending in a window op (BatchNorm + ReLU + max-pool) goes before both the chain and its conv
+      epilogues: at the site they share it fuses the pool as well, which eager runs alone (ResNet-50's stem:
+      430 us for the NHWC max-pool, 165 us for the whole window kernel on the H100), where the conv epilogue
+      would leave that pool to eager.
+    A GEMM epilogue keeps its rank: our Triton GEMM against cuBLAS can lose, and a base group that took its sites
+    keeps them when selection drops the epilogue."""
+    def cand(s: PatternSpec) -> dict:
+        return by_cand.get(s.candidate) or {}
+
+    def conv(s: PatternSpec) -> bool:
+        c = cand(s)
+        return c.get("kind") == "epilogue" and bool(c.get("extends")) and conv_epilogue_fits(c.get("ops") or [])
+
+    def window(s: PatternSpec) -> bool:
+        c = cand(s)
+        return bool(c.get("extends")) and any(tagged(op, "window") for op in c.get("ops") or [])
+
+    out = list(specs)
+    for moves, ahead_of in ((conv, lambda s, t: False), (window, lambda s, t: conv(t))):
+        for s in [s for s in out if moves(s)]:
+            chain = cand(s)["extends"]
+            front = next((i for i, t in enumerate(out) if t.candidate == chain
+                          or (ahead_of(s, t) and cand(t).get("extends") == chain)), None)
+            if front is not None and out.index(s) > front:
+                out.remove(s)
+                out.insert(front, s)
+    return out
 
 
 def share_across_layers(targets: dict) -> None:
