@@ -1,9 +1,12 @@
 """A pattern that occurs at several shapes (a convnet's stages) is patched at every one of them: the
 analysis keeps one program per shape (`variants`), a kernel is generated and validated per shape, and the
 capture substitutes each where its shape occurs. Real profiler trace, real Triton kernels in the
-interpreter, a ResNet-like model in channels_last with eval BatchNorm (torchvision stays out of CI)."""
+interpreter, a ResNet-like model in channels_last with eval BatchNorm (torchvision stays out of CI).
+The pattern followed is BatchNorm + ReLU as a pointwise kernel: conv epilogues (cuDNN's fused conv on the folded
+BatchNorm, `codegen/conv.py`, which would take these sites by default) are switched off here (`pointwise_only`)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 
@@ -12,7 +15,7 @@ import torch
 from torch import nn
 
 import advisor
-from advisor.analysis import api
+from advisor.analysis import api, fusion
 from advisor.records import Kind
 
 
@@ -60,6 +63,14 @@ def build():
     return model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
 
 
+@contextlib.contextmanager
+def pointwise_only():
+    """No conv epilogue offered: BatchNorm + ReLU is the pointwise kernel at every conv -> BatchNorm -> ReLU."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fusion, "conv_epilogue_fits", lambda ops: False)
+        yield
+
+
 def bn_relu(report):
     """(candidate, result) of the BatchNorm + ReLU pattern, found by its ops, not its title."""
     doc = json.loads((report.out_dir / "analysis.json").read_text())
@@ -71,7 +82,8 @@ def bn_relu(report):
 def optimized(tmp_path_factory):
     model, x = build()
     untouched = copy.deepcopy(model)
-    report = advisor.optimize(model, (x,), interpret=True, out=tmp_path_factory.mktemp("variants"))  # stores its plan
+    with pointwise_only():
+        report = advisor.optimize(model, (x,), interpret=True, out=tmp_path_factory.mktemp("variants"))  # stores its plan
     return model, untouched, x, report
 
 
@@ -91,7 +103,8 @@ def test_a_reused_plan_patches_every_shape_again(optimized, tmp_path):
     """The shapes' kernels travel in the plan (apply.json's manifest names each): a fresh copy of the model
     optimised again reuses the plan and patches the same sites, without generating anything."""
     _, untouched, x, report = optimized
-    again = advisor.optimize(copy.deepcopy(untouched), (x,), interpret=True, out=tmp_path)
+    with pointwise_only():
+        again = advisor.optimize(copy.deepcopy(untouched), (x,), interpret=True, out=tmp_path)
     assert json.loads((again.out_dir / "apply.json").read_text())["plan_reused"]
     assert "generate" not in again.phases_s
     c, r = bn_relu(again)
@@ -102,7 +115,8 @@ def test_without_variants_only_the_first_shape_is_reached(monkeypatch, tmp_path)
     """What the variants buy: the first occurrence's program alone matches its own shape only."""
     monkeypatch.setattr(api, "MAX_SHAPE_VARIANTS", 0)
     model, x = build()
-    report = advisor.optimize(model, (x,), interpret=True, reuse=False, out=tmp_path)
+    with pointwise_only():
+        report = advisor.optimize(model, (x,), interpret=True, reuse=False, out=tmp_path)
     c, r = bn_relu(report)
     assert "variants" not in c
     assert 0 < r.sites < c["occurrences"]
