@@ -24,7 +24,7 @@ from advisor.codegen.anchored import AnchoredGenerated, generate_anchored
 from advisor.codegen.cache import FIRST_LINE, load_module
 from advisor.jsonio import APPLY_SCHEMA_VERSION, atomic_write, write_json
 from advisor.patching import timing  # where a cold start's seconds go (bench/cold_start.py)
-from advisor.ops.registry import OpClass, op_class
+from advisor.ops.registry import OpClass, op_class, tagged
 from advisor.records import Candidate, Kind, PatternResult, candidates_of
 from advisor.status import Status
 from advisor.stopwatch import Stopwatch
@@ -124,13 +124,15 @@ def rivals(chosen: list[Candidate], candidates: list[Candidate]) -> dict[str, Ca
     """{candidate id: the earlier candidate it rivals}: a candidate to be generated that extends the same group
     as an earlier one (in rank order) which fuses that group at every one of its occurrences, so that no
     site is left for the later one (ResNet's BatchNorm + ReLU + max-pool extends a chain at one site of 33:
-    not a rival of anything extending that chain elsewhere)."""
+    not a rival of anything extending that chain elsewhere). A chain ending in a window op is never a rival:
+    it is substituted before the chain's other extensions (`patching.plan.patch_order`: a conv epilogue at
+    every BatchNorm + ReLU leaves the stem's pool to the window kernel)."""
     occurrences = {c.id: c.occurrences for c in candidates}
     first, out = {}, {}
     for c in chosen:
         if not c.extends or skip_reason(c) is not None:
             continue
-        if c.extends in first:
+        if c.extends in first and not any(tagged(op, "window") for op in c.ops):
             out[c.id] = first[c.extends]
         elif c.occurrences and c.occurrences == occurrences.get(c.extends) and _generates(c):
             first[c.extends] = c
