@@ -11,6 +11,7 @@ import torch
 import advisor
 from advisor.kernels import derived as derived_mod
 from advisor.kernels.derived import derived
+from advisor.patching.capture import launched_sites
 from advisor.patching.graphs import Graphed
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -85,19 +86,26 @@ def test_a_replay_sees_weights_changed_after_its_recording():
     assert torch.equal(g(w, x)[0], x * w * 2) and len(g.recordings) == 1
 
 
-def test_an_optimized_convnet_follows_weights_loaded_after_optimize():
-    """The user's flow: optimize (conv + BatchNorm + ReLU patched as one conv on folded weights), then load other
-    weights and statistics, or update the statistics in train mode: the patched model gives the new model's outputs."""
+def _optimized_convnet():
+    """The zoo's convnet in eval mode, optimized (conv + BatchNorm + ReLU patched as one conv on folded weights),
+    and a check that a call runs the conv epilogues (so that what follows reads the folds)."""
     arch = BY_NAME["convnet"]
-    torch.manual_seed(0)
-    model = arch.build()
-    inputs = arch.inputs(2, 16)
-    report = advisor.optimize(model, inputs, interpret=True)
-    assert any("conv2d epilogue" in (p.get("title") or "") and p.get("status") == "patched" for p in report.patterns), \
-        [(p.get("title"), p.get("status")) for p in report.patterns]
-    model(**inputs)
+    model, inputs = arch.model(), arch.inputs(2, 16)
+    report = advisor.optimize(model, inputs, interpret=True, reuse=False)
+    conv = {s.key for s in report.handle.plan.patterns if s.title.startswith("conv2d epilogue")}
+    before = report.handle.launches()
+    with torch.no_grad():
+        model(**inputs)
+    assert conv & set(launched_sites(before, report.handle.launches())), report
+    return arch, model, inputs
+
+
+def test_an_optimized_convnet_follows_weights_loaded_after_optimize():
+    """The user's flow: optimize, then load other weights and statistics, or update the statistics in train
+    mode: the patched model in eval mode gives the new model's outputs."""
+    arch, model, inputs = _optimized_convnet()
     torch.manual_seed(1)
-    other = arch.build()
+    other = arch.build().eval()  # other weights, other BatchNorm statistics
     model.load_state_dict(other.state_dict())
     with torch.no_grad():
         assert torch.allclose(model(**inputs), other(**inputs), rtol=1e-4, atol=1e-4)
@@ -107,4 +115,30 @@ def test_an_optimized_convnet_follows_weights_loaded_after_optimize():
         assert torch.allclose(model(**inputs), other(**inputs), rtol=1e-4, atol=1e-4)
     advisor.unpatch(model)
     ref = copy.deepcopy(other)
-    assert torch.allclose(model(**inputs), ref(**inputs), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        assert torch.allclose(model(**inputs), ref(**inputs), rtol=1e-4, atol=1e-4)
+
+
+def test_a_parameter_given_new_data_is_refolded():
+    w, s = torch.nn.Parameter(torch.randn(4), requires_grad=False), torch.tensor(2.0)
+    (a,) = derived(scaled, w, s)
+    w.data = torch.randn(4)  # no version bump: a new storage
+    (b,) = derived(scaled, w, s)
+    assert b is a and torch.equal(b, w * 2)
+
+
+def test_statistics_a_training_forward_updated_are_refolded():
+    """A train-mode forward that runs the original ops (here: an input that needs a gradient) updates BatchNorm's
+    running statistics in BatchNorm's native kernel, which bumps no version counter; the patched model in eval
+    mode afterwards computes with the new statistics, as the unpatched model does."""
+    arch, model, inputs = _optimized_convnet()
+    stats = model.stem[1].running_var
+    version, before = stats._version, stats.clone()
+    model.train()
+    model(pixel_values=inputs["pixel_values"].clone().requires_grad_())
+    model.eval()
+    assert not torch.equal(stats, before) and stats._version == version  # changed, unannounced
+    fresh = arch.build().eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(model(**inputs), fresh(**inputs), rtol=1e-4, atol=1e-4)

@@ -6,8 +6,11 @@ without the conv epilogue on the H100 (758 kernels per call against 120, reports
 a check, they would go stale when the user loads new weights, fine-tunes or updates BatchNorm statistics.
 
 So `derived(fn, *sources)` keeps `fn(*sources)` per set of source tensors (by identity) with the sources'
-version counters, which every in-place write bumps (`load_state_dict`, an optimizer step, running statistics):
-a changed version recomputes the values *into the same tensors*. That keeps a CUDA graph that read them valid:
+version counters, which in-place writes through autograd's view bump (`load_state_dict`, an optimizer step), and
+their data pointers (`.data = ...`, `model.to(...)`): a change recomputes the values *into the same tensors*.
+Two writes bump no version: a BatchNorm's running statistics updated by its train-mode forward (the native kernel
+writes them directly) and in-place ops on `p.data`. The first is covered by `stale_all`, which every train-mode
+call of a patched module makes (`patching/forward.py`): the next read recomputes. The second is not seen. That keeps a CUDA graph that read them valid:
 `Graphed` notes the derived tensors a recording read (`reading`) and refreshes them before each replay (a replay
 runs no Python, so the graph alone would never see a change).
 A source without a version counter (an inference tensor) cannot be watched: then nothing is cached and `fn`
@@ -26,10 +29,19 @@ _CACHE: dict[tuple, "Derived"] = {}
 MAX_ENTRIES = 4096  # a model's worth of convs many times over; beyond it the oldest go (recomputed if used)
 
 
+_EPOCH = [0]  # bumped by `stale_all`: entries computed in an earlier epoch are recomputed when next read
+
+
+def stale_all() -> None:
+    """Every derived value is recomputed when next read: a call that may update sources without bumping their
+    versions ran (a train-mode forward: BatchNorm's running statistics)."""
+    _EPOCH[0] += 1
+
+
 def _versions(sources) -> tuple | None:
-    """The sources' version counters, or None when one has none (an inference tensor)."""
+    """The sources' version counters and data pointers, or None when one has no version (an inference tensor)."""
     try:
-        return tuple(s._version if isinstance(s, torch.Tensor) else None for s in sources)
+        return tuple((s._version, s.data_ptr()) if isinstance(s, torch.Tensor) else None for s in sources)
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
 
@@ -47,7 +59,7 @@ class Derived:
                 del _CACHE[entry.key]
 
         self.refs = tuple(weakref.ref(s, gone) if isinstance(s, torch.Tensor) else None for s in sources)
-        self.versions = versions
+        self.versions, self.epoch = versions, _EPOCH[0]
         self.values = self._compute(sources)
 
     def _compute(self, sources) -> tuple:
@@ -65,13 +77,12 @@ class Derived:
         sources = self.sources()
         if sources is None:
             return
-        now = _versions(sources)
-        if now == self.versions:
+        if self.epoch == _EPOCH[0] and _versions(sources) == self.versions:
             return
         with torch.inference_mode(False), torch.no_grad():
             for old, new in zip(self.values, self.fn(*sources)):
                 old.copy_(new)
-        self.versions = _versions(sources)  # the copies above do not touch the sources
+        self.versions, self.epoch = _versions(sources), _EPOCH[0]  # the copies above do not touch the sources
 
 
 def derived(fn: Callable, *sources) -> tuple:
@@ -82,7 +93,8 @@ def derived(fn: Callable, *sources) -> tuple:
     key = (fn, tuple(id(s) if isinstance(s, torch.Tensor) else s for s in sources))
     entry = _CACHE.get(key)
     held = entry.sources() if entry is not None else None
-    if held is None or any(a is not b for a, b in zip(held, sources) if isinstance(b, torch.Tensor)):  # new, or an id reused by another tensor
+    if held is None or any(a is not b for a, b in zip(held, sources) if isinstance(b, torch.Tensor)):
+        # new, or its id reused by another tensor since
         entry = _CACHE[key] = Derived(key, fn, sources, versions)
         if len(_CACHE) > MAX_ENTRIES:
             _CACHE.pop(next(iter(_CACHE)))

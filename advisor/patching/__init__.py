@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from advisor.errors import AdvisorError
+from advisor.kernels import derived
 from advisor.patching import rewrite
 from advisor.patching.forward import PatchedForward
 from advisor.patching.graphs import clear_recordings
@@ -127,6 +128,7 @@ class Patched:
 
 def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
     """Patch `model` in place with a plan (or the plan in an `apply`/`optimize` output directory)."""
+    derived.stale_all()  # the model may have trained unpatched since its folds were made (BatchNorm statistics)
     if isinstance(plan, (str, Path)):
         plan = load_plan(Path(plan))
     unpatch(model)

@@ -43,6 +43,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from advisor.kernels import derived
 from advisor.patching import rewrite
 from advisor.patching.capture import Backend, CaptureLog, graphs_run, log_for, plan_digest, trainable
 from advisor.patching.plan import PatternSpec
@@ -236,6 +237,8 @@ class PatchedForward:
             fn, lead = self._target()
             return fn(*lead, *args, **kwargs)
         m = self.module
+        if m.training:  # BatchNorm's train-mode forward updates its statistics without bumping their versions:
+            derived.stale_all()  # a fold of them (a conv epilogue's) is recomputed when next read
         grad = _needs_autograd(m, args, kwargs)
         # An outer capture never trains: under autograd its layers' captures (with their backwards) do.
         off = rewrite.patches_are_off() or not self.on()
