@@ -72,12 +72,13 @@ class Derived:
         out = tuple(r() if r is not None else None for r in self.refs)
         return None if any(r is not None and s is None for r, s in zip(self.refs, out)) else out
 
-    def refresh(self) -> None:
-        """Recompute into the same tensors if a source changed since (what a replay must do before it runs)."""
-        sources = self.sources()
+    def refresh(self, sources: tuple | None = None, now: tuple | None = None) -> None:
+        """Recompute into the same tensors if a source changed since (what a replay must do before it runs).
+        `sources`, `now`: the sources and their versions, when the caller has just read them (`derived`)."""
+        sources = self.sources() if sources is None else sources
         if sources is None:
             return
-        if self.epoch == _EPOCH[0] and _versions(sources) == self.versions:
+        if self.epoch == _EPOCH[0] and (_versions(sources) if now is None else now) == self.versions:
             return
         with torch.inference_mode(False), torch.no_grad():
             for old, new in zip(self.values, self.fn(*sources)):
@@ -99,7 +100,7 @@ def derived(fn: Callable, *sources) -> tuple:
         if len(_CACHE) > MAX_ENTRIES:
             _CACHE.pop(next(iter(_CACHE)))
     elif not _frozen():
-        entry.refresh()
+        entry.refresh(held, versions)
     readers = getattr(_STATE, "readers", None)
     if readers:
         readers[-1].append(entry)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from advisor.ops.registry import OpClass, op_class, tagged
+from advisor.ops.registry import OpClass, op_class
 from advisor.patching.containment import holds
 from advisor.patching.plan import PatternSpec, spec_from_candidate
 from advisor.records import Candidate, PatternResult, Verdict, candidates_of
@@ -51,28 +51,18 @@ def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
             specs.append(spec_from_candidate(c.to_json(), "kernel", r.kernel_file, r.device_type or device_type,
                                              r.variants))
     rank = {c.id: i for i, c in enumerate(top_candidates)}
-    return substitution_order(specs, by_id), sorted(records + negligible, key=lambda r: rank[r.candidate])
+    return substitution_order(specs), sorted(records + negligible, key=lambda r: rank[r.candidate])
 
 
-def substitution_order(specs: list[PatternSpec], by_id: dict) -> list[PatternSpec]:
+def substitution_order(specs: list[PatternSpec]) -> list[PatternSpec]:
     """The specs in the order the patcher substitutes them (where patterns overlap, the first takes the ops):
-    rank order, except that a chain ending in a window op (fusion rule 11: BatchNorm + ReLU + max-pool) goes
-    before the chain alone that it extends. Ranked by total saving, the chain alone (ResNet-50's BatchNorm +
-    ReLU, 33 sites) would come first and take the pooled site's ops too; fusing the pool as well only saves
-    more there (the chain's output is never written). Likewise any pattern goes before the earlier ones the
-    matcher finds inside its program (`containment.holds`): where both are, the trace gave those ops to the
-    longer one, and fusing more of them only saves more (BART's embedding `mul` -> `add` -> `layer_norm`
-    was found nowhere once the residual `add` -> `layer_norm` had taken its last two ops). Epilogues keep
-    rank order: theirs is a trade against cuBLAS that selection measures."""
+    rank order, except that a pattern goes before the earlier ones the matcher finds inside its program
+    (`containment.holds`): where both are, the trace gave those ops to the longer one, and fusing more of them
+    only saves more (BART's embedding `mul` -> `add` -> `layer_norm` was found nowhere once the residual `add` ->
+    `layer_norm` had taken its last two ops). Epilogues keep rank order: theirs is a trade against cuBLAS that
+    selection measures. What extends a chain by the analysis's record (a window chain, a conv epilogue) is put
+    before that chain by `patching.plan.patch_order`, on every path that builds a plan."""
     out = list(specs)
-    for s in specs:
-        c = by_id.get(s.candidate)
-        if c is None or not c.extends or not any(tagged(op, "window") for op in c.ops):
-            continue
-        base = next((i for i, t in enumerate(out) if t.candidate == c.extends), None)
-        if base is not None and out.index(s) > base:
-            out.remove(s)
-            out.insert(base, s)
     for s in [s for s in out if not _has_matmul(s)]:
         i = out.index(s)
         base = next((j for j, t in enumerate(out[:i]) if holds(s, t) and not holds(t, s)), None)
