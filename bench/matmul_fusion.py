@@ -201,6 +201,15 @@ EPILOGUES = [
      _linear, lambda r, y, t: r("gelu", y)),
     ("MLP block fc2 + residual", "mlp_block", {"x": (8, 2048, 16384), "w": (4096, 16384), "b": (4096,), "res": (8, 2048, 4096)},
      _linear, lambda r, y, t: r("add.Tensor", t["res"], y)),
+    # The zoo's GEMM epilogues (bench/zoo.py's shapes): where the Triton GEMM's cost against cuBLAS is calibrated
+    # (analysis/cost.py's TRITON_GEMM_SLOWDOWN) across K from 96 to 1024.
+    *[(f"zoo {name} Linear + GELU", name, {"x": x, "w": (n, x[-1]), "b": (n,)}, _linear, lambda r, y, t: r("gelu", y))
+      for name, x, n in [("DeiT-S fc1", (64, 197, 384), 1536), ("BERT-base fc1 (RoBERTa, DistilBERT)", (32, 256, 768), 3072),
+                         ("BART fc1", (8, 256, 768), 3072), ("ConvNeXt-T stage 1 fc1", (32, 3136, 96), 384),
+                         ("ConvNeXt-T stage 2 fc1", (32, 784, 192), 768), ("ConvNeXt-T stage 3 fc1", (32, 196, 384), 1536),
+                         ("ConvNeXt-T stage 4 fc1", (32, 49, 768), 3072)]],
+    ("zoo Mistral SwiGLU gate", "mistral", {"x": (4, 512, 1024), "w": (2816, 1024), "up": (4, 512, 2816)},
+     _linear, lambda r, y, t: r("mul.Tensor", r("silu", y), t["up"])),
 ]
 SMOKE_DIMS = {8: 2, 4: 2, 32: 2, 128: 2, 1024: 24, 2048: 24, 512: 24, 197: 19, 4096: 40, 16384: 56, 5632: 36,
               768: 32, 3072: 48}
