@@ -381,3 +381,25 @@ def test_training_steps_reach_over_the_backward_and_the_optimizer():
     windows = steady.training_steps(events, calls)
     assert windows == [(0, 70), (100, 170), (200, 270)]
     assert steady.training_steps([ev("aten::mm", 5, 1)], calls) is None  # inference: nothing to reach over
+
+
+def test_gemm_epilogue_pays_for_the_triton_gemm(monkeypatch):
+    """A GEMM epilogue moves the product from cuBLAS to our Triton GEMM: its estimate on the committed H100 trace
+    is the output's round trip less (slowdown(K) - 1) x cuBLAS's measured time; where that is negative (BERT's
+    fc1 + GELU at K = 768, measured slower fused on the H100) the estimate is 0, so it is not generated."""
+    from advisor.analysis import cost
+
+    assert cost.triton_gemm_slowdown(768) == pytest.approx(1.64)
+    assert cost.triton_gemm_slowdown(1 << 20) == cost.TRITON_GEMM_SLOWDOWN[-1][1]
+    assert 1.5 > cost.triton_gemm_slowdown(1536) > 1.38  # between its points, in log2(K)
+
+    def epilogues(trace):
+        doc = analyze(ROOT / "sample_traces" / trace).doc
+        return {c["title"]: c["est_time_saved_us"] for c in doc["candidates"] if c["kind"] == "epilogue"}
+
+    charged = {**epilogues("timm_vit"), **epilogues("hf_bert")}
+    monkeypatch.setattr(cost, "TRITON_GEMM_SLOWDOWN", ((1, 1.0),))  # as fast as cuBLAS: the bytes alone
+    free = {**epilogues("timm_vit"), **epilogues("hf_bert")}
+    assert charged.keys() == free.keys() and len(charged) >= 3
+    assert all(0 <= charged[t] < free[t] for t in charged), (charged, free)
+    assert charged["linear epilogue (GELU, dense): linear → gelu"] == 0.0

@@ -257,7 +257,13 @@ def test_patterns_worth_under_half_a_percent_of_the_best_are_not_patched():
     assert [r.candidate for r in rest] == ["c3", "c4"] and not any(r.validated for r in rest)
     assert rest[0].reason.startswith("not worth patching: estimated saving 0.6 µs")
     assert [r.code for r in rest] == [Status.NOT_WORTH] * 2 and rest[0].verdict.message == rest[0].reason
-    assert worth_patching(cands[3:])[0]  # nothing estimated at all: nothing to compare with, all kept
+    assert rest[1].reason == "not worth patching: estimated to save nothing"
+    unestimated = [Candidate(f"c{i}", Kind.POINTWISE, pattern_id=f"p{i}") for i in (5, 6)]
+    assert worth_patching(unestimated)[0] == unestimated  # nothing estimated at all: nothing to compare with, all kept
+    # A GEMM epilogue the cost model says loses to cuBLAS + one fused kernel is not generated, and says why.
+    losing = Candidate("c7", Kind.EPILOGUE, pattern_id="p7", title="linear epilogue (GELU, fc1)", est_time_saved_us=0.0)
+    keep, rest = worth_patching([cands[0], losing])
+    assert keep == [cands[0]] and "slower than cuBLAS" in rest[0].reason
 
 
 def test_optimize_with_the_kv_cache_on(tmp_path, monkeypatch):

@@ -224,7 +224,7 @@ def test_could_save_counts_alternatives_once(analyses):
     old = dict(doc, totals={k: v for k, v in doc["totals"].items() if k != "est_time_saved_us"})
     assert M.potential_saving(old) == pytest.approx(total, rel=1e-9)
     row = next(line for line in _terminal(doc).splitlines() if "Fusion could save" in line)
-    assert "609 µs" in row and "alternatives counted once" in row, row
+    assert "535 µs" in row and "alternatives counted once" in row, row
 
 
 @pytest.mark.parametrize("device", ["", "cpu/"])
@@ -243,7 +243,9 @@ def test_negligible_candidates_are_kept_out_of_the_list(analyses, device):
         assert c["est_time_saved_us"] < 0.01 * best or (c["est_time_saved_us"] < 0.1 * best and (
             c["bytes_saved"] < 0.001 * most or c["bytes_saved"] < 1024 * c["occurrences"]))
     listed = [c for c in cands if not c["negligible"]]
-    assert listed[0]["est_time_saved_us"] == best and len(listed) >= 6
+    # (Its GEMM epilogues are estimated to save nothing on the H100 trace, the Triton GEMM being slower than
+    # cuBLAS's: listed after the others too.)
+    assert listed[0]["est_time_saved_us"] == best and len(listed) >= 5
     # Not negligible: anything saving real traffic, however small next to the best (GPT-2's final LayerNorm).
     gpt2 = analyses[f"{device}hf_gpt2"].doc["candidates"]
     assert not any(c["negligible"] for c in gpt2 if c["bytes_saved"] >= 0.005 * max(x["bytes_saved"] for x in gpt2)
@@ -266,8 +268,11 @@ def test_cpu_trace_promises_no_share_of_cpu_time(analyses):
     assert est["basis"] == "gpu_bytes_model" and est["device"] == "cuda"
     for c in doc["candidates"]:
         assert c["share_of_iteration"] is None
-        assert c["est_time_saved_us"] == pytest.approx(
-            c["bytes_saved"] / est["bandwidth_Bps"] * 1e6 + c["kernels_saved"] * est["launch_us"], rel=1e-6)
+        by_bytes = c["bytes_saved"] / est["bandwidth_Bps"] * 1e6 + c["kernels_saved"] * est["launch_us"]
+        if c["kind"] == "epilogue":  # less what the Triton GEMM costs against cuBLAS on that GPU
+            assert 0 < c["est_time_saved_us"] < by_bytes
+        else:
+            assert c["est_time_saved_us"] == pytest.approx(by_bytes, rel=1e-6)
         assert c["est_cpu_time_saved_us"] > 0  # the CPU-time figure stays in analysis.json
     out = _terminal(doc)
     row = out[out.index("Fusion could save"):out.index("Time by op class")]

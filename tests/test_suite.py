@@ -567,3 +567,18 @@ def test_a_pattern_alone_is_measured_by_paired_rounds():
     alone = Timing(2.3, 25, "cuda_events", spread_ms=1.5, rounds_ms=[2.2, 3.7, 2.3, 2.3, 2.55])
     got = _timed_alone(PatternResult(candidate="c1", pattern_id="p"), alone, base, None).applied_alone
     assert got["saved_us_per_iter"] == pytest.approx(400.0) and got["spread_us"] == pytest.approx(100.0)
+
+
+def test_a_pattern_alone_is_its_rounds_fastest_calls():
+    """A host stall only ever adds to a call: where two of a round's four calls stalled (a whole stack broken into
+    graphs with Python between them), the rounds' medians moved by a millisecond and read a 0.1 ms saving as
+    -0.4 ms, and their fastest calls read it as it is; the medians' reading is kept beside it."""
+    from advisor.bench.timing import Timing
+    from advisor.records import PatternResult
+    from advisor.workflows.selection import _timed_alone
+
+    base = Timing(4.0, 20, "cuda_events", rounds_ms=[4.0, 5.1, 4.0, 4.05, 5.0], rounds_low_ms=[4.0, 4.0, 3.98, 4.0, 4.02])
+    alone = Timing(3.9, 20, "cuda_events", rounds_ms=[3.9, 6.0, 4.9, 3.95, 5.4], rounds_low_ms=[3.9, 3.9, 3.88, 3.9, 3.91])
+    got = _timed_alone(PatternResult(candidate="c1", pattern_id="p"), alone, base, None).applied_alone
+    assert got["saved_us_per_iter"] == pytest.approx(100.0) and got["spread_us"] == pytest.approx(10.0)
+    assert got["saved_us_round_medians"] == pytest.approx(-400.0)  # median of (100, -900, -900, 100, -400)

@@ -7,7 +7,8 @@ once. Time: the kernels' measured time minus a roofline guess at the fused kerne
 max(HBM bytes / bandwidth, flops / peak) + one launch, where an input that was written so recently that it is
 still in L2 (`l2_resident_bytes`) is not HBM traffic: the residual add + LayerNorm after a GEMM reads the GEMM's
 output from L2, and measured 1.24-1.60x the saving a roofline of every byte from HBM predicts (reports/zoo-h100-session16). A padded GEMM (`padded_cost`) is predicted at the
-padded product's roofline plus its pad copies: it saves time, not bytes.
+padded product's roofline plus its pad copies: it saves time, not bytes. A GEMM epilogue moves the product from
+cuBLAS to our Triton GEMM, which is slower (`TRITON_GEMM_SLOWDOWN`): that cost is taken off the bytes it saves.
 """
 from __future__ import annotations
 
@@ -28,6 +29,26 @@ DEFAULT_DEVICE = {
              "unaligned_matmul_flops": 97e12},
     "cpu": {"bandwidth_Bps": 10e9, "launch_us": 5.0, "flops": 100e9, "matmul_flops": 500e9},
 }
+
+
+# Our Triton GEMM (codegen/matmul.py, its tiles tuned at the shape) against cuBLAS on the same bf16 product, by K:
+# the time cuBLAS + one fused epilogue kernel would take, less the epilogue's bytes, over cuBLAS's time
+# (reports/matmul-calibration-h100/: the zoo's and suite's fc1 + GELU and SwiGLU gates on the H100). Under
+# K = 1024 our tiles run the product 1.6-2x slower, more than the output's round trip saves: BERT-base fc1 + GELU
+# measured 2 µs a site slower fused, DeiT-S's 5, ConvNeXt-T's first stage 16 faster (a small K, a wide output).
+TRITON_GEMM_SLOWDOWN = ((96, 1.72), (192, 1.82), (384, 2.0), (768, 1.64), (1024, 1.5), (2048, 1.38), (4096, 1.18),
+                        (16384, 1.07))
+
+
+def triton_gemm_slowdown(k: int) -> float:
+    """`TRITON_GEMM_SLOWDOWN` at reduction length `k`, linear in log2(k) between its points, flat beyond them."""
+    pts = TRITON_GEMM_SLOWDOWN
+    if k <= pts[0][0]:
+        return pts[0][1]
+    for (k0, r0), (k1, r1) in zip(pts, pts[1:]):
+        if k <= k1:
+            return r0 + (r1 - r0) * math.log2(k / k0) / math.log2(k1 / k0)
+    return pts[-1][1]
 
 
 @dataclass(frozen=True)
@@ -65,6 +86,8 @@ class GroupCost:
     # A conv epilogue (`CONV_EPILOGUE`) runs inside cuDNN's conv kernel: the measured time of every kernel after
     # the conv is what it saves (not an increment on a fused base group, as a Triton GEMM epilogue's is).
     in_anchor_kernel_us: float | None = None
+    # A Triton GEMM epilogue: what taking the product over from cuBLAS costs on the GPU (`gemm_takeover_us`).
+    gemm_takeover_us: float = 0.0
 
     @property
     def bytes_saved(self) -> int:
@@ -165,9 +188,11 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
             for u in n.writes:
                 if u.value not in escapes:
                     between += u.bytes
-        in_anchor = None
+        in_anchor, takeover = None, 0.0
         if group.kind == "epilogue" and CONV_EPILOGUE.get(graph.nodes[group.anchor].op) == "conv":
             in_anchor = measured - graph.nodes[group.anchor].time_us
+        elif group.kind == "epilogue" and graph.nodes[group.anchor].cls is OpClass.MATMUL:
+            takeover = gemm_takeover_us(graph.nodes[group.anchor], flops_of(graph.nodes[group.anchor]), device)
         if group.kind == "epilogue":
             # An epilogue is counted on top of its pointwise group already being fused.
             base = group.extends
@@ -180,7 +205,21 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
         hbm = fused if group.kind == "epilogue" else fused - l2_resident_bytes(graph, group.members, reads, device,
                                                                                 traffic)
         predicted = max(hbm / device.bandwidth_Bps * 1e6, flops / rate * 1e6) + device.launch_us
-        yield GroupCost(int(unfused), int(fused), kernels, measured, predicted, between, in_anchor_kernel_us=in_anchor)
+        yield GroupCost(int(unfused), int(fused), kernels, measured, predicted, between, in_anchor_kernel_us=in_anchor,
+                        gemm_takeover_us=takeover)
+
+
+def gemm_takeover_us(gemm, flops: float, device: DeviceModel) -> float:
+    """What running the product `gemm` as our Triton GEMM instead of cuBLAS adds, on the GPU: its measured time on a
+    GPU trace (cuBLAS's), else the GPU table's roofline of it, times (`triton_gemm_slowdown`(K) - 1)."""
+    shapes = [u.shape for u in gemm.reads if len(u.shape) >= 2]
+    k = shapes[0][-1] if shapes else 1
+    if device.type == "cuda":
+        cublas_us = gemm.time_us
+    else:
+        t = DEFAULT_DEVICE["cuda"]
+        cublas_us = max(flops / t["matmul_flops"], gemm.bytes / t["bandwidth_Bps"]) * 1e6
+    return (triton_gemm_slowdown(k) - 1.0) * cublas_us
 
 
 def padded_cost(graph: Graph, group: Group, device: DeviceModel) -> GroupCost:
@@ -218,8 +257,10 @@ def est_time_saved_us(cost: GroupCost, group: Group, device: DeviceModel) -> flo
     if cost.in_anchor_kernel_us is not None:
         return max(cost.in_anchor_kernel_us, 0.0)
     if group.kind == "epilogue":
-        # Incremental: the matmul output's round trip and one launch disappear.
-        return cost.bytes_saved / device.bandwidth_Bps * 1e6 + device.launch_us
+        # Incremental: the matmul output's round trip and one launch disappear; our GEMM is slower than cuBLAS's.
+        # (A CPU trace's takeover is the GPU's: `bytes_model_saved_us` takes it off.)
+        takeover = cost.gemm_takeover_us if device.type == "cuda" else 0.0
+        return max(cost.bytes_saved / device.bandwidth_Bps * 1e6 + device.launch_us - takeover, 0.0)
     return max(cost.measured_us - cost.predicted_fused_us, 0.0)
 
 
@@ -239,7 +280,8 @@ def bytes_model_saved_us(cost: GroupCost, device: DeviceModel) -> float:
         pad = cost.padded
         unaligned = pad.flops / DEFAULT_DEVICE["cuda"]["unaligned_matmul_flops"] * 1e6
         return max(unaligned + device.launch_us - padded_us(pad, device), 0.0)
-    return max(cost.bytes_saved, 0) / device.bandwidth_Bps * 1e6 + max(cost.kernels - 1, 0) * device.launch_us
+    saved = max(cost.bytes_saved, 0) / device.bandwidth_Bps * 1e6 + max(cost.kernels - 1, 0) * device.launch_us
+    return max(saved - cost.gemm_takeover_us, 0.0)
 
 
 def _flops(node) -> float:

@@ -9,9 +9,9 @@ them `timing_meaningful: false` and claim no speedup.
 all are warmed up together for a fixed time first (`warm_up`: GPU clocks and the allocator settle: on
 an H100 the first 20 calls of an 8-layer Llama ran 25% slower than later ones), then timed in interleaved
 rounds, in reversed order every other round, so drift hits all alike. Each configuration keeps its
-round medians (`rounds_ms`): two configurations are compared round by round (paired: a host stall or a
-clock change in one round hits both), and `spread_ms` (max - min of a configuration's round medians)
-says how much one drifted.
+round medians (`rounds_ms`) and fastest calls (`rounds_low_ms`): two configurations are compared round by
+round (paired: a host stall or a clock change in one round hits both), and `spread_ms` (max - min of a
+configuration's round medians) says how much one drifted.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class Timing:
     samples_ms: list = field(default_factory=list)
     spread_ms: float = 0.0  # max - min of the medians of interleaved rounds (time_configs)
     rounds_ms: list = field(default_factory=list)  # the median of each interleaved round (time_configs)
+    rounds_low_ms: list = field(default_factory=list)  # the fastest call of each interleaved round (time_configs)
 
     def as_dict(self) -> dict:
         return {"median_ms": round(self.median_ms, 4), "iters": self.iters, "method": self.method,
@@ -74,6 +75,7 @@ def time_configs(call: Callable[[], object], configs: dict, device: str, iters: 
     per_round = max(1, math.ceil(iters / rounds))
     samples: dict = {k: [] for k in configs}
     medians: dict = {k: [] for k in configs}
+    lows: dict = {k: [] for k in configs}
     for r in range(rounds):
         for name in round_order(list(configs), r):
             ctx = configs[name]
@@ -81,9 +83,10 @@ def time_configs(call: Callable[[], object], configs: dict, device: str, iters: 
                 t = time_call(call, device, warmup=2, iters=per_round)
             samples[name] += t.samples_ms
             medians[name].append(t.median_ms)
+            lows[name].append(min(t.samples_ms))
     method = "cuda_events" if device == "cuda" else "perf_counter"
     return {k: Timing(statistics.median(samples[k]), len(samples[k]), method, samples[k],
-                      max(medians[k]) - min(medians[k]), medians[k]) for k in configs}
+                      max(medians[k]) - min(medians[k]), medians[k], lows[k]) for k in configs}
 
 
 def round_order(names: list, r: int) -> list:

@@ -14,7 +14,7 @@ from pathlib import Path
 from advisor.ops.registry import OpClass, op_class
 from advisor.patching.containment import holds
 from advisor.patching.plan import PatternSpec, spec_from_candidate
-from advisor.records import Candidate, PatternResult, Verdict, candidates_of
+from advisor.records import Candidate, Kind, PatternResult, Verdict, candidates_of
 from advisor.status import Status
 from advisor.workflows.generate import generate_results, pattern_record, write_apply
 
@@ -77,7 +77,9 @@ def _has_matmul(spec: PatternSpec) -> bool:
 
 
 def worth_patching(candidates: list[Candidate]) -> tuple[list[Candidate], list[PatternResult]]:
-    """(candidates to patch, results of the rest). A pattern saving under 0.5% of the best
+    """(candidates to patch, results of the rest). A pattern estimated to save nothing is not generated (a GEMM
+    epilogue whose Triton GEMM loses more to cuBLAS than fusing saves: each costs a compile and a place in
+    selection's timed states). One saving under 0.5% of the best
     one's estimate is not worth its patch: each patched module is captured by dynamo and run from a
     graph, and a tiny pattern in a model's root (a mask computation) would make the whole model one
     capture, tracing every layer, for a microsecond."""
@@ -85,9 +87,16 @@ def worth_patching(candidates: list[Candidate]) -> tuple[list[Candidate], list[P
     keep, rest = [], []
     for c in candidates:
         est = c.est_time_saved_us or 0.0
-        if best > 0 and est < MIN_SHARE * best:
+        if c.est_time_saved_us is not None and est <= 0:
+            why = "not worth patching: estimated to save nothing" + (
+                " (the Triton GEMM an epilogue runs is slower than cuBLAS's by more than fusing saves: "
+                "analysis/cost.py's TRITON_GEMM_SLOWDOWN)" if c.kind is Kind.EPILOGUE else "")
+        elif best > 0 and est < MIN_SHARE * best:
             why = (f"not worth patching: estimated saving {est:.2g} µs per iteration "
                    f"is under {MIN_SHARE:.1%} of the best pattern's ({best:.3g} µs)")
+        else:
+            why = None
+        if why:
             rest.append(pattern_record(c, errors={}, source="", est_time_saved_us=est, occurrences=c.occurrences,
                                        reason=why, verdict=Verdict(Status.NOT_WORTH, why)))
         else:
