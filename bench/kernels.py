@@ -52,6 +52,21 @@ CASES = [
     ("softmax rows of 4096", lambda x: torch.softmax(x, -1), [(32768, 4096)], BF16, ("bw", 0.85)),
     ("LayerNorm rows of 4096", lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b), [(32768, 4096), (4096,), (4096,)], BF16, ("bw", 0.85)),
 ]
+# Where the cost model's roofline is calibrated (no target: what fraction of copy bandwidth each shape reaches):
+# short rows (Swin's 49-wide window softmax), wide rows over few programs (a UNet's GroupNorm: 128 rows of 40960),
+# the zoo's LayerNorm widths, and pointwise kernels from 1 to 64 MB.
+CALIBRATION = [
+    *[(f"calibrate softmax rows of {n}", lambda x: torch.softmax(x, -1), [(rows, n)], BF16, ("bw", 0.0))
+      for n, rows in [(49, 301056), (64, 262144), (128, 131072), (256, 65536), (1024, 16384)]],
+    ("calibrate GroupNorm + SiLU 4x320x64x64 (32 groups)",
+     lambda x, w, b: F.silu(F.group_norm(x, 32, w, b)), [(4, 320, 64, 64), (320,), (320,)], BF16, ("bw", 0.0)),
+    ("calibrate GroupNorm + SiLU 4x640x32x32 (32 groups)",
+     lambda x, w, b: F.silu(F.group_norm(x, 32, w, b)), [(4, 640, 32, 32), (640,), (640,)], BF16, ("bw", 0.0)),
+    *[(f"calibrate LayerNorm rows of {n}", lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
+       [(rows, n), (n,), (n,)], BF16, ("bw", 0.0)) for n, rows in [(384, 12608), (768, 8192), (1024, 2048)]],
+    *[(f"calibrate SwiGLU silu(g) * u, {mb} MB", lambda g, u: F.silu(g) * u, [(mb * 256, 2048)] * 2, BF16, ("bw", 0.0))
+      for mb in (1, 4, 16, 64)],
+]
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
@@ -84,7 +99,7 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def run_case(name, fn, shapes, dtype, target, copy_bw):
+def run_case(name, fn, shapes, dtype, target, copy_bw, compile_too=True):
     small = [torch.randn([min(s, 64) for s in sh], device="cuda").to(dtype) for sh in shapes]
     gen = generate(record_program(fn, *small))  # recorded at small sizes: kernels are size-generic
     mod = load_module(gen.path)
@@ -99,11 +114,12 @@ def run_case(name, fn, shapes, dtype, target, copy_bw):
         tol = 2e-2 if dtype == BF16 else 1e-4
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, equal_nan=True)
     t0 = time.time()
-    compiled = torch.compile(fn)
+    compiled = torch.compile(fn) if compile_too else fn
     compiled(*xs)
     compile_s = time.time() - t0
     nbytes = fused_bytes(xs, fused_out)
-    ms = {"fused": bench(lambda: mod.run(*xs)), "eager": bench(lambda: fn(*xs)), "compile": bench(lambda: compiled(*xs))}
+    ms = {"fused": bench(lambda: mod.run(*xs)), "eager": bench(lambda: fn(*xs)),
+          "compile": bench(lambda: compiled(*xs)) if compile_too else float("nan")}
     bw = nbytes / (ms["fused"] / 1e3)
     kind, goal = target
     met = ms["fused"] <= goal if kind == "ms" else bw / copy_bw >= goal
@@ -134,6 +150,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="path stem: writes STEM.md and STEM.json")
     ap.add_argument("--only", default=None, help="run only cases whose name contains this")
+    ap.add_argument("--calibrate", action="store_true", help="the cost model's calibration shapes instead")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile's column")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -141,11 +159,11 @@ def main():
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     results = []
-    for case in CASES:
+    for case in CALIBRATION if a.calibrate else CASES:
         if a.only and a.only not in case[0]:
             continue
         try:
-            r = run_case(*case, copy_bw)
+            r = run_case(*case, copy_bw, compile_too=not a.no_compile)
         except Exception as e:  # one broken case must not lose the others
             r = {"case": case[0], "error": f"{type(e).__name__}: {e}"[:300]}
         print(json.dumps({k: v for k, v in r.items() if k != "shapes"}), flush=True)
