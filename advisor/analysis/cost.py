@@ -4,7 +4,7 @@ Unfused bytes: what the group's kernels move today, each op reading its inputs a
 outputs (a broadcast input at its true size). Fused bytes: each outside input read once plus each
 output that escapes the group (read by an op outside it, or read by nobody: a final output) written
 once. Time: the kernels' measured time minus a roofline guess at the fused kernel,
-max(HBM bytes / bandwidth, flops / peak) + one launch, where an input that was written so recently that it is
+max(HBM bytes / bandwidth, flops / peak, rows x a row program's time) + one launch, where an input that was written so recently that it is
 still in L2 (`l2_resident_bytes`) is not HBM traffic: the residual add + LayerNorm after a GEMM reads the GEMM's
 output from L2, and measured 1.24-1.60x the saving a roofline of every byte from HBM predicts (reports/zoo-h100-session16). A padded GEMM (`padded_cost`) is predicted at the
 padded product's roofline plus its pad copies: it saves time, not bytes. A GEMM epilogue moves the product from
@@ -38,6 +38,12 @@ DEFAULT_DEVICE = {
 # measured 2 µs a site slower fused, DeiT-S's 5, ConvNeXt-T's first stage 16 faster (a small K, a wide output).
 TRITON_GEMM_SLOWDOWN = ((96, 1.72), (192, 1.82), (384, 2.0), (768, 1.64), (1024, 1.5), (2048, 1.38), (4096, 1.18),
                         (16384, 1.07))
+
+
+# A row kernel (codegen/printer.py) runs one program per row: on the H100 our softmax on 49- to 256-wide rows took
+# 0.62-0.69 ns a row whatever the width (reports/kernels-calibration-h100/: 301056 rows of 49 in 186 µs, 10.6% of
+# copy bandwidth, 4x eager's kernel, which packs rows). Below about 512 columns, rows, not bytes, set its time.
+ROW_PROGRAM_S = 0.62e-9
 
 
 def triton_gemm_slowdown(k: int) -> float:
@@ -88,6 +94,8 @@ class GroupCost:
     in_anchor_kernel_us: float | None = None
     # A Triton GEMM epilogue: what taking the product over from cuBLAS costs on the GPU (`gemm_takeover_us`).
     gemm_takeover_us: float = 0.0
+    # The unfused kernels' share of the GPU's timeline (`timeline_us`): what removing them saves. None: `measured_us`.
+    timeline_us: float | None = None
 
     @property
     def bytes_saved(self) -> int:
@@ -177,12 +185,13 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
             io[id(group)] = reads, escapes
         fused = sum(reads.values()) + sum(escapes.values())
         # One pass over the members, each sum in member order (so the floats add up as they always did).
-        unfused, kernels, measured, flops, between, matmul = 0, 0, 0, 0, 0, False
+        unfused, kernels, measured, timeline, flops, between, matmul = 0, 0, 0, 0, 0, 0, False
         for m in group.members:
             n = graph.nodes[m]
             unfused += n.bytes
             kernels += max(len(n.kernels), 1)
             measured += n.time_us
+            timeline += timeline_us(n, device)
             flops += flops_of(n)
             matmul = matmul or n.cls is OpClass.MATMUL
             for u in n.writes:
@@ -204,9 +213,21 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
         # An epilogue's saving is counted by bytes (est_time_saved_us); its prediction stays the plain roofline.
         hbm = fused if group.kind == "epilogue" else fused - l2_resident_bytes(graph, group.members, reads, device,
                                                                                 traffic)
-        predicted = max(hbm / device.bandwidth_Bps * 1e6, flops / rate * 1e6) + device.launch_us
+        programs = group.rows[0] * ROW_PROGRAM_S if group.rows and group.kind == "fusion" and device.type == "cuda" \
+            else 0.0
+        predicted = max(hbm / device.bandwidth_Bps * 1e6, flops / rate * 1e6, programs * 1e6) + device.launch_us
         yield GroupCost(int(unfused), int(fused), kernels, measured, predicted, between, in_anchor_kernel_us=in_anchor,
-                        gemm_takeover_us=takeover)
+                        gemm_takeover_us=takeover, timeline_us=timeline)
+
+
+def timeline_us(node, device: DeviceModel) -> float:
+    """What the node's kernels take of the GPU's timeline: each at least one launch (`launch_us` is measured as
+    the cost of one tiny kernel in a CUDA graph of them: a 1 µs kernel still holds the stream that long). Where
+    a chain of tiny kernels was fused, their durations alone put the saving at half of what it measured
+    (T5's position-bucket chain 23 vs 39 µs, RoBERTa's position ids 7 vs 18: reports/zoo-h100-session19)."""
+    if device.type != "cuda" or not node.kernel_spans:
+        return node.time_us
+    return sum(max(span[2], device.launch_us) for span in node.kernel_spans)
 
 
 def gemm_takeover_us(gemm, flops: float, device: DeviceModel) -> float:
@@ -261,7 +282,8 @@ def est_time_saved_us(cost: GroupCost, group: Group, device: DeviceModel) -> flo
         # (A CPU trace's takeover is the GPU's: `bytes_model_saved_us` takes it off.)
         takeover = cost.gemm_takeover_us if device.type == "cuda" else 0.0
         return max(cost.bytes_saved / device.bandwidth_Bps * 1e6 + device.launch_us - takeover, 0.0)
-    return max(cost.measured_us - cost.predicted_fused_us, 0.0)
+    unfused = cost.measured_us if cost.timeline_us is None else cost.timeline_us
+    return max(unfused - cost.predicted_fused_us, 0.0)
 
 
 def gpu_model() -> DeviceModel:
