@@ -40,10 +40,26 @@ TRITON_GEMM_SLOWDOWN = ((96, 1.72), (192, 1.82), (384, 2.0), (768, 1.64), (1024,
                         (16384, 1.07))
 
 
-# A row kernel (codegen/printer.py) runs one program per row: on the H100 our softmax on 49- to 256-wide rows took
-# 0.62-0.69 ns a row whatever the width (reports/kernels-calibration-h100/: 301056 rows of 49 in 186 µs, 10.6% of
-# copy bandwidth, 4x eager's kernel, which packs rows). Below about 512 columns, rows, not bytes, set its time.
-ROW_PROGRAM_S = 0.62e-9
+# A row kernel (codegen/printer.py) is bound by its programs as well as its bytes. One program per row ran 0.62-0.69
+# ns a row whatever the width (H100 softmax on rows of 49-256: 301056 rows of 49 in 186 µs, 4x eager's kernel,
+# reports/kernels-calibration-h100/); rows shorter than ROW_PACK_ELEMENTS are now packed that many elements to a
+# one-warp program (codegen/module.py's `_row_config`), 2.2 ns a program at rows of 49 (41 µs, eager's 45).
+ROW_PROGRAM_S = 0.62e-9  # a program of one row
+PACKED_PROGRAM_S = 2.0e-9  # a program of several short rows, ROW_PACK_ELEMENTS in one warp
+ROW_PACK_ELEMENTS = 1024
+
+
+def rows_per_program(width: int, rows: int) -> int:
+    """How many rows the persistent row kernel packs into one program (`_row_config`'s rule: a test holds them
+    equal): rows of under ROW_PACK_ELEMENTS columns (their power-of-two block) share one."""
+    block = 1 << max(0, (max(width, 1) - 1).bit_length())
+    return min(max(1, ROW_PACK_ELEMENTS // block), 1 << max(0, (max(rows, 1) - 1).bit_length()))
+
+
+def row_programs_s(rows: int, width: int) -> float:
+    """The time a row kernel's programs take, however few bytes they move."""
+    per = rows_per_program(width, rows)
+    return -(-rows // per) * (PACKED_PROGRAM_S if per > 1 else ROW_PROGRAM_S)
 
 
 def triton_gemm_slowdown(k: int) -> float:
@@ -213,7 +229,7 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
         # An epilogue's saving is counted by bytes (est_time_saved_us); its prediction stays the plain roofline.
         hbm = fused if group.kind == "epilogue" else fused - l2_resident_bytes(graph, group.members, reads, device,
                                                                                 traffic)
-        programs = group.rows[0] * ROW_PROGRAM_S if group.rows and group.kind == "fusion" and device.type == "cuda" \
+        programs = row_programs_s(*group.rows) if group.rows and group.kind == "fusion" and device.type == "cuda" \
             else 0.0
         predicted = max(hbm / device.bandwidth_Bps * 1e6, flops / rate * 1e6, programs * 1e6) + device.launch_us
         yield GroupCost(int(unfused), int(fused), kernels, measured, predicted, between, in_anchor_kernel_us=in_anchor,

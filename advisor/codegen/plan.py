@@ -2,8 +2,8 @@
 
 Pointwise programs walk each output shape with a flat index (in the output's memory order, so
 stores are contiguous), unravelled into one index per dim. Programs with a row op (reductions,
-softmax, norms over the last dim) run one program per row: leading indices from the program id,
-`cols` along the row; GroupNorm's rows are its (sample, group) pairs (`plan_group_rows`). All leave
+softmax, norms over the last dim) run row by row: leading indices from the row index (a program
+takes several short rows: `printer._persistent`), `cols` along the row; GroupNorm's rows are its (sample, group) pairs (`plan_group_rows`). All leave
 the rest to `Builder.value_at`.
 """
 from __future__ import annotations

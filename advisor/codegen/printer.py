@@ -1,8 +1,9 @@
 """Print a plan's DAG as a `@triton.jit` kernel: one named line per value, short index math inline.
 
-Row plans print twice: a persistent kernel (the whole row in registers, each reduction a single
-`tl.sum`/`tl.max`) and a looped one for wide rows (one pass over the row per level of reductions,
-accumulating in BLOCK_N-wide vectors, then a last pass for the outputs).
+Row plans print twice: a persistent kernel (whole rows in registers, BLOCK_R of them per program as a
+[BLOCK_R, BLOCK_N] block, each reduction a single `tl.sum`/`tl.max` along the row) and a looped one for wide
+rows (one row per program, one pass over the row per level of reductions, accumulating in BLOCK_N-wide
+vectors, then a last pass for the outputs).
 """
 from __future__ import annotations
 
@@ -88,13 +89,17 @@ class Printer:
             else:
                 self.line(n, out, depth)
 
-    def store(self, s, depth: int) -> str:
+    def store(self, s, depth: int, shape: str = "", mask: str | None = None) -> str:
+        """tl.store of s; `shape`: broadcast the pointer to it (tl.store wants it as wide as the value and
+        the mask); `mask`: this mask instead of the store's own."""
         v = self.expr(s.value)
         if s.value.dtype != s.dtype and s.dtype != torch.bool:
             v = f"{v}.to({tl_type(s.dtype)})"
-        mask = f", mask={self.expr(s.mask)}" if s.mask is not None else ""
+        mask = mask or (self.expr(s.mask) if s.mask is not None else None)
         ptr = f"out{s.out}_ptr" if s.offset.is_zero else f"out{s.out}_ptr + {self.expr(s.offset, 1)}"
-        return f"{INDENT * depth}tl.store({ptr}, {v}{mask})"
+        if shape:
+            ptr = f"tl.broadcast_to({ptr}, {shape})"
+        return f"{INDENT * depth}tl.store({ptr}, {v}" + (f", mask={mask})" if mask else ")")
 
 
 PREC = {"{} + {}": 1, "{} - {}": 1, "{} * {}": 2, "{} // {}": 2, "{} % {}": 2}
@@ -181,15 +186,17 @@ def _neutral(kind: str, dtype: torch.dtype) -> str:
 
 
 def _reduce_expr(kind: str, x: str, dtype: torch.dtype, mask: str = "col_mask") -> str:
+    """A reduction along the rows of the persistent kernel's [BLOCK_R, BLOCK_N] block: one per row, kept as
+    a [BLOCK_R, 1] column so that it broadcasts back along its row."""
     if kind in ("all", "any"):
         x = f"{x}.to(tl.int32)"
     masked = f"tl.where({mask}, {x}, {_neutral(kind, dtype)})"
     if kind == "prod":
-        return f"tl.reduce({masked}, 0, _mul_combine)"
+        return f"tl.reduce({masked}, 1, _mul_combine, keep_dims=True)"
     if kind in ("max", "min") and dtype.is_floating_point:
-        return f"tl.reduce({masked}, 0, _{kind}_nan)"
+        return f"tl.reduce({masked}, 1, _{kind}_nan, keep_dims=True)"
     fn = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min", "all": "tl.min", "any": "tl.max"}[kind]
-    return f"{fn}({masked}, axis=0)" + (" != 0" if kind in ("all", "any") else "")
+    return f"{fn}({masked}, axis=1, keep_dims=True)" + (" != 0" if kind in ("all", "any") else "")
 
 
 ACC_NOTE = {torch.float32: "fp32 accumulation: bf16/fp16 partial sums would lose digits over a row"}
@@ -197,15 +204,45 @@ ACC_NOTE = {torch.float32: "fp32 accumulation: bf16/fp16 partial sums would lose
 
 def row_kernels(plan: Plan, name: str, params: list) -> tuple[str, str]:
     head = [f"{INDENT}row = tl.program_id(0).to(tl.int64)  # one program per row; 64-bit so row offsets cannot overflow"]
-    # persistent: the row lives in registers
+    return _persistent(plan, name, params), _looped(plan, name + "_looped", params, head)
+
+
+def _persistent(plan: Plan, name: str, params: list) -> str:
+    """The rows in registers, BLOCK_R of them per program (several when rows are short, so that a program
+    has about as much work as one 1024-wide row: the launcher's `_row_config`), as a [BLOCK_R, BLOCK_N]
+    block: `row` a [BLOCK_R, 1] column, `cols` a [1, BLOCK_N] row, each reduction one per row along axis 1
+    kept as a column, per-row values [BLOCK_R, 1] and values that depend on neither (scalar arguments)
+    scalars. Rows past the last (R not a multiple of BLOCK_R) recompute the last row, so their loads stay in
+    bounds unmasked; their stores are masked off."""
     pr = Printer(plan)
-    body, done = list(head), set()
+    pr.taken.update({"pid", "rows", "row_mask", "n_rows"})
+    body = [f"{INDENT}pid = tl.program_id(0).to(tl.int64)  # 64-bit so row offsets cannot overflow",
+            f"{INDENT}rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]",
+            f"{INDENT}row_mask = rows < n_rows",
+            f"{INDENT}row = tl.minimum(rows, n_rows - 1)  # rows past the last recompute it; their stores are masked"]
+    done: set = set()
     pr.emit(_closure([plan.builder.n], lambda n: n.full), body, 1, done)  # a width computed from sizes (GroupNorm's)
-    body += [f"{INDENT}cols = tl.arange(0, BLOCK_N)", f"{INDENT}col_mask = cols < {pr.expr(plan.builder.n)}"]
+    body += [f"{INDENT}cols = tl.arange(0, BLOCK_N)[None, :]", f"{INDENT}col_mask = cols < {pr.expr(plan.builder.n)}"]
     pr.emit(pr.needed, body, 1, done, lambda n: _reduce_expr(n.meta["kind_"], pr.expr(n.inputs[0]), n.dtype))
-    body += [pr.store(s, 1) for s in plan.stores]
-    persistent = "\n".join(["@triton.jit", signature(name, params + ["BLOCK_N: tl.constexpr"])] + body) + "\n"
-    return persistent, _looped(plan, name + "_looped", params, head)
+    per_row = _row_dependent(plan)
+    for s in plan.stores:
+        full = s.value.full or s.offset.full
+        # An address the same for every row of the block (a single row: no leading dims) or for every column
+        # of a row-wide value: broadcast, as tl.store wants the pointer as wide as what it writes.
+        wide = id(s.offset) in per_row and s.offset.full == full
+        body.append(pr.store(s, 1, "" if wide else "(BLOCK_R, BLOCK_N)" if full else "(BLOCK_R, 1)",
+                             "col_mask & row_mask" if full else "row_mask"))
+    sig = signature(name, params + ["n_rows", "BLOCK_N: tl.constexpr", "BLOCK_R: tl.constexpr"])
+    return "\n".join(["@triton.jit", sig] + body) + "\n"
+
+
+def _row_dependent(plan: Plan) -> set:
+    """ids of the nodes that vary from row to row (those computed from `row`)."""
+    dep: set = set()
+    for n in plan.dag.nodes:  # DAG order: inputs first
+        if (n.kind == "var" and n.fmt == "row") or any(id(i) in dep for i in n.inputs):
+            dep.add(id(n))
+    return dep
 
 
 def _looped(plan: Plan, name: str, params: list, head: list) -> str:
