@@ -238,9 +238,10 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
 
 def timeline_us(node, device: DeviceModel) -> float:
     """What the node's kernels take of the GPU's timeline: each at least one launch (`launch_us` is measured as
-    the cost of one tiny kernel in a CUDA graph of them: a 1 µs kernel still holds the stream that long). Where
-    a chain of tiny kernels was fused, their durations alone put the saving at half of what it measured
-    (T5's position-bucket chain 23 vs 39 µs, RoBERTa's position ids 7 vs 18: reports/zoo-h100-session19)."""
+    the cost of one tiny kernel in a CUDA graph of them: a 1 µs kernel still holds the stream that long). Their
+    durations alone had put chains of tiny kernels at about half of what fusing them measured (T5's position
+    buckets 23 vs 39 µs, RoBERTa's position ids 7 vs 18, reports/zoo-h100-session18); with the floor they still
+    measured 1.3-2.3x the estimate in reports/zoo-h100-session19, within those rounds' spread."""
     if device.type != "cuda" or not node.kernel_spans:
         return node.time_us
     return sum(max(span[2], device.launch_us) for span in node.kernel_spans)

@@ -221,8 +221,8 @@ def _timed_alone(r: PatternResult, a, base, whole_sites: int | None) -> PatternR
     # saving is the median of the rounds' differences and its spread theirs, not the spread of either state's
     # rounds (on a 2 ms host-bound model that was wider than the savings: 450 us on a 380 us saving). Each
     # round is its fastest call: a kernel's saving is device time, and a host stall only ever adds to a call;
-    # a round's median of four calls moved with the stalls in it (T5's and BART's whole stacks, which break
-    # into several graphs with Python between them: spreads of 0.6-2.4 ms on savings of 0.02-0.6 ms).
+    # a round's median of four calls moved with the stalls in it (T5's and BART's rounds in sessions 15-18:
+    # spreads of 0.6-2.4 ms on savings of 0.02-0.6 ms).
     lows = len(base.rounds_low_ms) == len(a.rounds_low_ms) > 1
     diffs = [b - o for b, o in zip(*((base.rounds_low_ms, a.rounds_low_ms) if lows else (base.rounds_ms, a.rounds_ms)))]
     if len(diffs) > 1:
