@@ -52,8 +52,12 @@ ROW_PACK_ELEMENTS = 1024
 def rows_per_program(width: int, rows: int) -> int:
     """How many rows the persistent row kernel packs into one program (`_row_config`'s rule: a test holds them
     equal): rows of under ROW_PACK_ELEMENTS columns (their power-of-two block) share one."""
-    block = 1 << max(0, (max(width, 1) - 1).bit_length())
-    return min(max(1, ROW_PACK_ELEMENTS // block), 1 << max(0, (max(rows, 1) - 1).bit_length()))
+    return min(max(1, ROW_PACK_ELEMENTS // _pow2(width)), _pow2(rows))
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), as `triton.next_power_of_2`, without importing Triton."""
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
 def row_programs_s(rows: int, width: int) -> float:
@@ -250,14 +254,12 @@ def timeline_us(node, device: DeviceModel) -> float:
 def gemm_takeover_us(gemm, flops: float, device: DeviceModel) -> float:
     """What running the product `gemm` as our Triton GEMM instead of cuBLAS adds, on the GPU: its measured time on a
     GPU trace (cuBLAS's), else the GPU table's roofline of it, times (`triton_gemm_slowdown`(K) - 1)."""
-    shapes = [u.shape for u in gemm.reads if len(u.shape) >= 2]
-    k = shapes[0][-1] if shapes else 1
     if device.type == "cuda":
         cublas_us = gemm.time_us
     else:
         t = DEFAULT_DEVICE["cuda"]
         cublas_us = max(flops / t["matmul_flops"], gemm.bytes / t["bandwidth_Bps"]) * 1e6
-    return (triton_gemm_slowdown(k) - 1.0) * cublas_us
+    return (triton_gemm_slowdown(_reduction_length(gemm)) - 1.0) * cublas_us
 
 
 def padded_cost(graph: Graph, group: Group, device: DeviceModel) -> GroupCost:
@@ -327,8 +329,11 @@ def _flops(node) -> float:
     """Arithmetic of one op, by its registry entry's flops rule."""
     info = lookup(node.op)
     if info is not None and info.flops == "matmul" and len(node.reads) >= 2 and node.writes:
-        out = math.prod(node.writes[0].shape or (1,))
-        shapes = [u.shape for u in node.reads if len(u.shape) >= 2]
-        k = shapes[0][-1] if shapes else 1
-        return 2.0 * out * k
+        return 2.0 * math.prod(node.writes[0].shape or (1,)) * _reduction_length(node)
     return float(math.prod(node.writes[0].shape)) if node.writes and node.writes[0].shape else 0.0
+
+
+def _reduction_length(matmul) -> int:
+    """K of a product: the last dim of its first operand of two or more dims (linear's x, addmm's mat1, mm's a)."""
+    shapes = [u.shape for u in matmul.reads if len(u.shape) >= 2]
+    return shapes[0][-1] if shapes else 1

@@ -223,13 +223,13 @@ def _timed_alone(r: PatternResult, a, base, whole_sites: int | None) -> PatternR
     # round is its fastest call: a kernel's saving is device time, and a host stall only ever adds to a call;
     # a round's median of four calls moved with the stalls in it (T5's and BART's rounds in sessions 15-18:
     # spreads of 0.6-2.4 ms on savings of 0.02-0.6 ms).
+    medians = [b - o for b, o in zip(base.rounds_ms, a.rounds_ms)]
     lows = len(base.rounds_low_ms) == len(a.rounds_low_ms) > 1
-    diffs = [b - o for b, o in zip(*((base.rounds_low_ms, a.rounds_low_ms) if lows else (base.rounds_ms, a.rounds_ms)))]
+    diffs = [b - o for b, o in zip(base.rounds_low_ms, a.rounds_low_ms)] if lows else medians
     if len(diffs) > 1:
         saved_ms, spread_ms = statistics.median(diffs), max(diffs) - min(diffs)
     else:
         saved_ms, spread_ms = base.median_ms - a.median_ms, max(a.spread_ms, base.spread_ms)
-    medians = [b - o for b, o in zip(base.rounds_ms, a.rounds_ms)]
     return dataclasses.replace(r, applied_alone={
         "ms": round(a.median_ms, 4), "captured_ms": round(base.median_ms, 4),
         "saved_us_per_iter": round(saved_ms * 1e3, 2),
