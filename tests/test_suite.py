@@ -379,6 +379,42 @@ def test_choose_takes_the_fastest_state_beyond_noise():
     assert choose(10.0, before, []) is None
 
 
+def test_choose_prefers_fewer_patterns_the_timings_cannot_tell_from_the_fastest():
+    from advisor.workflows.selection import Option, choose
+
+    before = [10.0, 10.1, 9.9, 10.0, 10.05]
+    every = Option("whole", None, 5.00, True, (5.0, 5.1, 4.9, 5.0, 5.02))
+    kept = Option("whole_kept", frozenset({"a"}), 5.02, True, (5.05, 5.0, 5.02, 4.98, 5.03))
+    # 20 µs apart in the median, rounds crossing: the one pattern shown to save time alone, not every one
+    assert choose(10.0, before, [every, kept]) is kept
+    # every pattern faster than the subset in every round by more than 1%: the fastest stays
+    clearly = Option("whole", None, 4.5, True, (4.5, 4.6, 4.4, 4.5, 4.52))
+    assert choose(10.0, before, [clearly, kept]) is clearly
+    # only a subset of the same captures competes: the layer captures alone do not displace the whole stack
+    captured = Option("captured", frozenset(), 5.03, False, (5.03, 5.0, 5.05, 5.02, 5.0))
+    assert choose(10.0, before, [every, captured]) is every
+    # the whole stack with no kernel, level with every kernel in it: the captures alone are handed back
+    bare = Option("whole_captured", frozenset(), 5.01, True, (5.0, 5.05, 4.95, 5.01, 5.0))
+    assert choose(10.0, before, [every, kept, bare]) is bare
+
+
+def test_a_pattern_is_shown_to_save_time_alone_only_beyond_its_rounds():
+    from advisor.bench.timing import Timing
+    from advisor.records import PatternResult
+    from advisor.workflows.selection import _timed_alone
+
+    def T(rounds):
+        return Timing(sorted(rounds)[2], 20, "fake clock", rounds, 0.0, rounds)
+
+    r = PatternResult(candidate="c1", pattern_id="p", title="t", kernel_file=None, validated=True)
+    base = T([4.20, 4.25, 4.22, 4.30, 4.21])
+    steady = _timed_alone(r, T([4.10, 4.15, 4.12, 4.20, 4.11]), base, None).applied_alone
+    assert steady["saved_us_per_iter"] == pytest.approx(100) and steady["shown"]
+    # 20 µs in the median, rounds from -50 to +60: inside the noise, not shown
+    noisy = _timed_alone(r, T([4.25, 4.23, 4.21, 4.26, 4.15]), base, None).applied_alone
+    assert 0 < noisy["saved_us_per_iter"] < noisy["spread_us"] / 2 and not noisy["shown"]
+
+
 def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkeypatch):
     from advisor.patching import patches_off
     from advisor.patching.capture import launched_sites
@@ -392,7 +428,7 @@ def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkey
     suite.select_patterns(c, report, w.model, call, "cuda", True)
     adv = c.r["advisor"]
     # one interleaved run of the states (the whole stack, one outer capture over the layers, included) and
-    # each pattern alone; then the pattern that saved time alone, against the first run's leader
+    # each pattern alone; then the pattern shown to save time alone, against the first run's leader
     alone = sorted(patched)
     assert asked[-2] == sorted(["all", "before", "captured", "whole", "whole_captured", *alone]), asked
     assert asked[-1] == ["all", "before", "kept", "whole_kept"]
@@ -470,7 +506,7 @@ def test_keep_faster_hands_back_its_timing_when_it_keeps_the_handle(optimized_ll
     asked = _fake_timings(monkeypatch, {cand: 10.0 for cand in patched}, before=10.0, final={"all": 9.0, "captured": 9.5})
     handle, sel, _ = keep_faster(call, report.handle, "cuda", records)
     assert handle is report.handle and set(sel["kept"]) == patched
-    assert len(asked) == 1  # every pattern saved time alone: one interleaved run decided, no second
+    assert len(asked) == 1  # every pattern shown to save time alone: one interleaved run decided, no second
     assert sel["timing"]["before_ms"] == 10.0 and sel["timing"]["after_ms"] == 9.0
 
 

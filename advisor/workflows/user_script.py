@@ -183,8 +183,8 @@ def _benchmark(script, args, dev, steady, session, handles, records: list[Patter
 
 def select(records: list[PatternResult], e2e: dict, recorded, dev: str, iters: int, plan, handles=None) -> tuple:
     """What the plan keeps, as `optimize` decides it. With the script's steady state recorded as one module
-    call, the same final comparison as `optimize`'s (`selection.compare_states`: every pattern, those that
-    saved time alone, the captures alone, the whole stack as one capture where the plan has it), on that
+    call, the same final comparison as `optimize`'s (`selection.compare_states`: every pattern, those shown
+    to save time alone, the captures alone, the whole stack as one capture where the plan has it), on that
     call, and the state chosen is the one the manifest describes. Without one (a region or whole-script
     runs) the patched run is judged as a whole against the unpatched one, by the same policy (`choose`).
     Kept nothing: apply.json's manifest is empty (`advisor.patch(model, OUT)` then changes nothing).
