@@ -396,6 +396,8 @@ def test_choose_prefers_fewer_patterns_the_timings_cannot_tell_from_the_fastest(
     # the whole stack with no kernel, level with every kernel in it: the captures alone are handed back
     bare = Option("whole_captured", frozenset(), 5.01, True, (5.0, 5.05, 4.95, 5.01, 5.0))
     assert choose(10.0, before, [every, kept, bare]) is bare
+    # ... but not where pattern "a" was shown to save time alone: the state keeping it is handed back
+    assert choose(10.0, before, [every, kept, bare], shown=frozenset({"a"})) is kept
 
 
 def test_a_pattern_is_shown_to_save_time_alone_only_beyond_its_rounds():
