@@ -20,6 +20,11 @@ from advisor.workflows.generate import generate_results, pattern_record, write_a
 
 
 MIN_SHARE = 0.005  # of the best candidate's estimated saving
+# Of a call's GPU time (the trace's kernels per iteration): a saving under it is below what timing the model
+# resolves (the zoo's whole-stack CUDA graphs: one state's summed kernel time moved by ~1% between two profiles,
+# reports/estimates-h100-session20), so selection could never show it, and each pattern costs compiles at
+# `optimize` (issue 17) and a timed state in selection.
+MIN_CALL_SHARE = 0.005
 
 
 def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
@@ -29,7 +34,9 @@ def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
     top_candidates = candidates_of(doc)[:max(0, top)]
     # Estimates from a CPU trace are CPU times, noisy at tiny sizes and unrelated to what a GPU saves: the
     # cut-off (a guard against captures that cost more than they save) applies to GPU traces only.
-    chosen, negligible = worth_patching(top_candidates) if device_type == "cuda" else (top_candidates, [])
+    totals = doc.get("totals") or {}
+    call_us = totals.get("time_us") if totals.get("time_kind") == "gpu" else None
+    chosen, negligible = worth_patching(top_candidates, call_us) if device_type == "cuda" else (top_candidates, [])
     if replacement == "kernel":
         results = generate_results(chosen, Path(out_dir), every=candidates_of(doc))
         write_apply(out_dir, [r.to_json() for r in results])
@@ -76,13 +83,14 @@ def _has_matmul(spec: PatternSpec) -> bool:
     return any(op_class(n["op"]) in (OpClass.MATMUL, OpClass.ATTENTION) for n in spec.program.get("nodes", []))
 
 
-def worth_patching(candidates: list[Candidate]) -> tuple[list[Candidate], list[PatternResult]]:
+def worth_patching(candidates: list[Candidate], call_us: float | None = None) -> tuple[list[Candidate], list[PatternResult]]:
     """(candidates to patch, results of the rest). A pattern estimated to save nothing is not generated (a GEMM
     epilogue whose Triton GEMM loses more to cuBLAS than fusing saves: each costs a compile and a place in
     selection's timed states). One saving under 0.5% of the best
     one's estimate is not worth its patch: each patched module is captured by dynamo and run from a
     graph, and a tiny pattern in a model's root (a mask computation) would make the whole model one
-    capture, tracing every layer, for a microsecond."""
+    capture, tracing every layer, for a microsecond. Nor is one under `MIN_CALL_SHARE` of `call_us` (the
+    trace's GPU time per call, when known): no timing of the model can show it."""
     best = max((c.est_time_saved_us or 0.0 for c in candidates), default=0.0)
     keep, rest = [], []
     for c in candidates:
@@ -94,6 +102,10 @@ def worth_patching(candidates: list[Candidate]) -> tuple[list[Candidate], list[P
         elif best > 0 and est < MIN_SHARE * best:
             why = (f"not worth patching: estimated saving {est:.2g} µs per iteration "
                    f"is under {MIN_SHARE:.1%} of the best pattern's ({best:.3g} µs)")
+        elif c.est_time_saved_us is not None and call_us and est < MIN_CALL_SHARE * call_us:
+            why = (f"not worth patching: estimated saving {est:.2g} µs per iteration is under "
+                   f"{MIN_CALL_SHARE:.1%} of a call's GPU time ({call_us / 1e3:.3g} ms), below what timing the "
+                   "model can show")
         else:
             why = None
         if why:
