@@ -74,10 +74,10 @@ CANDIDATE_KEYS = ("pattern_id", "pattern", "title", "kind", "ops", "kernels", "m
                   "kernels_saved", "bytes_unfused", "bytes_fused", "bytes_saved", "est_time_saved_us",
                   "est_cpu_time_saved_us", "measured_time_us", "intermediate_bytes", "confidence", "graph",
                   "program", "variants", "not_generated", "negligible", "id", "rank", "share_of_iteration", "extends",
-                  "phase")
+                  "phase", "shared")
 # written only when they say something (a CPU trace's CPU estimate; why the generator must refuse it; a
 # training step's part other than the forward)
-CANDIDATE_OPTIONAL = ("est_cpu_time_saved_us", "variants", "not_generated", "phase")
+CANDIDATE_OPTIONAL = ("est_cpu_time_saved_us", "variants", "not_generated", "phase", "shared")
 CANDIDATE_TUPLES = ("ops", "kernels", "modules")
 
 
@@ -115,6 +115,9 @@ class Candidate:
     share_of_iteration: float | None = None
     extends: str | None = None  # the candidate id this one is built on top of (an epilogue's pointwise group)
     phase: str | None = None  # "backward" | "optimizer": where in a training step it runs (None: the forward)
+    # {candidate id: {"occurrences", "est_time_saved_us"}}: its occurrences whose ops that candidate's also hold
+    # (per iteration, with their share of the estimate); absent when none are
+    shared: dict | None = None
 
     @classmethod
     def from_json(cls, doc: dict) -> "Candidate":
@@ -159,8 +162,8 @@ class Verdict:
 # (`workflows.generate`), then what the patching workflows add (`workflows.kernels`, `outcome`, `selection`).
 RESULT_KEYS = ("candidate", "pattern_id", "title", "kernel_file", "validated", "reason", "errors", "measured",
                "source", "cached", "device_type", "seconds", "memory_saved_bytes", "alternatives", "launcher_ms",
-               "launcher", "launcher_note", "variants", "replacement", "est_time_saved_us", "occurrences", "sites",
-               "patched", "status_code", "status", "applied_alone", "kept")
+               "launcher", "launcher_note", "variants", "replacement", "est_time_saved_us", "occurrences", "shared",
+               "sites", "patched", "status_code", "status", "applied_alone", "kept")
 RESULT_ALWAYS = RESULT_KEYS[:RESULT_KEYS.index("device_type") + 1]  # every record has these; the rest when known
 
 
@@ -194,6 +197,7 @@ class PatternResult:
     replacement: str | None = None  # kernel | program | subgraph
     est_time_saved_us: float | None = None
     occurrences: int | float | None = None
+    shared: dict | None = None  # the candidate's `shared`: occurrences other candidates' ops also hold
     sites: int | None = None  # sites whose launcher ran
     patched: bool | None = None
     verdict: Verdict | None = None

@@ -49,7 +49,7 @@ def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
     for r in results:
         c = by_id[r.candidate]
         r = dataclasses.replace(r, replacement=replacement, est_time_saved_us=c.est_time_saved_us,
-                                occurrences=c.occurrences)
+                                occurrences=c.occurrences, shared=c.shared)
         records.append(r)
         # the patcher reads analysis.json's candidate entry
         if replacement != "kernel":

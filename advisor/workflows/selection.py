@@ -163,8 +163,9 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
     t = _time_states(call, device, iters, {**states, **alone})
     base = t["whole_captured" if in_whole else "captured"]
     whole_sites = out.get("outer_sites") if in_whole else None
+    taking = frozenset(r.candidate for r in patched)
     records = [_timed_alone(r, t[r.candidate], base,
-                            None if whole_sites is None else whole_sites.get(key_of[r.candidate], 0))
+                            None if whole_sites is None else whole_sites.get(key_of[r.candidate], 0), taking)
                if r.candidate in alone else r for r in records]
     out["timing"] = _summary(t, device)
     options = [Option(k, e, t[k].median_ms, o, tuple(t[k].rounds_ms)) for k, (e, o) in states.items()]
@@ -236,10 +237,10 @@ def _time_states(call, device: str, iters: int, states: dict) -> dict:
         return timing.time_configs(call, configs, device, iters=iters, rounds=ROUNDS)
 
 
-def _timed_alone(r: PatternResult, a, base, whole_sites: int | None) -> PatternResult:
+def _timed_alone(r: PatternResult, a, base, whole_sites: int | None, patched: frozenset = frozenset()) -> PatternResult:
     """The result with its saving alone: the state with no kernel (`base`) minus the state with only it.
     `whole_sites`: measured inside the whole stack, which launched it at that many sites (None: in the
-    layer captures)."""
+    layer captures). `patched`: the candidates patched beside it (`estimate_for_sites`)."""
     # Paired by round (interleaved: a clock change or host stall in one round slows both states alike): the
     # saving is the median of the rounds' differences and its spread theirs, not the spread of either state's
     # rounds (on a 2 ms host-bound model that was wider than the savings: 450 us on a 380 us saving). Each
@@ -260,7 +261,7 @@ def _timed_alone(r: PatternResult, a, base, whole_sites: int | None) -> PatternR
         "saved_us_per_iter": round(saved_ms * 1e3, 2),
         "spread_us": round(spread_ms * 1e3, 2), "shown": shown,
         **({"saved_us_round_medians": round(statistics.median(medians) * 1e3, 2)} if lows else {}),
-        "est_saved_us_per_iter": estimate_for_sites(r, whole_sites),
+        "est_saved_us_per_iter": estimate_for_sites(r, whole_sites, patched),
         "in": "layer captures" if whole_sites is None else "whole stack"})
 
 
@@ -319,21 +320,29 @@ def time_patterns(call, handle, device: str, iters: int, records: list[PatternRe
     key_of = {s.candidate: s.key for s in handle.plan.patterns}
     alone = alone_states(records, key_of, False)
     t = _time_states(call, device, iters, {"all": (None, False), "captured": (frozenset(), False), **alone})
-    records = [_timed_alone(r, t[r.candidate], t["captured"], None) if r.candidate in alone else r for r in records]
+    taking = frozenset(r.candidate for r in records if r.patched)
+    records = [_timed_alone(r, t[r.candidate], t["captured"], None, taking) if r.candidate in alone else r
+               for r in records]
     return _summary(t, device), records
 
 
-def estimate_for_sites(record: PatternResult, sites: int | None = None) -> float | None:
+def estimate_for_sites(record: PatternResult, sites: int | None = None, patched: frozenset = frozenset()) -> float | None:
     """The analyzer's estimate for the occurrences actually patched: it is made for every occurrence per
-    iteration, and a pattern launched at fewer sites (cross-layer occurrences left to the outer capture,
-    say: the suite's Llama patched 8 of its 16 residual add + norms per layer) saves that share of it.
-    `sites`: those launched in the state measured (the whole stack's), else the record's."""
+    iteration, and a pattern launched at fewer sites saves less. Where the occurrences missing are exactly
+    those whose ops patterns patched beside it (`patched`) also hold (`record.shared`: a conv epilogue took
+    the BatchNorm + ReLU after its conv, a window chain the stem's), their own estimates come off; else
+    the sites' share of it (cross-layer occurrences left to the outer capture, say: the suite's Llama
+    patched 8 of its 16 residual add + norms per layer). `sites`: those launched in the state measured (the
+    whole stack's), else the record's."""
     est, occ, measured = record.est_time_saved_us, record.occurrences, sites is not None
     sites = sites if measured else record.sites
     if est is None or not occ:
         return est
     if not sites:  # not launched in the state measured: it saves nothing there
         return 0.0 if measured else est
+    taken = [v for q, v in (record.shared or {}).items() if q in patched]
+    if sites < occ and taken and abs(occ - sites - sum(v["occurrences"] for v in taken)) < 1e-6:
+        return round(max(est - sum(v["est_time_saved_us"] for v in taken), 0.0), 2)
     return round(est * min(1.0, sites / occ), 2)
 
 
