@@ -400,6 +400,17 @@ def test_choose_prefers_fewer_patterns_the_timings_cannot_tell_from_the_fastest(
     assert choose(10.0, before, [every, kept, bare], shown=frozenset({"a"})) is kept
 
 
+def test_patterns_launching_only_in_the_whole_stack_take_their_occurrences_there():
+    from advisor.records import PatternResult
+    from advisor.workflows.selection import launching
+
+    records = [PatternResult(candidate="c5", patched=True), PatternResult(candidate="c7", patched=False),
+               PatternResult(candidate="c3", patched=False)]
+    key_of = {"c5": "k5", "c7": "k7", "c3": "k3"}
+    assert launching(records, key_of, None) == {"c5"}
+    assert launching(records, key_of, {"k5": 16, "k7": 1, "k3": 0}) == {"c5", "c7"}
+
+
 def test_a_pattern_is_shown_to_save_time_alone_only_beyond_its_rounds():
     from advisor.bench.timing import Timing
     from advisor.records import PatternResult

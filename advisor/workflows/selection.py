@@ -163,7 +163,7 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
     t = _time_states(call, device, iters, {**states, **alone})
     base = t["whole_captured" if in_whole else "captured"]
     whole_sites = out.get("outer_sites") if in_whole else None
-    taking = frozenset(r.candidate for r in patched)
+    taking = launching(records, key_of, whole_sites)
     records = [_timed_alone(r, t[r.candidate], base,
                             None if whole_sites is None else whole_sites.get(key_of[r.candidate], 0), taking)
                if r.candidate in alone else r for r in records]
@@ -207,6 +207,14 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
     records = mark_kept(records, key_of, enabled, best is not None)
     out["kept"] = [r.candidate for r in records if r.kept]
     return best, out, records
+
+
+def launching(records: list[PatternResult], key_of: dict, whole_sites: dict | None) -> frozenset:
+    """The candidates that launch in the state a pattern alone is measured against: those patched, and inside
+    the whole stack (`whole_sites`: its launched sites) those only it fuses (a window chain over the stem's
+    conv epilogue, reported patched only once the whole stack is chosen)."""
+    return frozenset(r.candidate for r in records if r.patched) | \
+        frozenset(c for c, k in key_of.items() if (whole_sites or {}).get(k))
 
 
 def _reserved(device: str) -> int:
