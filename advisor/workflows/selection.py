@@ -248,7 +248,7 @@ def _time_states(call, device: str, iters: int, states: dict) -> dict:
 def _timed_alone(r: PatternResult, a, base, whole_sites: int | None, patched: frozenset = frozenset()) -> PatternResult:
     """The result with its saving alone: the state with no kernel (`base`) minus the state with only it.
     `whole_sites`: measured inside the whole stack, which launched it at that many sites (None: in the
-    layer captures). `patched`: the candidates patched beside it (`estimate_for_sites`)."""
+    layer captures). `patched`: the candidates launching beside it (`launching`, for `estimate_for_sites`)."""
     # Paired by round (interleaved: a clock change or host stall in one round slows both states alike): the
     # saving is the median of the rounds' differences and its spread theirs, not the spread of either state's
     # rounds (on a 2 ms host-bound model that was wider than the savings: 450 us on a 380 us saving). Each
@@ -328,7 +328,7 @@ def time_patterns(call, handle, device: str, iters: int, records: list[PatternRe
     key_of = {s.candidate: s.key for s in handle.plan.patterns}
     alone = alone_states(records, key_of, False)
     t = _time_states(call, device, iters, {"all": (None, False), "captured": (frozenset(), False), **alone})
-    taking = frozenset(r.candidate for r in records if r.patched)
+    taking = launching(records, key_of, None)
     records = [_timed_alone(r, t[r.candidate], t["captured"], None, taking) if r.candidate in alone else r
                for r in records]
     return _summary(t, device), records
