@@ -194,8 +194,9 @@ def _in_workers(chosen: list, out_dir: Path) -> list | None:
 
     from advisor.workflows import workers  # function-level: multiprocessing only on this path
 
-    n = workers.wanted(len(chosen), interpreted())
-    if n == 0:
+    n = workers.wanted(len(chosen), interpreted()) if chosen else 0
+    if n == 0:  # no job, or one: done in this process (or none to do), without the pool `start_soon` began
+        workers.discard_soon()
         return None
     try:
         with timing.timed("workers start"):  # waits for the pool `start_soon` began before profiling

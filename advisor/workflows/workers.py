@@ -80,12 +80,30 @@ def _start_quietly(n: int, warm) -> None:
 
 
 def discard() -> None:
-    """Forget a broken pool (a worker died): the next `start` makes a new one."""
-    global _pool, _size
+    """Forget a broken pool (a worker died), or one no longer needed: the next `start` makes a new one."""
     with _lock:
-        if _pool is not None:
-            _pool.shutdown(wait=False, cancel_futures=True)
-        _pool, _size = None, 0
+        _drop()
+
+
+def discard_soon() -> None:
+    """`discard` without waiting: a pool `start_soon` is still starting (the lock held while its workers
+    spawn, seconds) is let go from a thread once it has started. For a `generate` with fewer than two jobs,
+    which does them in this process: it waited for the whole start (the MLP block's warm run: 4.9 s of a
+    5.2 s `optimize` for no kernel at all), or left every worker and its CUDA context alive until exit."""
+    if _lock.acquire(blocking=False):
+        try:
+            _drop()
+        finally:
+            _lock.release()
+    else:
+        threading.Thread(target=discard, name="fusion-advisor-workers-discard", daemon=True).start()
+
+
+def _drop() -> None:
+    global _pool, _size
+    if _pool is not None:
+        _pool.shutdown(wait=False, cancel_futures=True)
+    _pool, _size = None, 0
 
 
 atexit.register(discard)
