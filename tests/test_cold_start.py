@@ -232,6 +232,7 @@ def test_a_generate_of_under_two_jobs_lets_the_starting_pool_go_without_waiting(
 
     monkeypatch.setenv(workers.ENV, "2")
     monkeypatch.setattr(_FakePool, "shut", 0)
+    monkeypatch.setattr(workers, "_let_go", False)  # restored after: a later start_soon's pool is not let go
     starting = threading.Event()
     release = threading.Event()
 
@@ -253,6 +254,21 @@ def test_a_generate_of_under_two_jobs_lets_the_starting_pool_go_without_waiting(
     for t in [t for t in threading.enumerate() if t.name == "fusion-advisor-workers-discard"]:
         t.join(10)
     assert workers._pool is None and _FakePool.shut == 1  # let go once started, not kept to exit
+
+
+def test_a_pool_let_go_before_its_start_began_goes_once_started(monkeypatch):
+    from advisor.workflows import workers
+
+    def fake_start(n, warm=None):
+        with workers._lock:
+            workers._pool, workers._size = _FakePool(), n
+
+    monkeypatch.setattr(workers, "start", fake_start)
+    monkeypatch.setattr(_FakePool, "shut", 0)
+    monkeypatch.setattr(workers, "_let_go", False)
+    workers.discard_soon()  # before the background start took the lock: nothing to drop yet
+    workers._start_quietly(2, None)
+    assert workers._pool is None and _FakePool.shut == 1
 
 
 class _FakePool:

@@ -25,6 +25,7 @@ MAX_WORKERS = 8
 _pool: ProcessPoolExecutor | None = None
 _size = 0
 _lock = threading.Lock()
+_let_go = False  # `discard_soon` was asked since the last `start_soon`: the pool it starts goes once started
 
 
 def wanted(jobs: int, interpreted: bool) -> int:
@@ -68,6 +69,8 @@ def start_soon(warm=None) -> None:
     """Start the pool in the background (returns at once), as many workers as `wanted` allows: a caller
     about to profile and analyse calls this first, so that the workers' imports run meanwhile; `start`
     later waits for it (one lock)."""
+    global _let_go
+    _let_go = False
     n = wanted(0, os.environ.get("TRITON_INTERPRET") == "1")  # as advisor.validate.interpreted, before torch
     threading.Thread(target=_start_quietly, args=(n, warm), name="fusion-advisor-workers", daemon=True).start()
 
@@ -76,6 +79,8 @@ def _start_quietly(n: int, warm) -> None:
     try:
         start(n, warm)
     except Exception:  # noqa: BLE001  (the generate stage tries again and says why in one line)
+        discard()
+    if _let_go:  # let go before this thread had even begun the start
         discard()
 
 
@@ -90,6 +95,8 @@ def discard_soon() -> None:
     spawn, seconds) is let go from a thread once it has started. For a `generate` with fewer than two jobs,
     which does them in this process: it waited for the whole start (the MLP block's warm run: 4.9 s of a
     5.2 s `optimize` for no kernel at all), or left every worker and its CUDA context alive until exit."""
+    global _let_go
+    _let_go = True  # a start not yet begun goes too, once done (`_start_quietly`)
     if _lock.acquire(blocking=False):
         try:
             _drop()
