@@ -15,7 +15,6 @@ the graph against their times in the trace, or the gaps between kernels.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import subprocess
 import sys
@@ -27,22 +26,11 @@ CALLS = 10
 
 
 def kernel_times(call, calls: int = CALLS) -> dict:
-    """{kernel name: µs per call} over `calls` calls under torch.profiler (CUDA-graph replays included)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    """{kernel name: µs per call} (`kernel_diff.kernels`, whole names: two elementwise kernels differ only in
+    their template arguments' tail)."""
+    from kernel_diff import kernels
 
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    out: dict = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:  # kernels and copies, not the CPU ops
-            out[e.name] += e.device_time / calls
-    return dict(out)
+    return {name: k["us"] for name, k in kernels(call, calls, width=None).items()}
 
 
 def diff(before: dict, after: dict, floor_us: float = 0.5) -> tuple[dict, dict]:

@@ -23,7 +23,9 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 
-def kernels(call, calls: int = 5) -> dict:
+def kernels(call, calls: int = 5, width: int | None = 90) -> dict:
+    """{kernel name (its first `width` characters; None: whole): {"us": device time per call, "n": launches per
+    call}} over `calls` calls under torch.profiler, after three unprofiled ones."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -37,8 +39,9 @@ def kernels(call, calls: int = 5) -> dict:
     by: dict = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
         if e.device_type.name == "CUDA":
-            by[e.name[:90]][0] += e.device_time / calls
-            by[e.name[:90]][1] += 1 / calls
+            name = e.name[:width]
+            by[name][0] += e.device_time / calls
+            by[name][1] += 1 / calls
     return {k: {"us": round(v[0], 1), "n": round(v[1], 2)} for k, v in sorted(by.items(), key=lambda kv: -kv[1][0])}
 
 

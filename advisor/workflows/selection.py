@@ -171,15 +171,14 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
     options = [Option(k, e, t[k].median_ms, o, tuple(t[k].rounds_ms)) for k, (e, o) in states.items()]
     before = t["before"]
     out["states"] = {k: round(v.median_ms, 4) for k, v in t.items() if k in states or k == "before"}
-    timed = frozenset(key_of[c] for c in alone)
     shown = frozenset(key_of[r.candidate] for r in records
                       if r.candidate in alone and (r.applied_alone or {}).get("shown"))
-    if shown and shown != timed:  # the patterns shown to save time alone, against the first run's leader
+    if shown and shown != every:  # the patterns shown to save time alone, against the first run's leader
         lead = choose(before.median_ms, before.rounds_ms, options, shown) or options[0]
         # Patterns not timed alone (those only the whole stack fuses, across layers) stay in: nothing says
         # they do not save time, and leaving them out made the kept state lose to every pattern on, the
         # ones measured slower alone included (Swin-T's padded GEMM, ConvNeXt-T's GELU epilogue).
-        kept = shown | (frozenset(key_of.values()) - timed)
+        kept = shown | (frozenset(key_of.values()) - every)
         second = {lead.name: (lead.enabled, lead.outer), "kept": (kept, False)}
         if outer:
             second["whole_kept"] = (kept, True)
