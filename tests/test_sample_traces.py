@@ -318,7 +318,8 @@ def test_an_input_just_written_is_read_from_l2():
     """GPT-2's residual add + LayerNorm on the H100: of its outside reads, the attention projection's output (16 MiB,
     written by the kernel just before) is still in the 50 MB L2 and is not HBM traffic in the fused kernel's
     prediction; the residual stream (written a whole attention block earlier) and the LayerNorm weights (never
-    written) are. An L2 of unknown size, or one too small for the value, gives the all-HBM roofline."""
+    written) are. An L2 of unknown size gives the all-HBM roofline; one whose share is half the value keeps the half
+    written last (least recently used goes first)."""
     from dataclasses import replace
 
     from advisor.analysis.cost import TrafficSince, external_io, group_cost, l2_resident_bytes
@@ -334,12 +335,42 @@ def test_an_input_just_written_is_read_from_l2():
     assert len(just_written) == 1 and reads[just_written[0]] == 16 << 20
     assert l2_resident_bytes(g, group.members, reads, a.device, TrafficSince(g)) == 16 << 20
     with_l2 = group_cost(g, group, a.device)
-    for device in (replace(a.device, l2_bytes=0), replace(a.device, l2_bytes=16 << 20)):
-        assert l2_resident_bytes(g, group.members, reads, device, TrafficSince(g)) == 0
+    hbm_us = (16 << 20) / a.device.bandwidth_Bps * 1e6
+    for l2, resident in ((0, 0), (16 << 20, 8 << 20)):
+        device = replace(a.device, l2_bytes=l2)
+        assert l2_resident_bytes(g, group.members, reads, device, TrafficSince(g)) == resident
         without = group_cost(g, group, device)
         assert without.bytes_fused == with_l2.bytes_fused  # the bytes the kernel moves do not change, only where from
-        hbm_us = (16 << 20) / a.device.bandwidth_Bps * 1e6
-        assert without.predicted_fused_us - with_l2.predicted_fused_us == pytest.approx(hbm_us, rel=1e-6)
+        assert without.predicted_fused_us - with_l2.predicted_fused_us == pytest.approx(
+            hbm_us * (1 - resident / (16 << 20)), rel=1e-6)
+
+
+def test_l2_residency_is_judged_where_the_fused_kernel_runs():
+    """Llama's SwiGLU, silu(gate) * up: the up projection runs between silu and mul, so the fused kernel (in mul's
+    place) reads `up` straight from L2 and `gate` across the up projection's traffic (x, W_up, up: 52 MiB), silu's
+    own traffic no longer there. With the H100's L2 share (25 MiB) only `up` (22 MiB) is still in it; with an L2
+    twice the traffic both are; with one whose share holds the traffic and half of `gate`, `up` and the half of
+    `gate` written last."""
+    from dataclasses import replace
+
+    from advisor.analysis.cost import TrafficSince, external_io, l2_resident_bytes
+
+    a = analyze(SAMPLES / "hf_llama" / "trace")
+    g = a.graph
+    group = a.groups[find_candidate(a.doc["candidates"], SWIGLU)["id"]][0]
+    reads, _ = external_io(g, group.members)
+    silu, mul = sorted(group.members)
+    up = next(v for v in reads if silu < g.values[v].producer < mul)
+    gate = next(v for v in reads if g.values[v].producer < silu)
+    tensor = reads[up]
+    assert reads[gate] == tensor == 4096 * 2816 * 2
+    between = TrafficSince(g).between(g.values[gate].producer, mul) - g.nodes[silu].bytes
+    assert between == g.nodes[g.values[up].producer].bytes > 25 << 20  # the up projection, silu not counted
+    assert l2_resident_bytes(g, group.members, reads, a.device, TrafficSince(g)) == tensor
+    big = replace(a.device, l2_bytes=4 * between)
+    assert l2_resident_bytes(g, group.members, reads, big, TrafficSince(g)) == 2 * tensor
+    half_over = replace(a.device, l2_bytes=2 * between + tensor)  # its share: the traffic and half of `gate`
+    assert l2_resident_bytes(g, group.members, reads, half_over, TrafficSince(g)) == tensor + tensor / 2
 
 
 def test_the_estimate_for_sites_left_by_a_pattern_that_took_the_others():
