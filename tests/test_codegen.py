@@ -144,6 +144,33 @@ def test_row_kernels(name, dtype, variant):
     assert_validates(gen, mod)
 
 
+@pytest.mark.parametrize("big", [False, True], ids=["int32", "int64"])
+@pytest.mark.parametrize("variant", ["persistent", "looped"])
+def test_row_kernels_index_in_64_bits_only_when_offsets_need_it(variant, big):
+    """Swin's shifted-window softmax: the scores plus a per-head bias and a per-window mask (broadcast over the
+    batch: each row's index is split into its dims by division). The row kernels take BIG_INDEX from the
+    launcher's `_int64_needed` as the pointwise kernel does: 32-bit division unless the tensors reach 2**31
+    elements (64-bit division is emulated on the GPU). Both index widths give eager's answer."""
+    windows, heads, n = 4, 3, 7
+    scores = torch.randn(2 * windows, heads, n, n)
+    bias, mask = torch.randn(heads, n, n), torch.randn(windows, n, n)
+
+    def fn(s, b, m):
+        s = (s + b.unsqueeze(0)).view(-1, windows, heads, n, n) + m.unsqueeze(1).unsqueeze(0)
+        return torch.softmax(s.view(-1, heads, n, n), -1)
+
+    gen, mod = build(fn, scores, bias, mask)
+    assert gen.kind == "rows"
+    for kernel in gen.code.split("@triton.jit")[1:]:
+        if "n_rows" in kernel or "_looped(" in kernel:  # the row kernels: no 64-bit cast outside BIG_INDEX's branch
+            assert kernel.count("tl.int64") == 1 and "if BIG_INDEX:" in kernel
+    assert "big = _int64_needed(" in gen.code and gen.code.count("BIG_INDEX=big") == 2
+    if variant == "looped":
+        mod.MAX_PERSISTENT_N, mod.LOOP_BLOCK_N = 0, 4
+    mod._int64_needed = lambda *tensors: big
+    torch.testing.assert_close(mod.run(scores, bias, mask)[0], fn(scores, bias, mask))
+
+
 @pytest.mark.parametrize("variant", ["persistent", "looped"])
 def test_row_max_propagates_nan(variant):
     x = torch.randn(4, 50)

@@ -21,8 +21,8 @@ import torch
 from advisor.codegen.dag import Dag
 from advisor.codegen.ir import Input, Op, Program, View
 from advisor.codegen.matmul import Anchored, Anchor, INDENT, TilePrinter, TileBuilder, assemble, kernel_params, \
-    module_name, product_expr, tensors_expr, TUNE_TEXT
-from advisor.codegen.module import view_expr
+    module_name, product_expr, TUNE_TEXT
+from advisor.codegen.module import tensors_expr, view_expr
 from advisor.codegen.plan import Plan, _unravel, size_expr
 from advisor.codegen.printer import signature
 from advisor.ops.lowering import Unsupported, tl_type

@@ -30,7 +30,7 @@ from advisor.codegen.build import Builder
 from advisor.codegen.dag import Dag, Node
 from advisor.codegen.helpers import HELPERS, helper_source
 from advisor.codegen.ir import Dim, Input, Op, Program, Sizes, Value, View, torch_dtype
-from advisor.codegen.module import COMMON, _run
+from advisor.codegen.module import COMMON, _run, tensors_expr
 from advisor.codegen.plan import Plan, Store, _unravel, size_expr
 from advisor.codegen.printer import INDENT, Printer, _ancestors, _closure, signature
 from advisor.codegen.read import _read_op, _schema, _view, read_args, set_outputs
@@ -611,10 +611,6 @@ def assemble(plan: Plan, kernels: str, launch: list, config: str, extra: str = "
              "\n" + helpers if helpers else "", "\n\n" + kernels, "\n\n" + _run(plan, launch),
              extra, COMMON, config]
     return "".join(parts).replace("\n\n\n\n", "\n\n\n").strip() + "\n"
-
-
-def tensors_expr(prog: Program) -> str:
-    return ", ".join([i.id for i in prog.inputs if i.shape] + [f"out{k}" for k in range(len(prog.outputs))])
 
 
 TUNE_TEXT = '''

@@ -196,13 +196,12 @@ def _launch_pointwise(plan: Plan, name: str, call: list) -> list:
     head = [f"    {g.numel} = out{g.outputs[0]}.numel()" for g in plan.groups]
     numels = [g.numel for g in plan.groups]
     total = numels[0] if len(numels) == 1 else f"max({', '.join(numels)})"
-    tensors = ", ".join([i.id for i in plan.prog.inputs if i.shape] + [f"out{k}" for k in range(len(plan.prog.outputs))])
     return head + [
         f"    if {total}:",
         f"        BLOCK, num_warps = _pointwise_config({total})",
         f"        grid = (triton.cdiv({total}, BLOCK),)",
         f"        {name}[grid](" + _wrap(call, ", ", 12, first=len(name) + 15) + ",",
-        f"            BLOCK=BLOCK, BIG_INDEX=_int64_needed({tensors}), num_warps=num_warps)"]
+        f"            BLOCK=BLOCK, BIG_INDEX=_int64_needed({tensors_expr(plan.prog)}), num_warps=num_warps)"]
 
 
 def _launch_rows(plan: Plan, name: str, call: list) -> list:
@@ -212,12 +211,18 @@ def _launch_rows(plan: Plan, name: str, call: list) -> list:
     return [f"    N = {n}  # row width",
             f"    R = {r}  # rows",
             "    args = (" + _wrap(call, ", ", 12, first=12) + ")",
+            f"    big = _int64_needed({tensors_expr(p)})",
             "    if R and N <= MAX_PERSISTENT_N:",
             f"        BLOCK_N, BLOCK_R, num_warps = _row_config(N, R, {_row_input(plan)}.element_size())",
             "        grid = (triton.cdiv(R, BLOCK_R),)",
-            f"        {name}[grid](*args, R, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, num_warps=num_warps)",
+            f"        {name}[grid](*args, R, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, BIG_INDEX=big, num_warps=num_warps)",
             "    elif R:",
-            f"        {name}_looped[(R,)](*args, BLOCK_N=LOOP_BLOCK_N, num_warps=LOOP_WARPS)"]
+            f"        {name}_looped[(R,)](*args, BLOCK_N=LOOP_BLOCK_N, BIG_INDEX=big, num_warps=LOOP_WARPS)"]
+
+
+def tensors_expr(prog: Program) -> str:
+    """The generated `run`'s tensors, as its source names them (inputs, then outputs): what `_int64_needed` checks."""
+    return ", ".join([i.id for i in prog.inputs if i.shape] + [f"out{k}" for k in range(len(prog.outputs))])
 
 
 def _row_input(plan: Plan) -> str:

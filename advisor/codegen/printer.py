@@ -156,9 +156,7 @@ def signature(name: str, params: list) -> str:
 def pointwise_kernel(plan: Plan, name: str, params: list) -> str:
     pr = Printer(plan)
     lines = [f"@triton.jit", signature(name, params + ["BLOCK: tl.constexpr", "BIG_INDEX: tl.constexpr"]),
-             f"{INDENT}pid = tl.program_id(0)",
-             f"{INDENT}if BIG_INDEX:  # 2**31 elements or more: 64-bit offsets",
-             f"{INDENT * 2}pid = pid.to(tl.int64)",
+             f"{INDENT}pid = tl.program_id(0)"] + _big_index("pid") + [
              f"{INDENT}offs = pid * BLOCK + tl.arange(0, BLOCK)"]
     for g in plan.groups:
         suffix = g.numel[len("numel"):]
@@ -203,8 +201,14 @@ ACC_NOTE = {torch.float32: "fp32 accumulation: bf16/fp16 partial sums would lose
 
 
 def row_kernels(plan: Plan, name: str, params: list) -> tuple[str, str]:
-    head = [f"{INDENT}row = tl.program_id(0).to(tl.int64)  # one program per row; 64-bit so row offsets cannot overflow"]
+    head = [f"{INDENT}row = tl.program_id(0)  # one program per row"] + _big_index("row")
     return _persistent(plan, name, params), _looped(plan, name + "_looped", params, head)
+
+
+def _big_index(var: str) -> list:
+    """Index math in 64 bits only where offsets can pass 2**31 (the launcher's `_int64_needed`): a row kernel
+    decomposes each row index into its dims by division, which in 64 bits the GPU emulates in many instructions."""
+    return [f"{INDENT}if BIG_INDEX:  # 2**31 elements or more: 64-bit offsets", f"{INDENT * 2}{var} = {var}.to(tl.int64)"]
 
 
 def _persistent(plan: Plan, name: str, params: list) -> str:
@@ -216,7 +220,7 @@ def _persistent(plan: Plan, name: str, params: list) -> str:
     bounds unmasked; their stores are masked off."""
     pr = Printer(plan)
     pr.taken.update({"pid", "rows", "row_mask", "n_rows"})
-    body = [f"{INDENT}pid = tl.program_id(0).to(tl.int64)  # 64-bit so row offsets cannot overflow",
+    body = [f"{INDENT}pid = tl.program_id(0)"] + _big_index("pid") + [
             f"{INDENT}rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]",
             f"{INDENT}row_mask = rows < n_rows",
             f"{INDENT}row = tl.minimum(rows, n_rows - 1)  # rows past the last recompute it; their stores are masked"]
@@ -232,7 +236,8 @@ def _persistent(plan: Plan, name: str, params: list) -> str:
         wide = id(s.offset) in per_row and s.offset.full == full
         body.append(pr.store(s, 1, "" if wide else "(BLOCK_R, BLOCK_N)" if full else "(BLOCK_R, 1)",
                              "col_mask & row_mask" if full else "row_mask"))
-    sig = signature(name, params + ["n_rows", "BLOCK_N: tl.constexpr", "BLOCK_R: tl.constexpr"])
+    sig = signature(name, params + ["n_rows", "BLOCK_N: tl.constexpr", "BLOCK_R: tl.constexpr",
+                                    "BIG_INDEX: tl.constexpr"])
     return "\n".join(["@triton.jit", sig] + body) + "\n"
 
 
@@ -254,7 +259,7 @@ def _looped(plan: Plan, name: str, params: list, head: list) -> str:
         deps = [level[id(x)] for x in _closure([r.inputs[0]], lambda n: n.kind == "reduce") if x.kind == "reduce"
                 and x is not r and id(x) in level]
         level[id(r)] = 1 + max(deps, default=0)
-    lines = ["@triton.jit", signature(name, params + ["BLOCK_N: tl.constexpr"])] + list(head)
+    lines = ["@triton.jit", signature(name, params + ["BLOCK_N: tl.constexpr", "BIG_INDEX: tl.constexpr"])] + list(head)
     done: set = set()
     scalar = [n for n in pr.needed if not n.full]
 
