@@ -52,6 +52,7 @@ SWIGLU = Structure(kind="pointwise", has=("silu", "mul"))
 ROTARY = Structure(kind="pointwise", has=("neg", "cat"))
 TANH_GELU = Structure(kind="pointwise", has=("pow", "tanh"))  # GPT-2's GELU, spelled out in pointwise ops
 ATTENTION = Structure(kind="attention")
+SOFTMAX_MASK = Structure(kind="reduction", ops=("add", "add", "softmax"))  # scores + bias + mask, softmax
 
 
 def find_candidates(cands: list[dict], structure: Structure | None = None, **fields) -> list[dict]:

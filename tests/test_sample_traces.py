@@ -415,9 +415,44 @@ def test_a_row_kernel_of_many_short_rows_is_bound_by_its_programs():
     assert width == 1024
     wide = group_cost(a.graph, group, a.device)
     assert wide.predicted_fused_us > rows * ROW_PROGRAM_S * 1e6 + a.device.launch_us  # bytes-bound
-    short = group_cost(a.graph, replace(group, rows=(301056, 49)), a.device)
+    short = group_cost(a.graph, replace(group, rows=(301056, 64)), a.device)  # bf16 rows of 128 bytes: aligned
     assert short.predicted_fused_us == pytest.approx(301056 / 16 * PACKED_PROGRAM_S * 1e6 + a.device.launch_us)
     assert short.bytes_fused == wide.bytes_fused  # the bytes do not change, only what bounds the kernel
+
+
+def test_short_unaligned_rows_cost_by_the_tensors_each_row_moves(tmp_path):
+    """Swin's shifted-window softmax (scores + per-head bias + per-window mask, rows of 49: 98 bytes in bf16, 196
+    in fp32, no multiple of 16) loads and stores one element at a time: on the H100 a packed program of it took
+    3.4 ns where a plain softmax over the same rows took 2.2 (reports/row-index-h100/). Its four row streams
+    (scores, bias and mask in, probabilities out) predict that; rows of 64 stay at the aligned packed cost."""
+    from dataclasses import replace
+
+    from advisor.analysis.cost import (PACKED_PROGRAM_S, UNALIGNED_PROGRAM_S, UNALIGNED_STREAM_S, external_io,
+                                       gpu_model, group_cost, row_streams)
+    from advisor.collect.in_process import profile_calls
+    from candidates import SOFTMAX_MASK
+
+    torch = pytest.importorskip("torch")
+    windows, heads, n = 4, 3, 49
+    scores, bias, mask = torch.randn(8 * windows, heads, n, n), torch.randn(heads, n, n), torch.randn(windows, n, n)
+
+    def window_softmax():
+        s = (scores + bias.unsqueeze(0)).view(-1, windows, heads, n, n) + mask.unsqueeze(1).unsqueeze(0)
+        return torch.softmax(s.view(-1, heads, n, n), -1)
+
+    a = analyze(profile_calls(window_softmax, tmp_path, "cpu", calls=2))
+    gpu = gpu_model()  # the CPU trace's candidates, costed as on a GPU (its bytes are a few MB: programs bound)
+    group = a.groups[find_candidate(a.doc["candidates"], SOFTMAX_MASK)["id"]][0]
+    rows, width = group.rows
+    assert (rows, width) == (8 * windows * heads * n, n)
+    reads, escapes = external_io(a.graph, group.members)
+    assert row_streams(a.graph, reads, escapes, width) == 4
+    program = UNALIGNED_PROGRAM_S + 4 * UNALIGNED_STREAM_S
+    assert program == pytest.approx(3.46e-9)
+    cost = group_cost(a.graph, replace(group, rows=(301056, n)), gpu)  # Swin-T's first stage at batch 32
+    assert cost.predicted_fused_us == pytest.approx(301056 / 16 * program * 1e6 + gpu.launch_us)
+    aligned = group_cost(a.graph, replace(group, rows=(301056, 64)), gpu)
+    assert aligned.predicted_fused_us == pytest.approx(301056 / 16 * PACKED_PROGRAM_S * 1e6 + gpu.launch_us)
 
 
 def test_a_tiny_kernel_saves_a_launch_at_least():

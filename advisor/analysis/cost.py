@@ -47,6 +47,12 @@ TRITON_GEMM_SLOWDOWN = ((96, 1.72), (192, 1.82), (384, 2.0), (768, 1.64), (1024,
 ROW_PROGRAM_S = 0.62e-9  # a program of one row
 PACKED_PROGRAM_S = 2.0e-9  # a program of several short rows, ROW_PACK_ELEMENTS in one warp
 ROW_PACK_ELEMENTS = 1024
+# Short rows whose width is no multiple of 16 bytes (Swin's windows of 49) are loaded and stored one element at a
+# time, so there a packed program's time grows with the tensors it reads and writes row by row (`row_streams`).
+# H100, bf16 rows of 49, 16 to a program: softmax (one tensor in, one out) 2.2 ns a program; the shifted-window
+# softmax (scores, bias and mask in, one out) 3.4 ns (reports/row-index-h100/).
+UNALIGNED_PROGRAM_S = 0.9e-9
+UNALIGNED_STREAM_S = 0.64e-9
 
 
 def rows_per_program(width: int, rows: int) -> int:
@@ -60,10 +66,28 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
-def row_programs_s(rows: int, width: int) -> float:
-    """The time a row kernel's programs take, however few bytes they move."""
+def row_programs_s(rows: int, width: int, streams: int = 0) -> float:
+    """The time a row kernel's programs take, however few bytes they move. `streams`: for rows that are not
+    16-byte aligned, the tensors each row loads or stores (0: aligned rows)."""
     per = rows_per_program(width, rows)
-    return -(-rows // per) * (PACKED_PROGRAM_S if per > 1 else ROW_PROGRAM_S)
+    if per == 1:
+        program = ROW_PROGRAM_S
+    else:
+        program = UNALIGNED_PROGRAM_S + streams * UNALIGNED_STREAM_S if streams else PACKED_PROGRAM_S
+    return -(-rows // per) * program
+
+
+def row_streams(graph: Graph, reads: dict[int, int], escapes: dict[int, int], width: int) -> int:
+    """For a row group whose rows are not 16 bytes aligned, the tensors its kernel loads or stores row by row:
+    outside reads and escaping outputs larger than one row (a per-column weight is loaded once a program);
+    0 for aligned rows (or no output to tell the rows' dtype by)."""
+    if not escapes:
+        return 0
+    out = graph.values[next(iter(escapes))]
+    itemsize = out.bytes // max(math.prod(out.shape), 1)
+    if not itemsize or (width * itemsize) % 16 == 0:
+        return 0
+    return sum(1 for nbytes in (*reads.values(), *escapes.values()) if nbytes > width * itemsize)
 
 
 def triton_gemm_slowdown(k: int) -> float:
@@ -238,8 +262,8 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
         # An epilogue's saving is counted by bytes (est_time_saved_us); its prediction stays the plain roofline.
         hbm = fused if group.kind == "epilogue" else fused - l2_resident_bytes(graph, group.members, reads, device,
                                                                                 traffic)
-        programs = row_programs_s(*group.rows) if group.rows and group.kind == "fusion" and device.type == "cuda" \
-            else 0.0
+        programs = row_programs_s(*group.rows, row_streams(graph, reads, escapes, group.rows[1])) \
+            if group.rows and group.kind == "fusion" and device.type == "cuda" else 0.0
         predicted = max(hbm / device.bandwidth_Bps * 1e6, flops / rate * 1e6, programs * 1e6) + device.launch_us
         yield GroupCost(int(unfused), int(fused), kernels, measured, predicted, between, in_anchor_kernel_us=in_anchor,
                         gemm_takeover_us=takeover, timeline_us=timeline)
