@@ -120,3 +120,62 @@ def test_without_variants_only_the_first_shape_is_reached(monkeypatch, tmp_path)
     c, r = bn_relu(report)
     assert "variants" not in c
     assert 0 < r.sites < c["occurrences"]
+
+
+class WindowAttention(nn.Module):
+    """timm's Swin WindowAttention without the shift mask: q, k and v are views of one projection, scores plus a
+    per-head position bias, softmax, times v (eager: the scores materialised)."""
+
+    def __init__(self, dim: int, heads: int, n: int = 16):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+        self.bias = nn.Parameter(torch.randn(heads, n, n))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = ((q * self.scale) @ k.transpose(-2, -1) + self.bias.unsqueeze(0)).softmax(-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class TwoStages(nn.Module):
+    """Swin's stages in small: windows of 16 tokens, 3 heads at width 48, then 6 heads at width 96."""
+
+    def __init__(self):
+        super().__init__()
+        self.stage1, self.stage2 = WindowAttention(48, 3), WindowAttention(96, 6)
+        self.merge = nn.Linear(48, 96)
+
+    def forward(self, x):
+        h = self.stage1(x)
+        return self.stage2(self.merge(h.reshape(-1, 2, 16, 48).mean(1)))
+
+
+def attention(report):
+    doc = json.loads((report.out_dir / "analysis.json").read_text())
+    c = next(c for c in doc["candidates"] if c["kind"] == Kind.ATTENTION.value)
+    return c, next(r for r in report.results if r.candidate == c["id"])
+
+
+@pytest.mark.parametrize("variants", [True, False], ids=["variants", "first-shape-only"])
+def test_unfused_attention_is_patched_at_every_stage(variants, monkeypatch, tmp_path):
+    """Unfused attention's kernel fixes the number of heads (q, k and v are views of one projection, at offsets
+    of whole heads): Swin-T's attention was patched at 1 block of 7 (the 3-head stage) until its other shapes got
+    kernels of their own as a fusion's do."""
+    if not variants:
+        monkeypatch.setattr(api, "MAX_SHAPE_VARIANTS", 0)
+    torch.manual_seed(0)
+    model = TwoStages().eval()
+    untouched = copy.deepcopy(model)
+    x = torch.randn(8, 16, 48)
+    report = advisor.optimize(model, (x,), interpret=True, reuse=False, out=tmp_path)
+    c, r = attention(report)
+    assert c["occurrences"] == 2
+    if variants:
+        assert len(c["variants"]) == 1 and [v["validated"] for v in r.variants] == [True]
+        assert r.patched and r.sites == 2
+    else:
+        assert "variants" not in c and r.sites == 1
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), untouched(x), rtol=1e-4, atol=1e-4)

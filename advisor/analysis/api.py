@@ -202,9 +202,12 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
             "graph": _graph_view(graph, first),
             "program": program_of(graph, first),
         }
-        # (a conv epilogue's module is cuDNN's fused conv: no Triton compile, one module per shape as a fusion's)
+        # (a conv epilogue's module is cuDNN's fused conv: no Triton compile, one module per shape as a fusion's;
+        # unfused attention's kernel fixes the heads where q, k and v are views of one projection, so Swin's four
+        # stages (3, 6, 12, 24 heads) were reached at the first stage's one block of seven)
         conv = first.kind == "epilogue" and CONV_EPILOGUE.get(graph.nodes[first.anchor].op) == "conv"
-        variants = shape_variants(graph, pat.groups, rec["program"]) if first.kind == "fusion" or conv else []
+        shaped = first.kind in ("fusion", "attention") or conv
+        variants = shape_variants(graph, pat.groups, rec["program"]) if shaped else []
         if variants:  # absent otherwise: analysis.json of a model whose occurrences share one shape is unchanged
             rec["variants"] = variants
         phase = graph.nodes[first.members[0]].phase
