@@ -130,6 +130,8 @@ class Backend:
         self.device = torch.device("cpu")  # of the graph being rewritten
         self.trains = trains  # graphs needing grads get sites with a backward (`PatchedForward.trains`)
         self.train_graphs: list[TrainGraphed] = []  # their CUDA-graph replays (GPU)
+        # The inference graphs' replays (GPU): a call needing gradients drops their recordings (`PatchedForward`)
+        self.inference_graphs: list[Graphed] = []
         self.trains_nothing = False  # a training call through it ran no site fused (its forwards fall back)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
@@ -142,7 +144,9 @@ class Backend:
         if shared is not None:
             if isinstance(getattr(shared, "runs", None), TrainGraphed):
                 self.train_graphs.append(shared.runs)  # its recordings go when this instance's training falls back
+            self.inference_graphs.extend(getattr(shared, "inference_graphs", ()))
             return shared
+        made: list[Graphed] = []  # this capture's inference replays, for the instances it is shared with
 
         def plain(g, _):
             return make_boxed_func(g.forward)
@@ -152,10 +156,10 @@ class Backend:
             timing.count("rewrites")
             with timing.timed("rewrite"):
                 self.rewrite(g)
-            if self.device.type == "cuda":
-                make_host_copies_recordable(g)
-            run = g.forward if self.device.type != "cuda" else \
-                Graphed(g.forward, ops=_ops(g.graph), out_bytes=_output_bytes(g.graph))
+            run = replayed(g, self.device)
+            if isinstance(run, Graphed):
+                made.append(run)
+                self.inference_graphs.append(run)
             return make_boxed_func(_counted(run))
 
         compiled = None
@@ -165,6 +169,8 @@ class Backend:
         if compiled is None:
             compiled = aot_module_simplified(gm, example_inputs, fw_compiler=plain, bw_compiler=plain,
                                              inference_compiler=inference)
+        with contextlib.suppress(AttributeError):  # (a callable that takes no attribute: not shared either)
+            compiled.inference_graphs = made
         if key is not None:
             with contextlib.suppress(TypeError):  # a callable that takes no weak reference is not shared
                 _SHARED[key] = compiled
@@ -357,6 +363,15 @@ _RAN = threading.local()  # counts rewritten graphs run in this thread: did a ca
 
 def graphs_run() -> int:
     return getattr(_RAN, "n", 0)
+
+
+def replayed(g: torch.fx.GraphModule, device: torch.device) -> Callable:
+    """A rewritten inference graph's forward as it runs: replayed from CUDA graphs on a GPU (`Graphed`), op by op
+    elsewhere."""
+    if device.type != "cuda":
+        return g.forward
+    make_host_copies_recordable(g)
+    return Graphed(g.forward, ops=_ops(g.graph), out_bytes=_output_bytes(g.graph))
 
 
 def _counted(fn: Callable) -> Callable:

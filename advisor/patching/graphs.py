@@ -68,6 +68,7 @@ class Recording:
     inputs: list  # per argument: a static buffer to copy into, or None (read in place / not a tensor)
     outputs: list
     derived: list = field(default_factory=list)  # `derived.Derived` entries it reads: refreshed before a replay
+    reads: frozenset = frozenset()  # addresses of the tensors it reads in place (parameters, buffers)
 
 
 def clear_recordings() -> None:
@@ -75,6 +76,31 @@ def clear_recordings() -> None:
     After timing patterns one by one, and on unpatch: recordings of states no longer used hold memory."""
     for g in list(_LIVE):
         g.recordings.clear()
+
+
+def drop_recordings_reading(graphs, addresses: set) -> bool:
+    """Drop the recordings among `graphs` that read any tensor at `addresses` in place (one model's parameters:
+    another model sharing the capture keeps its own); returns whether any was dropped."""
+    dropped = False
+    for g in graphs:
+        for key in [k for k, rec in g.recordings.items() if rec.reads & addresses]:
+            del g.recordings[key]
+            dropped = True
+    return dropped
+
+
+def release_pool(kind: str) -> bool:
+    """Once no recording of `kind` ("inference" or "training") is left, hand its pool's memory back to the
+    caching allocator (what the recordings kept stays reserved in the pool otherwise); the next recording
+    starts a new pool. Returns whether a pool was handed back."""
+    if any(g.pool_kind == kind and g.recordings for g in list(_LIVE)):
+        return False
+    dropped = [key for key in CudaRecorder._pools if key[1] == kind]
+    for key in dropped:
+        CudaRecorder._pools.pop(key)
+    if dropped and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return bool(dropped)
 
 
 class CudaRecorder:
@@ -161,6 +187,8 @@ class CudaRecorder:
 
 class Graphed:
     """`fn(*args)` (a rewritten graph's forward) replayed from CUDA graphs where it can be."""
+
+    pool_kind = "inference"  # the shared pool its recordings live in (`CudaRecorder.pool`, `release_pool`)
 
     def __init__(self, fn: Callable, recorder=None, ops: int | None = None, out_bytes: int = 0):
         self.fn = fn
@@ -249,7 +277,8 @@ class Graphed:
         static_args = [a if s is None else s for a, s in zip(args, inputs)]
         with derived.reading() as used:
             replay, outs = self.recorder.record(self.fn, static_args)
-        return Recording(replay, inputs, outs, list({id(d): d for d in used}.values()))
+        reads = frozenset(a.data_ptr() for a in args if input_kind(a, self.recorder.device_type) == "in place")
+        return Recording(replay, inputs, outs, list({id(d): d for d in used}.values()), reads)
 
     @staticmethod
     def _run(rec: Recording, args) -> list:

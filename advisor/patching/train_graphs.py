@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from advisor.patching import rewrite
-from advisor.patching.graphs import _LIVE as _GRAPHED, CudaRecorder, Graphed, _copy_in, _copy_out
+from advisor.patching.graphs import _LIVE as _GRAPHED, CudaRecorder, Graphed, _copy_in, _copy_out, release_pool
 
 WARMUP = 2  # forward + backward runs before recording: Triton compiles, autotuning, workspaces
 _SEQ = itertools.count()
@@ -74,14 +74,10 @@ def release_unused_pool() -> None:
     """Once no training recording is left (every patched forward's training calls fell back to eager's ops),
     hand the training pool's memory back: what its recordings kept stays reserved in it otherwise (BERT:
     14 GB reserved for eager's 6). A later recording starts a new pool."""
-    if any(isinstance(g, TrainGraphed) and g.recordings for g in list(_GRAPHED)):
+    if any(g.pool_kind == "training" and g.recordings for g in list(_GRAPHED)):
         return
-    dropped = [key for key in CudaRecorder._pools if key[1] == "training"]
-    for key in dropped:
-        CudaRecorder._pools.pop(key)
     _SHARED.clear()  # the gradient buffers: a recording still alive in an old autograd graph holds its own
-    if dropped and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_pool("training")
 
 
 def drop_training_recordings() -> None:
@@ -104,6 +100,8 @@ def mutates(graph: torch.fx.Graph) -> bool:
 
 class TrainGraphed(Graphed):
     """`fn(*args)` (a rewritten training graph's forward) replayed with its backward where it can be."""
+
+    pool_kind = "training"
 
     def __init__(self, fn: Callable, recorder=None, ops: int | None = None, out_bytes: int = 0):
         # Forward and backward both run from Python when not replayed: twice the launches a replay saves.
