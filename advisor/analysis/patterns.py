@@ -99,11 +99,15 @@ def group_family(graph: Graph, group: Group) -> Family:
     return family_of(_labels(graph, group), group)
 
 
+TITLE_OPS = 12  # ops a title spells out: RWKV's recurrence, unrolled over the sequence, is one chain of ~400
+
+
 def title(graph: Graph, group: Group, occurrences: list[Group] | None = None) -> str:
     """`Name: op → op → op`. An epilogue names the projection(s) whose matmul anchors it, over `occurrences`
     (default: `group` alone): Llama's gate and up SwiGLU epilogues are two patterns that read alike otherwise."""
     labels = _labels(graph, group)
-    chain = " → ".join(labels)
+    chain = " → ".join(labels if len(labels) <= TITLE_OPS else
+                       [*labels[:TITLE_OPS - 3], f"… {len(labels) - TITLE_OPS + 1} more …", *labels[-2:]])
     name = padded_name(graph, group, occurrences or [group]) if group.kind == "padded_matmul" else _name(labels, group)
     if group.kind == "epilogue" and group.anchor is not None:
         where = projections(graph, occurrences or [group])

@@ -37,7 +37,7 @@ from advisor.ops.registry import OpClass, op_class
 from advisor.patching import epilogue, rewrite, splade, timing
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import make_host_copies_recordable
-from advisor.patching.match import Pattern, find, is_transparent
+from advisor.patching.match import Pattern, SearchTooLong, find, is_transparent
 from advisor.patching.noop_copies import drop_identity_copies
 from advisor.patching.plan import PatternSpec
 from advisor.patching.program import program_graph, run_program
@@ -133,6 +133,9 @@ class Backend:
         # The inference graphs' replays (GPU): a call needing gradients drops their recordings (`PatchedForward`)
         self.inference_graphs: list[Graphed] = []
         self.trains_nothing = False  # a training call through it ran no site fused (its forwards fall back)
+        # Inference graphs rewritten: with a site substituted, and without one after some had been (inputs at
+        # shapes never profiled: the patterns are made for the profiled ones)
+        self.fused_graphs = self.unfused_graphs = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
@@ -154,8 +157,13 @@ class Backend:
         def inference(g, _):
             drop_identity_copies(g)  # eval-mode dropout: eager runs no kernel for it, AOTAutograd a copy
             timing.count("rewrites")
+            sites = sum(map(len, self.log.sites.values()))
             with timing.timed("rewrite"):
                 self.rewrite(g)
+            if sum(map(len, self.log.sites.values())) > sites:
+                self.fused_graphs += 1
+            elif self.fused_graphs:
+                self.unfused_graphs += 1
             run = replayed(g, self.device)
             if isinstance(run, Graphed):
                 made.append(run)
@@ -251,8 +259,12 @@ class Backend:
             exclude: set = set()
             escapes: list = []
             while True:
-                with timing.timed("find"):
-                    m = find(pattern, gm.graph, exclude, escapes)
+                try:
+                    with timing.timed("find"):
+                        m = find(pattern, gm.graph, exclude, escapes)
+                except SearchTooLong as e:  # the sites found so far stay; the rest of this graph is not searched
+                    self.log.rejected[spec.key].append(str(e))
+                    break
                 if m is None:
                     break
                 if training and rewrite.reads_outside_inputs(m, program["inputs"]):

@@ -115,6 +115,8 @@ def _wrapped_by_dynamo(fn: Callable) -> bool:
 EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
 TRAINING_CALL = ("a call needing gradients: the original forward runs it, as by default (optimize(..., train=True) "
                  "trains through the fused kernels)")
+UNPROFILED = ("inputs at shapes never profiled: no pattern matches them (kernels are made for the profiled "
+              "shapes), so its new capture runs the module's own ops (optimize with these inputs to fuse them)")
 NO_BACKWARD = ("no fused backward validated (or faster than the original ops) here: calls needing gradients run the "
                "original forward")
 
@@ -307,7 +309,7 @@ class PatchedForward:
                               "original forward, which honours them (optimize again to fuse with them)",
                               RuntimeWarning, stacklevel=2)
             return self._fall_back(changed, args, kwargs)
-        ran, captures = graphs_run(), self._backend.captures
+        ran, captures, unfused = graphs_run(), self._backend.captures, self._backend.unfused_graphs
         spent = self._budget is not None and self._capturing_calls >= self._budget
         lead = self._target()[1]
         caller = rewrite.set_caller(id(self))
@@ -323,7 +325,7 @@ class PatchedForward:
                 if out is _NOT_SERVED:  # the shared capture's guards refuse this instance: its own from now on
                     via.refused += 1
                     fn = self._own()
-                    captures = self._backend.captures
+                    captures, unfused = self._backend.captures, self._backend.unfused_graphs
                 else:
                     via.served += 1
             if out is _NOT_SERVED and spent:
@@ -344,6 +346,8 @@ class PatchedForward:
                 rewrite.set_enabled(None)
         if self._backend.captures > captures:
             self._capturing_calls += 1
+            if self._backend.unfused_graphs > unfused:
+                self.fallbacks[UNPROFILED] = self.fallbacks.get(UNPROFILED, 0) + 1
             if breaks is not None and _graph_breaks() > breaks:
                 self._owns.breaks = True  # the other instances compile their own from now on
         if graphs_run() == ran:  # dynamo ran the frame without our graph (recompile limit, skipped frame)

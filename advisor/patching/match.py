@@ -21,7 +21,10 @@ node of the captured graph G such that:
 The search starts from one P node (an output), tries every G node with that op, and grows the
 mapping along P's edges (an argument of a mapped node is determined; a consumer of a mapped node is
 searched among the G users of its image), backtracking on conflicts. Programs are small, so this
-is cheap.
+is cheap; a long one over many identical ops is not (RWKV's recurrence unrolled over the sequence: a
+chain of ~400 pointwise ops, the search backtracking across its repeats for minutes), so one `find`
+may do `SEARCH_BUDGET` units of work (a node tried, weighted by the mapping it extends) and then
+raises `SearchTooLong`: that pattern stays unpatched in that graph, said in the capture's log.
 
 Not matched yet (reported as "not found"): programs whose nodes are not connected through dataflow;
 a capture that computes the same thing with different ops (e.g. a hand-written pow/mean/rsqrt chain
@@ -251,19 +254,40 @@ class Escape:
         return f"the result of its {self.op} (op {self.position} of {self.ops}) is also {where}"
 
 
+SEARCH_BUDGET = 200_000  # work units for one `find` (under a second of Python); the tiny HF models' patterns use 10-123
+
+
+class SearchTooLong(RuntimeError):
+    """The search for one pattern ran past `SEARCH_BUDGET`: the pattern is left unpatched in that graph."""
+
+
+class _Budget:
+    def __init__(self, pattern: Pattern):
+        self.left, self.ops = SEARCH_BUDGET, len(pattern.compute)
+
+    def spend(self, st: _State) -> None:
+        self.left -= 1 + len(st.p2g)  # a node tried costs a copy of the mapping and a scan of it
+        if self.left < 0:
+            raise SearchTooLong(f"gave up matching a pattern of {self.ops} ops after {SEARCH_BUDGET:,} steps of "
+                                "search (many identical ops to try)")
+
+
 def find(pattern: Pattern, graph: Graph, exclude: set[Node] = frozenset(),
          escapes: list[Escape] | None = None) -> Match | None:
     """The first match of the pattern in graph order, avoiding `exclude`; None if there is none.
-    `escapes` gets an `Escape` for each complete match refused because an intermediate escapes it."""
+    `escapes` gets an `Escape` for each complete match refused because an intermediate escapes it.
+    Raises `SearchTooLong` past `SEARCH_BUDGET`."""
     anchor = pattern.compute[0]
     key = canonical(anchor)
+    budget = _Budget(pattern)
     for g in list(graph.nodes):
         if g in exclude or g.op != "call_function" or canonical(g) != key:
             continue
         st = _State(pattern)
+        budget.spend(st)
         if not _bind(pattern, anchor, g, st):
             continue
-        done = _grow(pattern, 1, st, exclude)
+        done = _grow(pattern, 1, st, exclude, budget)
         if done is not None:
             m = _finish(pattern, done, escapes)
             if m is not None:
@@ -271,16 +295,17 @@ def find(pattern: Pattern, graph: Graph, exclude: set[Node] = frozenset(),
     return None
 
 
-def _grow(pattern: Pattern, i: int, st: _State, exclude) -> _State | None:
+def _grow(pattern: Pattern, i: int, st: _State, exclude, budget: _Budget) -> _State | None:
     if i == len(pattern.compute):
         return st
     p = pattern.compute[i]
     for g in _candidates(pattern, p, st):
         if g in st.g2p or g in exclude or g.op != "call_function" or canonical(g) != canonical(p):
             continue
+        budget.spend(st)
         trial = st.copy()
         if _bind(pattern, p, g, trial):
-            done = _grow(pattern, i + 1, trial, exclude)
+            done = _grow(pattern, i + 1, trial, exclude, budget)
             if done is not None:
                 return done
     return None

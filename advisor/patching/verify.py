@@ -1,5 +1,7 @@
 """Patched vs unpatched on the same inputs; a pattern whose outputs differ is unpatched and says why.
-A call that draws random numbers (dropout in training mode) is not compared: no two of its calls agree.
+Every call of a check starts from one random-number state (`_same_draws`): a call that draws random numbers
+(ViTMAE's random masking, in eval mode too) is compared at the same draws; where the patched call draws
+differently its patterns are dropped as any that differ are. The caller's random stream moves on as for one call.
 
 `check(call, handle, exact)`: runs `call()` with patches off (the reference) and on, compares with
 validation's dtype tolerances (and, for low-precision models, validation's rule against a float32
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -96,19 +99,56 @@ class Check:
         return {**self.comparison.as_dict(), "dropped": dict(self.dropped), "seconds": dict(self.seconds)}
 
 
+@contextlib.contextmanager
+def _same_draws():
+    """Yields `rerun(fn)`: `fn` made to start from the random state (CPU and current GPU) this block began with,
+    every time it is called. After the block the state is the first call's end state: the caller's random
+    stream moves on as for the one call it asked for (a training script's next dropout mask is a new one)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+
+    def state():
+        return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+    def restore(st):
+        torch.set_rng_state(st[0])
+        for d, g in zip(devices, st[1]):
+            torch.cuda.set_rng_state(g, d)
+
+    start, after = state(), []
+
+    def rerun(fn):
+        def again():
+            restore(start)
+            out = fn()
+            if not after:
+                after.append(state())
+            return out
+        return again
+    try:
+        yield rerun
+    finally:
+        if after:
+            restore(after[0])
+
+
 def check(call: Callable[[], object], handle: Patched, exact: Callable[[], object] | None = None) -> Check:
     """`exact()`, when given, computes the same call in float32 (see `float32_reference`); it is only run
     when the patched output is not within the dtype tolerance of the unpatched one."""
+    with _same_draws() as rerun:
+        return _check(rerun(call), handle, exact and rerun(exact))
+
+
+def _check(call: Callable[[], object], handle: Patched, exact: Callable[[], object] | None) -> Check:
     clock = Stopwatch()
     with clock("unpatched call"), patches_off(), _RandomOps() as random_ops:
         ref = call()
-    if random_ops.seen:  # no two calls agree (dropout in a training script): nothing to compare, nothing dropped
-        return Check(Comparison(True, f"not compared: the call draws random numbers ({random_ops.seen})",
-                                exact=False), {}, handle, ref, clock.seconds)
     with clock("first patched call"):
         out = call()
     with clock("compare"):
         cmp = compare_outputs(ref, out)
+    if random_ops.seen:  # said beside the verdict: these outputs agree (or not) at one random state
+        cmp = dataclasses.replace(cmp, reason=f"{cmp.reason or 'outputs as unpatched'} (at the same random "
+                                  f"draws: the call draws random numbers, {random_ops.seen})")
     exact_out = None
     if not cmp.ok and exact is not None:
         with clock("float32 reference"):
