@@ -36,14 +36,21 @@ class Recurrence(nn.Module):
         return self.proj(torch.stack(outs, 1))
 
 
+def optimized(make, x, out):
+    """(the model optimised, an untouched copy of it, the report): built from one seed, in eval mode."""
+    torch.manual_seed(0)
+    model = make().eval()
+    untouched = copy.deepcopy(model)
+    with torch.no_grad():
+        report = advisor.optimize(model, (x,), interpret=True, reuse=False, out=out)
+    return model, untouched, report
+
+
 def test_a_long_repeated_chain_is_given_up_not_searched_for_minutes(monkeypatch, tmp_path):
     monkeypatch.setattr(match, "SEARCH_BUDGET", 2000)  # the tiny graph's search, as RWKV's at full size
-    torch.manual_seed(0)
-    model = Recurrence().eval()
-    untouched = copy.deepcopy(model)
     x = torch.randn(2, 24, 16)
+    model, untouched, report = optimized(Recurrence, x, tmp_path)
     with torch.no_grad():
-        report = advisor.optimize(model, (x,), interpret=True, reuse=False, out=tmp_path)
         torch.testing.assert_close(model(x), untouched(x))
     long = max(report.results, key=lambda r: (r.title or "").count("→"))
     assert "more …" in long.title and long.title.count("→") < 15  # the chain elided in its title
@@ -88,12 +95,8 @@ def test_a_call_that_draws_random_numbers_is_checked_at_the_same_draws(tmp_path)
     compared"), so optimize reported every pattern at 0 sites while the model stayed patched and its next
     calls ran the kernels unchecked. Both calls of the check now start from one random state: the patterns
     are checked, counted at their sites, and the caller's random stream moves on as for one call."""
-    torch.manual_seed(0)
-    model = RandomMasking().eval()
-    untouched = copy.deepcopy(model)
+    model, untouched, report = optimized(RandomMasking, torch.randn(2, 16, 32), tmp_path)
     x = torch.randn(2, 16, 32)
-    with torch.no_grad():
-        report = advisor.optimize(model, (x,), interpret=True, reuse=False, out=tmp_path)
     assert "same random draws" in report.check["reason"] and report.check["ok"], report.check
     patched = [r for r in report.results if r.patched]
     assert patched and all(r.sites > 0 for r in patched), [(r.title, r.verdict) for r in report.results]
@@ -121,12 +124,8 @@ def test_a_new_shape_that_fuses_nothing_is_said(tmp_path):
         def forward(self, x):
             return self.norm(x + torch.relu(self.fc(x)))
 
-    torch.manual_seed(0)
-    model = Block().eval()
-    untouched = copy.deepcopy(model)
-    x = torch.randn(2, 16, 32)
+    model, untouched, report = optimized(Block, torch.randn(2, 16, 32), tmp_path)
     with torch.no_grad():
-        report = advisor.optimize(model, (x,), interpret=True, reuse=False, out=tmp_path)
         assert [r for r in report.results if r.patched]
         assert not any(UNPROFILED in why for why in report.handle.fallbacks().values())
         other = torch.randn(3, 5, 32)
