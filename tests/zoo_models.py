@@ -100,6 +100,15 @@ def whisper_inputs(batch: int, dec_len: int) -> dict:
             "decoder_input_ids": token_ids(batch, dec_len, salt=1)}
 
 
+def speech2text_inputs(batch: int, dec_len: int) -> dict:
+    """Filter-bank frames (4 a decoder token) with padding at the end of row 1, and decoder tokens."""
+    frames = 4 * dec_len
+    mask = torch.ones(batch, frames, dtype=torch.long)
+    mask[1, -8:] = 0
+    return {"input_features": torch.randn(batch, frames, 16, generator=_gen(batch, dec_len)), "attention_mask": mask,
+            "decoder_input_ids": token_ids(batch, dec_len // 2 + 1, salt=1)}
+
+
 def audio(batch: int, samples: int) -> dict:
     return {"input_values": torch.randn(batch, samples, generator=_gen(batch, samples))}
 
@@ -326,6 +335,32 @@ ARCHS: list[Arch] = [
     Arch("poolformer", "vision", hf("PoolFormerModel", "PoolFormerConfig", hidden_sizes=[16, 32], depths=[1, 1],
                                     num_encoder_blocks=2, patch_sizes=[7, 3], strides=[4, 2], padding=[2, 1]),
          pixels, *IMG),
+    # from a sweep of architectures outside the zoo (session 21): each ran, matched eager and patched something
+    Arch("xlnet", "encoder", hf("XLNetModel", "XLNetConfig", vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4,
+                                d_inner=128, **TOKENS), text),
+    Arch("convbert", "encoder", hf("ConvBertModel", "ConvBertConfig", embedding_size=64, head_ratio=2,
+                                   conv_kernel_size=9, **LM), text),
+    Arch("longformer", "encoder", hf("LongformerModel", "LongformerConfig", attention_window=8,
+                                     **{**LM, "max_position_embeddings": 80}), text),
+    Arch("jamba", "causal-lm", hf("JambaForCausalLM", "JambaConfig", num_key_value_heads=2, num_experts=4,
+                                  num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+                                  attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4,
+                                  mamba_expand=2, mamba_dt_rank=8, **LM), text),
+    Arch("deepseek_v3", "causal-lm", hf("DeepseekV3ForCausalLM", "DeepseekV3Config", num_key_value_heads=4,
+                                        moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                        v_head_dim=16, **LM), text),
+    Arch("gpt_oss", "causal-lm", hf("GptOssForCausalLM", "GptOssConfig", num_key_value_heads=2, head_dim=16,
+                                    num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    **{**LM, "intermediate_size": 64}), text),
+    Arch("speech2text", "speech", hf("Speech2TextForConditionalGeneration", "Speech2TextConfig", vocab_size=VOCAB,
+                                     d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                     input_feat_per_channel=16, input_channels=1, conv_kernel_sizes=(5, 5),
+                                     conv_channels=32, max_source_positions=64, max_target_positions=64,
+                                     decoder_start_token_id=1, **TOKENS), speech2text_inputs),
     # hand-written
     Arch("convnet", "hand-written", lambda: _batch_norm_stats(ConvNet()), pixels, (2, 16), (3, 12)),
     Arch("mlp", "hand-written", MLP, mlp_inputs),
