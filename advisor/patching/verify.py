@@ -146,9 +146,6 @@ def _check(call: Callable[[], object], handle: Patched, exact: Callable[[], obje
         out = call()
     with clock("compare"):
         cmp = compare_outputs(ref, out)
-    if random_ops.seen:  # said beside the verdict: these outputs agree (or not) at one random state
-        cmp = dataclasses.replace(cmp, reason=f"{cmp.reason or 'outputs as unpatched'} (at the same random "
-                                  f"draws: the call draws random numbers, {random_ops.seen})")
     exact_out = None
     if not cmp.ok and exact is not None:
         with clock("float32 reference"):
@@ -156,6 +153,9 @@ def _check(call: Callable[[], object], handle: Patched, exact: Callable[[], obje
         if exact_out is not None:
             with clock("compare"):
                 cmp = compare_outputs(ref, out, exact_out)
+    if random_ops.seen:  # said beside the verdict: these outputs agree (or not) at one random state
+        cmp = dataclasses.replace(cmp, reason=f"{cmp.reason or 'outputs as unpatched'} (at the same random "
+                                  f"draws: the call draws random numbers, {random_ops.seen})")
     if cmp.ok:
         return Check(cmp, {}, handle, out, clock.seconds)
     live = [s.key for s in handle.plan.patterns if handle.sites(s.key)]
