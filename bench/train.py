@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 MODELS = ["hf_llama", "hf_gpt2", "hf_bert", "timm_vit", "splade"]
 DEFAULT_MODELS = "hf_llama,hf_gpt2"  # ~3 min each on an H100 (two compiles, one optimize): the 8-minute budget
 # eager_again: eager once more, last (how far the GPU drifted over the run: modes run one after another)
+WARM_S = 3.0  # steps of every interleaved mode, in turn, before the timed rounds
 MODES = ["eager", "compile", "advisor", "lce", "liger", "advisor_lce", "eager_again", "advisor_autocast"]
 # --autocast: fp32 weights, each step's forward and loss under `torch.autocast` (bf16 on a GPU), the usual mixed-
 # precision loop; `advisor` calls optimize outside the autocast context (as most scripts would),
@@ -188,6 +189,7 @@ class Mode:
         self.leaves = [x for x in (w.inputs if isinstance(w.inputs, tuple) else ())
                        if getattr(x, "requires_grad", False)]
         self.times, self.losses, self.extra, self.peak, self.reserved = [], [], [], 0, 0
+        self.rounds: list = []  # medians of the interleaved rounds (child)
         self.steps = 0
 
     def step(self, timed: bool) -> None:
@@ -240,6 +242,8 @@ class Mode:
         res, torch = self.res, self.torch
         res["step_ms"] = round(statistics.median(self.times), 3)
         res["step_ms_min"] = round(min(self.times), 3)
+        if self.rounds:  # each interleaved round's median: how far the run drifted
+            res["round_ms"] = [round(x, 3) for x in self.rounds]
         if self.device == "cuda":
             # the steady state only (peaks reset before each timed step): not compile's or validation's scratch.
             # Interleaved, other modes' models share the GPU: this mode's peak is what it keeps plus its step's peak.
@@ -318,12 +322,21 @@ def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: 
             except Exception as e:
                 ready.pop(mode, None)
                 doc["modes"][mode] = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:500]}
+        # Warmed up again, all together, right before the rounds: each mode was built and warmed minutes
+        # before the first round (compile, optimize), and the GPU's clocks and the allocator had cooled in
+        # between: BERT's eager rounds read 43.6, 38.8, 33.8 ms on the H100 (session 13), first the slowest.
+        warm_until = time.perf_counter() + (0.0 if quick else WARM_S)
+        while ready and time.perf_counter() < warm_until:
+            for m in ready.values():
+                m.step(False)
         per_round = max(1, -(-steps // rounds))
-        for _ in range(rounds):
-            for mode, m in list(ready.items()):
+        for r in range(rounds):
+            names = list(ready) if r % 2 == 0 else list(ready)[::-1]  # ABBA: drift within a round hits all alike
+            for mode, m in [(k, ready[k]) for k in names if k in ready]:
                 try:
                     for _ in range(per_round):
                         m.step(True)
+                    m.rounds.append(statistics.median(m.times[-per_round:]))
                 except Exception as e:  # a mode failing mid-run leaves the others timed
                     doc["modes"][mode] = {"mode": mode, "error": f"{type(e).__name__}: {e}"[:500]}
                     ready.pop(mode).close()
