@@ -5,6 +5,8 @@
 #   OUT=/dir ZOO_COMMIT=abc1234 bash bench/gpu_parallel.sh
 # Queues (env, comma-separated; empty skips): ZOO0, ZOO1, ZOO2 (bench/zoo.py --models), SUITE0, SUITE1
 # (bench/suite.py --workloads). GPUs are handed out in that order to the queues that are set.
+# TRAIN (bench/train.py --models, modes TRAIN_MODES): training steps on the last queue's GPU once that queue is
+# done (the suite's queues finish in about half the zoo's time), within the same LIMIT.
 # Writes $OUT/run.tar.gz (zoo<i>.{json,md}, suite<i>/bench-*.{md,json,jsonl}, logs) and $OUT/session.log.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +30,8 @@ for q in ZOO0 ZOO1 ZOO2 SUITE0 SUITE1; do [ -n "${!q:-}" ] && queues=$((queues +
 cores=$(nproc)
 per=$(( cores / (queues > 0 ? queues : 1) ))
 export TORCHINDUCTOR_COMPILE_THREADS=$per FUSION_ADVISOR_COMPILE_WORKERS=$(( per < 8 ? per : 8 ))
+lastq=
+for q in ZOO0 ZOO1 ZOO2 SUITE0 SUITE1; do [ -n "${!q:-}" ] && lastq=$q; done
 gpu=0
 pids=()
 for q in ZOO0 ZOO1 ZOO2 SUITE0 SUITE1; do
@@ -41,6 +45,13 @@ for q in ZOO0 ZOO1 ZOO2 SUITE0 SUITE1; do
     else
         cmd=(python3 bench/suite.py --workloads "$list" --budget "$SUITE_BUDGET" --out "$RUN/suite$i"
              --logs "$RUN/suite$i/logs")
+    fi
+    if [ "$q" = "$lastq" ] && [ -n "${TRAIN:-}" ]; then  # the last queue: training steps after it, same GPU
+        train=(python3 bench/train.py --models "$TRAIN" --modes "${TRAIN_MODES:-eager,compile,advisor}"
+               --steps 15 --rounds 5 --out "$RUN/train")
+        log "TRAIN after $q on GPU $gpu: ${train[*]}"
+        cmd=(bash -c "$(printf '%q ' "${cmd[@]}"); $(printf '%q ' "${train[@]}") >$(printf '%q' "$RUN/train.log") 2>&1"
+             )
     fi
     log "$q on GPU $gpu, CPUs $cpus: ${cmd[*]}"
     CUDA_VISIBLE_DEVICES=$gpu taskset -c "$cpus" timeout --kill-after=10 "$LIMIT" "${cmd[@]}" >"$RUN/$q.log" 2>&1 &
