@@ -3,7 +3,7 @@
 A patched module and its PatchedForward refer to each other, so a deep copy of a patched model is freed only
 by a full garbage collection, which a process holding few Python objects but gigabytes of GPU memory may not
 run for a long time: on the H100 BERT-base's float32 twin (420 MB) was still allocated after `optimize`
-returned, through the user's training steps (bench/train_memory.py). The twin is a copy without the patches.
+returned, through the user's training steps (bench/train_memory.py). A PatchedForward holds its module weakly.
 """
 from __future__ import annotations
 
@@ -42,3 +42,44 @@ def test_the_float32_twin_is_freed_when_its_call_returns(monkeypatch):
         gc.enable()
     torch.testing.assert_close(out, model.float()(x.float()), rtol=0, atol=0)
     assert isinstance(model[0].__dict__["forward"], PatchedForward)  # the user's model keeps its patches
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.norm(x + torch.relu(self.fc(x)))
+
+
+def test_a_patched_model_let_go_of_is_freed_without_a_garbage_collection(tmp_path):
+    """The same cycle in the user's own model: once they drop their last reference to a model `optimize`
+    patched (and called), its parameters are freed, as an unpatched model's are, not at some later full
+    collection. Its copies (an EMA teacher made by `copy.deepcopy`) work and are freed alike."""
+    import copy
+
+    import advisor
+    from advisor.patching import patched_modules
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block()).eval()
+    x = torch.randn(4, 8, 32)
+    with torch.no_grad():
+        want = model(x)
+    report = advisor.optimize(model, (x,), interpret=True, reuse=False, out=tmp_path)
+    assert patched_modules(model) and report.applied
+    teacher = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(teacher(x), want, rtol=1e-5, atol=1e-5)
+    params = [weakref.ref(p) for m in (model, teacher) for p in m.parameters()]
+    del report
+    gc.collect()  # what optimize itself left for the collector is not the point here
+    gc.disable()
+    try:
+        del model, teacher
+        assert all(ref() is None for ref in params)
+    finally:
+        gc.enable()

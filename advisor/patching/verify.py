@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from advisor.bench.compare import Comparison, compare_outputs
 from advisor.ops import registry
-from advisor.patching import Patched, only, patch, patched_modules, patches_off, whole
+from advisor.patching import Patched, only, patch, patches_off, whole
 from advisor.patching.capture import launched_sites
 from advisor.stopwatch import Stopwatch
 
@@ -182,20 +182,6 @@ def _check(call: Callable[[], object], handle: Patched, exact: Callable[[], obje
     return Check(cmp, dropped, new, ref, clock.seconds)
 
 
-def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of `module` running its original forwards. A patched module and its PatchedForward refer to
-    each other (module.forward -> PatchedForward.module -> module): a copy keeping them would be freed only by
-    the next full garbage collection, not when its last reference goes; BERT-base's float32 twin (420 MB)
-    outlived `optimize` into the user's training loop on the H100 (bench/train_memory.py)."""
-    twin = copy.deepcopy(module)
-    for _, fwd in patched_modules(twin):
-        if fwd.saved is None:
-            del fwd.module.__dict__["forward"]
-        else:
-            fwd.module.forward = fwd.saved
-    return twin
-
-
 def float32_reference(module: torch.nn.Module, args: tuple, kwargs: dict) -> Callable[[], object] | None:
     """A function computing `module(*args, **kwargs)` on a float32 copy (floating inputs upcast, patches
     off): the exact answer that low-precision outputs are judged against. None when the module already
@@ -212,7 +198,7 @@ def float32_reference(module: torch.nn.Module, args: tuple, kwargs: dict) -> Cal
         return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
     def run():
-        twin = _plain_copy(module).float()
+        twin = copy.deepcopy(module).float()
         a, k = tree_map(up, (args, kwargs))
         try:
             with patches_off(), torch.inference_mode():
