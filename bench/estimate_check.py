@@ -92,11 +92,13 @@ def child(name: str, out: Path) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="mistral,gemma")
+def per_model_main(argv, doc: str, script: str, child, models: str, timeout: int) -> int:
+    """The parent of a per-model benchmark: `child(name, out)` run for each of --models in a process of its own
+    (`script --child NAME`), so that one model's memory, caches and dynamo state never reach the next."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--models", default=models)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--timeout", type=int, default=150)
+    p.add_argument("--timeout", type=int, default=timeout)
     p.add_argument("--child")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -104,11 +106,15 @@ def main(argv=None) -> int:
         return child(a.child, a.out)
     for name in a.models.split(","):
         try:
-            rc = subprocess.run([sys.executable, __file__, "--child", name, "--out", str(a.out)], timeout=a.timeout).returncode
+            rc = subprocess.run([sys.executable, script, "--child", name, "--out", str(a.out)], timeout=a.timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         print(f"{name}: rc {rc}", flush=True)
     return 0
+
+
+def main(argv=None) -> int:
+    return per_model_main(argv, __doc__, __file__, child, "mistral,gemma", 150)
 
 
 if __name__ == "__main__":

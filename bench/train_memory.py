@@ -14,10 +14,8 @@ copy trained beside it in the same process is the baseline: its steps' peak and 
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -135,22 +133,9 @@ def snapshot(torch, model, opt, base, held, gb) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="hf_llama,hf_bert")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--timeout", type=int, default=200)
-    p.add_argument("--child")
-    a = p.parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
-    if a.child:
-        return child(a.child, a.out)
-    for name in a.models.split(","):
-        try:
-            rc = subprocess.run([sys.executable, __file__, "--child", name, "--out", str(a.out)], timeout=a.timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        print(f"{name}: rc {rc}", flush=True)
-    return 0
+    from estimate_check import per_model_main
+
+    return per_model_main(argv, __doc__, __file__, child, "hf_llama,hf_bert", 200)
 
 
 if __name__ == "__main__":
