@@ -92,7 +92,7 @@ def describe_timing(e2e: dict) -> str:
 def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "layer", reuse: bool = True, select: bool | None = None,
-             interpret: bool = False, train: bool = False) -> OptimizeReport:
+             interpret: bool = False, train: bool = False, train_memory: float = 0.0) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
     use_interpreter_without_gpu()
@@ -105,11 +105,11 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
 
     with eval_if_unrepeatable(model, call) as modes:
         return _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity,
-                         reuse, select, interpret, train, modes)
+                         reuse, select, interpret, train, modes, train_memory)
 
 
 def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity, reuse, select,
-              interpret, train, modes) -> OptimizeReport:
+              interpret, train, modes, train_memory: float = 0.0) -> OptimizeReport:
     device = _device_of(model, args, kwargs)
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="fusion-advisor-"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -184,7 +184,7 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     training = None
     if train and select is not False:  # kept only where a whole training call measures faster, no heavier
         with phases("train_check"):
-            training = keep_faster_training(model, handle, args, kwargs, device, iters)
+            training = keep_faster_training(model, handle, args, kwargs, device, iters, train_memory)
     out = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": [r.to_json() for r in records], "manifest": handle.manifest(), "check": chk.as_dict(),
            "end_to_end": e2e,

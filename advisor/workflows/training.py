@@ -20,6 +20,7 @@ The model is left as it was found: module modes, parameters' `requires_grad`, gr
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable
 
 import torch
@@ -34,9 +35,10 @@ MEMORY_SLACK = 0.01  # peak allowed over the original forwards': the allocator's
 
 
 def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: dict, device: str,
-                         iters: int = 20) -> dict:
+                         iters: int = 20, allowed: float = 0.0) -> dict:
     """Time a training call fused and unfused (GPU); leave `handle` training fused only if that is faster
-    and no heavier. Returns the decision as a dict (apply.json `training`)."""
+    and no heavier (`allowed`: a fraction of the original forwards' peak the user lets it add). Returns the
+    decision as a dict (apply.json `training`)."""
     if not timing.timing_meaningful(device):
         return {"decision": "fused training kept as asked (timing not meaningful here: not compared)",
                 "kept": True}
@@ -52,7 +54,7 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
         try:
             handle.train_fused(False)  # the probe call runs the original forwards
             step = training_call(model, args, kwargs)
-            out = _compare(step, handle, device, iters) if step is not None else \
+            out = _compare(step, handle, device, iters, allowed) if step is not None else \
                 {"decision": "no output of the example call needs a gradient" + (
                     ", even with every parameter trainable" if frozen else "") + ": training not compared",
                  "kept": False}
@@ -71,7 +73,7 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
     return out
 
 
-def _compare(step: Callable[[], None], handle, device: str, iters: int) -> dict:
+def _compare(step: Callable[[], None], handle, device: str, iters: int, allowed: float = 0.0) -> dict:
     fused = _fused(handle)
     unfused = _fused(handle, False)
     with unfused():
@@ -85,7 +87,7 @@ def _compare(step: Callable[[], None], handle, device: str, iters: int) -> dict:
     before, after = t["original"], t["fused"]
     option = Option("fused", None, after.median_ms, rounds_ms=tuple(after.rounds_ms))
     faster = shown_faster(before.median_ms, before.rounds_ms, option)
-    lighter = peak_original is None or peak_fused <= peak_original * (1 + MEMORY_SLACK)
+    lighter = peak_original is None or peak_fused <= peak_original * (1 + MEMORY_SLACK + max(allowed, 0.0))
     out = {"original_ms": round(before.median_ms, 4), "fused_ms": round(after.median_ms, 4),
            "margin_ms": round(margin_ms(before.median_ms, before.rounds_ms, option), 4),
            "peak_original_gb": _gb(peak_original), "peak_fused_gb": _gb(peak_fused),
@@ -97,6 +99,10 @@ def _compare(step: Callable[[], None], handle, device: str, iters: int) -> dict:
     else:
         why = "not faster beyond noise" if not faster else "heavier in memory"
         out["decision"] = f"training runs the original forwards, fused training {why}: {numbers}"
+        if faster and not lighter:  # the user may trade memory for it: say what it would take
+            need = peak_fused / peak_original - 1 - MEMORY_SLACK
+            out["decision"] += (f" (optimize(..., train=True, train_memory={math.ceil(round(need * 100, 6)) / 100:g}) "
+                                "keeps it)")
     return out
 
 
