@@ -56,8 +56,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 MODELS = ["hf_llama", "hf_gpt2", "hf_bert", "timm_vit", "splade"]
 DEFAULT_MODELS = "hf_llama,hf_gpt2"  # ~3 min each on an H100 (two compiles, one optimize): the 8-minute budget
 # eager_again: eager once more, last (how far the GPU drifted over the run: modes run one after another)
+# `advisor_memory`: the advisor with `train_memory=MEMORY_ALLOWED` (fused training kept up to 2% heavier than
+# the original forwards: what a user who trades memory for speed gets)
+ADVISOR_MODES = ("advisor", "advisor_lce", "advisor_autocast", "advisor_memory")
+MEMORY_ALLOWED = 0.02
 WARM_S = 3.0  # steps of every interleaved mode, in turn, before the timed rounds
-MODES = ["eager", "compile", "advisor", "lce", "liger", "advisor_lce", "eager_again", "advisor_autocast"]
+MODES = ["eager", "compile", "advisor", "lce", "liger", "advisor_lce", "eager_again", "advisor_autocast",
+         "advisor_memory"]
 # --autocast: fp32 weights, each step's forward and loss under `torch.autocast` (bf16 on a GPU), the usual mixed-
 # precision loop; `advisor` calls optimize outside the autocast context (as most scripts would),
 # `advisor_autocast` inside it (the state its training check then measures is the one the loop runs).
@@ -166,7 +171,7 @@ class Mode:
         if name == "splade":  # the encoder's output: its gradient is part of the step
             w.inputs[0].requires_grad_(True)
         model.train().requires_grad_(True)  # as a training loop has it before optimize (workloads build frozen)
-        if mode in ("advisor", "advisor_lce", "advisor_autocast"):
+        if mode in ADVISOR_MODES:
             import advisor
             from advisor.patching import autograd, splade
 
@@ -176,6 +181,7 @@ class Mode:
             t0 = time.perf_counter()
             with self.autocast(mode == "advisor_autocast"):
                 report = self.report = advisor.optimize(model, w.inputs, train=True,
+                                                        train_memory=MEMORY_ALLOWED if mode == "advisor_memory" else 0.0,
                                                         out=out_dir / f"advisor-{name}",
                                                         **({"interpret": True} if device != "cuda" else {}))
             res["optimize_s"] = round(time.perf_counter() - t0, 2)
@@ -255,7 +261,7 @@ class Mode:
         res["peak_extra_mb"] = round(max(self.extra) / 2**20, 1) if self.extra else None
         res["losses"] = [round(x, 5) for x in self.losses]
         res["interleaved"] = interleaved
-        if self.mode in ("advisor", "advisor_lce", "advisor_autocast"):
+        if self.mode in ADVISOR_MODES:
             from advisor.patching import autograd, patched_modules
             from advisor.patching.graphs import _LIVE
             from advisor.patching.train_graphs import TrainGraphed
@@ -280,7 +286,7 @@ class Skip(Exception):
 
 # Modes that can share a process with the others and be timed in interleaved rounds (Liger patches HF's
 # classes for the whole process: it runs alone, last; the lce modes change the model's loss the same way).
-INTERLEAVED = {"eager", "compile", "advisor", "eager_again", "advisor_autocast"}
+INTERLEAVED = {"eager", "compile", "advisor", "eager_again", "advisor_autocast", "advisor_memory"}
 
 
 def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: Path, profile: bool = False,
@@ -391,7 +397,7 @@ def table(doc: dict) -> str:
                 continue
             x = f"{eager / m['step_ms']:.2f}" if eager else "—"
             note = ""
-            if mode in ("advisor", "advisor_lce", "advisor_autocast"):
+            if mode in ADVISOR_MODES:
                 bws = m.get("backwards") or []
                 used = sum(1 for b in bws if b.get("used", b["validated"]) and b["launches"])
                 note = (f"optimize {m.get('optimize_s')} s; {len(m.get('patched') or [])} patterns; "
