@@ -783,3 +783,15 @@ def test_the_training_check_computes_its_loss_in_float32_as_a_real_step_does():
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("bad", [-0.1, 5, "5%", True, None])
+def test_train_memory_out_of_range_is_one_clear_error(bad):
+    """`train_memory` is a fraction of the original forwards' peak: anything else is refused in one line, before
+    any work (5 would be 500%, a user meaning 5%)."""
+    import advisor
+    from advisor.errors import AdvisorError
+
+    with pytest.raises(AdvisorError, match=r"train_memory .* fraction from 0 to 1 .*got") as e:
+        advisor.optimize(torch.nn.Linear(2, 2), (torch.randn(1, 2),), train=True, train_memory=bad)
+    assert "\n" not in str(e.value)

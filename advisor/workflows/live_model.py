@@ -39,6 +39,7 @@ from advisor.workflows.outcome import interpreter_only, pattern_status
 from advisor.workflows.selection import final_status, keep_faster, time_patterns
 from advisor.workflows.training import keep_faster_training
 from advisor.workflows.workers import start_soon
+from advisor.errors import AdvisorError
 
 @dataclass
 class OptimizeReport:
@@ -95,6 +96,9 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
              interpret: bool = False, train: bool = False, train_memory: float = 0.0) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
+    if isinstance(train_memory, bool) or not isinstance(train_memory, (int, float)) or not 0 <= train_memory <= 1:
+        raise AdvisorError(f"train_memory is the extra peak memory fused training may take, as a fraction from 0 to "
+                           f"1 (0.05: 5%); got {train_memory!r}")
     use_interpreter_without_gpu()
     args, kwargs = split_inputs(example_inputs)
     unpatch(model)  # profile the original (and probe it for random ops)
