@@ -320,10 +320,11 @@ def estimates(doc: dict) -> str:
 
 
 def retime_note() -> str:
+    from advisor.workflows.selection import ROUNDS as SELECTION_ROUNDS
     from bench.retime import CALLS_PER_ROUND, ROUNDS
 
-    return (f"selection's 5 rounds having not resolved them ({ROUNDS} rounds of {CALLS_PER_ROUND} calls, "
-            "bench/retime.py; selection's figure beside it)")
+    return (f"selection's {SELECTION_ROUNDS} rounds having not resolved them ({ROUNDS} rounds of {CALLS_PER_ROUND} "
+            "calls, bench/retime.py; selection's figure beside it)")
 
 
 def table(doc: dict) -> str:
