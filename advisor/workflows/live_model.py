@@ -24,6 +24,7 @@ import torch
 
 from advisor.analysis.api import analyze
 from advisor.collect.in_process import profile_calls
+from advisor.errors import AdvisorError
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, unpatch
@@ -39,7 +40,6 @@ from advisor.workflows.outcome import interpreter_only, pattern_status
 from advisor.workflows.selection import final_status, keep_faster, time_patterns
 from advisor.workflows.training import keep_faster_training
 from advisor.workflows.workers import start_soon
-from advisor.errors import AdvisorError
 
 @dataclass
 class OptimizeReport:
