@@ -15,6 +15,7 @@ from torch import nn
 
 from advisor.patching import verify
 from advisor.patching.forward import PatchedForward
+from test_graphs import _Block  # noqa: E402  (pytest puts tests/ on sys.path)
 
 
 def test_the_float32_twin_is_freed_when_its_call_returns(monkeypatch):
@@ -42,16 +43,6 @@ def test_the_float32_twin_is_freed_when_its_call_returns(monkeypatch):
         gc.enable()
     torch.testing.assert_close(out, model.float()(x.float()), rtol=0, atol=0)
     assert isinstance(model[0].__dict__["forward"], PatchedForward)  # the user's model keeps its patches
-
-
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(32, 32)
-        self.norm = nn.LayerNorm(32)
-
-    def forward(self, x):
-        return self.norm(x + torch.relu(self.fc(x)))
 
 
 def test_a_patched_model_let_go_of_is_freed_without_a_garbage_collection(tmp_path):
