@@ -240,6 +240,14 @@ class Mode:
                 self.step(False)
             self.torch.cuda.synchronize()
         avg = prof.key_averages()
+        if os.environ.get("TRAIN_TRACE"):  # the kernels one by one, for comparing two modes' steps
+            import gzip
+
+            trace = out_dir / f"trace-{self.name}-{self.mode}.json"
+            prof.export_chrome_trace(str(trace))
+            with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
+                g.write(f.read())
+            trace.unlink()
         (out_dir / f"profile-{self.name}-{self.mode}.txt").write_text(
             avg.table(sort_by="self_device_time_total", row_limit=70) + "\n\n"
             + avg.table(sort_by="self_cpu_time_total", row_limit=40))
@@ -402,7 +410,8 @@ def table(doc: dict) -> str:
                 used = sum(1 for b in bws if b.get("used", b["validated"]) and b["launches"])
                 note = (f"optimize {m.get('optimize_s')} s; {len(m.get('patched') or [])} patterns; "
                         f"{used} of {len(bws)} derived backwards validated, faster and used; "
-                        f"{(m.get('training') or {}).get('decision', '')}")
+                        f"{(m.get('training') or {}).get('decision', '')}"
+                        + (f"; {m['training']['lm_loss']['decision']}" if (m.get("training") or {}).get("lm_loss") else ""))
             rows.append(f"| {name} | {mode} | {m['step_ms']} | {x} | {m.get('peak_gb')} | {m.get('peak_reserved_gb')} | "
                         f"{m.get('peak_extra_mb')} | "
                         f"{m.get('first_step_s')} | {note} |")

@@ -30,10 +30,11 @@ def loss_and_grads(fn, hidden, weight, bias, labels, dtype, divisor=None):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("divisor", [None, 23.0])
-def test_matches_eager_on_odd_shapes(bias, divisor):
+def test_matches_eager_on_odd_shapes(bias, divisor, monkeypatch):
     """N = 37 rows in chunks of 8 (the last one short), V = 101 over 64-wide column blocks, D = 24."""
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 8)  # several chunks at this size (GPU shapes take 2048 rows a chunk)
     xs = operands(37, 24, 101, bias)
-    assert lce.chunk_rows(37, 101, 24) < 37
+    assert lce.chunk_rows(37, 101, 24) == 8
     loss, got = loss_and_grads(lce.LinearCrossEntropyFunction.apply, *xs, torch.float32, divisor)
     ref, want = loss_and_grads(lce.linear_cross_entropy_reference, *xs, torch.float32, divisor)
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
@@ -62,8 +63,10 @@ def tiny_llama():
                                         max_position_embeddings=128, use_cache=False))
 
 
-def test_hf_causal_lm_trains_like_eager_without_the_logits():
+def test_hf_causal_lm_trains_like_eager_without_the_logits(monkeypatch):
     from test_splade_training import Allocations
+
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 8)  # 32 rows in chunks: never N x V at once
 
     model = tiny_llama()
     twin = copy.deepcopy(model)
@@ -81,7 +84,11 @@ def test_hf_causal_lm_trains_like_eager_without_the_logits():
             losses.append(out.loss.item())
             fused = m is model
             assert (N * V * 4 in seen.sizes) is not fused  # eager holds the fp32 logits, the fused loss never does
-            assert (out.logits is None) is fused
+            logits = out.logits  # the fused output's computed now, at the first read: eager's values
+            if fused:
+                fused_logits = logits
+            else:
+                torch.testing.assert_close(fused_logits, logits, rtol=1e-4, atol=1e-5)
             if fused:
                 grads = {n: p.grad.clone() for n, p in m.named_parameters()}
             else:
@@ -99,3 +106,51 @@ def test_heads_that_rescale_logits_are_refused():
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="changed after the projection"):
         lce.fused_causal_lm_loss(model)
+
+
+def test_logits_are_computed_only_when_read_and_train_as_eagers():
+    """The fused loss's output: loss by attribute, key and index without the head running again; logits at
+    the first read (attribute, key, index, iteration), in eager's order and values, and a loss over them
+    backpropagates as eager's does; read after an optimizer step, they say so."""
+    model = tiny_llama()
+    twin = copy.deepcopy(model)
+    lce.fused_causal_lm_loss(model)
+    heads = []
+    model.lm_head.register_forward_hook(lambda *a: heads.append(1))
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    out, ref = model(input_ids=ids, labels=ids), twin(input_ids=ids, labels=ids)
+    assert out.loss is out["loss"] is out[0] and not heads
+    assert list(out.keys()) == list(ref.keys()) == ["loss", "logits"] and len(heads) == 1
+    assert out[1] is out.logits is out["logits"] and len(heads) == 1
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-5)
+    assert [t.shape for t in out.to_tuple()] == [t.shape for t in ref.to_tuple()]
+    (out.loss + out.logits.pow(2).mean()).backward()
+    (ref.loss + ref.logits.pow(2).mean()).backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=n)
+    late = model(input_ids=ids, labels=ids)
+    late.loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with pytest.warns(RuntimeWarning, match="after its head's weights changed"):
+        late.logits
+    assert model(input_ids=ids, labels=ids, return_dict=False)[1].shape == (2, 16, 200)  # asked for a tuple: eager's
+
+
+def test_the_fused_loss_goes_with_unpatch_copies_and_pickles_with_its_model():
+    import io
+    import weakref
+
+    import advisor
+
+    model = lce.fused_causal_lm_loss(tiny_llama())
+    twin = copy.deepcopy(model)
+    assert twin.forward.model is twin  # the copy's loss runs the copy, not the original
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.forward.model is loaded
+    assert advisor.unpatch(model) == 1 and "forward" not in model.__dict__
+    gone = weakref.ref(twin)
+    del twin
+    assert gone() is None  # held weakly: freed without a garbage collection

@@ -23,15 +23,23 @@ the forward, while its logits exist:
       dbias     += column sums of logits
   backward: the stored gradients times the loss's incoming gradient (a scalar).
 
-C is chosen so that a chunk's logits hold about as many elements as hidden (N x D): the buffer is then
-no bigger than the activations already held, and the chunk's matmuls stay large enough for the tensor cores.
+C is chosen so that a chunk's logits hold about as many elements as hidden (N x D), and at least 2048 rows
+(`chunk_rows`): each chunk reads and writes the whole weight gradient once, which in chunks of a few hundred
+rows cost more than eager's own loss (measured: `MIN_CHUNK_ROWS`).
 `scale` is 1 / (number of labels that are not `ignore_index`) for a mean, or 1 / divisor (HF's
 `num_items_in_batch`), read by the kernel from a device scalar: no host sync. Rows whose label is
 `ignore_index` get loss 0 and gradient 0, as `F.cross_entropy(..., ignore_index=...)`.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
+import inspect
 import os
+import warnings
+import weakref
+from collections import OrderedDict
 
 import torch
 import triton
@@ -75,10 +83,19 @@ def loss_config(V: int) -> dict:
     return dict(BLOCK_V=min(4096, triton.next_power_of_2(V)), num_warps=8 if V >= 4096 else 4)
 
 
+# Rows per chunk at least: each chunk adds its share to the weight gradient (V x D, read and written: 4·V·D
+# bytes in bf16), so few large chunks keep that traffic small beside the chunk's three matmuls (6·C·D·V
+# flops). H100, forward + backward of the head's loss (bench/lce_chunks.py, reports/lce-chunks-h100.json):
+# Llama's 4096 x 2048 x 32000 took 5.04 ms in chunks of 256 rows (eager 4.41), 2.86 ms in chunks of 2048;
+# a Llama-3 vocabulary (128256) 18.3 ms in chunks of 256 (eager 17.5), 11.0 in chunks of 2048.
+MIN_CHUNK_ROWS = 2048
+
+
 def chunk_rows(N: int, V: int, D: int) -> int:
-    """Rows per chunk: the chunk's logits (C x V) about as many elements as hidden (N x D), a power of two."""
+    """Rows per chunk, a power of two: the chunk's logits (C x V) about as many elements as hidden (N x D),
+    but no fewer than `MIN_CHUNK_ROWS` rows (the weight gradient's accumulation), and no more than N."""
     per_chunk = triton.cdiv(N, triton.cdiv(V, D))
-    return max(1, min(N, triton.next_power_of_2(per_chunk)))
+    return max(1, min(N, triton.next_power_of_2(max(per_chunk, MIN_CHUNK_ROWS))))
 
 
 def linear_cross_entropy_forward(hidden, weight, bias, labels, ignore_index: int = -100, divisor=None,
@@ -144,29 +161,66 @@ def linear_cross_entropy_reference(hidden, weight, bias, labels, ignore_index: i
 
 
 # ------------------------------------------------------------------------------------------ HF causal LMs
-def fused_causal_lm_loss(model: torch.nn.Module) -> torch.nn.Module:
-    """Make an HF causal LM (`...ForCausalLM`: a base model `model.model`, a linear `lm_head`) compute its
-    training loss through `LinearCrossEntropyFunction`: a call with `labels` while grad is enabled runs the
-    base model, then the fused loss over its hidden states with HF's shifted labels (`ForCausalLMLoss`:
-    position i predicts label i + 1, the last position ignored; `num_items_in_batch` divides a sum as HF
-    does) and returns the loss with `logits=None` (never computed). Other calls run the original forward.
-    Refused (ValueError) for heads that change the logits after the projection (Gemma-2's final
-    soft-capping, Cohere's logit scale): the loss would differ. `del model.forward` undoes it."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+class NotCausalLM(ValueError):
+    """The model is not an HF causal LM with a base model and a linear head."""
 
+
+def causal_lm_parts(model: torch.nn.Module) -> tuple:
+    """(base model, linear head) of an HF causal LM whose training loss is cross-entropy over its head's
+    logits as they are. Raises NotCausalLM, or ValueError for a head whose logits are changed after it."""
     config = getattr(model, "config", None)
     head, base = getattr(model, "lm_head", None), getattr(model, "model", None)
-    if not isinstance(head, torch.nn.Linear) or base is None or config is None:
-        raise ValueError(f"{type(model).__name__}: not a causal LM with a base `model` and a linear `lm_head`")
+    if not isinstance(head, torch.nn.Linear) or not isinstance(base, torch.nn.Module) or config is None \
+            or not type(model).__name__.endswith("CausalLM"):
+        raise NotCausalLM(f"{type(model).__name__}: not a causal LM with a base `model` and a linear `lm_head`")
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) is not None:
         raise ValueError(f"{type(model).__name__}: its logits are changed after the projection")
-    original = model.forward
+    return base, head
 
-    def forward(*args, **kwargs):
+
+def fused_causal_lm_loss(model: torch.nn.Module) -> torch.nn.Module:
+    """Make an HF causal LM (`...ForCausalLM`: a base model `model.model`, a linear `lm_head`) compute its
+    training loss through `LinearCrossEntropyFunction` (`CausalLMLossForward`). Refused (ValueError) for
+    heads that change the logits after the projection (Gemma-2's final soft-capping, Cohere's logit
+    scale): the loss would differ. `advisor.unpatch(model)` undoes it."""
+    causal_lm_parts(model)
+    model.forward = CausalLMLossForward(model, model.__dict__.get("forward"))
+    return model
+
+
+class CausalLMLossForward:
+    """The forward of an HF causal LM whose training loss skips the N x V logits: a call with `labels` (or
+    `shift_labels`) while grad is enabled runs the base model, then the fused loss over its hidden states
+    with HF's shifted labels (`ForCausalLMLoss`: position i predicts label i + 1, the last position ignored;
+    `num_items_in_batch` divides a sum as HF does). Its output's `logits` are computed only if read
+    (`LazyLogits`): as eager's, from the same hidden states, through the head, with autograd; a loop that
+    never reads them never pays for them. Other calls (no labels, no grad, `return_dict=False`,
+    `logits_to_keep`) run the original forward. Holds its model weakly (no reference cycle keeps a deleted
+    model's memory)."""
+
+    def __init__(self, model: torch.nn.Module, saved=None):
+        self._model = weakref.ref(model)
+        self.saved = saved  # an instance-level forward it replaced (restored by `unpatch`), else None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model()
+
+    def original(self):
+        return self.saved if self.saved is not None else type(self.model).forward.__get__(self.model)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.original())
+
+    def __call__(self, *args, **kwargs):
         labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
-        if labels is None and shift_labels is None or not torch.is_grad_enabled() or kwargs.get("logits_to_keep"):
-            return original(*args, **kwargs)
-        for name in ("labels", "shift_labels", "logits_to_keep"):
+        if labels is None and shift_labels is None or not torch.is_grad_enabled() or kwargs.get("logits_to_keep") \
+                or kwargs.get("return_dict") is False:
+            return self.original()(*args, **kwargs)
+        model = self.model
+        base, head = model.model, model.lm_head
+        for name in ("labels", "shift_labels", "logits_to_keep", "return_dict"):
             kwargs.pop(name, None)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         out = base(*args, **kwargs)
@@ -175,8 +229,87 @@ def fused_causal_lm_loss(model: torch.nn.Module) -> torch.nn.Module:
             shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         loss = LinearCrossEntropyFunction.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
                                                 shift_labels.reshape(-1).to(hidden.device), -100, num_items_in_batch)
-        return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
-                                      attentions=getattr(out, "attentions", None))
+        return lazy_logits_type().of(loss, lambda: head(hidden), out, (head.weight,))
 
-    model.forward = forward
-    return model
+    def __deepcopy__(self, memo):
+        return CausalLMLossForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.saved, memo))
+
+    def __reduce__(self):
+        return (CausalLMLossForward, (self.model, self.saved))
+
+
+@functools.cache
+def lazy_logits_type() -> type:
+    """`LazyLogits`, made at first use (transformers is imported only where an HF causal LM trains)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    @dataclasses.dataclass
+    class LazyLogits(CausalLMOutputWithPast):
+        """HF's causal-LM output whose `logits` are computed at their first read (attribute, key, index,
+        iteration), in the grad mode of the call that made it: what eager's forward would have returned."""
+
+        @classmethod
+        def of(cls, loss, make_logits, base_out, weights: tuple = ()) -> "LazyLogits":
+            # the base model's outputs under the names this output has (its cache, hidden states, attentions)
+            kept = {f.name: OrderedDict.get(base_out, f.name) for f in dataclasses.fields(cls)[2:]}
+            out = cls(loss=loss, logits=None, **{k: v for k, v in kept.items() if v is not None})
+            grad = torch.is_grad_enabled()
+            versions = [w._version for w in weights]
+
+            def make():
+                if [w._version for w in weights] != versions:  # an optimizer step since: eager's are gone
+                    warnings.warn("fusion-advisor: logits of a causal LM trained with the fused loss were read after "
+                                  "its head's weights changed (an optimizer step): computed with the new weights. "
+                                  "Read them before the step for eager's values.", RuntimeWarning, stacklevel=4)
+                with torch.set_grad_enabled(grad):
+                    return make_logits()
+            object.__setattr__(out, "_make_logits", make)
+            return out
+
+        def _materialize(self) -> None:
+            make = self.__dict__.pop("_make_logits", None)
+            if make is None:
+                return
+            logits = make()
+            order = list(OrderedDict.keys(self))
+            OrderedDict.__setitem__(self, "logits", logits)
+            object.__setattr__(self, "logits", logits)
+            for k in order[1:]:  # field order, as eager's output: loss, logits, then the rest
+                self.move_to_end(k)
+
+        def __getattribute__(self, name):
+            if name == "logits":
+                OrderedDict.__getattribute__(self, "_materialize")()
+            return super().__getattribute__(name)
+
+        def __getitem__(self, k):
+            if k == "loss" or k == 0:
+                return OrderedDict.__getitem__(self, "loss")
+            self._materialize()
+            return super().__getitem__(k)
+
+        def keys(self):
+            self._materialize()
+            return super().keys()
+
+        def values(self):
+            self._materialize()
+            return super().values()
+
+        def items(self):
+            self._materialize()
+            return super().items()
+
+        def __iter__(self):
+            self._materialize()
+            return super().__iter__()
+
+        def __len__(self):
+            self._materialize()
+            return super().__len__()
+
+        def to_tuple(self):
+            self._materialize()
+            return super().to_tuple()
+
+    return LazyLogits

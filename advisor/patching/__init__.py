@@ -22,6 +22,7 @@ import torch
 
 from advisor.errors import AdvisorError
 from advisor.kernels import derived
+from advisor.kernels.linear_cross_entropy import CausalLMLossForward
 from advisor.patching import rewrite
 from advisor.patching.forward import PatchedForward
 from advisor.patching.graphs import clear_recordings
@@ -170,11 +171,12 @@ def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
 
 
 def unpatch(model: torch.nn.Module) -> int:
-    """Restore every patched forward under `model`; returns how many modules were restored."""
+    """Restore every patched forward under `model` (an LM head's fused loss too: `optimize(train=True)`);
+    returns how many modules were restored."""
     n = 0
     for _, mod in model.named_modules():
         f = mod.__dict__.get("forward")
-        if isinstance(f, PatchedForward):
+        if isinstance(f, (PatchedForward, CausalLMLossForward)):
             if f.saved is not None:
                 mod.forward = f.saved
             else:

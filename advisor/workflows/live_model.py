@@ -36,6 +36,7 @@ from advisor.stopwatch import Stopwatch
 from advisor.workflows import plan_cache
 from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
+from advisor.workflows.lm_loss import keep_faster_lm_loss
 from advisor.workflows.outcome import interpreter_only, pattern_status
 from advisor.workflows.selection import final_status, keep_faster, time_patterns
 from advisor.workflows.training import keep_faster_training
@@ -77,6 +78,8 @@ class OptimizeReport:
             lines.append(f"  selection: {self.selection['decision']}")
         if self.training and self.training.get("decision"):
             lines.append(f"  training: {self.training['decision']}")
+        if self.training and self.training.get("lm_loss"):
+            lines.append(f"  training: {self.training['lm_loss']['decision']}")
         if self.modes:
             lines.append(f"  {self.modes}")
         if self.end_to_end:
@@ -189,6 +192,9 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     if train and select is not False:  # kept only where a whole training call measures faster, no heavier
         with phases("train_check"):
             training = keep_faster_training(model, handle, args, kwargs, device, iters, train_memory)
+            lm_loss = keep_faster_lm_loss(model, args, kwargs, device, iters)
+            if lm_loss is not None:
+                training["lm_loss"] = lm_loss
     out = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": [r.to_json() for r in records], "manifest": handle.manifest(), "check": chk.as_dict(),
            "end_to_end": e2e,

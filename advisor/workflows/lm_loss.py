@@ -1,0 +1,131 @@
+"""Whether an HF causal LM trains its loss without the N x V logits (`optimize(train=True)`).
+
+Eager's LM loss makes the head's logits (N tokens x V vocabulary, bf16), upcasts them to float32 for the
+cross-entropy and keeps the softmax's gradient as large: on the suite's Llama (4096 tokens, 32000 words)
+1.5 GB and 4.4 ms of the step for the head's forward and backward. The fused loss
+(`kernels.linear_cross_entropy`) goes through the rows in chunks and never holds them (0.4 GB, 2.9 ms on
+the H100: reports/lce-chunks-h100.json). It is the same mathematics, so it is checked like a generated
+kernel: on the example's token count, its loss and its gradients (hidden states, weight, bias) against
+eager's, then, on a GPU, the head's forward + backward timed both ways, interleaved, with the peak memory of
+each; it is used only where it validated, times faster beyond the noise and is no heavier. The model's
+forward then computes the loss so when called with labels under autograd, and its `logits` only if read.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from advisor.bench import timing  # read at call time: tests replace its clocks
+from advisor.kernels.linear_cross_entropy import (LinearCrossEntropyFunction, NotCausalLM, causal_lm_parts,
+                                                  fused_causal_lm_loss, linear_cross_entropy_reference)
+from advisor.workflows.selection import ROUNDS, Option, shown_faster
+from advisor.workflows.training import peak_bytes
+
+CPU_ROWS = 64  # tokens validated on the CPU: the kernel runs in Triton's interpreter there
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6}  # relative L2; 2e-2 for 16-bit heads (as generated kernels)
+
+
+def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, device: str, iters: int = 20) -> dict | None:
+    """Validate and time the fused LM loss for `model`; apply it where it is kept. None for models that are
+    not HF causal LMs; else the decision (apply.json `training.lm_loss`)."""
+    try:
+        base, head = causal_lm_parts(model)
+    except NotCausalLM:
+        return None
+    except ValueError as e:
+        return {"decision": f"eager's LM loss: {e}", "kept": False}
+    tokens = _tokens(args, kwargs)
+    if tokens is None:
+        return {"decision": "eager's LM loss: no input_ids in the example to size it by", "kept": False}
+    meaningful = timing.timing_meaningful(device)
+    rows = tokens if meaningful else min(tokens, CPU_ROWS)
+    operands = _operands(head, rows)
+    error = _error(operands)
+    tol = TOLERANCE.get(head.weight.dtype, 2e-2)
+    out: dict = {"tokens": tokens, "vocabulary": head.out_features, "rel_error": round(error, 8)}
+    if not error <= tol:
+        out |= {"decision": f"eager's LM loss: the fused loss differs from it (relative error {error:.2e} > {tol:g})",
+                "kept": False}
+        return out
+    if not meaningful:
+        fused_causal_lm_loss(model)
+        return out | {"decision": "LM loss without its logits, validated (timing not meaningful here: not timed)",
+                      "kept": True}
+    out |= _timed(operands, device, iters)
+    peaks = out["eager_peak_mb"], out["fused_peak_mb"]
+    numbers = f"head forward + backward {out['eager_ms']:.3f} -> {out['fused_ms']:.3f} ms" + \
+        (f", peak {peaks[0]:.0f} -> {peaks[1]:.0f} MB" if None not in peaks else "")
+    out["kept"] = out["faster"] and (None in peaks or peaks[1] <= peaks[0])
+    if out["kept"]:
+        fused_causal_lm_loss(model)
+        out["decision"] = f"LM loss without its logits: {numbers}"
+    else:
+        out["decision"] = f"eager's LM loss ({'not faster beyond noise' if not out['faster'] else 'heavier'}): {numbers}"
+    return out
+
+
+def _tokens(args: tuple, kwargs: dict) -> int | None:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return ids.numel() if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
+
+
+def _operands(head: torch.nn.Linear, rows: int) -> tuple:
+    """Hidden states (not all zeros), the head's weight and bias as leaves of their own (their gradients are not
+    the model's), and labels with every seventh ignored, as padding is."""
+    w = head.weight
+    gen = torch.Generator(w.device).manual_seed(0)
+    hidden = torch.randn(rows, head.in_features, generator=gen, device=w.device).to(w.dtype).requires_grad_()
+    labels = torch.randint(0, head.out_features, (rows,), generator=gen, device=w.device)
+    labels[::7] = -100
+    bias = head.bias.detach().requires_grad_() if head.bias is not None else None
+    return hidden, w.detach().requires_grad_(), bias, labels
+
+
+def _loss_and_grads(fn, operands) -> list[torch.Tensor]:
+    hidden, weight, bias, labels = operands
+    leaves = [t for t in (hidden, weight, bias) if t is not None]
+    loss = fn(hidden, weight, bias, labels)
+    return [loss.detach().float(), *(g.float() for g in torch.autograd.grad(loss, leaves))]
+
+
+def _error(operands) -> float:
+    """The largest relative L2 error of the fused loss and gradients against eager's."""
+    with torch.enable_grad():
+        got = _loss_and_grads(LinearCrossEntropyFunction.apply, operands)
+        want = _loss_and_grads(linear_cross_entropy_reference, operands)
+    return max(((a - b).norm() / b.norm().clamp(min=1e-12)).item() for a, b in zip(got, want))
+
+
+def _timed(operands, device: str, iters: int) -> dict:
+    hidden, weight, bias, labels = operands
+    impl = {"fn": linear_cross_entropy_reference}
+
+    def step() -> None:
+        with torch.enable_grad():
+            impl["fn"](hidden, weight, bias, labels).backward()
+        for t in (hidden, weight, bias):
+            if t is not None:
+                t.grad = None
+
+    def using(fn):
+        @contextlib.contextmanager
+        def state():
+            impl["fn"] = fn
+            yield
+        return state
+
+    eager, fused = using(linear_cross_entropy_reference), using(LinearCrossEntropyFunction.apply)
+    peaks = {}  # the step's peak over what was allocated before it (None off a GPU)
+    for name, state in (("eager", eager), ("fused", fused)):
+        with state():
+            step()  # workspaces, the kernel's compile
+            held = torch.cuda.memory_allocated() if device == "cuda" else 0
+            peak = peak_bytes(step, device)
+            peaks[name] = None if peak is None else round((peak - held) / 2**20, 1)
+    t = timing.time_configs(step, {"eager": eager, "fused": fused}, device, iters=iters, rounds=ROUNDS)
+    before, after = t["eager"], t["fused"]
+    option = Option("fused", None, after.median_ms, rounds_ms=tuple(after.rounds_ms))
+    return {"eager_ms": round(before.median_ms, 4), "fused_ms": round(after.median_ms, 4),
+            "faster": shown_faster(before.median_ms, before.rounds_ms, option),
+            "eager_peak_mb": peaks["eager"], "fused_peak_mb": peaks["fused"]}

@@ -1,0 +1,104 @@
+"""`optimize(train=True)` on an HF causal LM: its training loss through the fused linear + cross-entropy
+(`advisor.workflows.lm_loss`), used only where it validated against eager's loss and gradients and, on a
+GPU, timed faster and no heavier; a causal LM whose logits are rescaled after the head, or a fused loss
+that differs, keeps eager's."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from advisor.kernels import linear_cross_entropy as lce
+from advisor.workflows import lm_loss
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def tiny_llama(**config):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, vocab_size=200,
+                                        max_position_embeddings=128, use_cache=False, **config))
+
+
+def example():
+    return {"input_ids": torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))}
+
+
+def steps(model, ids, n=3) -> list:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(n):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_optimize_for_training_trains_the_lm_loss_without_its_logits(tmp_path):
+    import advisor
+
+    model, ex = tiny_llama(), example()
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = advisor.optimize(model, ex, out=tmp_path, reuse=False, interpret=True, train=True)
+    decision = report.training["lm_loss"]
+    assert decision["kept"] and decision["rel_error"] < 1e-4 and "LM loss without its logits" in str(report)
+    assert isinstance(model.__dict__["forward"], lce.CausalLMLossForward)
+    torch.testing.assert_close(torch.tensor(steps(model, ex["input_ids"])), torch.tensor(steps(twin, ex["input_ids"])),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_rescaled_logits_and_other_models_keep_eagers_loss():
+    model = tiny_llama(final_logit_softcapping=30.0)
+    out = lm_loss.keep_faster_lm_loss(model, (), example(), "cpu")
+    assert not out["kept"] and "changed after the projection" in out["decision"]
+    assert "forward" not in model.__dict__
+    assert lm_loss.keep_faster_lm_loss(torch.nn.Linear(4, 4), (torch.randn(2, 4),), {}, "cpu") is None
+
+
+def test_a_fused_loss_that_differs_is_not_used(monkeypatch):
+    class Wrong:  # planted: the loss and every gradient 1% off
+        @staticmethod
+        def apply(*operands):
+            return lce.LinearCrossEntropyFunction.apply(*operands) * 1.01
+
+    monkeypatch.setattr(lm_loss, "LinearCrossEntropyFunction", Wrong)
+    model = tiny_llama()
+    out = lm_loss.keep_faster_lm_loss(model, (), example(), "cpu")
+    assert not out["kept"] and "differs" in out["decision"] and "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("fused_ms, peaks, kept", [(2.0, (100, 40), True), (3.0, (100, 40), False),
+                                                   (2.0, (100, 140), False)],
+                         ids=["faster-lighter", "not-faster", "heavier"])
+def test_on_a_gpu_it_is_kept_only_faster_and_no_heavier(monkeypatch, fused_ms, peaks, kept):
+    """The clocks and the memory probe stood in for; the two losses each state runs are real."""
+    from advisor.bench.timing import Timing
+
+    ran = []
+
+    def time_configs(call, configs, device, iters=20, rounds=5):
+        for name, make in configs.items():
+            with make():
+                call()
+                ran.append(name)
+        ms = {"eager": 3.0, "fused": fused_ms}
+        return {k: Timing(ms[k], 5, "cuda_events", [ms[k]] * 5, 0.0, [ms[k]] * 5) for k in configs}
+
+    it = iter(peaks)
+    monkeypatch.setattr(lm_loss.timing, "timing_meaningful", lambda device: True)
+    monkeypatch.setattr(lm_loss.timing, "time_configs", time_configs)
+    monkeypatch.setattr(lm_loss, "peak_bytes", lambda step, device: (step(), next(it) * 2**20)[1])
+    model = tiny_llama()
+    out = lm_loss.keep_faster_lm_loss(model, (), example(), "cpu")
+    assert out["kept"] == kept and ran == ["eager", "fused"], out
+    assert isinstance(model.__dict__.get("forward"), lce.CausalLMLossForward) == kept
+    assert ("without its logits" in out["decision"]) == kept and "peak 100 ->" in out["decision"]
