@@ -64,6 +64,27 @@ def test_rescaled_logits_and_other_models_keep_eagers_loss():
     assert lm_loss.keep_faster_lm_loss(torch.nn.Linear(4, 4), (torch.randn(2, 4),), {}, "cpu") is None
 
 
+def test_any_hf_causal_lm_with_a_plain_head_gets_it_and_one_whose_head_does_more_keeps_eagers():
+    """GPT-2 (base model `transformer`, head tied to the embeddings) computes its loss fused, as its own; BERT's
+    causal LM head transforms the hidden states before its projection (dense, GELU, LayerNorm): the fused loss
+    over the base model's states would differ, and the comparison with the model's own loss says so."""
+    from transformers import BertConfig, BertLMHeadModel, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=200, n_positions=64))
+    twin = copy.deepcopy(gpt2)
+    out = lm_loss.keep_faster_lm_loss(gpt2, (), example(), "cpu")
+    assert out["kept"] and out["model_loss_rel_error"] < 1e-5, out
+    ids = example()["input_ids"]
+    gpt2.eval(), twin.eval()  # dropout off: the two runs compare
+    torch.testing.assert_close(torch.tensor(steps(gpt2, ids)), torch.tensor(steps(twin, ids)), rtol=1e-4, atol=1e-4)
+    bert = BertLMHeadModel(BertConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                      vocab_size=200, is_decoder=True))
+    out = lm_loss.keep_faster_lm_loss(bert, (), example(), "cpu")
+    assert not out["kept"] and "differs from the model's own" in out["decision"], out
+    assert "forward" not in bert.__dict__
+
+
 def test_a_fused_loss_that_differs_is_not_used(monkeypatch):
     class Wrong:  # planted: the loss and every gradient 1% off
         @staticmethod
@@ -73,7 +94,7 @@ def test_a_fused_loss_that_differs_is_not_used(monkeypatch):
     monkeypatch.setattr(lm_loss, "LinearCrossEntropyFunction", Wrong)
     model = tiny_llama()
     out = lm_loss.keep_faster_lm_loss(model, (), example(), "cpu")
-    assert not out["kept"] and "differs" in out["decision"] and "forward" not in model.__dict__
+    assert not out["kept"] and "differ from eager's" in out["decision"] and "forward" not in model.__dict__
 
 
 @pytest.mark.parametrize("fused_ms, peaks, kept", [(2.0, (100, 40), True), (3.0, (100, 40), False),

@@ -166,20 +166,25 @@ class NotCausalLM(ValueError):
 
 
 def causal_lm_parts(model: torch.nn.Module) -> tuple:
-    """(base model, linear head) of an HF causal LM whose training loss is cross-entropy over its head's
-    logits as they are. Raises NotCausalLM, or ValueError for a head whose logits are changed after it."""
+    """(base model, linear head) of an HF causal LM (`...ForCausalLM`, `...LMHeadModel`): its base model
+    (`base_model`: Llama's `model`, GPT-2's `transformer`) and its output embeddings (`lm_head`, tied or not).
+    Raises NotCausalLM, or ValueError for a head whose logits its config says are changed after it. (A head
+    that does more than the projection, BERT's LM transform, is told apart by `workflows.lm_loss`, which
+    compares the fused loss with the model's own.)"""
+    name = type(model).__name__
     config = getattr(model, "config", None)
-    head, base = getattr(model, "lm_head", None), getattr(model, "model", None)
-    if not isinstance(head, torch.nn.Linear) or not isinstance(base, torch.nn.Module) or config is None \
-            or not type(model).__name__.endswith("CausalLM"):
-        raise NotCausalLM(f"{type(model).__name__}: not a causal LM with a base `model` and a linear `lm_head`")
+    base = getattr(model, "base_model", None)
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if not name.endswith(("CausalLM", "LMHeadModel")) or config is None or not isinstance(head, torch.nn.Linear) \
+            or not isinstance(base, torch.nn.Module) or base is model:
+        raise NotCausalLM(f"{name}: not a causal LM with a base model and a linear head")
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) is not None:
-        raise ValueError(f"{type(model).__name__}: its logits are changed after the projection")
+        raise ValueError(f"{name}: its logits are changed after the projection")
     return base, head
 
 
 def fused_causal_lm_loss(model: torch.nn.Module) -> torch.nn.Module:
-    """Make an HF causal LM (`...ForCausalLM`: a base model `model.model`, a linear `lm_head`) compute its
+    """Make an HF causal LM (`causal_lm_parts`: a base model and a linear head) compute its
     training loss through `LinearCrossEntropyFunction` (`CausalLMLossForward`). Refused (ValueError) for
     heads that change the logits after the projection (Gemma-2's final soft-capping, Cohere's logit
     scale): the loss would differ. `advisor.unpatch(model)` undoes it."""
@@ -215,12 +220,19 @@ class CausalLMLossForward:
 
     def __call__(self, *args, **kwargs):
         labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
+        # (positional arguments past input_ids: the base model's forward may order them differently)
         if labels is None and shift_labels is None or not torch.is_grad_enabled() or kwargs.get("logits_to_keep") \
-                or kwargs.get("return_dict") is False:
+                or kwargs.get("return_dict") is False or len(args) > 1:
             return self.original()(*args, **kwargs)
-        model = self.model
-        base, head = model.model, model.lm_head
-        for name in ("labels", "shift_labels", "logits_to_keep", "return_dict"):
+        loss, hidden, out = self.loss(*args, **kwargs)
+        head = self.model.get_output_embeddings()
+        return lazy_logits_type().of(loss, lambda: head(hidden), out, (head.weight,))
+
+    def loss(self, *args, **kwargs) -> tuple:
+        """(the fused loss, the base model's hidden states, its output) of a call with labels."""
+        base, head = causal_lm_parts(self.model)
+        labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+        for name in ("logits_to_keep", "return_dict"):
             kwargs.pop(name, None)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         out = base(*args, **kwargs)
@@ -229,7 +241,7 @@ class CausalLMLossForward:
             shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         loss = LinearCrossEntropyFunction.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
                                                 shift_labels.reshape(-1).to(hidden.device), -100, num_items_in_batch)
-        return lazy_logits_type().of(loss, lambda: head(hidden), out, (head.weight,))
+        return loss, hidden, out
 
     def __deepcopy__(self, memo):
         return CausalLMLossForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.saved, memo))

@@ -4,9 +4,11 @@ Eager's LM loss makes the head's logits (N tokens x V vocabulary, bf16), upcasts
 cross-entropy and keeps the softmax's gradient as large: on the suite's Llama (4096 tokens, 32000 words)
 1.5 GB and 4.4 ms of the step for the head's forward and backward. The fused loss
 (`kernels.linear_cross_entropy`) goes through the rows in chunks and never holds them (0.4 GB, 2.9 ms on
-the H100: reports/lce-chunks-h100.json). It is the same mathematics, so it is checked like a generated
-kernel: on the example's token count, its loss and its gradients (hidden states, weight, bias) against
-eager's, then, on a GPU, the head's forward + backward timed both ways, interleaved, with the peak memory of
+the H100: reports/lce-chunks-h100.json). It is used only where it computes the model's own loss: on the
+example (its input_ids as labels, dropout off) the fused loss against the model's forward with labels (which
+tells apart heads that do more than the projection, BERT's LM transform, or rescale the logits); then, like
+a generated kernel, on the example's token count its loss and gradients (hidden states, weight, bias)
+against eager's; then, on a GPU, the head's forward + backward timed both ways, interleaved, with the peak memory of
 each; it is used only where it validated, times faster beyond the noise and is no heavier. The model's
 forward then computes the loss so when called with labels under autograd, and its `logits` only if read.
 """
@@ -17,8 +19,9 @@ import contextlib
 import torch
 
 from advisor.bench import timing  # read at call time: tests replace its clocks
-from advisor.kernels.linear_cross_entropy import (LinearCrossEntropyFunction, NotCausalLM, causal_lm_parts,
-                                                  fused_causal_lm_loss, linear_cross_entropy_reference)
+from advisor.kernels.linear_cross_entropy import (CausalLMLossForward, LinearCrossEntropyFunction, NotCausalLM,
+                                                  causal_lm_parts, fused_causal_lm_loss,
+                                                  linear_cross_entropy_reference)
 from advisor.workflows.selection import ROUNDS, Option, shown_faster
 from advisor.workflows.training import peak_bytes
 
@@ -39,15 +42,17 @@ def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, devic
     if tokens is None:
         return {"decision": "eager's LM loss: no input_ids in the example to size it by", "kept": False}
     meaningful = timing.timing_meaningful(device)
-    rows = tokens if meaningful else min(tokens, CPU_ROWS)
-    operands = _operands(head, rows)
-    error = _error(operands)
     tol = TOLERANCE.get(head.weight.dtype, 2e-2)
-    out: dict = {"tokens": tokens, "vocabulary": head.out_features, "rel_error": round(error, 8)}
+    own = _against_the_models_loss(model, args, kwargs)
+    out: dict = {"tokens": tokens, "vocabulary": head.out_features, "model_loss_rel_error": round(own, 8)}
+    if not own <= tol:  # the model's loss is not cross-entropy over base model -> head (a head transform, a rescale)
+        return out | {"decision": f"eager's LM loss: the fused loss differs from the model's own on the example "
+                                  f"(relative error {own:.2e} > {tol:g})", "kept": False}
+    operands = _operands(head, tokens if meaningful else min(tokens, CPU_ROWS))
+    error = out["rel_error"] = round(_error(operands), 8)
     if not error <= tol:
-        out |= {"decision": f"eager's LM loss: the fused loss differs from it (relative error {error:.2e} > {tol:g})",
-                "kept": False}
-        return out
+        return out | {"decision": f"eager's LM loss: the fused loss's gradients differ from eager's (relative "
+                                  f"error {error:.2e} > {tol:g})", "kept": False}
     if not meaningful:
         fused_causal_lm_loss(model)
         return out | {"decision": "LM loss without its logits, validated (timing not meaningful here: not timed)",
@@ -65,9 +70,32 @@ def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, devic
     return out
 
 
-def _tokens(args: tuple, kwargs: dict) -> int | None:
+def _input_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
     ids = kwargs.get("input_ids", args[0] if args else None)
-    return ids.numel() if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
+    return ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
+
+
+def _tokens(args: tuple, kwargs: dict) -> int | None:
+    ids = _input_ids(args, kwargs)
+    return None if ids is None else ids.numel()
+
+
+def _against_the_models_loss(model: torch.nn.Module, args: tuple, kwargs: dict) -> float:
+    """Relative error of the fused loss against the model's own (its forward with labels), on the example with
+    its input_ids as labels, dropout off: the one check that the model's loss is what the fused one computes
+    (cross-entropy of the base model's hidden states through the head, labels shifted by one), whatever the
+    model's code does between them."""
+    labelled = dict(kwargs, labels=_input_ids(args, kwargs))
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = model(*args, **labelled).loss.float()  # no grad: the original forward, even if wrapped
+            got = CausalLMLossForward(model).loss(*args, **dict(labelled))[0].float()
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return ((got - want).abs() / want.abs().clamp(min=1e-12)).item()
 
 
 def _operands(head: torch.nn.Linear, rows: int) -> tuple:
