@@ -8,9 +8,11 @@ the H100: reports/lce-chunks-h100.json). It is used only where it computes the m
 example (its input_ids as labels, dropout off) the fused loss against the model's forward with labels (which
 tells apart heads that do more than the projection, BERT's LM transform, or rescale the logits); then, like
 a generated kernel, on the example's token count its loss and gradients (hidden states, weight, bias)
-against eager's; then, on a GPU, the head's forward + backward timed both ways, interleaved, with the peak memory of
-each; it is used only where it validated, times faster beyond the noise and is no heavier. The model's
-forward then computes the loss so when called with labels under autograd, and its `logits` only if read.
+against eager's; then, on a GPU, the model's training call with labels timed with its loss both ways
+(eager's way is the model's forward as it is: a head another pattern patched runs so), interleaved, with the
+peak memory of each; it is used only where it validated, times faster beyond the noise and is no heavier.
+The model's forward then computes the loss so when called with labels under autograd, and its `logits`
+only if read.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from advisor.kernels.linear_cross_entropy import (CausalLMLossForward, LinearCro
                                                   causal_lm_parts, fused_causal_lm_loss,
                                                   linear_cross_entropy_reference)
 from advisor.workflows.selection import ROUNDS, Option, shown_faster
-from advisor.workflows.training import peak_bytes
+from advisor.workflows.training import left_as_found, peak_bytes
 
 CPU_ROWS = 64  # tokens validated on the CPU: the kernel runs in Triton's interpreter there
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6}  # relative L2; 2e-2 for 16-bit heads (as generated kernels)
@@ -53,19 +55,25 @@ def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, devic
     if not error <= tol:
         return out | {"decision": f"eager's LM loss: the fused loss's gradients differ from eager's (relative "
                                   f"error {error:.2e} > {tol:g})", "kept": False}
+    fused_causal_lm_loss(model)
+    wrapper = model.__dict__["forward"]
     if not meaningful:
-        fused_causal_lm_loss(model)
         return out | {"decision": "LM loss without its logits, validated (timing not meaningful here: not timed)",
                       "kept": True}
-    out |= _timed(operands, device, iters)
-    peaks = out["eager_peak_mb"], out["fused_peak_mb"]
-    numbers = f"head forward + backward {out['eager_ms']:.3f} -> {out['fused_ms']:.3f} ms" + \
-        (f", peak {peaks[0]:.0f} -> {peaks[1]:.0f} MB" if None not in peaks else "")
+    try:
+        out |= _timed(model, args, kwargs, wrapper, device, iters)
+    except Exception as e:  # the comparison failing must not cost the user their model
+        wrapper.remove()
+        return out | {"decision": f"eager's LM loss (its comparison failed: {type(e).__name__}: {str(e)[:200]})",
+                      "kept": False}
+    peaks = out["eager_peak_gb"], out["fused_peak_gb"]
+    numbers = f"a training call with labels {out['eager_ms']:.3f} -> {out['fused_ms']:.3f} ms" + \
+        (f", peak {peaks[0]:.3f} -> {peaks[1]:.3f} GB" if None not in peaks else "")
     out["kept"] = out["faster"] and (None in peaks or peaks[1] <= peaks[0])
     if out["kept"]:
-        fused_causal_lm_loss(model)
         out["decision"] = f"LM loss without its logits: {numbers}"
     else:
+        wrapper.remove()
         out["decision"] = f"eager's LM loss ({'not faster beyond noise' if not out['faster'] else 'heavier'}): {numbers}"
     return out
 
@@ -125,35 +133,42 @@ def _error(operands) -> float:
     return max(((a - b).norm() / b.norm().clamp(min=1e-12)).item() for a, b in zip(got, want))
 
 
-def _timed(operands, device: str, iters: int) -> dict:
-    hidden, weight, bias, labels = operands
-    impl = {"fn": linear_cross_entropy_reference}
+def _timed(model: torch.nn.Module, args: tuple, kwargs: dict, wrapper, device: str, iters: int) -> dict:
+    """The model's training call with labels (forward, its loss, backward; gradients then set to None as
+    `zero_grad` does), timed interleaved with the loss eager's way (the model's forward as it was: its patched
+    head, say) and fused, with each one's peak memory. The model is left as it was found."""
+    labelled = dict(kwargs, labels=_input_ids(args, kwargs))
+    params = [p for p in model.parameters() if p.is_floating_point()]
 
     def step() -> None:
         with torch.enable_grad():
-            impl["fn"](hidden, weight, bias, labels).backward()
-        for t in (hidden, weight, bias):
-            if t is not None:
-                t.grad = None
+            model(*args, **labelled).loss.backward()
+        for p in params:
+            p.grad = None
 
-    def using(fn):
+    def using(on: bool):
         @contextlib.contextmanager
         def state():
-            impl["fn"] = fn
-            yield
+            wrapper.enabled = on
+            try:
+                yield
+            finally:
+                wrapper.enabled = True
         return state
 
-    eager, fused = using(linear_cross_entropy_reference), using(LinearCrossEntropyFunction.apply)
-    peaks = {}  # the step's peak over what was allocated before it (None off a GPU)
-    for name, state in (("eager", eager), ("fused", fused)):
-        with state():
-            step()  # workspaces, the kernel's compile
-            held = torch.cuda.memory_allocated() if device == "cuda" else 0
-            peak = peak_bytes(step, device)
-            peaks[name] = None if peak is None else round((peak - held) / 2**20, 1)
-    t = timing.time_configs(step, {"eager": eager, "fused": fused}, device, iters=iters, rounds=ROUNDS)
+    eager, fused = using(False), using(True)
+    peaks = {}
+    with left_as_found(model, [], device):
+        for p in params:
+            p.requires_grad_(True)  # timed as it will train (a model handed over frozen too)
+        for name, state in (("eager", eager), ("fused", fused)):
+            with state():
+                step()  # workspaces, captures
+                peak = peak_bytes(step, device)
+                peaks[name] = None if peak is None else round(peak / 2**30, 3)
+        t = timing.time_configs(step, {"eager": eager, "fused": fused}, device, iters=iters, rounds=ROUNDS)
     before, after = t["eager"], t["fused"]
     option = Option("fused", None, after.median_ms, rounds_ms=tuple(after.rounds_ms))
     return {"eager_ms": round(before.median_ms, 4), "fused_ms": round(after.median_ms, 4),
             "faster": shown_faster(before.median_ms, before.rounds_ms, option),
-            "eager_peak_mb": peaks["eager"], "fused_peak_mb": peaks["fused"]}
+            "eager_peak_gb": peaks["eager"], "fused_peak_gb": peaks["fused"]}

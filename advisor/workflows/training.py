@@ -45,7 +45,7 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
     counted = {f: f.fallbacks.get(TRAINING_CALL, 0) for f in getattr(handle, "forwards", {}).values()}
     on = next((t.device for t in [*model.parameters(), *model.buffers()] if t.is_cuda), None)
     with torch.cuda.device(on) if on is not None else contextlib.nullcontext(), \
-            _left_as_found(model, _grad_leaves((args, kwargs)), device):  # (the memory stats are the model's GPU's)
+            left_as_found(model, _grad_leaves((args, kwargs)), device):  # (the memory stats are the model's GPU's)
         frozen = not any(p.requires_grad for p in model.parameters())
         if frozen:  # see the module's note: compared as it will train
             for p in model.parameters():
@@ -177,7 +177,7 @@ def _gb(n: int | None) -> float | None:
 
 
 @contextlib.contextmanager
-def _left_as_found(model: torch.nn.Module, input_leaves: list, device: str):
+def left_as_found(model: torch.nn.Module, input_leaves: list, device: str):
     """The comparison runs in training mode; afterwards modes, gradients (the parameters' and the inputs'),
     buffers and RNG are as before."""
     modes = {m: m.training for m in model.modules()}
