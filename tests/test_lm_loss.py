@@ -85,6 +85,26 @@ def test_any_hf_causal_lm_with_a_plain_head_gets_it_and_one_whose_head_does_more
     assert "forward" not in bert.__dict__
 
 
+def test_the_fused_losss_output_is_the_models_own_class_and_unknown_arguments_run_the_original():
+    """A mixture of experts (tiny Mixtral) returns its own output class (`aux_loss`, `router_logits`); the
+    fused loss's output is of that class too, and a call asking for the router's loss
+    (`output_router_logits`, which adds to the loss) runs the original forward."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=64, vocab_size=200,
+                                             num_local_experts=2, num_experts_per_tok=1, use_cache=False))
+    ids = example()["input_ids"]
+    out = lm_loss.keep_faster_lm_loss(model, (), {"input_ids": ids}, "cpu")
+    assert out["kept"], out
+    fused = model(input_ids=ids, labels=ids)
+    assert isinstance(fused, type(model.forward.original()(input_ids=ids)))
+    assert type(fused).__name__ == "LazyLogits" and hasattr(fused, "aux_loss")
+    routed = model(input_ids=ids, labels=ids, output_router_logits=True)
+    assert type(routed).__name__ != "LazyLogits" and routed.aux_loss is not None
+
+
 def test_a_fused_loss_that_differs_is_not_used(monkeypatch):
     class Wrong:  # planted: the loss and every gradient 1% off
         @staticmethod

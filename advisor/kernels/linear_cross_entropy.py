@@ -206,14 +206,21 @@ def causal_lm_parts(model: torch.nn.Module) -> tuple:
     return base, head
 
 
-def fused_causal_lm_loss(model: torch.nn.Module) -> torch.nn.Module:
+def fused_causal_lm_loss(model: torch.nn.Module, output_type: type | None = None) -> torch.nn.Module:
     """Make an HF causal LM (`causal_lm_parts`: a base model and a linear head) compute its
     training loss through `LinearCrossEntropyFunction` (`CausalLMLossForward`). Refused (ValueError) for
     heads that change the logits after the projection (Gemma-2's final soft-capping, Cohere's logit
-    scale): the loss would differ. `advisor.unpatch(model)` undoes it."""
+    scale): the loss would differ. `output_type`: the model's own output class (its fields kept, `logits`
+    made lazy); HF's `CausalLMOutputWithPast` if None. `advisor.unpatch(model)` undoes it."""
     causal_lm_parts(model)
-    model.forward = CausalLMLossForward(model, model.__dict__.get("forward"))
+    model.forward = CausalLMLossForward(model, model.__dict__.get("forward"), output_type)
     return model
+
+
+# A training call's arguments the fused loss handles: handed to the base model as they are, or read by the loss.
+PASSED = frozenset({"input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache",
+                    "cache_position", "output_attentions", "output_hidden_states", "token_type_ids", "labels",
+                    "shift_labels", "num_items_in_batch", "return_dict", "logits_to_keep"})
 
 
 class CausalLMLossForward:
@@ -226,10 +233,11 @@ class CausalLMLossForward:
     `logits_to_keep`) run the original forward. Holds its model weakly (no reference cycle keeps a deleted
     model's memory)."""
 
-    def __init__(self, model: torch.nn.Module, saved=None):
+    def __init__(self, model: torch.nn.Module, saved=None, output_type: type | None = None):
         self._model = weakref.ref(model)
         self.saved = saved  # an instance-level forward it replaced (restored by `unpatch`), else None
         self.enabled = True  # False: every call runs the original forward (`workflows.lm_loss` times both)
+        self.output_type = output_type  # the model's own output class (None: HF's CausalLMOutputWithPast)
 
     def remove(self) -> None:
         """Put the model's forward back as it was."""
@@ -253,13 +261,14 @@ class CausalLMLossForward:
 
     def __call__(self, *args, **kwargs):
         labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
-        # (positional arguments past input_ids: the base model's forward may order them differently)
+        # (positional arguments past input_ids: the base model's forward may order them differently; arguments
+        # outside `PASSED` may change the loss, a mixture of experts' router loss say)
         if labels is None and shift_labels is None or not torch.is_grad_enabled() or kwargs.get("logits_to_keep") \
-                or kwargs.get("return_dict") is False or len(args) > 1 or not self.enabled:
+                or kwargs.get("return_dict") is False or len(args) > 1 or not self.enabled or kwargs.keys() - PASSED:
             return self.original()(*args, **kwargs)
         loss, hidden, out = self.loss(*args, **kwargs)
         head = self.model.get_output_embeddings()
-        return lazy_logits_type().of(loss, lambda: head(hidden), out, (head.weight,))
+        return lazy_logits_type(self.output_type).of(loss, lambda: head(hidden), out, (head.weight,))
 
     def loss(self, *args, **kwargs) -> tuple:
         """(the fused loss, the base model's hidden states, its output) of a call with labels."""
@@ -277,31 +286,34 @@ class CausalLMLossForward:
         return loss, hidden, out
 
     def __deepcopy__(self, memo):
-        new = CausalLMLossForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.saved, memo))
+        new = CausalLMLossForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.saved, memo), self.output_type)
         new.enabled = self.enabled
         return new
 
     def __reduce__(self):
-        return (CausalLMLossForward, (self.model, self.saved), {"enabled": self.enabled})
+        return (CausalLMLossForward, (self.model, self.saved, self.output_type), {"enabled": self.enabled})
 
     def __setstate__(self, state: dict) -> None:
         self.enabled = state.get("enabled", True)
 
 
 @functools.cache
-def lazy_logits_type() -> type:
-    """`LazyLogits`, made at first use (transformers is imported only where an HF causal LM trains)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+def lazy_logits_type(output_type: type | None = None) -> type:
+    """`LazyLogits` over the model's own output class (`output_type`, HF's `CausalLMOutputWithPast` if None):
+    one made per class, at first use (transformers is imported only where an HF causal LM trains)."""
+    if output_type is None:
+        from transformers.modeling_outputs import CausalLMOutputWithPast as output_type
 
     @dataclasses.dataclass
-    class LazyLogits(CausalLMOutputWithPast):
+    class LazyLogits(output_type):
         """HF's causal-LM output whose `logits` are computed at their first read (attribute, key, index,
         iteration), in the grad mode of the call that made it: what eager's forward would have returned."""
 
         @classmethod
         def of(cls, loss, make_logits, base_out, weights: tuple = ()) -> "LazyLogits":
             # the base model's outputs under the names this output has (its cache, hidden states, attentions)
-            kept = {f.name: OrderedDict.get(base_out, f.name) for f in dataclasses.fields(cls)[2:]}
+            kept = {f.name: OrderedDict.get(base_out, f.name) for f in dataclasses.fields(cls)
+                    if f.name not in ("loss", "logits")}
             out = cls(loss=loss, logits=None, **{k: v for k, v in kept.items() if v is not None})
             grad = torch.is_grad_enabled()
             versions = [w._version for w in weights]
@@ -321,11 +333,11 @@ def lazy_logits_type() -> type:
             if make is None:
                 return
             logits = make()
-            order = list(OrderedDict.keys(self))
             OrderedDict.__setitem__(self, "logits", logits)
             object.__setattr__(self, "logits", logits)
-            for k in order[1:]:  # field order, as eager's output: loss, logits, then the rest
-                self.move_to_end(k)
+            for f in dataclasses.fields(self):  # in field order, as eager's output has them (loss, logits, ...)
+                if OrderedDict.__contains__(self, f.name):
+                    self.move_to_end(f.name)
 
         def __getattribute__(self, name):
             if name == "logits":

@@ -17,6 +17,8 @@ only if read.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 
 import torch
 
@@ -45,7 +47,7 @@ def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, devic
         return {"decision": "eager's LM loss: no input_ids in the example to size it by", "kept": False}
     meaningful = timing.timing_meaningful(device)
     tol = TOLERANCE.get(head.weight.dtype, 2e-2)
-    own = _against_the_models_loss(model, args, kwargs)
+    own, output_type = _against_the_models_loss(model, args, kwargs)
     out: dict = {"tokens": tokens, "vocabulary": head.out_features, "model_loss_rel_error": round(own, 8)}
     if not own <= tol:  # the model's loss is not cross-entropy over base model -> head (a head transform, a rescale)
         return out | {"decision": f"eager's LM loss: the fused loss differs from the model's own on the example "
@@ -55,7 +57,7 @@ def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, devic
     if not error <= tol:
         return out | {"decision": f"eager's LM loss: the fused loss's gradients differ from eager's (relative "
                                   f"error {error:.2e} > {tol:g})", "kept": False}
-    fused_causal_lm_loss(model)
+    fused_causal_lm_loss(model, output_type)
     wrapper = model.__dict__["forward"]
     if not meaningful:
         return out | {"decision": "LM loss without its logits, validated (timing not meaningful here: not timed)",
@@ -88,22 +90,27 @@ def _tokens(args: tuple, kwargs: dict) -> int | None:
     return None if ids is None else ids.numel()
 
 
-def _against_the_models_loss(model: torch.nn.Module, args: tuple, kwargs: dict) -> float:
+def _against_the_models_loss(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[float, type | None]:
     """Relative error of the fused loss against the model's own (its forward with labels), on the example with
     its input_ids as labels, dropout off: the one check that the model's loss is what the fused one computes
     (cross-entropy of the base model's hidden states through the head, labels shifted by one), whatever the
-    model's code does between them."""
+    model's code does between them. Returns the error (inf where the model's output is not a dataclass with
+    `loss` first and `logits`) and the model's output class (the fused loss's output keeps it)."""
     labelled = dict(kwargs, labels=_input_ids(args, kwargs))
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
-            want = model(*args, **labelled).loss.float()  # no grad: the original forward, even if wrapped
+            theirs = model(*args, **labelled)  # no grad: the original forward, even if wrapped
             got = CausalLMLossForward(model).loss(*args, **dict(labelled))[0].float()
     finally:
         for m, training in modes.items():
             m.training = training
-    return ((got - want).abs() / want.abs().clamp(min=1e-12)).item()
+    fields = [f.name for f in dataclasses.fields(theirs)] if dataclasses.is_dataclass(theirs) else []
+    if fields[:1] != ["loss"] or "logits" not in fields or theirs.loss is None:
+        return math.inf, None
+    want = theirs.loss.float()
+    return ((got - want).abs() / want.abs().clamp(min=1e-12)).item(), type(theirs)
 
 
 def _operands(head: torch.nn.Linear, rows: int) -> tuple:
