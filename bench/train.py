@@ -33,8 +33,8 @@ the others their original ops (`advisor.patching.autograd.summary()` lists which
 Liger-Kernel (`apply_liger_kernel_to_llama`) runs for Llama only where `liger_kernel` imports; it
 patches HF's classes for the whole process, so it runs last. The lce mode (causal LMs): eager, with the
 LM loss computed by `advisor.kernels.linear_cross_entropy` (linear + cross-entropy in row chunks, the
-N x V logits never held; what Liger's fused linear cross-entropy does); advisor_lce: both (not in the
-default modes: a second optimize per model).
+N x V logits never held; what Liger's fused linear cross-entropy does). The advisor modes get it from
+`optimize(train=True)` itself where it is kept (`report.training["lm_loss"]`).
 
 Writes OUT.json (every number) and OUT.md (a table), printing the table. torch, the workloads and the
 advisor are imported inside the child's functions: the parent process only starts children and writes.
@@ -58,16 +58,16 @@ DEFAULT_MODELS = "hf_llama,hf_gpt2"  # ~3 min each on an H100 (two compiles, one
 # eager_again: eager once more, last (how far the GPU drifted over the run: modes run one after another)
 # `advisor_memory`: the advisor with `train_memory=MEMORY_ALLOWED` (fused training kept up to 2% heavier than
 # the original forwards: what a user who trades memory for speed gets)
-ADVISOR_MODES = ("advisor", "advisor_lce", "advisor_autocast", "advisor_memory")
+ADVISOR_MODES = ("advisor", "advisor_autocast", "advisor_memory")
 MEMORY_ALLOWED = 0.02
 WARM_S = 3.0  # steps of every interleaved mode, in turn, before the timed rounds
-MODES = ["eager", "compile", "advisor", "lce", "liger", "advisor_lce", "eager_again", "advisor_autocast",
+MODES = ["eager", "compile", "advisor", "lce", "liger", "eager_again", "advisor_autocast",
          "advisor_memory"]
 # --autocast: fp32 weights, each step's forward and loss under `torch.autocast` (bf16 on a GPU), the usual mixed-
 # precision loop; `advisor` calls optimize outside the autocast context (as most scripts would),
 # `advisor_autocast` inside it (the state its training check then measures is the one the loop runs).
 AUTOCAST = os.environ.get("FUSION_BENCH_AUTOCAST") == "1"
-DEFAULT_MODES = "eager,compile,advisor,lce,liger"  # advisor_lce: a second optimize per model, asked for by name
+DEFAULT_MODES = "eager,compile,advisor,lce,liger"
 
 
 # ----------------------------------------------------------------------------------------- child
@@ -162,7 +162,7 @@ class Mode:
             apply_liger_kernel_to_llama()
             w = build(name, device, quick)  # rebuilt: Liger patches the classes, models made after use its modules
             model = w.model.float() if AUTOCAST else w.model
-        if mode in ("lce", "advisor_lce"):  # the LM loss through advisor.kernels.linear_cross_entropy (no logits)
+        if mode == "lce":  # the LM loss through advisor.kernels.linear_cross_entropy (no logits)
             if self.labels is None:
                 raise Skip("the fused linear + cross-entropy loss is for causal LMs")
             from advisor.kernels.linear_cross_entropy import fused_causal_lm_loss
