@@ -30,6 +30,7 @@ from advisor.workflows.selection import ROUNDS, Option, shown_faster
 from advisor.workflows.training import left_as_found, peak_bytes
 
 CPU_ROWS = 64  # tokens validated on the CPU: the kernel runs in Triton's interpreter there
+SHARPEN = 64.0  # the head's weight scaled by it while the fused loss is compared with the model's own
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6}  # relative L2; 2e-2 for 16-bit heads (as generated kernels)
 
 
@@ -91,26 +92,42 @@ def _tokens(args: tuple, kwargs: dict) -> int | None:
 
 
 def _against_the_models_loss(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[float, type | None]:
-    """Relative error of the fused loss against the model's own (its forward with labels), on the example with
-    its input_ids as labels, dropout off: the one check that the model's loss is what the fused one computes
-    (cross-entropy of the base model's hidden states through the head, labels shifted by one), whatever the
-    model's code does between them. Returns the error (inf where the model's output is not a dataclass with
-    `loss` first and `logits`) and the model's output class (the fused loss's output keeps it)."""
+    """How far the fused loss is from the model's own (its forward with labels) on the example, its input_ids as
+    labels, dropout off: the one check that the model's loss is what the fused one computes (cross-entropy of
+    the base model's hidden states through the head, labels shifted by one), whatever the model's code does
+    between them. The head's weight is scaled up for it (`SHARPEN`, restored exactly after): with random
+    weights the logits are near 0 and every position's loss near log V, whichever label it is scored against
+    and however the logits were rescaled (Granite's logits_scaling of 4 moved it by 0.2%); sharpened, a wrong
+    shift or scale moves it by far more than the tolerance. The logits are compared too (head of the base
+    model's states against the model's own). Returns the larger relative error (inf where the model's output
+    is not a dataclass with `loss` first and `logits`) and the model's output class (the fused loss's output
+    keeps it)."""
     labelled = dict(kwargs, labels=_input_ids(args, kwargs))
     modes = {m: m.training for m in model.modules()}
+    head = model.get_output_embeddings()
+    saved = head.weight.detach().clone()
     model.eval()
     try:
         with torch.no_grad():
+            head.weight.mul_(SHARPEN)
             theirs = model(*args, **labelled)  # no grad: the original forward, even if wrapped
-            got = CausalLMLossForward(model).loss(*args, **dict(labelled))[0].float()
+            loss, hidden, _ = CausalLMLossForward(model).loss(*args, **dict(labelled))
+            logits = head(hidden)
     finally:
+        with torch.no_grad():
+            head.weight.copy_(saved)
         for m, training in modes.items():
             m.training = training
     fields = [f.name for f in dataclasses.fields(theirs)] if dataclasses.is_dataclass(theirs) else []
-    if fields[:1] != ["loss"] or "logits" not in fields or theirs.loss is None:
+    if fields[:1] != ["loss"] or "logits" not in fields or theirs.loss is None or theirs.logits is None \
+            or theirs.logits.shape != logits.shape:
         return math.inf, None
-    want = theirs.loss.float()
-    return ((got - want).abs() / want.abs().clamp(min=1e-12)).item(), type(theirs)
+    return max(_relative(loss, theirs.loss), _relative(logits, theirs.logits)), type(theirs)
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm().clamp(min=1e-12)).item()
 
 
 def _operands(head: torch.nn.Linear, rows: int) -> tuple:
