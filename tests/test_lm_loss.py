@@ -121,6 +121,24 @@ def test_a_rescaled_head_is_told_apart_in_bf16_where_random_logits_hide_it():
         assert torch.equal(model.lm_head.weight, weight)
 
 
+def test_a_check_that_fails_leaves_the_model_as_it_was(monkeypatch):
+    """A causal LM whose base model does not return hidden states (PEFT's wrapper: its `base_model` is the LoRA
+    model, which returns logits) fails the comparison: one line in the decision, the model untouched. So does a
+    failing timing on a GPU, after the wrapper was installed."""
+    model = tiny_llama()
+    monkeypatch.setattr(type(model), "base_model", property(lambda self: torch.nn.Identity()))
+    out = lm_loss.keep_faster_lm_loss(model, (), example(), "cpu")
+    assert not out["kept"] and "its check failed" in out["decision"] and "forward" not in model.__dict__
+    monkeypatch.undo()
+
+    def broken(*a, **k):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(lm_loss.timing, "timing_meaningful", lambda device: True)
+    monkeypatch.setattr(lm_loss, "_timed", broken)
+    out = lm_loss.keep_faster_lm_loss(model, (), example(), "cpu")
+    assert not out["kept"] and "out of memory" in out["decision"] and "forward" not in model.__dict__
+
+
 def test_a_fused_loss_that_differs_is_not_used(monkeypatch):
     class Wrong:  # planted: the loss and every gradient 1% off
         @staticmethod

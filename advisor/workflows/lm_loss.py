@@ -38,7 +38,7 @@ def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, devic
     """Validate and time the fused LM loss for `model`; apply it where it is kept. None for models that are
     not HF causal LMs; else the decision (apply.json `training.lm_loss`)."""
     try:
-        base, head = causal_lm_parts(model)
+        _, head = causal_lm_parts(model)
     except NotCausalLM:
         return None
     except ValueError as e:
@@ -46,14 +46,27 @@ def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, devic
     tokens = _tokens(args, kwargs)
     if tokens is None:
         return {"decision": "eager's LM loss: no input_ids in the example to size it by", "kept": False}
+    out: dict = {"tokens": tokens, "vocabulary": head.out_features}
+    try:
+        return _checked_and_timed(model, head, args, kwargs, device, iters, out)
+    except Exception as e:  # a check failing must not cost the user their model (a wrapper whose base model is
+        # not the transformer, PEFT's, say): it is left as it was
+        wrapper = model.__dict__.get("forward")
+        if isinstance(wrapper, CausalLMLossForward):
+            wrapper.remove()
+        return out | {"decision": f"eager's LM loss (its check failed: {type(e).__name__}: {str(e)[:200]})",
+                      "kept": False}
+
+
+def _checked_and_timed(model, head, args: tuple, kwargs: dict, device: str, iters: int, out: dict) -> dict:
     meaningful = timing.timing_meaningful(device)
     tol = TOLERANCE.get(head.weight.dtype, 2e-2)
     own, output_type = _against_the_models_loss(model, args, kwargs)
-    out: dict = {"tokens": tokens, "vocabulary": head.out_features, "model_loss_rel_error": round(own, 8)}
+    out["model_loss_rel_error"] = round(own, 8)
     if not own <= tol:  # the model's loss is not cross-entropy over base model -> head (a head transform, a rescale)
         return out | {"decision": f"eager's LM loss: the fused loss differs from the model's own on the example "
                                   f"(relative error {own:.2e} > {tol:g})", "kept": False}
-    operands = _operands(head, tokens if meaningful else min(tokens, CPU_ROWS))
+    operands = _operands(head, out["tokens"] if meaningful else min(out["tokens"], CPU_ROWS))
     error = out["rel_error"] = round(_error(operands), 8)
     if not error <= tol:
         return out | {"decision": f"eager's LM loss: the fused loss's gradients differ from eager's (relative "
@@ -63,12 +76,7 @@ def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, devic
     if not meaningful:
         return out | {"decision": "LM loss without its logits, validated (timing not meaningful here: not timed)",
                       "kept": True}
-    try:
-        out |= _timed(model, args, kwargs, wrapper, device, iters)
-    except Exception as e:  # the comparison failing must not cost the user their model
-        wrapper.remove()
-        return out | {"decision": f"eager's LM loss (its comparison failed: {type(e).__name__}: {str(e)[:200]})",
-                      "kept": False}
+    out |= _timed(model, args, kwargs, wrapper, device, iters)
     peaks = out["eager_peak_gb"], out["fused_peak_gb"]
     numbers = f"a training call with labels {out['eager_ms']:.3f} -> {out['fused_ms']:.3f} ms" + \
         (f", peak {peaks[0]:.3f} -> {peaks[1]:.3f} GB" if None not in peaks else "")
@@ -77,7 +85,8 @@ def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, devic
         out["decision"] = f"LM loss without its logits: {numbers}"
     else:
         wrapper.remove()
-        out["decision"] = f"eager's LM loss ({'not faster beyond noise' if not out['faster'] else 'heavier'}): {numbers}"
+        why = "not faster beyond noise" if not out["faster"] else "heavier"
+        out["decision"] = f"eager's LM loss ({why}): {numbers}"
     return out
 
 
