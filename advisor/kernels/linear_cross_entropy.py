@@ -230,8 +230,8 @@ class CausalLMLossForward:
     `num_items_in_batch` divides a sum as HF does). Its output's `logits` are computed only if read
     (`LazyLogits`): as eager's, from the same hidden states, through the head, with autograd; a loop that
     never reads them never pays for them. Other calls (no labels, no grad, `return_dict=False`,
-    `logits_to_keep`) run the original forward. Holds its model weakly (no reference cycle keeps a deleted
-    model's memory)."""
+    `logits_to_keep`, positional arguments past input_ids, arguments outside `PASSED`) run the original
+    forward. Holds its model weakly (no reference cycle keeps a deleted model's memory)."""
 
     def __init__(self, model: torch.nn.Module, saved=None, output_type: type | None = None):
         self._model = weakref.ref(model)
@@ -307,7 +307,8 @@ def lazy_logits_type(output_type: type | None = None) -> type:
     @dataclasses.dataclass
     class LazyLogits(output_type):
         """HF's causal-LM output whose `logits` are computed at their first read (attribute, key, index,
-        iteration), in the grad mode of the call that made it: what eager's forward would have returned."""
+        iteration), in the grad mode of the call that made it: what eager's forward would have returned. Until
+        then it holds the base model's hidden states (N x D), where eager's output held the N x V logits."""
 
         @classmethod
         def of(cls, loss, make_logits, base_out, weights: tuple = ()) -> "LazyLogits":
