@@ -14,9 +14,8 @@ from advisor.patching.train_graphs import TrainGraphed, TrainRecording, mutates
 class StaticRecorder:
     device_type = "cpu"
 
-    def __init__(self, eager_backward: bool = False):
+    def __init__(self):
         self.records = 0
-        self.eager = eager_backward  # the backward run op by op over the last replay's graph, as on the GPU
 
     def record_training(self, fn, args, inputs):
         self.records += 1
@@ -40,16 +39,7 @@ class StaticRecorder:
             for i, g in zip(needs, gs):
                 grad_inputs[i].copy_(g) if g is not None else grad_inputs[i].zero_()
 
-        def eager_backward(gouts):
-            gs = torch.autograd.grad([live["outs"][j] for j in diff], [args[i] for i in needs],
-                                     [gouts[j] for j in diff], retain_graph=True, allow_unused=True)
-            grads = [None] * len(args)
-            for i, g in zip(needs, gs):
-                grads[i] = g
-            return grads
-
-        return TrainRecording(forward, backward, inputs, outs, grad_outputs, grad_inputs, fused=0,
-                              eager_backward=eager_backward if self.eager else None)
+        return TrainRecording(forward, backward, inputs, outs, grad_outputs, grad_inputs, fused=0)
 
 
 def layer(x, w, b):
@@ -76,12 +66,11 @@ def grads_of(run, ps, x, steps=1):
     return [p.grad.clone() for p in sum(ps, ())] + [x1.grad.clone()]
 
 
-@pytest.mark.parametrize("eager_backward", [True, False], ids=["backward-op-by-op", "backward-replayed"])
-def test_replayed_layers_give_eagers_gradients_and_accumulate(eager_backward):
+def test_replayed_layers_give_eagers_gradients_and_accumulate():
     torch.manual_seed(0)
     ps = [params(1), params(2), params(3)]
     x = torch.randn(4, 8, 16)
-    rec = StaticRecorder(eager_backward)
+    rec = StaticRecorder()
     graphed = TrainGraphed(layer, recorder=rec)
     for steps in (1, 2):  # two steps without zeroing: accumulated, not overwritten in a static buffer
         want = grads_of(layer, ps, x, steps)
@@ -206,26 +195,3 @@ def test_training_pool_is_handed_back_once_no_recording_is_left(monkeypatch):
     graphed.recordings.clear()  # what a patched forward does when its training calls fall back
     train_graphs.release_unused_pool()
     assert list(CudaRecorder._pools) == [("cuda:0", "inference")]
-
-
-def test_a_parameter_recorded_through_its_alias_survives_the_optimizer_step():
-    """The recording's graph is made once and differentiated every step (its backward op by op); between two
-    backwards the optimizer updates the parameters in place. Recorded through `detach()` (the version counter
-    shared), autograd would refuse the second backward; through `_alias` it reads the new values, as eager's
-    next step does."""
-    from advisor.patching.train_graphs import _alias
-
-    w = torch.nn.Parameter(torch.randn(4, 4))
-    x = torch.randn(4, 4, requires_grad=True)
-    opt = torch.optim.SGD([w], lr=0.1)
-    for leaf, ok in ((_alias(w), True), (w.detach(), False)):
-        y = (x @ leaf.requires_grad_(True)).sum()  # the recording: mm saves its weight leaf
-        torch.autograd.grad(y, [x, leaf], retain_graph=True)
-        w.grad = torch.ones_like(w)
-        opt.step()
-        if ok:
-            gx, = torch.autograd.grad(y, [x], retain_graph=True)
-            torch.testing.assert_close(gx, w.detach().sum(1).expand(4, 4))  # d/dx of sum(x @ w): the new w
-        else:
-            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-                torch.autograd.grad(y, [x], retain_graph=True)

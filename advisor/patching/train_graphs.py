@@ -1,6 +1,4 @@
-"""Replay a rewritten training graph's forward as a CUDA graph, and run its backward op by op over the
-autograd graph recorded with it (`EAGER_BACKWARD`; FUSION_ADVISOR_BACKWARD_GRAPHS=1 replays the backward from
-a CUDA graph of its own too, the contract below).
+"""Replay a rewritten training graph as two CUDA graphs: its forward, then its backward.
 
 Why: under autograd a captured layer runs its aten ops, Triton launchers and autograd nodes one at a
 time from Python, forward and backward. On the H100 the suite's Llama trained with its fused
@@ -12,13 +10,9 @@ The contract is `graphs.Graphed`'s (parameters read in place, every other input 
 buffer, outputs copied out, one shared pool), plus what autograd needs:
 - the recording keeps its autograd graph (the backward is recorded with `retain_graph`), so the tensors
   the backward reads stay allocated at the addresses the forward graph writes them to;
-- the replayed forward is one `autograd.Function`. Its backward runs autograd over the recorded graph from
-  the output gradients as they come and hands autograd the gradients its ops made (fresh tensors: nothing
-  copied); the parameters are recorded through aliases with version counters of their own, so the
-  optimizer's in-place steps between backwards do not read as changes to the saved tensors. Replayed from
-  a graph instead, the backward copies the output gradients into static buffers, replays, and hands
-  autograd copies of the input gradients (a static buffer handed over would be overwritten by the next
-  step);
+- the replayed forward is one `autograd.Function`: its backward copies the output gradients in, replays
+  the backward graph and hands autograd copies of the input gradients (autograd accumulates them into
+  `.grad` as it would eager's: a static buffer handed over would be overwritten by the next step);
 - one forward, then its backward: a second forward of the same recording before the first one's
   backward (one module called twice in a step: two views through one encoder, weights shared) runs op
   by op, because a replay would overwrite what the first call's backward reads; the block lifts at that
@@ -44,7 +38,6 @@ inside a backward pass (activation checkpointing re-runs forwards there), and no
 from __future__ import annotations
 
 import itertools
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -55,12 +48,6 @@ from advisor.patching import rewrite
 from advisor.patching.graphs import _LIVE as _GRAPHED, CudaRecorder, Graphed, _copy_in, _copy_out, release_pool
 
 WARMUP = 2  # forward + backward runs before recording: Triton compiles, autotuning, workspaces
-# The backward runs op by op (autograd over the recorded forward's graph) rather than replayed from a graph of
-# its own: a replayed backward writes every gradient into a static buffer shared by the recordings and hands
-# autograd a copy (the H100's Llama: 1.29 ms of a 30 ms step copying the parameters' gradients twice, 0.4 ms
-# more for the layers' inputs and outputs), where autograd's own ops allocate them where they are handed on.
-# The backward is GPU-bound (2 ms a layer against a few hundred µs of launches), so its launches cost no time.
-EAGER_BACKWARD = os.environ.get("FUSION_ADVISOR_BACKWARD_GRAPHS") != "1"
 _SEQ = itertools.count()
 # Recordings whose last replayed forward may still be backpropagated (its autograd node is alive).
 _ALIVE: "weakref.WeakSet[TrainRecording]" = weakref.WeakSet()
@@ -77,9 +64,6 @@ class TrainRecording:
     grad_inputs: list  # per argument: its gradient's static buffer, None where it has none
     fused: int  # fused sites (with a generated backward) one forward runs
     keep: tuple = ()  # what must outlive the replays (the graphs, the autograd graph's outputs)
-    # The backward run op by op instead (`EAGER_BACKWARD`): output gradients -> per argument, its gradient or
-    # None; `backward`, `grad_outputs` and `grad_inputs` are then unused.
-    eager_backward: Callable | None = None
     generation: int = 0  # forwards replayed so far
     pending: bool = False  # a replayed forward's backward has not run yet
     seq: int = field(default_factory=lambda: next(_SEQ))  # order of recording (scratch may overlap later ones')
@@ -150,11 +134,10 @@ class TrainGraphed(Graphed):
                 # itself, its gradient accumulator (an autograd node, cached per tensor) was made on the side
                 # stream the recording runs on, and every later backward of the model, graphed or not, then
                 # synchronised the streams once per parameter (BERT: 396 event waits in two steps, 10 ms a step).
-                static_args.append(_alias(a).requires_grad_(True))
+                static_args.append(a.detach().requires_grad_(True))
             else:
                 static_args.append(a)
         return self.recorder.record_training(self.fn, static_args, inputs)
-
 
     def _run(self, rec: TrainRecording, args) -> list:
         why = None
@@ -167,13 +150,6 @@ class TrainGraphed(Graphed):
             return self.fn(*args)
         return list(_Replayed.apply(rec, *args))
 
-
-def _alias(p: torch.Tensor) -> torch.Tensor:
-    """`p`'s memory as a tensor with a version counter of its own: the optimizer's in-place steps on the
-    parameter must not read, to the recording's autograd graph (which saved it), as a change made between
-    its forward and its backward (they come after the backward that read it)."""
-    return torch.empty(0, dtype=p.dtype, device=p.device).set_(p.untyped_storage(), p.storage_offset(), p.size(),
-                                                               p.stride())
 
 class _Token:
     """Lives as long as a replayed forward's autograd node: its end lifts the recording's block."""
@@ -221,10 +197,6 @@ class _Replayed(torch.autograd.Function):
                                "were overwritten by a later replay (a backward through an old graph, or backwards "
                                "out of the forwards' order); set FUSION_ADVISOR_CUDA_GRAPHS=0 to run such a "
                                "training loop op by op.")
-        if rec.eager_backward is not None:
-            grads = rec.eager_backward(gouts)
-            rec.pending = False
-            return (None, *grads)
         for s, g in zip(rec.grad_outputs, gouts):
             if s is not None:
                 s.copy_(g) if g is not None else s.zero_()
@@ -263,35 +235,6 @@ def _shared(device, role: str, index: int, like: torch.Tensor) -> torch.Tensor:
     return buf
 
 
-def _eager_backward(outs: list, args: list, stream) -> Callable:
-    """The recording's backward run op by op: autograd over the graph its forward was captured with (kept, and
-    its saved tensors rewritten in place by each forward replay), from the output gradients as they come.
-    Its nodes run on the stream the forward was captured on (autograd runs a node where its forward ran):
-    that stream waits for the caller's before, the caller's for it after, and the gradients handed back
-    are marked as used on the caller's stream (the allocator must not hand their memory to the side stream's
-    next work while the caller still reads it)."""
-    diff, needs = _differentiable(outs), _needing_grads(args)
-
-    def run(gouts) -> list:
-        main = torch.cuda.current_stream()
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            for j in diff:
-                if gouts[j] is not None:
-                    gouts[j].record_stream(stream)
-            got = torch.autograd.grad([outs[j] for j in diff], [args[i] for i in needs],
-                                      [gouts[j] if gouts[j] is not None else torch.zeros_like(outs[j]) for j in diff],
-                                      retain_graph=True, allow_unused=True)
-        main.wait_stream(stream)
-        grads: list = [None] * len(args)
-        for i, g in zip(needs, got):
-            if g is not None:
-                g.record_stream(main)
-                grads[i] = g
-        return grads
-    return run
-
-
 class CudaTrainRecorder:
     """Records the forward graph and the backward graph of one training call (as
     `torch.cuda.make_graphed_callables` does), in the training recordings' pool, keeping the autograd
@@ -318,12 +261,6 @@ class CudaTrainRecorder:
             before = rewrite.fused_runs()
             self._capture(fwd, pool, device, lambda: outs.extend(fn(*args)))
             fused = rewrite.fused_runs() - before
-        if EAGER_BACKWARD:
-            torch.cuda.current_stream(device).wait_stream(stream)
-            diff = _differentiable(outs)  # (grad_outputs: which outputs take a gradient, nothing more)
-            return TrainRecording(fwd.replay, None, inputs, outs, [o if j in diff else None for j, o in enumerate(outs)],
-                                  [], fused, keep=(fwd,), eager_backward=_eager_backward(outs, args, stream))
-        with torch.cuda.stream(stream):
             grad_outputs = [_shared(device, "output", j, o) if j in _differentiable(outs) else None
                             for j, o in enumerate(outs)]
             needs = _needing_grads(args)
