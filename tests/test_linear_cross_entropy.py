@@ -134,6 +134,8 @@ def test_logits_are_computed_only_when_read_and_train_as_eagers():
     with pytest.warns(RuntimeWarning, match="after its head's weights changed"):
         late.logits
     assert model(input_ids=ids, labels=ids, return_dict=False)[1].shape == (2, 16, 200)  # asked for a tuple: eager's
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast decides the head's dtype per call: eager's loss
+        assert type(model(input_ids=ids, labels=ids)).__name__ != "LazyLogits"
 
 
 def test_the_fused_loss_goes_with_unpatch_copies_and_pickles_with_its_model():

@@ -223,6 +223,10 @@ PASSED = frozenset({"input_ids", "attention_mask", "position_ids", "past_key_val
                     "shift_labels", "num_items_in_batch", "return_dict", "logits_to_keep"})
 
 
+def _autocast() -> bool:
+    return torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu")
+
+
 class CausalLMLossForward:
     """The forward of an HF causal LM whose training loss skips the N x V logits: a call with `labels` (or
     `shift_labels`) while grad is enabled runs the base model, then the fused loss over its hidden states
@@ -230,8 +234,8 @@ class CausalLMLossForward:
     `num_items_in_batch` divides a sum as HF does). Its output's `logits` are computed only if read
     (`LazyLogits`): as eager's, from the same hidden states, through the head, with autograd; a loop that
     never reads them never pays for them. Other calls (no labels, no grad, `return_dict=False`,
-    `logits_to_keep`, positional arguments past input_ids, arguments outside `PASSED`) run the original
-    forward. Holds its model weakly (no reference cycle keeps a deleted model's memory)."""
+    `logits_to_keep`, positional arguments past input_ids, arguments outside `PASSED`, autocast: its head
+    would run in bf16 where the chunks' matmuls, given out= buffers, would not) run the original forward. Holds its model weakly (no reference cycle keeps a deleted model's memory)."""
 
     def __init__(self, model: torch.nn.Module, saved=None, output_type: type | None = None):
         self._model = weakref.ref(model)
@@ -264,7 +268,8 @@ class CausalLMLossForward:
         # (positional arguments past input_ids: the base model's forward may order them differently; arguments
         # outside `PASSED` may change the loss, a mixture of experts' router loss say)
         if labels is None and shift_labels is None or not torch.is_grad_enabled() or kwargs.get("logits_to_keep") \
-                or kwargs.get("return_dict") is False or len(args) > 1 or not self.enabled or kwargs.keys() - PASSED:
+                or kwargs.get("return_dict") is False or len(args) > 1 or not self.enabled or kwargs.keys() - PASSED \
+                or _autocast():
             return self.original()(*args, **kwargs)
         loss, hidden, out = self.loss(*args, **kwargs)
         head = self.model.get_output_embeddings()
