@@ -139,6 +139,45 @@ def test_a_check_that_fails_leaves_the_model_as_it_was(monkeypatch):
     assert not out["kept"] and "out of memory" in out["decision"] and "forward" not in model.__dict__
 
 
+class Wrapped(torch.nn.Module):
+    """What PEFT's wrappers are to this: a module holding the HF model, `get_base_model()`, calling it."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def get_base_model(self):
+        return self.inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_a_wrapped_model_gets_the_fused_loss_on_the_model_inside():
+    inner = tiny_llama()
+    model, twin = Wrapped(inner), copy.deepcopy(Wrapped(inner))
+    out = lm_loss.keep_faster_lm_loss(model, (), example(), "cpu")
+    assert out["kept"] and isinstance(inner.__dict__["forward"], lce.CausalLMLossForward), out
+    ids = example()["input_ids"]
+    assert type(model(input_ids=ids, labels=ids)).__name__ == "LazyLogits"
+    torch.testing.assert_close(torch.tensor(steps(model, ids)), torch.tensor(steps(twin, ids)), rtol=1e-4, atol=1e-4)
+    import advisor
+
+    assert advisor.unpatch(model) == 1 and "forward" not in inner.__dict__
+
+
+def test_a_lora_model_trains_its_loss_fused():
+    """PEFT's LoRA wrapper (where peft is installed: it is not among this project's dependencies)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                              lora_dropout=0.0, task_type="CAUSAL_LM"))
+    twin = copy.deepcopy(model)
+    out = lm_loss.keep_faster_lm_loss(model, (), example(), "cpu")
+    assert out["kept"], out
+    ids = example()["input_ids"]
+    torch.testing.assert_close(torch.tensor(steps(model, ids)), torch.tensor(steps(twin, ids)), rtol=1e-4, atol=1e-4)
+
+
 def test_a_fused_loss_that_differs_is_not_used(monkeypatch):
     class Wrong:  # planted: the loss and every gradient 1% off
         @staticmethod
@@ -217,3 +256,26 @@ def test_every_zoo_causal_lm_trains_its_loss_as_its_own(arch):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=f"{arch.name}: {n}")
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("trainable", ["none", "head"])
+def test_the_timed_call_trains_what_the_user_trains(monkeypatch, trainable):
+    """Adapters (LoRA: a few parameters trainable) are timed as they are; a model handed over frozen is timed
+    with every parameter trainable, as it will train. Afterwards every flag is as it was."""
+    from advisor.bench.timing import Timing
+
+    model = tiny_llama()
+    for p in model.parameters():
+        p.requires_grad_(trainable == "head" and p is model.lm_head.weight)
+    seen = []
+
+    def time_configs(call, configs, device, iters=20, rounds=5):
+        seen.append(sum(p.requires_grad for p in model.parameters()))
+        return {k: Timing(3.0, 5, "cuda_events", [3.0] * 5, 0.0, [3.0] * 5) for k in configs}
+
+    monkeypatch.setattr(lm_loss.timing, "timing_meaningful", lambda device: True)
+    monkeypatch.setattr(lm_loss.timing, "time_configs", time_configs)
+    lm_loss.keep_faster_lm_loss(model, (), example(), "cpu")
+    assert seen == [1 if trainable == "head" else len(list(model.parameters()))]
+    assert [p.requires_grad for p in model.parameters()] == [p is model.lm_head.weight and trainable == "head"
+                                                             for p in model.parameters()]

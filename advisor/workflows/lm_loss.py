@@ -37,6 +37,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6}  # relative L2; 2e-2 for 
 def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, device: str, iters: int = 20) -> dict | None:
     """Validate and time the fused LM loss for `model`; apply it where it is kept. None for models that are
     not HF causal LMs; else the decision (apply.json `training.lm_loss`)."""
+    model = _inner(model)
     try:
         _, head = causal_lm_parts(model)
     except NotCausalLM:
@@ -88,6 +89,14 @@ def _checked_and_timed(model, head, args: tuple, kwargs: dict, device: str, iter
         why = "not faster beyond noise" if not out["faster"] else "heavier"
         out["decision"] = f"eager's LM loss ({why}): {numbers}"
     return out
+
+
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside a PEFT wrapper (LoRA and the like: `get_base_model()`), whose forward the wrapper
+    calls: the fused loss goes on it. Other models as they are."""
+    get = getattr(model, "get_base_model", None)
+    inner = get() if callable(get) else None
+    return inner if isinstance(inner, torch.nn.Module) and inner is not model else model
 
 
 def _input_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -192,8 +201,9 @@ def _timed(model: torch.nn.Module, args: tuple, kwargs: dict, wrapper, device: s
     eager, fused = using(False), using(True)
     peaks = {}
     with left_as_found(model, [], device):
-        for p in params:
-            p.requires_grad_(True)  # timed as it will train (a model handed over frozen too)
+        if not any(p.requires_grad for p in params):  # handed over frozen: timed as it will train (adapters
+            for p in params:  # such as LoRA's, some trainable, are timed as they are)
+                p.requires_grad_(True)
         for name, state in (("eager", eager), ("fused", fused)):
             with state():
                 step()  # workspaces, captures
