@@ -67,6 +67,9 @@ MODES = ["eager", "compile", "advisor", "lce", "liger", "eager_again", "advisor_
 # precision loop; `advisor` calls optimize outside the autocast context (as most scripts would),
 # `advisor_autocast` inside it (the state its training check then measures is the one the loop runs).
 AUTOCAST = os.environ.get("FUSION_BENCH_AUTOCAST") == "1"
+# --lora (causal LMs): every mode trains LoRA adapters (peft, r=16 on every linear layer but the head), the
+# usual fine-tuning; peft is not among the project's dependencies (carry its wheel to the GPU machine)
+LORA = os.environ.get("FUSION_BENCH_LORA") == "1"
 DEFAULT_MODES = "eager,compile,advisor,lce,liger"
 
 
@@ -171,6 +174,13 @@ class Mode:
         if name == "splade":  # the encoder's output: its gradient is part of the step
             w.inputs[0].requires_grad_(True)
         model.train().requires_grad_(True)  # as a training loop has it before optimize (workloads build frozen)
+        if LORA:
+            import peft
+
+            if self.labels is None:
+                raise Skip("LoRA here is for causal LMs")
+            model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                               target_modules="all-linear", task_type="CAUSAL_LM"))
         if mode in ADVISOR_MODES:
             import advisor
             from advisor.patching import autograd, splade
@@ -454,6 +464,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("reports/train-h100"))
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--autocast", action="store_true", help="fp32 weights, steps under torch.autocast (bf16)")
+    p.add_argument("--lora", action="store_true", help="causal LMs: every mode trains LoRA adapters (needs peft)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3, help="eager / compile / advisor built side by side and timed in "
@@ -485,7 +496,8 @@ def main(argv=None) -> int:
             + (["--quick"] if a.quick else []) + (["--profile"] if a.profile else [])
         try:
             proc = subprocess.run(cmd, timeout=a.timeout, capture_output=True, text=True,
-                                  env={**os.environ, **({"FUSION_BENCH_AUTOCAST": "1"} if a.autocast else {})})
+                                  env={**os.environ, **({"FUSION_BENCH_AUTOCAST": "1"} if a.autocast else {}),
+                                       **({"FUSION_BENCH_LORA": "1"} if a.lora else {})})
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
         except subprocess.TimeoutExpired as e:
             tail = [(e.stdout or b"").decode(errors="replace")[-2000:] if isinstance(e.stdout, bytes) else (e.stdout or ""),
