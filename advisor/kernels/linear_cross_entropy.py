@@ -40,6 +40,7 @@ import os
 import warnings
 import weakref
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 import triton
@@ -356,28 +357,15 @@ def lazy_logits_type(output_type: type | None = None) -> type:
             self._materialize()
             return super().__getitem__(k)
 
-        def keys(self):
-            self._materialize()
-            return super().keys()
-
-        def values(self):
-            self._materialize()
-            return super().values()
-
-        def items(self):
-            self._materialize()
-            return super().items()
-
-        def __iter__(self):
-            self._materialize()
-            return super().__iter__()
-
-        def __len__(self):
-            self._materialize()
-            return super().__len__()
-
-        def to_tuple(self):
-            self._materialize()
-            return super().to_tuple()
-
+    # Every way of reading the output whole (its keys, values, length, tuple) computes the logits first.
+    for name in ("keys", "values", "items", "__iter__", "__len__", "to_tuple"):
+        setattr(LazyLogits, name, _materializing(getattr(output_type, name)))
     return LazyLogits
+
+
+def _materializing(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def read(self, *args, **kwargs):
+        self._materialize()
+        return method(self, *args, **kwargs)
+    return read
