@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 STEPS = 4
+# FUSION_BENCH_LORA=1: LoRA adapters as bench/train.py --lora; FUSION_BENCH_TRAIN_MEMORY=F: optimize's
+# train_memory (fused training kept up to that much heavier, to see where its memory goes)
+LORA = os.environ.get("FUSION_BENCH_LORA") == "1"
+TRAIN_MEMORY = float(os.environ.get("FUSION_BENCH_TRAIN_MEMORY", "0"))
 
 
 def live_blocks(torch) -> dict:
@@ -83,11 +88,21 @@ def child(name: str, out: Path) -> int:
                     if isinstance(v, torch.Tensor) and v.is_cuda)
         return own + state
 
-    res = {"model": name, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    def built():
+        w = build(name, "cuda", False)
+        model = w.model.train().requires_grad_(True)
+        if LORA:  # as bench/train.py --lora
+            import peft
+
+            model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                               target_modules="all-linear", task_type="CAUSAL_LM"))
+        return w, model
+
+    res = {"model": name, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "lora": LORA,
+           "train_memory": TRAIN_MEMORY}
     torch.manual_seed(0)
     base = torch.cuda.memory_allocated()
-    w_e = build(name, "cuda", False)
-    eager = w_e.model.train().requires_grad_(True)
+    w_e, eager = built()
     step_e, opt_e = trainer(eager, w_e)
     torch.cuda.reset_peak_memory_stats()
     for _ in range(STEPS):
@@ -100,10 +115,9 @@ def child(name: str, out: Path) -> int:
 
     torch.manual_seed(0)
     base = torch.cuda.memory_allocated()
-    w = build(name, "cuda", False)
-    model = w.model.train().requires_grad_(True)
+    w, model = built()
     torch.cuda.memory._record_memory_history(max_entries=200000)
-    report = advisor.optimize(model, w.inputs, train=True, out=out / f"advisor-{name}")
+    report = advisor.optimize(model, w.inputs, train=True, train_memory=TRAIN_MEMORY, out=out / f"advisor-{name}")
     torch.cuda.synchronize()
     res["training_decision"] = report.training
     res["after_optimize"] = {"allocated_over_start_gb": gb(torch.cuda.memory_allocated() - base),

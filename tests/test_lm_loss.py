@@ -279,3 +279,33 @@ def test_the_timed_call_trains_what_the_user_trains(monkeypatch, trainable):
     assert seen == [1 if trainable == "head" else len(list(model.parameters()))]
     assert [p.requires_grad for p in model.parameters()] == [p is model.lm_head.weight and trainable == "head"
                                                              for p in model.parameters()]
+
+
+def test_the_training_check_steps_with_the_models_loss_and_is_held_to_the_users_memory(monkeypatch, tmp_path):
+    """`optimize(train=True)` on a causal LM decides the LM loss first; its training check then steps as the
+    loop will (the model's own loss from labels: no logits where the fused loss is kept) and holds the fused
+    state to the memory of the user's model (the original forwards with eager's loss), its speed to the
+    original forwards as they will run (with the fused loss). Clocks and memory probe stood in for."""
+    import advisor
+    from advisor.bench.timing import Timing
+    from advisor.workflows import training
+
+    model, ex = tiny_llama(), example()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = advisor.optimize(model, ex, out=tmp_path, reuse=False, interpret=True, train=True)
+    wrapper = model.__dict__["forward"]
+    labels, baseline = lm_loss.causal_lm_step(model, (), ex, report.training["lm_loss"])
+    assert labels is ex["input_ids"] and baseline is not None
+    probes, calls = [], []
+    monkeypatch.setattr(training, "peak_bytes", lambda step, device: (step(), probes.append(wrapper.enabled), 100)[2])
+    monkeypatch.setattr(training.timing, "timing_meaningful", lambda device: True)
+    monkeypatch.setattr(training.timing, "time_configs", lambda call, configs, device, iters=20, rounds=5: {
+        k: Timing(9.0 if k == "original" else 8.0, 5, "perf_counter", [9.0 if k == "original" else 8.0] * 5, 0.0,
+                  [9.0 if k == "original" else 8.0] * 5) for k in configs})
+    original = lce.CausalLMLossForward.loss
+    monkeypatch.setattr(lce.CausalLMLossForward, "loss", lambda self, *a, **k: (calls.append(1), original(self, *a, **k))[1])
+    out = training.keep_faster_training(model, report.handle, (), ex, "cpu", labels=labels, baseline=baseline)
+    assert probes == [True, False, True], probes  # original (fused loss), the user's model (eager's), fused
+    assert calls and out["kept"] and "the user's model" in out["decision"], out
+    assert wrapper.enabled

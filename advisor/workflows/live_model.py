@@ -36,7 +36,7 @@ from advisor.stopwatch import Stopwatch
 from advisor.workflows import plan_cache
 from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
-from advisor.workflows.lm_loss import keep_faster_lm_loss
+from advisor.workflows.lm_loss import causal_lm_step, keep_faster_lm_loss
 from advisor.workflows.outcome import interpreter_only, pattern_status
 from advisor.workflows.selection import final_status, keep_faster, time_patterns
 from advisor.workflows.training import keep_faster_training
@@ -191,8 +191,11 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     training = None
     if train and select is not False:  # kept only where a whole training call measures faster, no heavier
         with phases("train_check"):
-            training = keep_faster_training(model, handle, args, kwargs, device, iters, train_memory)
+            # The LM loss first: the training check then steps as the user's loop will (its loss included), held
+            # to the memory of the user's model (its loss as before)
             lm_loss = keep_faster_lm_loss(model, args, kwargs, device, iters)
+            training = keep_faster_training(model, handle, args, kwargs, device, iters, train_memory,
+                                            *causal_lm_step(model, args, kwargs, lm_loss))
             if lm_loss is not None:
                 training["lm_loss"] = lm_loss
     out = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device,

@@ -91,6 +91,26 @@ def _checked_and_timed(model, head, args: tuple, kwargs: dict, device: str, iter
     return out
 
 
+def causal_lm_step(model: torch.nn.Module, args: tuple, kwargs: dict, decision: dict | None) -> tuple:
+    """(labels, baseline) for the training check (`training.keep_faster_training`) of a causal LM this module
+    decided on (`decision` not None): its input_ids as labels, and a context in which its loss is eager's (the
+    fused loss off, where kept); (None, None) for other models."""
+    if decision is None:
+        return None, None
+    wrapper = _inner(model).__dict__.get("forward")
+    if not isinstance(wrapper, CausalLMLossForward):
+        return _input_ids(args, kwargs), None
+
+    @contextlib.contextmanager
+    def eager_loss():
+        wrapper.enabled = False
+        try:
+            yield
+        finally:
+            wrapper.enabled = True
+    return _input_ids(args, kwargs), eager_loss
+
+
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
     """The HF model inside a PEFT wrapper (LoRA and the like: `get_base_model()`), whose forward the wrapper
     calls: the fused loss goes on it. Other models as they are."""

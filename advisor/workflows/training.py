@@ -35,10 +35,15 @@ MEMORY_SLACK = 0.01  # peak allowed over the original forwards': the allocator's
 
 
 def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: dict, device: str,
-                         iters: int = 20, allowed: float = 0.0) -> dict:
+                         iters: int = 20, allowed: float = 0.0, labels: torch.Tensor | None = None,
+                         baseline: Callable | None = None) -> dict:
     """Time a training call fused and unfused (GPU); leave `handle` training fused only if that is faster
     and no heavier (`allowed`: a fraction of the original forwards' peak the user lets it add). Returns the
-    decision as a dict (apply.json `training`)."""
+    decision as a dict (apply.json `training`). `labels`: a causal LM's, its training call then computes the
+    model's own loss from them (`training_call`). `baseline`: a context (factory) in which the model computes
+    its loss as it did before `optimize` (the fused LM loss off, `workflows.lm_loss`): the memory the fused
+    state is held to is then the original forwards' there, the user's model's, while its speed is compared
+    with the original forwards as they will run."""
     if not timing.timing_meaningful(device):
         return {"decision": "fused training kept as asked (timing not meaningful here: not compared)",
                 "kept": True}
@@ -53,8 +58,8 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
                     p.requires_grad_(True)
         try:
             handle.train_fused(False)  # the probe call runs the original forwards
-            step = training_call(model, args, kwargs)
-            out = _compare(step, handle, device, iters, allowed) if step is not None else \
+            step = training_call(model, args, kwargs, labels)
+            out = _compare(step, handle, device, iters, allowed, baseline) if step is not None else \
                 {"decision": "no output of the example call needs a gradient" + (
                     ", even with every parameter trainable" if frozen else "") + ": training not compared",
                  "kept": False}
@@ -73,12 +78,17 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
     return out
 
 
-def _compare(step: Callable[[], None], handle, device: str, iters: int, allowed: float = 0.0) -> dict:
+def _compare(step: Callable[[], None], handle, device: str, iters: int, allowed: float = 0.0,
+             baseline: Callable | None = None) -> dict:
     fused = _fused(handle)
     unfused = _fused(handle, False)
     with unfused():
         step()  # the cotangents are made; the first call's workspaces are allocated
         peak_original = peak_bytes(step, device)
+    if baseline is not None:  # held to the user's model's memory (its loss as before optimize)
+        with unfused(), baseline():
+            step()
+            peak_original = peak_bytes(step, device)
     with fused():
         for _ in range(3):  # the sites' backward timings, dynamo's capture, the CUDA-graph recordings
             step()
@@ -92,8 +102,9 @@ def _compare(step: Callable[[], None], handle, device: str, iters: int, allowed:
            "margin_ms": round(margin_ms(before.median_ms, before.rounds_ms, option), 4),
            "peak_original_gb": _gb(peak_original), "peak_fused_gb": _gb(peak_fused),
            "kept": faster and lighter}
+    held_to = " (the user's model, its loss as before)" if baseline is not None else ""
     numbers = (f"forward + backward {before.median_ms:.3f} -> {after.median_ms:.3f} ms"
-               + (f", peak {_gb(peak_original)} -> {_gb(peak_fused)} GB" if peak_original is not None else ""))
+               + (f", peak {_gb(peak_original)}{held_to} -> {_gb(peak_fused)} GB" if peak_original is not None else ""))
     if out["kept"]:
         out["decision"] = f"fused training kept: {numbers}"
     else:
@@ -106,7 +117,8 @@ def _compare(step: Callable[[], None], handle, device: str, iters: int, allowed:
     return out
 
 
-def training_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Callable[[], None] | None:
+def training_call(model: torch.nn.Module, args: tuple, kwargs: dict,
+                  labels: torch.Tensor | None = None) -> Callable[[], None] | None:
     """A training call on the example inputs: forward, a scalar loss computed in float32 from every output
     that needs a gradient (its dot product with fixed random weights: those weights are the outputs'
     gradients), backward, the gradients it made (parameters', inputs') then set to None, as `zero_grad`
@@ -116,8 +128,23 @@ def training_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Callable
     computed in float32 (HF's causal LMs upcast the logits before cross-entropy), and those float32 copies,
     made while every activation is alive, are where eager's step peaks. Without them the check saw Llama's
     fused training 0.19 GB heavier (its recordings' saved tensors resident to the end of the backward) where
-    the training loop measured it 0.59 GB lighter than eager (reports/train-h100-session22/)."""
+    the training loop measured it 0.59 GB lighter than eager (reports/train-h100-session22/).
+
+    `labels` (a causal LM's): the step is the model's own loss from them, as an HF LM's training step computes
+    it (the fused LM loss where `workflows.lm_loss` kept it: no logits), if the model returns one."""
     leaves = [p for p in model.parameters() if p.requires_grad] + _grad_leaves((args, kwargs))
+    if labels is not None:
+        with torch.enable_grad():
+            own = getattr(model(*args, **kwargs, labels=labels), "loss", None)
+        if isinstance(own, torch.Tensor) and own.requires_grad:
+            del own
+
+            def step() -> None:
+                with torch.enable_grad():
+                    model(*args, **kwargs, labels=labels).loss.backward()
+                for t in leaves:
+                    t.grad = None
+            return step
     with torch.enable_grad():
         probe = _differentiable(model(*args, **kwargs))
     if not probe:
