@@ -74,6 +74,14 @@ DEFAULT_MODES = "eager,compile,advisor,lce,liger"
 
 
 # ----------------------------------------------------------------------------------------- child
+def lora(model):
+    """`model` with LoRA adapters (peft): r=16 on every linear layer but the head, the usual fine-tuning."""
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                      target_modules="all-linear", task_type="CAUSAL_LM"))
+
+
 def _loss(model, inputs, labels, name: str = ""):
     from workloads import main_output
 
@@ -175,12 +183,9 @@ class Mode:
             w.inputs[0].requires_grad_(True)
         model.train().requires_grad_(True)  # as a training loop has it before optimize (workloads build frozen)
         if LORA:
-            import peft
-
             if self.labels is None:
                 raise Skip("LoRA here is for causal LMs")
-            model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                               target_modules="all-linear", task_type="CAUSAL_LM"))
+            model = lora(model)
         if mode in ADVISOR_MODES:
             import advisor
             from advisor.patching import autograd, splade

@@ -64,7 +64,7 @@ def child(name: str, out: Path) -> int:
     import torch
 
     import advisor
-    from train import _loss
+    from train import _loss, lora
     from workloads import build
 
     def gb(n):
@@ -92,10 +92,7 @@ def child(name: str, out: Path) -> int:
         w = build(name, "cuda", False)
         model = w.model.train().requires_grad_(True)
         if LORA:  # as bench/train.py --lora
-            import peft
-
-            model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                               target_modules="all-linear", task_type="CAUSAL_LM"))
+            model = lora(model)
         return w, model
 
     res = {"model": name, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "lora": LORA,

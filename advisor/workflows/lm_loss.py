@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 
@@ -27,7 +28,7 @@ from advisor.kernels.linear_cross_entropy import (CausalLMLossForward, LinearCro
                                                   causal_lm_parts, fused_causal_lm_loss,
                                                   linear_cross_entropy_reference)
 from advisor.workflows.selection import ROUNDS, Option, shown_faster
-from advisor.workflows.training import left_as_found, peak_bytes
+from advisor.workflows.training import labelled_step, left_as_found, peak_bytes
 
 CPU_ROWS = 64  # tokens validated on the CPU: the kernel runs in Triton's interpreter there
 SHARPEN = 64.0  # the head's weight scaled by it while the fused loss is compared with the model's own
@@ -100,15 +101,19 @@ def causal_lm_step(model: torch.nn.Module, args: tuple, kwargs: dict, decision: 
     wrapper = _inner(model).__dict__.get("forward")
     if not isinstance(wrapper, CausalLMLossForward):
         return _input_ids(args, kwargs), None
+    return _input_ids(args, kwargs), _fused_loss(wrapper, False)
 
+
+def _fused_loss(wrapper: CausalLMLossForward, on: bool) -> Callable:
+    """A context (factory) in which the model's loss is the fused one (`on`) or eager's; it is on again after."""
     @contextlib.contextmanager
-    def eager_loss():
-        wrapper.enabled = False
+    def state():
+        wrapper.enabled = on
         try:
             yield
         finally:
             wrapper.enabled = True
-    return _input_ids(args, kwargs), eager_loss
+    return state
 
 
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
@@ -199,26 +204,9 @@ def _timed(model: torch.nn.Module, args: tuple, kwargs: dict, wrapper, device: s
     """The model's training call with labels (forward, its loss, backward; gradients then set to None as
     `zero_grad` does), timed interleaved with the loss eager's way (the model's forward as it was: its patched
     head, say) and fused, with each one's peak memory. The model is left as it was found."""
-    labelled = dict(kwargs, labels=_input_ids(args, kwargs))
     params = [p for p in model.parameters() if p.is_floating_point()]
-
-    def step() -> None:
-        with torch.enable_grad():
-            model(*args, **labelled).loss.backward()
-        for p in params:
-            p.grad = None
-
-    def using(on: bool):
-        @contextlib.contextmanager
-        def state():
-            wrapper.enabled = on
-            try:
-                yield
-            finally:
-                wrapper.enabled = True
-        return state
-
-    eager, fused = using(False), using(True)
+    step = labelled_step(model, args, kwargs, _input_ids(args, kwargs), params)
+    eager, fused = _fused_loss(wrapper, False), _fused_loss(wrapper, True)
     peaks = {}
     with left_as_found(model, [], device):
         if not any(p.requires_grad for p in params):  # handed over frozen: timed as it will train (adapters

@@ -137,14 +137,7 @@ def training_call(model: torch.nn.Module, args: tuple, kwargs: dict,
         with torch.enable_grad():
             own = getattr(model(*args, **kwargs, labels=labels), "loss", None)
         if isinstance(own, torch.Tensor) and own.requires_grad:
-            del own
-
-            def step() -> None:
-                with torch.enable_grad():
-                    model(*args, **kwargs, labels=labels).loss.backward()
-                for t in leaves:
-                    t.grad = None
-            return step
+            return labelled_step(model, args, kwargs, labels, leaves)
     with torch.enable_grad():
         probe = _differentiable(model(*args, **kwargs))
     if not probe:
@@ -159,6 +152,18 @@ def training_call(model: torch.nn.Module, args: tuple, kwargs: dict,
             loss = sum(_weighted(o, c) for o, c in zip(outs, cotangents))
             loss.backward()
             del loss, outs
+        for t in leaves:
+            t.grad = None
+    return step
+
+
+def labelled_step(model: torch.nn.Module, args: tuple, kwargs: dict, labels: torch.Tensor,
+                  leaves: list) -> Callable[[], None]:
+    """A causal LM's training call: forward with labels, backward from the model's own loss, then the leaves'
+    gradients set to None as `zero_grad` does."""
+    def step() -> None:
+        with torch.enable_grad():
+            model(*args, **kwargs, labels=labels).loss.backward()
         for t in leaves:
             t.grad = None
     return step
