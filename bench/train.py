@@ -202,6 +202,7 @@ class Mode:
             res["optimize_s"] = round(time.perf_counter() - t0, 2)
             res["patched"] = [f"{p['candidate']} {p['title']}" for p in report.applied]  # as backwards' labels
             res["training"] = report.training
+            res["selection"] = (report.selection or {}).get("decision")
         if mode == "compile":
             model = torch.compile(model)
         self.model, self.w = model, w

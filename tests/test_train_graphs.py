@@ -195,3 +195,53 @@ def test_training_pool_is_handed_back_once_no_recording_is_left(monkeypatch):
     graphed.recordings.clear()  # what a patched forward does when its training calls fall back
     train_graphs.release_unused_pool()
     assert list(CudaRecorder._pools) == [("cuda:0", "inference")]
+
+
+def test_parameters_take_the_recordings_gradient_memory_without_a_copy():
+    """The backward hands autograd the input gradients where the backward graph left them: a parameter's
+    `.grad` is that memory (no clone per step); before the next backward writes there, a `.grad` still
+    holding it (zero_grad(set_to_none=False), accumulation) is moved to memory of its own, and a reference
+    taken to it before sees the values eager's would have."""
+    torch.manual_seed(0)
+    w, b = params(1)
+    x = torch.randn(2, 16)
+    rec = StaticRecorder()
+    graphed = TrainGraphed(layer, recorder=rec)
+    graphed(x, w, b)[0].sum().backward()
+    recorded = next(iter(graphed.recordings.values()))
+    assert w.grad.data_ptr() == recorded.grad_inputs[1].data_ptr()  # autograd took it as the .grad
+    kept = w.grad
+    first = kept.clone()
+    graphed(x * 2, w, b)[0].sum().backward()  # accumulates: the first .grad was moved away before the replay
+    w_eager, b_eager = (p.detach().clone().requires_grad_(True) for p in (w, b))
+    layer(x, w_eager, b_eager)[0].sum().backward()
+    layer(x * 2, w_eager, b_eager)[0].sum().backward()
+    torch.testing.assert_close(w.grad, w_eager.grad)
+    assert kept is w.grad and not torch.equal(kept, first)  # the same tensor object, accumulated in place
+    w.grad.zero_(), b.grad.zero_()  # zero_grad(set_to_none=False)
+    graphed(x, w, b)[0].sum().backward()
+    torch.testing.assert_close(w.grad, _one_step_grad(x, w, b))  # zeros + one step, not the replay's twice
+
+
+def _one_step_grad(x, w, b):
+    w1 = w.detach().clone().requires_grad_(True)
+    layer(x, w1, b.detach())[0].sum().backward()
+    return w1.grad
+
+
+def test_a_handed_out_gradient_held_elsewhere_raises_instead_of_being_overwritten():
+    torch.manual_seed(0)
+    w, b = params(1)
+    x = torch.randn(2, 16, requires_grad=True)
+    graphed = TrainGraphed(layer, recorder=StaticRecorder())
+    h = torch.randn(2, 16)
+    graphed(x + h, w, b)[0].sum().backward()
+    recorded = next(iter(graphed.recordings.values()))
+    assert x.grad.data_ptr() != recorded.grad_inputs[0].data_ptr()  # not a leaf of the call: a copy flowed on
+    kept = [w.grad]
+    w.grad = None  # the parameter let go of it; the caller's list did not
+    with pytest.raises(RuntimeError, match="still held"):
+        graphed(x + h, w, b)[0].sum().backward()
+    del kept
+    w.grad = b.grad = None
+    graphed(x + h, w, b)[0].sum().backward()  # nothing held: replays again

@@ -795,3 +795,62 @@ def test_train_memory_out_of_range_is_one_clear_error(bad):
     with pytest.raises(AdvisorError, match=r"train_memory .* fraction from 0 to 1 .*got") as e:
         advisor.optimize(torch.nn.Linear(2, 2), (torch.randn(1, 2),), train=True, train_memory=bad)
     assert "\n" not in str(e.value)
+
+
+def test_a_whole_stack_capture_switched_on_trains_as_one_graph_like_eager(tmp_path):
+    """Where selection handed the model back with its whole stack as one capture (`set_outer`), training calls
+    go through that capture too (on a GPU: one forward and one backward replay for the stack, not one per
+    layer with the host's work between them): losses and weights as eager's, the layers' own captures
+    making no training graph."""
+    import advisor
+
+    model, example = tiny("llama")
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = advisor.optimize(model, example, out=tmp_path, reuse=False, interpret=True, train=True)
+    handle = report.handle
+    assert handle.outer, "the tiny Llama's decoder stack has an outer capture"
+    handle.set_outer(True)
+    captures = {q: f._backend.captures for q, f in handle.forwards.items() if f._backend is not None}
+    patched = train(model, example, 4)
+    eager = train(twin, example, 4)
+    torch.testing.assert_close(torch.tensor(patched), torch.tensor(eager), rtol=1e-4, atol=1e-4)
+    after = {q: f._backend.captures for q, f in handle.forwards.items() if f._backend is not None}
+    outer = [q for q, f in handle.forwards.items() if f.outer]
+    assert all(after[q] > captures.get(q, 0) for q in outer), (captures, after)  # the stack's training graph
+    assert all(after[q] == captures[q] for q in captures if q not in outer), (captures, after)
+    assert not handle.fallbacks(), handle.fallbacks()
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=n)
+
+
+def test_a_training_capture_that_fails_leaves_the_inference_capture_in_use(tmp_path, monkeypatch):
+    """A capture failing for a training call (the whole stack's, say) sends training calls to the original
+    forward; inference calls keep the capture that served them."""
+    import advisor
+    from advisor.patching import capture
+
+    model, example = tiny("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = advisor.optimize(model, example, out=tmp_path, reuse=False, interpret=True, train=True)
+    handle = report.handle
+    handle.set_outer(True)
+    with torch.no_grad():
+        model(**example)  # the whole stack's inference capture
+    stack = next(f for f in handle.forwards.values() if f.outer)
+
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(capture.Backend, "training", broken)
+    model.train()
+    with pytest.warns(RuntimeWarning, match="could not train fused"):
+        loss_of(model, example).backward()
+    assert stack.failed is None and not stack.trains
+    assert any("training capture failed" in why for why in stack.fallbacks), stack.fallbacks
+    fallbacks, ran = dict(stack.fallbacks), capture.graphs_run()
+    with torch.no_grad():
+        model(**example)
+    assert capture.graphs_run() > ran and stack.fallbacks == fallbacks  # the stack's inference capture ran it

@@ -112,6 +112,7 @@ def _wrapped_by_dynamo(fn: Callable) -> bool:
 
 
 # ------------------------------------------------------------------------------------ the forward
+SPENT = "new input shapes or modes after the capture budget"
 EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
 TRAINING_CALL = ("a call needing gradients: the original forward runs it, as by default (optimize(..., train=True) "
                  "trains through the fused kernels)")
@@ -256,10 +257,11 @@ class PatchedForward:
         grad = _needs_autograd(m, args, kwargs)
         if grad:
             self._release_inference()
-        # An outer capture never trains: under autograd its layers' captures (with their backwards) do.
+        # An outer capture switched on trains as one graph too (one forward and one backward replay for the
+        # whole stack, not one per layer with the host's work between them).
         off = rewrite.patches_are_off() or not self.on()
-        if off or (grad and (self.outer or not self.trains)):
-            if grad and not off and not self.outer and not self.train_fused:
+        if off or (grad and not self.trains):
+            if grad and not off and not self.train_fused:
                 self.fallbacks[TRAINING_CALL] = self.fallbacks.get(TRAINING_CALL, 0) + 1
             return self.original()(*args, **kwargs)
         if grad:
@@ -268,7 +270,7 @@ class PatchedForward:
                 self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
                 return self.original()(*args, **kwargs)
             fused = rewrite.fused_runs()
-            out = self._call(m, args, kwargs)
+            out = self._call(m, args, kwargs, training=True)
             if rewrite.fused_runs() == fused:
                 # No site here has a validated backward for these inputs: the capture would only replay
                 # eager's ops op by op, so training calls run the original forward from now on.
@@ -307,7 +309,7 @@ class PatchedForward:
         with torch.inference_mode(False), torch.no_grad():
             return self._call(m, _as_normal_inputs(args), _as_normal_inputs(kwargs))
 
-    def _call(self, m, args, kwargs):
+    def _call(self, m, args, kwargs, training: bool = False):
         if self.failed:
             return self._fall_back(self.failed, args, kwargs)
         fn = self._compiled or self._compile()
@@ -323,6 +325,10 @@ class PatchedForward:
         ran, captures, unfused = graphs_run(), self._backend.captures, self._backend.unfused_graphs
         spent = self._budget is not None and self._capturing_calls >= self._budget
         lead = self._target()[1]
+        if spent and self.outer and self._via is None and _guards_accept(fn, lead, args, kwargs) is False:
+            # Past its budget, an outer capture that would recompile steps aside for its layers' captures: under
+            # dynamo's eager_on_recompile stance (global) they would run eager too, and find no site fused.
+            return self._fall_back(SPENT, args, kwargs)
         caller = rewrite.set_caller(id(self))
         scoped = self.enabled is not None and rewrite.enabled_keys() is None  # an `only()` block decides itself
         if scoped:
@@ -345,6 +351,14 @@ class PatchedForward:
             elif out is _NOT_SERVED:
                 out = fn(*lead, *args, **kwargs)
         except Exception as e:
+            if training:
+                # A training call's capture: training runs the original forward from now on, inference keeps
+                # its capture (an outer one's whole stack, say).
+                self._may_train = False
+                why = f"training capture failed: {type(e).__name__}: {e}"[:300]
+                warnings.warn(f"fusion-advisor: patched {type(m).__name__}.forward could not train fused ({why}); "
+                              "its training calls run the original forward", RuntimeWarning, stacklevel=2)
+                return self._fall_back(why, args, kwargs)
             # A capture that cannot run (dynamo limitation, launcher import error, ...): say so once,
             # then behave exactly like the unpatched module.
             self.failed = f"capture failed: {type(e).__name__}: {e}"
@@ -362,8 +376,7 @@ class PatchedForward:
             if breaks is not None and _graph_breaks() > breaks:
                 self._owns.breaks = True  # the other instances compile their own from now on
         if graphs_run() == ran:  # dynamo ran the frame without our graph (recompile limit, skipped frame)
-            why = "new input shapes or modes after the capture budget" if spent \
-                else "dynamo ran it without a captured graph"
+            why = SPENT if spent else "dynamo ran it without a captured graph"
             self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
         return out
 

@@ -11,8 +11,12 @@ buffer, outputs copied out, one shared pool), plus what autograd needs:
 - the recording keeps its autograd graph (the backward is recorded with `retain_graph`), so the tensors
   the backward reads stay allocated at the addresses the forward graph writes them to;
 - the replayed forward is one `autograd.Function`: its backward copies the output gradients in, replays
-  the backward graph and hands autograd copies of the input gradients (autograd accumulates them into
-  `.grad` as it would eager's: a static buffer handed over would be overwritten by the next step);
+  the backward graph and hands autograd the leaves' (parameters') gradients where the graph left them (no
+  copy: autograd takes each as the `.grad`, as it takes eager's fresh ones), copies of the others'
+  (they flow on through ops that may keep them). Before the next backward replay
+  writes there again, a `.grad` still holding that memory (gradients accumulated over micro-batches,
+  `zero_grad(set_to_none=False)`) is moved to memory of its own (`_evacuate`: the tensor object keeps its
+  identity); one held elsewhere makes the replay raise rather than overwrite it;
 - one forward, then its backward: a second forward of the same recording before the first one's
   backward (one module called twice in a step: two views through one encoder, weights shared) runs op
   by op, because a replay would overwrite what the first call's backward reads; the block lifts at that
@@ -26,9 +30,12 @@ That is safe in a step's usual order, forwards in the order they were recorded a
 replay while a later-recorded one awaits its backward runs op by op instead, and a replay that may have
 written over a later-recorded one's saved tensors marks it, so that its backward raises rather than
 return wrong gradients (`_ALIVE`, `TrainRecording.seq`). Output gradients are copied into buffers
-shared by every recording of that shape (read only during the backward replay), and the backward graph
-copies the input gradients into shared buffers too (one more copy of the parameters' gradients per step,
-instead of a resident copy of them per layer: the H100's Llama kept 0.8 GB of them).
+shared by every recording of that shape (read only during the backward replay). The backward graph
+copies the input gradients into buffers of its own, outside the pool (the pool's memory it computed them
+in may be an earlier recording's scratch, which that one's backward replay writes later in the step):
+the parameters' are their `.grad` between a backward and `zero_grad`, as eager's would be; the forward
+then holds them too (0.8 GB on the H100's Llama). They were copied into buffers shared by the layers and
+cloned out instead: one more copy of every parameter's gradient per step.
 
 Not recorded (op by op, said in `not_replayed`): graphs that mutate a tensor (BatchNorm's running
 statistics in train mode, a cache updated in place: a replay would update the static copy, and the
@@ -68,6 +75,17 @@ class TrainRecording:
     pending: bool = False  # a replayed forward's backward has not run yet
     seq: int = field(default_factory=lambda: next(_SEQ))  # order of recording (scratch may overlap later ones')
     clobbered: bool = False  # an earlier recording replayed over its saved tensors since its forward
+    # per argument: how many tensors hold its gradient's memory while none is handed out (the recording's own)
+    own_uses: list = field(default_factory=list)
+    holders: list = field(default_factory=list)  # per argument: the leaf the last backward handed its gradient to
+
+    def __post_init__(self):
+        self.own_uses = [_uses(g) for g in self.grad_inputs]
+
+
+def _uses(t: torch.Tensor | None) -> int:
+    """How many tensors hold `t`'s memory (its storage's use count)."""
+    return 0 if t is None else torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def release_unused_pool() -> None:
@@ -179,6 +197,9 @@ class _Replayed(torch.autograd.Function):
         rec.pending, rec.clobbered = True, False
         _ALIVE.add(rec)
         ctx.rec, ctx.generation = rec, rec.generation
+        # leaves (parameters): their `.grad` may be the recording's own gradient memory after this backward
+        ctx.leaves = [weakref.ref(a) if isinstance(a, torch.Tensor) and a.is_leaf and g is not None else None
+                      for a, g in zip(args, rec.grad_inputs)]
         ctx.token = token = _Token()
         weakref.finalize(token, _release, weakref.ref(rec), rec.generation)
         if rec.fused:  # the sites ran inside the graph: counted as if they ran from Python
@@ -201,9 +222,33 @@ class _Replayed(torch.autograd.Function):
             if s is not None:
                 s.copy_(g) if g is not None else s.zero_()
         _clobber(rec)
+        _evacuate(rec)
         rec.backward()
         rec.pending = False
-        return (None, *[g.clone() if g is not None else None for g in rec.grad_inputs])
+        rec.holders = ctx.leaves
+        # A leaf's (a parameter's): an alias, which autograd takes as its `.grad` (no copy; `_evacuate` moves it
+        # before the next replay). Others' flow on to ops whose own gradients may hold them: copies.
+        return (None, *[None if g is None else g.detach() if leaf is not None else g.clone()
+                        for g, leaf in zip(rec.grad_inputs, ctx.leaves)])
+
+
+def _evacuate(rec: TrainRecording) -> None:
+    """Before the backward graph writes the input gradients again: a leaf's `.grad` still holding the memory
+    the last backward handed it gets memory of its own, in place (`set_`: every reference to that tensor
+    follows). Memory still held elsewhere (a gradient kept by user code) raises instead of being overwritten."""
+    with torch.no_grad():
+        for g, own, ref in itertools.zip_longest(rec.grad_inputs, rec.own_uses, rec.holders):
+            if g is None or _uses(g) == own:
+                continue
+            held = ref() if ref is not None else None
+            grad = held.grad if held is not None else None
+            if grad is not None and grad.untyped_storage().data_ptr() == g.untyped_storage().data_ptr():
+                grad.set_(grad.clone())
+            if _uses(g) != own:
+                raise RuntimeError(
+                    "fusion-advisor: a gradient a CUDA-graph-replayed layer handed out is still held (not as a "
+                    "parameter's .grad) and its next backward would overwrite it; clone gradients you keep "
+                    "across steps, or set FUSION_ADVISOR_CUDA_GRAPHS=0 to run training op by op.")
 
 
 def _in_backward() -> bool:
@@ -264,12 +309,15 @@ class CudaTrainRecorder:
             grad_outputs = [_shared(device, "output", j, o) if j in _differentiable(outs) else None
                             for j, o in enumerate(outs)]
             needs = _needing_grads(args)
-            buffers = {i: _shared(device, "input", i, args[i]) for i in needs}  # allocated outside the pool
+            # Outside the pool: memory of the pool that this recording's gradients were computed in may be an
+            # earlier recording's scratch, written by its backward replay later in the same step.
+            buffers = {i: torch.empty_strided(args[i].shape, args[i].stride(), dtype=args[i].dtype,
+                                              device=args[i].device) for i in needs}
             grad_inputs: list = [None] * len(args)
 
             def backward():
                 for i, g in zip(needs, _grads(outs, args, grad_outputs, True)):
-                    if g is not None:  # copied out of the pool: the gradients computed there are scratch
+                    if g is not None:
                         buffers[i].copy_(g)
                         grad_inputs[i] = buffers[i]
 
