@@ -797,12 +797,14 @@ def test_train_memory_out_of_range_is_one_clear_error(bad):
     assert "\n" not in str(e.value)
 
 
-def test_a_whole_stack_capture_switched_on_trains_as_one_graph_like_eager(tmp_path):
+def test_a_whole_stack_capture_switched_on_trains_as_one_graph_like_eager(tmp_path, monkeypatch):
     """Where selection handed the model back with its whole stack as one capture (`set_outer`), training calls
     go through that capture too (on a GPU: one forward and one backward replay for the stack, not one per
     layer with the host's work between them): losses and weights as eager's, the layers' own captures
     making no training graph."""
     import advisor
+    from advisor.patching import capture
+    from advisor.patching.causal_masks import fold_causal_masks
 
     model, example = tiny("llama")
     twin = copy.deepcopy(model)
@@ -813,6 +815,8 @@ def test_a_whole_stack_capture_switched_on_trains_as_one_graph_like_eager(tmp_pa
     assert handle.outer, "the tiny Llama's decoder stack has an outer capture"
     handle.set_outer(True)
     captures = {q: f._backend.captures for q, f in handle.forwards.items() if f._backend is not None}
+    folded = []
+    monkeypatch.setattr(capture, "fold_causal_masks", lambda g: folded.append(fold_causal_masks(g)) or folded[-1])
     patched = train(model, example, 4)
     eager = train(twin, example, 4)
     torch.testing.assert_close(torch.tensor(patched), torch.tensor(eager), rtol=1e-4, atol=1e-4)
@@ -821,6 +825,9 @@ def test_a_whole_stack_capture_switched_on_trains_as_one_graph_like_eager(tmp_pa
     assert all(after[q] > captures.get(q, 0) for q in outer), (captures, after)  # the stack's training graph
     assert all(after[q] == captures[q] for q in captures if q not in outer), (captures, after)
     assert not handle.fallbacks(), handle.fallbacks()
+    # HF builds the causal mask from positions while dynamo traces the stack: both layers' attention runs causal
+    # without it (`patching.causal_masks`), as it does with the mask HF skips outside a capture
+    assert 2 in folded, folded
     for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4, msg=n)
 

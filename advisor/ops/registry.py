@@ -218,6 +218,10 @@ for _n in ["scaled_dot_product_attention", "_scaled_dot_product_flash_attention"
            "_scaled_dot_product_attention_math", "_flash_attention_forward", "_efficient_attention_forward",
            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable"]:
     register(f"aten::{_n}", OpClass.ATTENTION)
+# Their arguments for a mask added to the scores, and for causal masking done by the kernel itself
+# (`patching.causal_masks`: a constant causal mask becomes `is_causal`).
+ATTENTION_MASKS = ("attn_mask", "attn_bias")
+ATTENTION_CAUSAL = "is_causal"
 
 for _n in """view _unsafe_view reshape _reshape_alias flatten unflatten squeeze unsqueeze transpose t permute
 expand expand_as slice select narrow split split_with_sizes chunk unbind as_strided detach alias

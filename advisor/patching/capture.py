@@ -35,6 +35,7 @@ import torch
 from advisor.codegen.cache import load_module
 from advisor.ops.registry import OpClass, op_class
 from advisor.patching import epilogue, rewrite, splade, timing
+from advisor.patching.causal_masks import fold_causal_masks
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import make_host_copies_recordable
 from advisor.patching.match import Pattern, SearchTooLong, find, is_transparent
@@ -156,6 +157,7 @@ class Backend:
 
         def inference(g, _):
             drop_identity_copies(g)  # eval-mode dropout: eager runs no kernel for it, AOTAutograd a copy
+            fold_causal_masks(g)  # a causal mask traced from positions: the kernels' own causal masking
             timing.count("rewrites")
             sites = sum(map(len, self.log.sites.values()))
             with timing.timed("rewrite"):
@@ -203,6 +205,7 @@ class Backend:
                 g = make_fx(gm, tracing_mode="real")(*fakes)
             # Unused outputs (native_layer_norm's mean and rstd) stay as nodes; patterns never hold them.
             g.graph.eliminate_dead_code()
+            fold_causal_masks(g)
         except Exception as e:
             self.log.errors.append(f"training graph not traced: {type(e).__name__}: {e}"[:300])
             return None
