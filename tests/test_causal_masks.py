@@ -73,3 +73,20 @@ def test_masks_that_read_inputs_or_are_not_causal_stay(fn, extra, length):
     assert fold_causal_masks(gm) == 0
     assert gm.code == before
     torch.testing.assert_close(gm(*args), fn(*args))
+
+
+def test_folded_inside_the_fake_mode_a_backend_is_called_in():
+    """AOTAutograd calls the inference compiler inside its trace's fake mode: the mask is still computed on
+    real tensors, and a mask that cannot be computed is left as it is, never an error."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = qkv()
+    gm = make_fx(causal_float)(*args)
+    with FakeTensorMode():
+        assert fold_causal_masks(gm) == 1
+    torch.testing.assert_close(gm(*args), F.scaled_dot_product_attention(*args, is_causal=True))
+    broken = make_fx(causal_bool)(*args)
+    arange = next(n for n in broken.graph.nodes if "arange" in str(n.target))
+    arange.kwargs = {**arange.kwargs, "device": "no-such-device"}  # fails when run: the mask stays
+    before = broken.code
+    assert fold_causal_masks(broken) == 0 and broken.code == before

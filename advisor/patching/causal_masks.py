@@ -40,7 +40,11 @@ def fold_causal_masks(gm: GraphModule) -> int:
         if not isinstance(mask, Node) or _arg(n, *causal_at):
             continue
         if mask not in verdicts:
-            verdicts[mask] = _is_causal(mask, _query_key_lengths(n))
+            try:  # real tensors (a backend may be called inside its trace's fake mode)
+                with torch.no_grad(), unset_fake_temporarily():
+                    verdicts[mask] = _is_causal(mask, _query_key_lengths(n))
+            except Exception:  # an op that does not run outside its trace: the mask stays as it is
+                verdicts[mask] = False
         if verdicts[mask]:
             _set(n, *mask_at, None)
             _set(n, *causal_at, True)
@@ -122,12 +126,8 @@ def _constant(mask: Node) -> torch.Tensor | None:
         stack.extend(n.all_input_nodes)
     values: dict[Node, object] = {}
     index = {n: i for i, n in enumerate(mask.graph.nodes)}
-    try:  # real tensors (a backend may be called inside its trace's fake mode)
-        with torch.no_grad(), unset_fake_temporarily():
-            for n in sorted(order, key=index.__getitem__):
-                args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
-                values[n] = n.target(*args, **kwargs)
-    except Exception:  # an op that does not run outside its trace: the mask stays as it is
-        return None
+    for n in sorted(order, key=index.__getitem__):
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
+        values[n] = n.target(*args, **kwargs)
     value = values[mask]
     return value if isinstance(value, torch.Tensor) else None
