@@ -52,7 +52,19 @@ def attention_nodes(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
 
 
-@pytest.mark.parametrize("fn", [causal_bool, causal_float], ids=["bool", "float"])
+def causal_float16_lowest(q, k, v):  # what HF wrote on the H100 for a bfloat16 model: float16's lowest, rounded
+    qi, ki = positions(k.shape[-2])
+    blocked = torch.full((), torch.finfo(torch.float16).min).to(torch.bfloat16).float()  # -65536
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(ki <= qi, torch.full((), 0.0), blocked))
+
+
+def biased(q, k, v):  # a small bias where keys are blocked: not the kernel's causal masking
+    qi, ki = positions(k.shape[-2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(ki <= qi, torch.full((), 0.0),
+                                                                          torch.full((), -30.0)))
+
+
+@pytest.mark.parametrize("fn", [causal_bool, causal_float, causal_float16_lowest], ids=["bool", "float", "float16-lowest"])
 def test_a_constant_causal_mask_becomes_is_causal(fn):
     args = qkv()
     gm = make_fx(fn)(*args)
@@ -65,7 +77,8 @@ def test_a_constant_causal_mask_becomes_is_causal(fn):
 
 
 @pytest.mark.parametrize("fn, extra, length", [(windowed, (), L), (padded, (torch.tensor([[True] * L, [True] * 5 + [False] * 3]),), L),
-                                               (decoding, (), 12)], ids=["window", "padding-input", "bottom-right"])
+                                               (decoding, (), 12), (biased, (), L)],
+                         ids=["window", "padding-input", "bottom-right", "bias"])
 def test_masks_that_read_inputs_or_are_not_causal_stay(fn, extra, length):
     args = [*qkv(length=length), *extra]
     gm = make_fx(fn)(*args)

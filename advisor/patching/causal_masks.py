@@ -13,8 +13,7 @@ input, no parameter or buffer, no padding mask from the caller's `attention_mask
 numbers: it is then the same tensor on every call the graph serves (dynamo's guards hold the shapes). It is
 computed once, here, and compared with the causal mask of SDPA's `is_causal` (query i sees keys 0..i, top-left
 aligned) over its whole broadcast shape: a boolean mask must be True exactly there, a float mask 0 there and
--inf (or its dtype's lowest value) elsewhere. Anything else (a sliding window, packed sequences, a bias) is
-left as it was.
+at most `BLOCKED` elsewhere. Anything else (a sliding window, packed sequences, a bias) is left as it was.
 """
 from __future__ import annotations
 
@@ -24,6 +23,10 @@ from torch.fx import GraphModule, Node
 
 from advisor.ops.registry import ATTENTION_CAUSAL, ATTENTION_MASKS, OpClass, draws_random, op_class
 from advisor.patching.match import op_name
+
+# A float mask's entry at most this blocks its key: softmax weighs it exp(-1e4) = 0 in every float type, as the
+# kernel's own causal masking does (HF writes its dtype's lowest value, or float16's: -65504, -65536 in bfloat16).
+BLOCKED = -1e4
 
 
 def fold_causal_masks(gm: GraphModule) -> int:
@@ -104,8 +107,7 @@ def _is_causal(mask: Node, lengths: tuple[int, int] | None) -> bool:
         return bool((value == causal).all())
     if not value.is_floating_point():
         return False
-    lowest = torch.finfo(value.dtype).min
-    blocked = (value == float("-inf")) | (value == lowest)
+    blocked = value <= BLOCKED
     return bool(((value == 0) == causal).all()) and bool((blocked == ~causal).all())
 
 
