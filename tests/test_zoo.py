@@ -13,6 +13,7 @@ Per model, one test each (ids `test_<check>[<model>]`), in this order on one opt
   train_mode          == the copy in train mode (configs have every dropout at 0), outputs and buffers
   autograd            train mode under autograd: outputs, every parameter's gradient and the buffers
   fused_training      the same, two steps, with training through the fused kernels switched on (train=True)
+  whole_stack_training  the same with the whole stack's capture switched on (where the plan has one)
   hooks               forward hooks registered after optimize on the first Linear/Conv inside a layer (inside
                       a patched module where there is one) whose output matters: one scales its output by
                       ~1.5, one counts calls; == the copy with the same hooks, called as often (under
@@ -359,6 +360,31 @@ def test_fused_training(zoo):
                                                         zoo.model, zoo.ref, zoo.inputs, rtol=1e-3))
     finally:
         handle.train_fused(False)
+
+
+def test_whole_stack_training(zoo):
+    """Fused training with the whole stack's capture switched on (what a GPU's selection hands back where the
+    stack measured faster): the stack's training graph, its causal mask folded where HF built one while dynamo
+    traced; two steps, each with eager's outputs, buffers and gradients."""
+    zoo.ready()
+    handle = zoo.report.handle
+    if not handle.outer:
+        pytest.skip(f"{zoo.arch.name}: the plan has no outer capture (one capture holds every pattern)")
+    handle.set_outer(True)
+    handle.train_fused(True)
+    stacks = [f for f in handle.outer if not f.refused]
+    captured = {id(f): f._backend.captures if f._backend is not None else 0 for f in stacks}
+    try:
+        for step in range(2):
+            with _TrainMode(zoo.model, zoo.ref):
+                _assert_none(_training_step_differences(f"{zoo.arch.name} (whole stack, fused training, step {step})",
+                                                        zoo.model, zoo.ref, zoo.inputs, rtol=1e-3))
+        # each stack trained through a capture of its own, or says why it ran its original forward
+        silent = [f for f in stacks if not f.fallbacks and (f._backend is None or f._backend.captures == captured[id(f)])]
+        assert not silent, f"{zoo.arch.name}: whole stacks that neither captured for training nor said why: {silent}"
+    finally:
+        handle.train_fused(False)
+        handle.set_outer(False)
 
 
 def test_hooks(zoo):
