@@ -103,3 +103,12 @@ def test_folded_inside_the_fake_mode_a_backend_is_called_in():
     arange.kwargs = {**arange.kwargs, "device": "no-such-device"}  # fails when run: the mask stays
     before = broken.code
     assert fold_causal_masks(broken) == 0 and broken.code == before
+
+
+def test_a_mask_too_large_to_check_stays(monkeypatch):
+    from advisor.patching import causal_masks
+
+    monkeypatch.setattr(causal_masks, "MAX_ELEMENTS", B * L * L - 1)
+    args = qkv()
+    gm = make_fx(causal_bool)(*args)
+    assert fold_causal_masks(gm) == 0

@@ -27,6 +27,9 @@ from advisor.patching.match import op_name
 # A float mask's entry at most this blocks its key: softmax weighs it exp(-1e4) = 0 in every float type, as the
 # kernel's own causal masking does (HF writes its dtype's lowest value, or float16's: -65504, -65536 in bfloat16).
 BLOCKED = -1e4
+# Masks of more elements are not computed to be checked (4 x 8192 x 8192, 0.5 GB in bfloat16): a capture must
+# not run out of memory for a check; such a mask stays as it is.
+MAX_ELEMENTS = 2**28
 
 
 def fold_causal_masks(gm: GraphModule) -> int:
@@ -98,6 +101,9 @@ def _query_key_lengths(n: Node) -> tuple[int, int] | None:
 
 def _is_causal(mask: Node, lengths: tuple[int, int] | None) -> bool:
     if lengths is None:
+        return False
+    fake = mask.meta.get("val")
+    if not isinstance(fake, torch.Tensor) or fake.numel() > MAX_ELEMENTS:
         return False
     value = _constant(mask)
     if value is None or value.dim() < 2 or tuple(value.shape[-2:]) not in ((lengths[0], lengths[1]),):
