@@ -165,7 +165,7 @@ def test_selection_hands_back_the_whole_stack_when_it_is_faster(tmp_path, monkey
     torch.testing.assert_close(logits(fresh, batch()), logits(untouched, batch()), rtol=1e-4, atol=1e-4)
 
 
-def test_apply_keeps_the_whole_stack_when_it_is_faster(tmp_path, monkeypatch):
+def test_apply_keeps_the_whole_stack_when_it_is_faster(tmp_path, monkeypatch, keep_traced_masks):
     """`fusion-advisor apply` selects as `optimize` does: on the script's recorded steady-state call it
     checks the outer capture, times it beside the layer captures (fake clocks here, everything else
     real) and keeps it where faster; apply.json says so and `advisor.patch(model, OUT)` switches it on."""

@@ -468,7 +468,8 @@ def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkey
     assert _enabled(w.model) == "unpatched"
 
 
-def test_select_marks_the_patterns_only_the_whole_stack_fuses_patched_when_it_is_chosen(optimized_llama, monkeypatch):
+def test_select_marks_the_patterns_only_the_whole_stack_fuses_patched_when_it_is_chosen(optimized_llama, monkeypatch,
+                                                                                       keep_traced_masks):
     """The suite selects as optimize does: when the whole stack measures fastest, the patterns only its outer
     capture fuses (occurrences across layers) are reported patched, not "fused only by the outer capture"."""
     from advisor.patching import patch
