@@ -48,6 +48,17 @@ def decoding(q, k, v):  # 8 new queries over 12 keys, aligned bottom-right as a 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ki <= qi)
 
 
+def everything_bool(q, k, v):  # an encoder's mask without padding, as HF builds it while tracing
+    qi, ki = positions(k.shape[-2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(ki >= 0) & (qi >= 0))
+
+
+def everything_float(q, k, v):
+    qi, ki = positions(k.shape[-2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where((ki >= 0) & (qi >= 0), torch.full((), 0.0),
+                                                                          torch.full((), -1e9)))
+
+
 def attention_nodes(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
 
@@ -112,3 +123,13 @@ def test_a_mask_too_large_to_check_stays(monkeypatch):
     args = qkv()
     gm = make_fx(causal_bool)(*args)
     assert fold_causal_masks(gm) == 0
+
+
+@pytest.mark.parametrize("fn", [everything_bool, everything_float], ids=["bool", "float"])
+def test_a_constant_mask_allowing_every_key_is_dropped(fn):
+    args = qkv()
+    gm = make_fx(fn)(*args)
+    assert fold_causal_masks(gm) == 1
+    (attn,) = attention_nodes(gm)
+    assert attn.kwargs.get("attn_mask") is None and not attn.kwargs.get("is_causal") and True not in attn.args[3:5]
+    torch.testing.assert_close(gm(*args), F.scaled_dot_product_attention(*args))

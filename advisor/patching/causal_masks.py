@@ -1,5 +1,5 @@
 """Attention whose mask a captured graph builds from positions alone, and which is exactly causal, runs as
-causal attention with no mask (`is_causal=True`).
+causal attention with no mask (`is_causal=True`); one that allows every key runs with no mask at all.
 
 Why: HF decides outside a capture that a call with no padding needs no mask (`is_causal=True`, cuDNN's and
 FlashAttention's fast causal kernels), but while dynamo traces it cannot look at values, so it builds the
@@ -13,7 +13,8 @@ input, no parameter or buffer, no padding mask from the caller's `attention_mask
 numbers: it is then the same tensor on every call the graph serves (dynamo's guards hold the shapes). It is
 computed once, here, and compared with the causal mask of SDPA's `is_causal` (query i sees keys 0..i, top-left
 aligned) over its whole broadcast shape: a boolean mask must be True exactly there, a float mask 0 there and
-at most `BLOCKED` elsewhere. Anything else (a sliding window, packed sequences, a bias) is left as it was.
+at most `BLOCKED` elsewhere. A mask True (0) everywhere, as an encoder's without padding (HF builds it while
+tracing too), is dropped. Anything else (a sliding window, packed sequences, a bias) is left as it was.
 """
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ MAX_ELEMENTS = 2**28
 
 
 def fold_causal_masks(gm: GraphModule) -> int:
-    """Run the attentions of `gm` whose mask is a constant causal one as causal attention without the mask
-    (see the module's docstring); returns how many."""
+    """Run the attentions of `gm` whose mask is a constant causal one as causal attention without the mask,
+    and those whose mask is constant and allows every key without it (see the module's docstring); returns
+    how many."""
     folded = 0
     verdicts: dict[Node, bool] = {}  # one mask is usually shared by every layer's attention
     for n in list(gm.graph.nodes):
@@ -48,12 +50,13 @@ def fold_causal_masks(gm: GraphModule) -> int:
         if mask not in verdicts:
             try:  # real tensors (a backend may be called inside its trace's fake mode)
                 with torch.no_grad(), unset_fake_temporarily():
-                    verdicts[mask] = _is_causal(mask, _query_key_lengths(n))
+                    verdicts[mask] = _kind(mask, _query_key_lengths(n))
             except Exception:  # an op that does not run outside its trace: the mask stays as it is
-                verdicts[mask] = False
-        if verdicts[mask]:
+                verdicts[mask] = None
+        if verdicts[mask] is not None:
             _set(n, *mask_at, None)
-            _set(n, *causal_at, True)
+            if verdicts[mask] == "causal":
+                _set(n, *causal_at, True)
             folded += 1
     if folded:
         gm.graph.eliminate_dead_code()
@@ -99,22 +102,28 @@ def _query_key_lengths(n: Node) -> tuple[int, int] | None:
         return None
 
 
-def _is_causal(mask: Node, lengths: tuple[int, int] | None) -> bool:
+def _kind(mask: Node, lengths: tuple[int, int] | None) -> str | None:
+    """"causal" (SDPA's `is_causal`), "none" (every key allowed: no mask at all) or None (keep the mask)."""
     if lengths is None:
-        return False
+        return None
     fake = mask.meta.get("val")
     if not isinstance(fake, torch.Tensor) or fake.numel() > MAX_ELEMENTS:
-        return False
+        return None
     value = _constant(mask)
-    if value is None or value.dim() < 2 or tuple(value.shape[-2:]) not in ((lengths[0], lengths[1]),):
-        return False
-    causal = torch.ones(lengths, dtype=torch.bool, device=value.device).tril()
+    if value is None or value.dim() < 2 or tuple(value.shape[-2:]) != lengths:
+        return None
     if value.dtype == torch.bool:
-        return bool((value == causal).all())
-    if not value.is_floating_point():
-        return False
-    blocked = value <= BLOCKED
-    return bool(((value == 0) == causal).all()) and bool((blocked == ~causal).all())
+        allowed = value
+    elif value.is_floating_point():
+        allowed = value == 0
+        if not bool((allowed | (value <= BLOCKED)).all()):  # a bias, not a mask
+            return None
+    else:
+        return None
+    if bool(allowed.all()):
+        return "none"
+    causal = torch.ones(lengths, dtype=torch.bool, device=value.device).tril()
+    return "causal" if bool((allowed == causal).all()) else None
 
 
 def _constant(mask: Node) -> torch.Tensor | None:

@@ -426,8 +426,9 @@ class ClassCapture:
 
 
 def _forget_capture(key: tuple, entry: weakref.ref, _owner) -> None:
-    if entry() is not None and _CLASS.get(key) is entry():
-        del _CLASS[key]
+    classes = _CLASS  # None once the interpreter is shutting down (its modules' globals cleared): nothing to do
+    if classes is not None and entry() is not None and classes.get(key) is entry():
+        del classes[key]
 
 
 def _served(fn: Callable, lead: tuple, args, kwargs):
