@@ -354,12 +354,18 @@ def test_fused_training(zoo):
     handle = zoo.report.handle
     handle.train_fused(True)
     try:
-        for step in range(2):
-            with _TrainMode(zoo.model, zoo.ref):
-                _assert_none(_training_step_differences(f"{zoo.arch.name} (fused training, step {step})",
-                                                        zoo.model, zoo.ref, zoo.inputs, rtol=1e-3))
+        _two_fused_steps(zoo, "fused training")
     finally:
         handle.train_fused(False)
+
+
+def _two_fused_steps(zoo, what: str) -> None:
+    """Two training calls (the first traces the training graphs, the second runs them), each with eager's outputs,
+    buffers and gradients (rtol 1e-3: the generated kernels round differently from PyTorch's own)."""
+    for step in range(2):
+        with _TrainMode(zoo.model, zoo.ref):
+            _assert_none(_training_step_differences(f"{zoo.arch.name} ({what}, step {step})", zoo.model, zoo.ref,
+                                                    zoo.inputs, rtol=1e-3))
 
 
 def test_whole_stack_training(zoo):
@@ -375,10 +381,7 @@ def test_whole_stack_training(zoo):
     stacks = [f for f in handle.outer if not f.refused]
     captured = {id(f): f._backend.captures if f._backend is not None else 0 for f in stacks}
     try:
-        for step in range(2):
-            with _TrainMode(zoo.model, zoo.ref):
-                _assert_none(_training_step_differences(f"{zoo.arch.name} (whole stack, fused training, step {step})",
-                                                        zoo.model, zoo.ref, zoo.inputs, rtol=1e-3))
+        _two_fused_steps(zoo, "whole stack, fused training")
         # each stack trained through a capture of its own, or says why it ran its original forward
         silent = [f for f in stacks if not f.fallbacks and (f._backend is None or f._backend.captures == captured[id(f)])]
         assert not silent, f"{zoo.arch.name}: whole stacks that neither captured for training nor said why: {silent}"

@@ -76,7 +76,7 @@ class TrainRecording:
     seq: int = field(default_factory=lambda: next(_SEQ))  # order of recording (scratch may overlap later ones')
     clobbered: bool = False  # an earlier recording replayed over its saved tensors since its forward
     # per argument: how many tensors hold its gradient's memory while none is handed out (the recording's own)
-    own_uses: list = field(default_factory=list)
+    own_uses: list = field(init=False)
     holders: list = field(default_factory=list)  # per argument: the leaf the last backward handed its gradient to
 
     def __post_init__(self):
