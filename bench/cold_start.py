@@ -15,6 +15,9 @@ before its clock starts, then builds the model and calls it once eagerly. Per mo
   (its `phases_s`: profile, analyze, generate, patch, check = the first patched call, select), then
   the first call after it; the plan is then bundled (`advisor.save_bundle`).
 - `advisor-warm`: the same caches, a new process: `optimize` reuses the stored plan.
+- `advisor-empty-serial`: `advisor-empty` with its own fresh caches and the capture not overlapped with the
+  kernels' generation (`FUSION_ADVISOR_EARLY_CAPTURE=0`: what `optimize` did before
+  `workflows/early_capture.py`), for the comparison in one run. Not in the default runs.
 - `advisor-bundle`: fresh caches, a new process: `advisor.patch(model, bundle)` and the first call.
 - `compile-empty` / `compile-warm`: `torch.compile(model)`'s first call with fresh, then the same caches.
 
@@ -45,7 +48,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ("advisor-empty", "advisor-warm", "advisor-bundle", "compile-empty", "compile-warm")
+RUNS = ("advisor-empty", "advisor-warm", "advisor-bundle", "advisor-empty-serial", "compile-empty", "compile-warm")
 CACHES = ("FUSION_ADVISOR_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 SMOKE_MODEL = "seed"  # bench/workloads.py's log(relu(x + b)), at its quick size: one kernel
 
@@ -59,7 +62,8 @@ def main(argv=None) -> int:
                    "of it, later runs are skipped")
     p.add_argument("--timeout", type=float, default=200.0, help="seconds per child process at most")
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, interpret=True, no torch.compile runs")
-    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--runs", default=",".join(r for r in RUNS if r != "advisor-empty-serial"),
+                   help=f"comma-separated, of {', '.join(RUNS)}")
     p.add_argument("--profile", action="store_true", help="advisor runs under cProfile: OUT/MODEL-RUN.prof.txt, "
                    "the host's time by function (cumulative and own), to see where a cold start goes")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "RUN"), help=argparse.SUPPRESS)
@@ -101,6 +105,8 @@ def caches(out: Path, model: str, run: str) -> dict:
 def spawn(a, model: str, run: str, timeout: float) -> dict:
     env = {**os.environ, **caches(a.out, model, run), "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if run == "advisor-empty-serial":
+        env["FUSION_ADVISOR_EARLY_CAPTURE"] = "0"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", model, run, "--out", str(a.out),
            "--top", str(a.top), *(["--smoke"] if a.smoke else []), *(["--profile"] if a.profile else [])]
     log, result = a.out / f"{model}-{run}.log", a.out / f"{model}-{run}.json"
@@ -245,12 +251,13 @@ INNER = ("workers start", "jobs", "alternatives", "outer check", "timed runs")
 
 
 def markdown(doc: dict) -> str:
-    cols = ["model", "run", "status", "to first call s", "profile", "analyze", "generate", "patch", "check",
+    cols = ["model", "run", "status", "to first call s", "profile", "analyze", "capture", "generate", "patch", "check",
             "select", "first call s", "dynamo", "aot", "rewrite", "record", "captures", "Triton compiles",
             "first inference-mode call s", "its dynamo", "process s"]
     lines = ["# Cold start" + (" (smoke: CPU, interpreter)" if doc.get("smoke") else ""), "",
              "Seconds. `to first call`: from `optimize` / `patch` / `torch.compile` to the end of the first "
-             "call after it; phases are `optimize`'s (`check` = its first patched call); `process` "
+             "call after it; phases are `optimize`'s (`capture`: the model captured while the kernels compile, "
+             "`generate` then the wait for them; `check` = its first patched call); `process` "
              "includes the child's start-up; dynamo / aot / rewrite / record: `capture_phases_s`, seconds spent "
              "in dynamo's tracing, AOTAutograd, our rewrite and CUDA-graph recording up to the end of the first "
              "call (every capture `optimize` makes included), captures: graphs dynamo handed us; first "
@@ -262,7 +269,7 @@ def markdown(doc: dict) -> str:
         if r.get("run") == "advisor-bundle":
             ph = {"patch": r.get("patch_s")}
         cells = [r["model"], r["run"], r.get("status", ""), _f(r.get("to_first_call_s")),
-                 *(_f(ph.get(k)) for k in ("profile", "analyze", "generate", "patch", "check", "select")),
+                 *(_f(ph.get(k)) for k in ("profile", "analyze", "capture", "generate", "patch", "check", "select")),
                  _f(r.get("first_call_s")),
                  *(_f((r.get("capture_phases_s") or {}).get(k)) for k in ("dynamo", "aot", "rewrite", "record")),
                  str(int((r.get("capture_phases_s") or {}).get("captures", 0))),

@@ -81,6 +81,11 @@ class Patched:
         """Pattern keys whose launchers run (None: every patched one); set by selection (`enable`)."""
         return next((f.enabled for f in self.forwards.values()), None)
 
+    def kernels_written(self) -> None:
+        """See `PatchedForward.kernels_written`."""
+        for f in self.forwards.values():
+            f.kernels_written()
+
     @property
     def outer(self) -> list:
         """The outer captures' forwards (see `capture`): over the layer captures, off until `set_outer`."""

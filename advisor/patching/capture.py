@@ -116,7 +116,44 @@ def _launcher(spec: PatternSpec, program: dict, kernel_file: str | None, fallbac
         return fallback  # the matched ops themselves: tests the matcher and the substitution
     if spec.replacement == "program":
         return lambda *xs: run_program(program, xs)  # the program replayed: tests input order and views
+    if kernels_pending():
+        return PendingLauncher(kernel_file)
     return load_launcher(kernel_file)
+
+
+_PENDING = threading.local()
+
+
+@contextlib.contextmanager
+def pending_kernels():
+    """Captures made inside this block (this thread) are made while the kernels are still being generated and
+    validated (`workflows/early_capture.py`): their sites load their modules at the first launch
+    (`PendingLauncher`), by then final (a kernel's module is rewritten when a validated alternative of it
+    measures faster), and nothing else here reads a module."""
+    old = kernels_pending()
+    _PENDING.on = True
+    try:
+        yield
+    finally:
+        _PENDING.on = old
+
+
+def kernels_pending() -> bool:
+    return getattr(_PENDING, "on", False)
+
+
+class PendingLauncher:
+    """A kernel module not final yet: the model is captured while its kernels compile and validate, with
+    every site on its original ops (`only(())`) until they have; the module is loaded at the first launch."""
+
+    def __init__(self, kernel_file: str):
+        self.kernel_file = kernel_file
+        self._run: Callable | None = None
+
+    def __call__(self, *args):
+        if self._run is None:
+            self._run = load_launcher(self.kernel_file)
+        return self._run(*args)
 
 
 # ------------------------------------------------------------------------------------ the backend
@@ -347,8 +384,8 @@ def trainable(spec: PatternSpec) -> bool:
 def differentiable(spec: PatternSpec) -> bool:
     """Whether the pattern's module is PyTorch's own ops (it says `DIFFERENTIABLE`: a padded GEMM), which
     autograd differentiates as they stand: no backward to derive or validate, the forward validated."""
-    if spec.replacement != "kernel" or not spec.kernel_file:
-        return False
+    if spec.replacement != "kernel" or not spec.kernel_file or kernels_pending():
+        return False  # (pending: asked again once the modules are written, `PatchedForward.kernels_written`)
     try:
         return bool(getattr(load_launcher(spec.kernel_file), "__globals__", {}).get("DIFFERENTIABLE"))
     except Exception:  # a missing or broken module: the forward's own loading says so

@@ -168,6 +168,13 @@ class PatchedForward:
     def _may_train(self) -> bool:
         return any(trainable(s) for s in self.specs)
 
+    def kernels_written(self) -> None:
+        """The kernel modules exist now (this forward was captured while they compiled): whether it may train,
+        which reads them (a padded GEMM's module says it is differentiable), is asked again."""
+        self.__dict__.pop("_may_train", None)
+        if self._backend is not None:
+            self._backend.trains = self._may_train
+
     @property
     def keys(self) -> tuple:
         return tuple(s.key for s in self.specs)

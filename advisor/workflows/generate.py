@@ -76,7 +76,7 @@ def generate_candidates(doc: dict, out_dir: Path, top: int | None = None, on_res
 
 
 def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None = None,
-                     on_result=None, every: list[Candidate] | None = None) -> list[PatternResult]:
+                     on_result=None, every: list[Candidate] | None = None, gpu_free=None) -> list[PatternResult]:
     """`generate_candidates` on records: the top `top` candidates' results (apply.json is not written).
     `on_result` is called with each result as it is final. `every`: all of the analysis's candidates, where
     `candidates` are a selection of them (the groups that rivals extend are looked up there).
@@ -86,7 +86,9 @@ def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None
     patched beside it. The later rivals are generated only when the first one's kernel does not validate
     (a second batch of jobs); else their record says which rival took the ops. A tuned epilogue's job is
     ten Triton compiles (eight tile configs and two shapes): up_proj's were a third of the H100's compile
-    work in Llama's cold start, for a kernel that was never patched."""
+    work in Llama's cold start, for a kernel that was never patched.
+    `gpu_free()`, when given, is waited for before anything here is timed on the GPU (this process captures the
+    model meanwhile: `workflows/early_capture.py`)."""
     out_dir = Path(out_dir)
     chosen = _top_forward(candidates, top)
     rival_of = rivals(chosen, every or candidates)
@@ -99,6 +101,8 @@ def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None
         if not interpreted() and entry.validated and \
                 any(a.get("validated") for a in (entry.alternatives or {}).values()):
             clock = Stopwatch()
+            if gpu_free is not None:
+                gpu_free()
             try:  # the module again, in this process: the generator's cache and Triton's make it cheap
                 with clock("alternatives"), timing.timed("alternatives"):
                     gen = generate_anchored(c.program, c.kind.value)
@@ -152,8 +156,7 @@ def _generates(c: Candidate) -> bool:
 def _entries(chosen: list[Candidate], out_dir: Path) -> dict[str, PatternResult]:
     """{candidate id: its job's record}: each candidate generated and validated (in the compile workers where
     they run), a pattern's other shapes as jobs of their own (one kernel per shape) folded into its record."""
-    shapes = [dataclasses.replace(c, id=f"{c.id}s{i}", program=p, variants=None)
-              for c in chosen for i, p in enumerate(c.variants or [], 1)]
+    shapes = [s for c in chosen for s in shape_candidates(c)]
     entries = _in_workers(chosen + shapes, out_dir)
     if entries is None:
         entries = [_job(c, out_dir) for c in chosen + shapes]
@@ -169,6 +172,25 @@ def _entries(chosen: list[Candidate], out_dir: Path) -> dict[str, PatternResult]
                          "shapes": round(sum(_job_seconds(e) for e in shape_jobs), 3)})
         out[c.id] = entry
     return out
+
+
+def shape_candidates(c: Candidate) -> list[Candidate]:
+    """Candidate `c` at each of its other shapes, a job (and a kernel module) of its own each."""
+    return [dataclasses.replace(c, id=f"{c.id}s{i}", program=p, variants=None) for i, p in enumerate(c.variants or [], 1)]
+
+
+def kernel_path(out_dir: Path, c: Candidate) -> Path:
+    """Where candidate `c`'s validated kernel module is written (known before it is generated: the model is
+    captured against it while the kernels compile, `workflows/early_capture.py`)."""
+    return Path(out_dir) / "kernels" / f"{c.id}_{slug(c.title or '')}.py"
+
+
+def expected_kernels(candidates: list[Candidate], every: list[Candidate] | None = None) -> list[Candidate]:
+    """The candidates `generate_results(candidates, ..., every=every)` ends with a kernel for when every kernel
+    generates and validates: not skipped, and not a rival of an earlier one (which then takes the ops)."""
+    chosen = _top_forward(candidates, None)
+    rival_of = rivals(chosen, every or candidates)
+    return [c for c in chosen if c.id not in rival_of and skip_reason(c) is None]
 
 
 def _job_seconds(entry: PatternResult) -> float:
@@ -305,7 +327,7 @@ def _job(c: Candidate, out_dir: Path) -> PatternResult:
             entry = dataclasses.replace(entry, memory_saved_bytes=gen.memory_saved_bytes,
                                         alternatives=validate_alternatives(gen, module))
         source = kernel_text(c, check, interpreted(), gen.code)
-        path = atomic_write(out_dir / "kernels" / f"{c.id}_{slug(c.title or '')}.py", source)
+        path = atomic_write(kernel_path(out_dir, c), source)
         entry = dataclasses.replace(entry, kernel_file=str(path), source=source)
     except Unsupported as e:
         entry = dataclasses.replace(entry, reason=str(e))

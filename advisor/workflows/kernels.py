@@ -16,7 +16,9 @@ from advisor.patching.containment import holds
 from advisor.patching.plan import PatternSpec, spec_from_candidate
 from advisor.records import Candidate, Kind, PatternResult, Verdict, candidates_of
 from advisor.status import Status
-from advisor.workflows.generate import generate_results, pattern_record, write_apply
+from advisor.validate import interpreted
+from advisor.workflows.generate import expected_kernels, generate_results, kernel_path, pattern_record, \
+    shape_candidates, write_apply
 
 
 MIN_SHARE = 0.005  # of the best candidate's estimated saving
@@ -27,18 +29,14 @@ MIN_SHARE = 0.005  # of the best candidate's estimated saving
 MIN_CALL_SHARE = 0.005
 
 
-def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
-                 device_type: str) -> tuple[list[PatternSpec], list[PatternResult]]:
+def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path, device_type: str,
+                 gpu_free=None) -> tuple[list[PatternSpec], list[PatternResult]]:
     """(specs to patch, one result per top candidate of analysis.json document `doc`, in rank order).
-    With `replacement="kernel"` OUT/apply.json is written with the generated results, as `generate` does."""
-    top_candidates = candidates_of(doc)[:max(0, top)]
-    # Estimates from a CPU trace are CPU times, noisy at tiny sizes and unrelated to what a GPU saves: the
-    # cut-off (a guard against captures that cost more than they save) applies to GPU traces only.
-    totals = doc.get("totals") or {}
-    call_us = totals.get("time_us") if totals.get("time_kind") == "gpu" else None
-    chosen, negligible = worth_patching(top_candidates, call_us) if device_type == "cuda" else (top_candidates, [])
+    With `replacement="kernel"` OUT/apply.json is written with the generated results, as `generate` does.
+    `gpu_free`: see `generate_results`."""
+    top_candidates, chosen, negligible = _chosen(doc, top, device_type)
     if replacement == "kernel":
-        results = generate_results(chosen, Path(out_dir), every=candidates_of(doc))
+        results = generate_results(chosen, Path(out_dir), every=candidates_of(doc), gpu_free=gpu_free)
         write_apply(out_dir, [r.to_json() for r in results])
     else:
         results = [pattern_record(c, validated=True, errors={}, source="",
@@ -59,6 +57,30 @@ def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path,
                                              r.variants))
     rank = {c.id: i for i, c in enumerate(top_candidates)}
     return substitution_order(specs), sorted(records + negligible, key=lambda r: rank[r.candidate])
+
+
+def expected_specs(doc: dict, top: int, out_dir: Path, device_type: str) -> list[PatternSpec]:
+    """The specs `kernel_specs(doc, top, "kernel", out_dir, device_type)` returns when every kernel validates,
+    known before any is generated: the kernel modules' paths are fixed (`generate.kernel_path`)."""
+    _, chosen, _ = _chosen(doc, top, device_type)
+    validated_on = "cpu" if interpreted() else "cuda"  # as each job records it
+    specs = []
+    for c in expected_kernels(chosen, candidates_of(doc)):
+        variants = [{"index": i, "kernel_file": str(kernel_path(out_dir, s))}
+                    for i, s in enumerate(shape_candidates(c), 1)]
+        specs.append(spec_from_candidate(c.to_json(), "kernel", str(kernel_path(out_dir, c)), validated_on, variants))
+    return substitution_order(specs)
+
+
+def _chosen(doc: dict, top: int, device_type: str) -> tuple[list[Candidate], list[Candidate], list[PatternResult]]:
+    """(the top candidates, those worth a kernel, the results of the rest)."""
+    top_candidates = candidates_of(doc)[:max(0, top)]
+    # Estimates from a CPU trace are CPU times, noisy at tiny sizes and unrelated to what a GPU saves: the
+    # cut-off (a guard against captures that cost more than they save) applies to GPU traces only.
+    totals = doc.get("totals") or {}
+    call_us = totals.get("time_us") if totals.get("time_kind") == "gpu" else None
+    chosen, negligible = worth_patching(top_candidates, call_us) if device_type == "cuda" else (top_candidates, [])
+    return top_candidates, chosen, negligible
 
 
 def substitution_order(specs: list[PatternSpec]) -> list[PatternSpec]:

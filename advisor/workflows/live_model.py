@@ -33,7 +33,8 @@ from advisor.patching.graphs import clear_recordings
 from advisor.patching.verify import check, eval_if_unrepeatable, float32_reference
 from advisor.records import PatternResult
 from advisor.stopwatch import Stopwatch
-from advisor.workflows import plan_cache
+from advisor.bench import timing as bench_timing  # read at call time: tests replace it
+from advisor.workflows import early_capture, plan_cache
 from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.lm_loss import causal_lm_step, keep_faster_lm_loss
@@ -142,11 +143,17 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
             analysis = analyze(trace_dir)
             analysis.to_json(out_dir / "analysis.json")
             doc = analysis.doc
-        with phases("generate"):
-            specs, records = kernel_specs(doc, top, replacement, out_dir, device)
-        with phases("patch"):
-            plan = build_plan(specs, doc, occurrence_modules(analysis), granularity)
-            handle = patch(model, plan)
+        if replacement == "kernel" and (device == "cuda" or interpret) and early_capture.enabled():
+            # captured while the kernels compile: dynamo's and AOTAutograd's seconds off the cold start's path
+            specs, records, plan, handle = early_capture.patch_while_generating(
+                model, call, doc, occurrence_modules(analysis), top, out_dir, device, granularity, phases,
+                outer=select is not False and bench_timing.timing_meaningful(device))
+        else:
+            with phases("generate"):
+                specs, records = kernel_specs(doc, top, replacement, out_dir, device)
+            with phases("patch"):
+                plan = build_plan(specs, doc, occurrence_modules(analysis), granularity)
+                handle = patch(model, plan)
     if device != "cuda" and not interpret:  # kernels would run in Triton's interpreter: never a speedup
         unpatch(model)
         records = interpreter_only(records, specs)
