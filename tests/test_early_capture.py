@@ -128,3 +128,18 @@ def test_a_pending_kernel_is_loaded_at_its_first_launch(tmp_path):
         assert capture.kernels_pending()
         assert capture.differentiable(spec) is False  # not read from a module that may still change
     assert not capture.kernels_pending() and capture.differentiable(spec) is True
+
+
+def test_tritons_own_hash_is_computed_in_a_thread_while_the_model_is_captured(monkeypatch):
+    """Triton hashes its sources the first time a process launches a kernel: `patch` starts that in a thread."""
+    from triton.runtime.cache import triton_key
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(capture, "_TRITON_KEY", [])
+    triton_key.cache_clear()
+    capture.warm_triton_soon()
+    capture.warm_triton_soon()  # once a process
+    assert len(capture._TRITON_KEY) == 1 and capture._TRITON_KEY[0].name == "fusion-advisor-triton-key"
+    capture._TRITON_KEY[0].join(timeout=120)
+    assert triton_key.cache_info().currsize == 1
