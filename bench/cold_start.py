@@ -15,10 +15,9 @@ before its clock starts, then builds the model and calls it once eagerly. Per mo
   (its `phases_s`: profile, analyze, generate, patch, check = the first patched call, select), then
   the first call after it; the plan is then bundled (`advisor.save_bundle`).
 - `advisor-warm`: the same caches, a new process: `optimize` reuses the stored plan.
-- `advisor-empty-serial`: `advisor-empty` with its own fresh caches as `optimize` ran before session 25, for
-  the comparison in one run: the capture after the kernels' generation, not overlapped with it
-  (`FUSION_ADVISOR_EARLY_CAPTURE=0`), and the compile workers spawned, not forked from a fork server
-  (`FUSION_ADVISOR_WORKERS_START=spawn`). Not in the default runs.
+- `advisor-empty-serial`: `advisor-empty` with its own fresh caches and the capture after the kernels'
+  generation, not overlapped with it (`FUSION_ADVISOR_EARLY_CAPTURE=0`: what `optimize` did before
+  `workflows/early_capture.py`), for the comparison in one run. Not in the default runs.
 - `advisor-bundle`: fresh caches, a new process: `advisor.patch(model, bundle)` and the first call.
 - `compile-empty` / `compile-warm`: `torch.compile(model)`'s first call with fresh, then the same caches.
 
@@ -107,7 +106,7 @@ def spawn(a, model: str, run: str, timeout: float) -> dict:
     env = {**os.environ, **caches(a.out, model, run), "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     if run == "advisor-empty-serial":
-        env.update(FUSION_ADVISOR_EARLY_CAPTURE="0", FUSION_ADVISOR_WORKERS_START="spawn")
+        env["FUSION_ADVISOR_EARLY_CAPTURE"] = "0"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", model, run, "--out", str(a.out),
            "--top", str(a.top), *(["--smoke"] if a.smoke else []), *(["--profile"] if a.profile else [])]
     log, result = a.out / f"{model}-{run}.log", a.out / f"{model}-{run}.json"

@@ -5,12 +5,9 @@ shape; threads share one GIL for the Python part, so candidates go to worker pro
 pool is started once per `generate` (`start_soon()` before profiling, so that it starts meanwhile; else
 `generate` starts it), and discarded after it: each worker holds a CUDA context (~0.5 GB of GPU memory).
 
-Workers are never forked from this process (a forked CUDA context is unusable): they are forked from
-multiprocessing's fork server, a process started clean that imports the worker's module (torch, triton,
-the generator) once, so each worker starts without importing them again (eight workers each importing
-torch took 4.6 s to start on the H100's host, their imports contending with the parent's own work); where
-there is no fork server, they are spawned. Either way without re-importing the user's `__main__`: a script
-that calls `optimize` at top level, unguarded by `if __name__ ...`, would otherwise run again in every worker. How many: $FUSION_ADVISOR_COMPILE_WORKERS if set (0 or 1 = in
+Workers are spawned, never forked (a forked CUDA context is unusable), and without re-importing the
+user's `__main__`: a script that calls `optimize` at top level, unguarded by `if __name__ ...`, would
+otherwise run again in every worker. How many: $FUSION_ADVISOR_COMPILE_WORKERS if set (0 or 1 = in
 process, one after another), else one per CPU up to 8 (each holds a CUDA context) on a GPU, and in
 process under the interpreter (pure Python on the CPU, where the CI's cores are shared).
 """
@@ -60,7 +57,7 @@ def start(n: int, warm=None) -> ProcessPoolExecutor | None:
         prep = multiprocessing.spawn.get_preparation_data
         multiprocessing.spawn.get_preparation_data = _without_main(prep)
         try:
-            _pool = ProcessPoolExecutor(n, mp_context=_context(warm), initializer=warm)
+            _pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=warm)
             _size = n
             list(_pool.map(_ready, range(n)))  # every worker started now, while the patch is in place
         finally:
@@ -117,18 +114,6 @@ def _drop() -> None:
 
 
 atexit.register(discard)
-
-
-def _context(warm):
-    """The fork server, told to import `warm`'s module before it forks any worker (it has no effect on a fork server
-    already running: it imported that module then), else spawn. $FUSION_ADVISOR_WORKERS_START=spawn forces spawn."""
-    methods = multiprocessing.get_all_start_methods()
-    if "forkserver" not in methods or os.environ.get("FUSION_ADVISOR_WORKERS_START") == "spawn":
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    if warm is not None:
-        ctx.set_forkserver_preload([warm.__module__])
-    return ctx
 
 
 def _without_main(prep):
