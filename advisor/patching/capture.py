@@ -34,7 +34,7 @@ import torch
 
 from advisor.codegen.cache import load_module
 from advisor.ops.registry import OpClass, op_class
-from advisor.patching import epilogue, rewrite, splade, timing
+from advisor.patching import aot_cache, epilogue, rewrite, splade, timing
 from advisor.patching.causal_masks import fold_causal_masks
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import make_host_copies_recordable
@@ -213,11 +213,16 @@ class Backend:
             self.inference_graphs.extend(getattr(shared, "inference_graphs", ()))
             return shared
         made: list[Graphed] = []  # this capture's inference replays, for the instances it is shared with
+        stored = aot_cache.key(gm, example_inputs)  # AOTAutograd's output kept across processes: its key
 
         def plain(g, _):
             return make_boxed_func(g.forward)
 
-        def inference(g, _):
+        def lowered(g, _):  # AOTAutograd's inference graph: kept (before the rewrite changes it), then rewritten
+            aot_cache.store(stored, g, example_inputs)
+            return make_boxed_func(inference(g))
+
+        def inference(g):
             drop_identity_copies(g)  # eval-mode dropout: eager runs no kernel for it, AOTAutograd a copy
             fold_causal_masks(g)  # a causal mask traced from positions: the kernels' own causal masking
             timing.count("rewrites")
@@ -232,15 +237,21 @@ class Backend:
             if isinstance(run, Graphed):
                 made.append(run)
                 self.inference_graphs.append(run)
-            return make_boxed_func(_counted(run))
+            return _counted(run)
 
         compiled = None
-        if self.trains and torch.is_grad_enabled() and any(
-                isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+        needs_grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                                     for x in example_inputs)
+        if self.trains and needs_grad:
             compiled = self.training(gm, example_inputs)
+        if compiled is None and not needs_grad:
+            cached = aot_cache.lookup(stored)  # lowered in an earlier process: AOTAutograd is not run again
+            if cached is not None:
+                timing.count("aot cache hits")
+                compiled = inference(cached)
         if compiled is None:
             compiled = aot_module_simplified(gm, example_inputs, fw_compiler=plain, bw_compiler=plain,
-                                             inference_compiler=inference)
+                                             inference_compiler=lowered)
         with contextlib.suppress(AttributeError):  # (a callable that takes no attribute: not shared either)
             compiled.inference_graphs = made
         if key is not None:
