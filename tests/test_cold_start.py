@@ -90,20 +90,23 @@ def test_workers_generate_what_one_process_does(optimized, tmp_path, monkeypatch
 
 
 def test_bundle_patches_a_fresh_process_without_generating(optimized, tmp_path):
-    """save_bundle -> a new process patches from the file alone: nothing profiled, generated or validated,
-    outputs equal to the unpatched model's."""
+    """save_bundle -> a new process patches from the file alone: nothing profiled, generated, validated or
+    lowered by AOTAutograd (the bundle's graphs are rebuilt), outputs equal to the unpatched model's."""
     path = advisor.save_bundle(optimized, tmp_path / "plan.fab")
     with zipfile.ZipFile(path) as z:
         names = set(z.namelist())
         header = json.loads(z.read("header.json"))
     assert {"header.json", "plan/analysis.json", "plan/apply.json"} <= names
     assert any(n.startswith("plan/kernels/") for n in names)
+    assert any(n.startswith("graphs/") for n in names), "the captures' lowered graphs (aot_cache)"
     assert header["torch"] == torch.__version__ and header["binaries"] == []  # interpreter: no binaries
     code = MODEL + f'''
 import json, advisor
 import advisor.validate, advisor.workflows.generate as g, advisor.workflows.live_model as lm
+import torch._functorch.aot_autograd as aot
 calls = []
-for mod, name in ((g, "_job"), (g, "generate_results"), (advisor.validate, "validate"), (lm, "profile_calls")):
+for mod, name in ((g, "_job"), (g, "generate_results"), (advisor.validate, "validate"), (lm, "profile_calls"),
+                  (aot, "aot_module_simplified")):
     f = getattr(mod, name)
     setattr(mod, name, lambda *a, _f=f, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
 model, (x, b) = build()

@@ -82,6 +82,11 @@ class Patched:
         """Pattern keys whose launchers run (None: every patched one); set by selection (`enable`)."""
         return next((f.enabled for f in self.forwards.values()), None)
 
+    def graph_keys(self) -> list[str]:
+        """The `aot_cache` keys of the inference graphs this model's captures lowered or rebuilt so far (a bundle
+        carries them: a fresh process's capture skips AOTAutograd)."""
+        return sorted({k for f in self.forwards.values() for k in getattr(f._backend, "graph_keys", ())})
+
     def kernels_written(self) -> None:
         """See `PatchedForward.kernels_written`."""
         for f in self.forwards.values():

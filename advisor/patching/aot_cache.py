@@ -63,7 +63,7 @@ def _plain_tensor(x: torch.Tensor) -> bool:
     return type(x) in (torch.Tensor, torch.nn.Parameter, FakeTensor)
 
 
-def lookup(k: str | None, device: torch.device | None = None) -> fx.GraphModule | None:
+def lookup(k: str | None) -> fx.GraphModule | None:
     """The inference graph stored under key `k`, rebuilt, or None."""
     if k is None:
         return None

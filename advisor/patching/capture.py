@@ -12,6 +12,9 @@ validated; `Backend.training`; on a GPU its forward and backward replay as two C
 (`train_graphs.TrainGraphed`). A match whose ops read an input outside the view its site would be handed
 stays unsubstituted in a graph that trains (`rewrite.reads_outside_inputs`).
 
+AOTAutograd's inference graphs are kept across processes (`aot_cache`): a later process capturing the same
+dynamo graph rebuilds it instead of lowering it again.
+
 Identical graphs are rewritten and compiled once and shared by every instance that captures them
 (`_SHARED`: same plan, same graph code, same input layouts), so a model whose layers each trace pays
 AOTAutograd and the rewrite once. What a rewrite did is logged per plan and captured function
@@ -199,6 +202,7 @@ class Backend:
         # Inference graphs rewritten: with a site substituted, and without one after some had been (inputs at
         # shapes never profiled: the patterns are made for the profiled ones)
         self.fused_graphs = self.unfused_graphs = 0
+        self.graph_keys: set[str] = set()  # `aot_cache` keys of the inference graphs it lowered or rebuilt
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
@@ -219,7 +223,8 @@ class Backend:
             return make_boxed_func(g.forward)
 
         def lowered(g, _):  # AOTAutograd's inference graph: kept (before the rewrite changes it), then rewritten
-            aot_cache.store(stored, g, example_inputs)
+            if aot_cache.store(stored, g, example_inputs):
+                self.graph_keys.add(stored)
             return make_boxed_func(inference(g))
 
         def inference(g):
@@ -248,6 +253,7 @@ class Backend:
             cached = aot_cache.lookup(stored)  # lowered in an earlier process: AOTAutograd is not run again
             if cached is not None:
                 timing.count("aot cache hits")
+                self.graph_keys.add(stored)
                 compiled = inference(cached)
         if compiled is None:
             compiled = aot_module_simplified(gm, example_inputs, fw_compiler=plain, bw_compiler=plain,

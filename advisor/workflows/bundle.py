@@ -5,7 +5,9 @@ the entries of Triton's cache that hold those kernels' binaries, and a header of
 with (torch, triton, Python, GPU name and capability, fusion-advisor). `load` unpacks the plan into
 the cache folder and, where this machine matches the header, copies the binaries into Triton's cache,
 so that patching with it compiles nothing; where it does not, it says so in one line and the kernels
-compile on first use, as they would from a plan folder.
+compile on first use, as they would from a plan folder. It also carries the inference graphs AOTAutograd
+lowered for the plan's captures (`patching/aot_cache.py`), which a fresh process then rebuilds instead of
+lowering them again (keyed by torch's version, among other things: another torch's are never used).
 
 Which cache entries: Triton names each entry's files after the kernel (`__grp__<name>.json`), and a
 plan's kernel names come from its sources, so an entry of every specialisation that ran (the
@@ -106,11 +108,28 @@ def save(plan, path) -> Path:
                 for f in sorted(d.iterdir()):
                     if f.is_file() and f.name != "lock":
                         z.write(f, f"triton/{d.name}/{f.name}")
+            for f in graph_files(folder):
+                z.write(f, f"graphs/{f.name}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def graph_files(folder: Path) -> list[Path]:
+    """The lowered inference graphs the plan's captures used (apply.json `graphs`, `aot_cache`) still in the cache."""
+    try:
+        keys = json.loads((folder / "apply.json").read_text()).get("graphs") or []
+    except (OSError, json.JSONDecodeError):
+        return []
+    return [f for f in (graphs_folder() / f"{k}.pkl" for k in keys) if f.is_file()]
+
+
+def graphs_folder() -> Path:
+    from advisor.patching import aot_cache  # function-level, as above
+
+    return aot_cache.folder()
 
 
 def is_bundle(path) -> bool:
@@ -136,6 +155,7 @@ def load(path, dest: Path | None = None) -> Path:
         with tempfile.TemporaryDirectory(prefix="fusion-advisor-bundle-") as tmp:
             _extract(z, "plan/", Path(tmp))
             copy_plan(Path(tmp), dest)
+            _extract(z, "graphs/", graphs_folder())  # keyed by torch's version: another torch's never match
             if header.get("binaries"):
                 here = environment()
                 differ = [f"{k} {header.get(k)} (here {here.get(k)})" for k in MATCH if header.get(k) != here.get(k)]

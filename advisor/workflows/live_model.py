@@ -212,7 +212,7 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
            "plan_key_parts": key_parts, "selection": selection, "training": training,
            "enabled": sorted(handle.enabled) if handle.enabled is not None else None,
            "outer": handle.outer_on,
-           "skipped_targets": getattr(plan, "skipped", {}), "modes": modes}
+           "skipped_targets": getattr(plan, "skipped", {}), "modes": modes, "graphs": handle.graph_keys()}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
         plan_cache.store(out_dir, key)
