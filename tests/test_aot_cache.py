@@ -127,3 +127,37 @@ def test_nothing_is_kept_under_autocast():
     assert aot_cache.key(gm, [torch.randn(2)]) is not None
     with torch.autocast("cpu"):
         assert aot_cache.key(gm, [torch.randn(2)]) is None
+
+
+def test_a_rebuilt_graph_matches_the_patterns_the_lowered_one_did(tmp_path):
+    """The zoo's convnet: its conv + BatchNorm (+ add) + ReLU epilogues are substituted in a graph rebuilt from the
+    cache as in the one AOTAutograd lowered (the patterns are built in the state AOTAutograd calls its compilers
+    in: under it BatchNorm decomposes to `_native_batch_norm_legit_no_training`, outside it to `native_batch_norm`)."""
+    import sys
+    from pathlib import Path
+
+    import advisor
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoo_models import BY_NAME
+
+    arch = BY_NAME["convnet"]
+    model, inputs = arch.model(), arch.inputs(2, 16)
+    report = advisor.optimize(model, inputs, out=tmp_path / "out", interpret=True, reuse=False)
+    sites = {s.key: report.handle.sites(s.key) for s in report.handle.plan.patterns if report.handle.sites(s.key)}
+    assert any(n for k, n in sites.items() if "conv2d epilogue" in report.handle.plan.spec(k).title), sites
+    advisor.unpatch(model)
+
+    capture._PATTERNS.clear()  # as in a new process: nothing built, shared or logged
+    capture._SHARED.clear()
+    capture._LOGS.clear()
+    torch._dynamo.reset()
+    hits = timing.SECONDS["aot cache hits"]
+    again = advisor.patch(model, tmp_path / "out")
+    with torch.no_grad():
+        got = model(**inputs)
+    assert timing.SECONDS["aot cache hits"] > hits
+    assert {s.key: again.sites(s.key) for s in again.plan.patterns if again.sites(s.key)} == sites
+    advisor.unpatch(model)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(**inputs), rtol=1e-4, atol=1e-4)

@@ -153,7 +153,8 @@ def dump(g: fx.GraphModule) -> dict:
 
 
 def load(doc: dict) -> fx.GraphModule:
-    """`dump`'s graph rebuilt, each node's value a fake tensor of its layout (all the rewrite reads)."""
+    """`dump`'s graph rebuilt, each node's value a fake tensor of its layout (all the rewrite reads), its fake mode
+    in `meta["fake_mode"]`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
@@ -170,7 +171,9 @@ def load(doc: dict) -> fx.GraphModule:
     root = torch.nn.Module()
     for name, (t, device) in doc.get("constants", {}).items():
         setattr(root, name, t.to(device))
-    return fx.GraphModule(root, graph)
+    gm = fx.GraphModule(root, graph)
+    gm.meta["fake_mode"] = mode  # its values' mode (the rewrite runs in it, as inside AOTAutograd)
+    return gm
 
 
 def _target_name(target) -> str:

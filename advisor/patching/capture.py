@@ -254,7 +254,13 @@ class Backend:
             if cached is not None:
                 timing.count("aot cache hits")
                 self.graph_keys.add(stored)
-                compiled = inference(cached)
+                # In the state AOTAutograd calls its compilers in (its fake mode on, the Python dispatcher too): the
+                # patterns built for this graph (`program_graph`) decompose as they do there (BatchNorm to
+                # `_native_batch_norm_legit_no_training`, not `native_batch_norm`: no conv epilogue matched)
+                from torch._dispatch.python import enable_python_dispatcher
+
+                with cached.meta["fake_mode"], enable_python_dispatcher():
+                    compiled = inference(cached)
         if compiled is None:
             compiled = aot_module_simplified(gm, example_inputs, fw_compiler=plain, bw_compiler=plain,
                                              inference_compiler=lowered)
