@@ -143,3 +143,18 @@ def test_tritons_own_hash_is_computed_in_a_thread_while_the_model_is_captured(mo
     assert len(capture._TRITON_KEY) == 1 and capture._TRITON_KEY[0].name == "fusion-advisor-triton-key"
     capture._TRITON_KEY[0].join(timeout=120)
     assert triton_key.cache_info().currsize == 1
+
+
+def test_a_generation_that_fails_leaves_the_model_unpatched(tmp_path, monkeypatch):
+    """The model is patched (for the early capture) before its kernels exist: a generation that raises must not
+    leave it patched with kernels that never validated."""
+    from advisor.patching import patched_modules
+
+    def broken(*a, **k):
+        raise RuntimeError("generation broke")
+
+    monkeypatch.setattr(early_capture, "kernel_specs", broken)
+    model = llama(layers=2)
+    with pytest.raises(RuntimeError, match="generation broke"):
+        advisor.optimize(model, batch(), out=tmp_path / "out", reuse=False, interpret=True)
+    assert not list(patched_modules(model))

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from advisor.patching import Patched, build_plan, only, patch, whole
+from advisor.patching import Patched, build_plan, only, patch, unpatch, whole
 from advisor.patching.capture import pending_kernels, plan_digest
 from advisor.patching.graphs import replay_off
 from advisor.workflows.kernels import expected_specs, kernel_specs
@@ -67,7 +67,11 @@ def patch_while_generating(model: torch.nn.Module, call: Callable[[], object], d
         finally:
             quiet.set()
             with phases("generate"):
-                specs, records = job.result()
+                try:
+                    specs, records = job.result()
+                except BaseException:
+                    unpatch(model)  # as it was handed over: nothing generated, nothing patched
+                    raise
     if handle is not None and _same(specs, expected):
         handle.kernels_written()
         return expected, records, handle.plan, handle
