@@ -315,13 +315,89 @@ def test_layers_of_one_class_capture_once(tmp_path):
            if caller in mine and n > launches.get((site, caller), 0)}
     assert len(ran) == 9, "every patched instance ran the fused sites, served by its class's capture"
     assert not h.fallbacks(), h.fallbacks()
-    # Train mode changes what dynamo guards on: the other instances are refused and capture on their own.
+    # Train mode changes what dynamo guards on: the eval-mode captures refuse the layer, which captures anew (a
+    # new shared capture of its class, owned by it)
     model.encoder.layer[1].train()
     with torch.no_grad():
         model(**x, **kw)
-    assert any(f._via is None and f._owns is None for q, f in patched_modules(model) if q.startswith("encoder.layer.1"))
+    assert any(f._via is None and f._owns is not None for q, f in patched_modules(model)
+               if q.startswith("encoder.layer.1"))
     model.eval()
     assert torch.equal(run(model, kw, x), ref)
+
+
+RESNET = '''
+import torch
+from torch import nn
+
+
+class Bottleneck(nn.Module):  # torchvision's, at a tenth of the width
+    def __init__(self, cin, mid, stride=1, down=False):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, mid * 4, 1, bias=False), nn.BatchNorm2d(mid * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = nn.Sequential(nn.Conv2d(cin, mid * 4, 1, stride, bias=False),
+                                        nn.BatchNorm2d(mid * 4)) if down else None
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += x if self.downsample is None else self.downsample(x)
+        return self.relu(out)
+
+
+class ResNet(nn.Module):  # ResNet-50's stages: 3, 4, 6 and 3 blocks, each stage's first one downsampling
+    def __init__(self, w=8):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, w, 7, 2, 3, bias=False), nn.BatchNorm2d(w), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        cin = w
+        for i, n in enumerate((3, 4, 6, 3)):  # torchvision's layer1..layer4, called one after the other
+            mid = w * 2 ** i
+            setattr(self, f"layer{i + 1}", nn.Sequential(Bottleneck(cin, mid, 1 if i == 0 else 2, True),
+                                                         *[Bottleneck(mid * 4, mid) for _ in range(n - 1)]))
+            cin = mid * 4
+        self.fc = nn.Linear(cin, 10)
+
+    def forward(self, x):
+        x = self.layer4(self.layer3(self.layer2(self.layer1(self.stem(x)))))
+        return self.fc(x.mean((2, 3)))
+
+
+def build():
+    torch.manual_seed(0)
+    model = ResNet().eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.1, 0.1)
+            m.running_var.uniform_(0.5, 1.5)
+    return model, torch.randn(2, 3, 64, 64)
+'''
+
+
+def test_blocks_of_one_class_and_several_shapes_trace_once_per_shape(tmp_path):
+    """ResNet-50's sixteen bottleneck blocks are eight graphs (each stage's first block, its other blocks): the
+    class's first capture refuses the other shapes, and each instance it refused used to trace on its own (16
+    traces on the H100's ResNet-50, dynamo 5 s of its cold start). An instance every shared capture refuses
+    now owns a new one that the blocks like it join: one trace per graph, each block's own outputs."""
+    from advisor.patching import patched_modules, timing
+
+    ns: dict = {}
+    exec(RESNET, ns)
+    model, x = ns["build"]()
+    with torch.no_grad():
+        want = model(x)
+    before = timing.snapshot()
+    advisor.optimize(model, (x,), out=tmp_path / "out", interpret=True, reuse=False)
+    blocks = [f for q, f in patched_modules(model) if q.startswith("layer")]
+    assert len(blocks) == 16, [q for q, _ in patched_modules(model)]
+    assert timing.since(before).get("captures") == 8, timing.since(before)
+    assert sum(f._owns is not None for f in blocks) == 8 and sum(f._via is not None for f in blocks) == 8
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)
+    assert not any(f.fallbacks for f in blocks)
 
 
 def test_a_failed_substitution_is_rolled_back(tmp_path, monkeypatch):

@@ -8,12 +8,13 @@ Modules of one class with one plan capture once (`ClassCapture`): the first one 
 compiles a function shared by the class; every other instance calls it under dynamo's
 `fail_on_recompile` stance, so it is served by the owner's graph exactly when dynamo's guards accept it
 (parameters are graph inputs, `inline_inbuilt_nn_modules`), and costs no trace: N identical layers,
-one dynamo trace, one AOTAutograd, one rewrite. An instance the guards refuse (HF layers guard on their
-integer `layer_idx` when they index a KV cache; train mode), or that has hooks or instance-level
-forwards inside (dynamo does not guard on hooks: `HookWatch.plain`) gets its own compiled function, as
-before (its own dynamo cache: 32 layers recompiling one cache would exhaust dynamo's recompile limit of
-8 and later layers would silently run unpatched); so does every instance when the owner's capture had
-a graph break (a refusal in a resumed frame would come after side effects). Each compiled function's
+one dynamo trace, one AOTAutograd, one rewrite. An instance every shared capture of its class refuses
+(another shape or structure: a ResNet stage's first block; HF layers guard on their integer `layer_idx`
+when they index a KV cache; train mode) owns a new one, which later instances like it join (never
+recompiling one cache: 32 layers in one would exhaust dynamo's recompile limit of 8 and later layers
+would silently run unpatched); one that has hooks or instance-level forwards inside (dynamo does not
+guard on hooks: `HookWatch.plain`) gets its own compiled function, as does every instance when the
+owner's capture had a graph break (a refusal in a resumed frame would come after side effects). Each compiled function's
 dynamo state goes with its holder (`compile_fresh`): a deleted model takes its graphs with it.
 A call in inference mode runs the capture a `no_grad` call made (its inference tensors passed as normal
 tensors over the same memory, `PatchedForward._call_as_no_grad`): dynamo's guards would otherwise tell
@@ -214,20 +215,37 @@ class PatchedForward:
         self._watch = self._watch or HookWatch(self.module)
         # Dynamo does not guard on hooks (`skip_nnmodule_hook_guards`): only hook-free instances share.
         if self.saved is None and not self.outer and self._watch.plain():
-            fn = self._target()[0]
-            key = (fn, self.digest)
-            entry = _CLASS.get(key)
-            if entry is None or entry.owner() is None:
-                backend = Backend(self.specs, self.log(), self.digest, self._may_train)
-                entry = _CLASS[key] = ClassCapture(fn, backend, self, key)
-            self._backend, self._compiled = entry.backend, entry.compiled
-            if entry.owner() is self:
-                self._owns = entry
-            elif not entry.breaks and not entry.diverges:
-                self._via = entry
+            joinable = self._joinable()
+            if joinable:
+                self._join(joinable[0])  # tried on the first call; the others after it if it refuses
                 return self._compiled
+            return self._found()
         if self._owns is None:
             return self._own()
+        return self._compiled
+
+    def _class_key(self) -> tuple:
+        return self._target()[0], self.digest
+
+    def _joinable(self, but=None) -> list:
+        """The class's shared captures this instance may ask to serve it (owner alive, no graph break, not
+        refusing everyone), `but` one already asked."""
+        return [e for e in _CLASS.get(self._class_key(), ()) if e is not but and e.owner() is not None
+                and not e.breaks and not e.diverges]
+
+    def _join(self, entry: "ClassCapture") -> None:
+        self._via, self._backend, self._compiled = entry, entry.backend, entry.compiled
+
+    def _found(self) -> Callable:
+        """A new shared capture of the class, owned by this instance (the class's others refuse it: another
+        shape or structure, ResNet's first block of a stage), or its own where the class has `MAX_CLASS_CAPTURES`."""
+        entries = _CLASS.setdefault(self._class_key(), [])
+        if sum(e.owner() is not None for e in entries) >= MAX_CLASS_CAPTURES:
+            return self._own()
+        backend = Backend(self.specs, self.log(), self.digest, self._may_train)
+        self._owns = ClassCapture(self._target()[0], backend, self, self._class_key())
+        entries.append(self._owns)
+        self._via, self._backend, self._compiled = None, backend, self._owns.compiled
         return self._compiled
 
     def _own(self) -> Callable:
@@ -236,6 +254,19 @@ class PatchedForward:
         self._backend = Backend(self.specs, self.log(), self.digest, self._may_train)
         self._compiled = compile_fresh(self._target()[0], self._backend, holder=self)
         return self._compiled
+
+    def _served_by_class(self, lead, args, kwargs):
+        """The call served by the capture it joined, else by another of the class's it may join (which it joins
+        from now on); `_NOT_SERVED` when every one of them refuses it."""
+        via = self._via
+        for entry in [via, *self._joinable(but=via)]:
+            out = _served(entry.compiled, lead, args, kwargs)
+            if out is not _NOT_SERVED:
+                entry.served += 1
+                self._join(entry)
+                return out
+            entry.refused += 1
+        return _NOT_SERVED
 
     def _fall_back(self, why: str, args, kwargs):
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
@@ -344,14 +375,11 @@ class PatchedForward:
         try:
             out = _NOT_SERVED
             if self._via is not None:
-                via = self._via
-                out = _served(fn, lead, args, kwargs)
-                if out is _NOT_SERVED:  # the shared capture's guards refuse this instance: its own from now on
-                    via.refused += 1
-                    fn = self._own()
+                out = self._served_by_class(lead, args, kwargs)
+                if out is _NOT_SERVED:  # every shared capture of the class refuses it: a new one, owned by it
+                    fn = self._found() if self.saved is None and not self.outer and self._watch.plain() else self._own()
                     captures, unfused = self._backend.captures, self._backend.unfused_graphs
-                else:
-                    via.served += 1
+                    breaks = _graph_breaks() if self._owns is not None else None
             if out is _NOT_SERVED and spent:
                 with torch.compiler.set_stance("eager_on_recompile"):
                     out = fn(*lead, *args, **kwargs)
@@ -406,14 +434,18 @@ class PatchedForward:
         return f"<fusion-advisor patched forward of {type(self.module).__name__} ({tier}{', '.join(self.keys)})>"
 
 
-_CLASS: dict = {}  # (captured function, plan digest) -> ClassCapture
+_CLASS: dict = {}  # (captured function, plan digest) -> [ClassCapture]: the class's shared captures
+MAX_CLASS_CAPTURES = 16  # shared captures per class and plan (a stage's first block, its others, per stage)
 _NOT_SERVED = object()
 _REFUSED = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
 
 
 class ClassCapture:
     """One compiled function shared by the patched instances of a class that have one plan: compiled (and
-    recompiled) only by its owner, the first instance that ran; the others call it without compiling."""
+    recompiled) only by its owner, the first instance that ran; the others call it without compiling. A class
+    has several where its instances differ in what dynamo guards on (shapes, submodules: ResNet-50's sixteen
+    bottleneck blocks are eight graphs, each stage's first block and its others): an instance every one of
+    them refuses owns a new one, which the next instances like it join (it traced 16 times, now 8)."""
 
     def __init__(self, fn: Callable, backend: Backend, owner: PatchedForward, key: tuple):
         self.backend = backend
@@ -434,8 +466,13 @@ class ClassCapture:
 
 def _forget_capture(key: tuple, entry: weakref.ref, _owner) -> None:
     classes = _CLASS  # None once the interpreter is shutting down (its modules' globals cleared): nothing to do
-    if classes is not None and entry() is not None and classes.get(key) is entry():
-        del classes[key]
+    if classes is None or entry() is None:
+        return
+    entries = classes.get(key) or []
+    if entry() in entries:
+        entries.remove(entry())
+    if not entries:
+        classes.pop(key, None)
 
 
 def _served(fn: Callable, lead: tuple, args, kwargs):
