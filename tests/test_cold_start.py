@@ -326,67 +326,38 @@ def test_layers_of_one_class_capture_once(tmp_path):
     assert torch.equal(run(model, kw, x), ref)
 
 
-RESNET = '''
-import torch
-from torch import nn
-
-
-class Bottleneck(nn.Module):  # torchvision's, at a tenth of the width
-    def __init__(self, cin, mid, stride=1, down=False):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
-        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
-        self.conv3, self.bn3 = nn.Conv2d(mid, mid * 4, 1, bias=False), nn.BatchNorm2d(mid * 4)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = nn.Sequential(nn.Conv2d(cin, mid * 4, 1, stride, bias=False),
-                                        nn.BatchNorm2d(mid * 4)) if down else None
-
-    def forward(self, x):
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        out += x if self.downsample is None else self.downsample(x)
-        return self.relu(out)
-
-
-class ResNet(nn.Module):  # ResNet-50's stages: 3, 4, 6 and 3 blocks, each stage's first one downsampling
-    def __init__(self, w=8):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, w, 7, 2, 3, bias=False), nn.BatchNorm2d(w), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
-        cin = w
-        for i, n in enumerate((3, 4, 6, 3)):  # torchvision's layer1..layer4, called one after the other
-            mid = w * 2 ** i
-            setattr(self, f"layer{i + 1}", nn.Sequential(Bottleneck(cin, mid, 1 if i == 0 else 2, True),
-                                                         *[Bottleneck(mid * 4, mid) for _ in range(n - 1)]))
-            cin = mid * 4
-        self.fc = nn.Linear(cin, 10)
-
-    def forward(self, x):
-        x = self.layer4(self.layer3(self.layer2(self.layer1(self.stem(x)))))
-        return self.fc(x.mean((2, 3)))
-
-
-def build():
-    torch.manual_seed(0)
-    model = ResNet().eval()
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.uniform_(-0.1, 0.1)
-            m.running_var.uniform_(0.5, 1.5)
-    return model, torch.randn(2, 3, 64, 64)
-'''
-
-
 def test_blocks_of_one_class_and_several_shapes_trace_once_per_shape(tmp_path):
     """ResNet-50's sixteen bottleneck blocks are eight graphs (each stage's first block, its other blocks): the
     class's first capture refuses the other shapes, and each instance it refused used to trace on its own (16
     traces on the H100's ResNet-50, dynamo 5 s of its cold start). An instance every shared capture refuses
     now owns a new one that the blocks like it join: one trace per graph, each block's own outputs."""
+    from torch import nn
+
     from advisor.patching import patched_modules, timing
 
-    ns: dict = {}
-    exec(RESNET, ns)
-    model, x = ns["build"]()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_shape_variants import Bottleneck  # noqa: E402  (torchvision's, which stays out of CI)
+
+    class ResNet(nn.Module):  # ResNet-50's stages: 3, 4, 6 and 3 blocks, each stage's first one downsampling
+        def __init__(self, w=8):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, w, 7, 2, 3, bias=False), nn.BatchNorm2d(w), nn.ReLU())
+            cin = w
+            for i, n in enumerate((3, 4, 6, 3)):  # layer1..layer4, called one after the other
+                mid = w * 2 ** i
+                setattr(self, f"layer{i + 1}", nn.Sequential(Bottleneck(cin, mid, 1 if i == 0 else 2),
+                                                             *[Bottleneck(mid * 4, mid) for _ in range(n - 1)]))
+                cin = mid * 4
+
+        def forward(self, x):
+            return self.layer4(self.layer3(self.layer2(self.layer1(self.stem(x))))).mean((2, 3))
+
+    torch.manual_seed(0)
+    model, x = ResNet().eval(), torch.randn(2, 3, 64, 64)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):  # statistics that are not the identity
+            m.running_mean.uniform_(-0.1, 0.1)
+            m.running_var.uniform_(0.5, 1.5)
     with torch.no_grad():
         want = model(x)
     before = timing.snapshot()
