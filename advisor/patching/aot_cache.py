@@ -82,7 +82,8 @@ def lookup(k: str | None) -> fx.GraphModule | None:
 
 def store(k: str | None, g: fx.GraphModule, example_inputs) -> bool:
     """Keep inference graph `g` (AOTAutograd's, before any rewrite) under key `k` where AOTAutograd's runtime does
-    nothing around it (`_plain_lowering`) and every node is in the cached vocabulary. Returns whether it was written."""
+    nothing around it (`_plain_lowering`) and every node is in the cached vocabulary. Returns whether it was
+    written."""
     if k is None or not _plain_lowering(g, example_inputs):
         return False
     try:
@@ -94,7 +95,7 @@ def store(k: str | None, g: fx.GraphModule, example_inputs) -> bool:
                 f.write(data)
             os.replace(tmp, folder() / f"{k}.pkl")
         return True
-    except Exception:  # noqa: BLE001  (outside the vocabulary, a full disk: lowered again next time; never the capture's failure)
+    except Exception:  # noqa: BLE001  (outside the vocabulary, a full disk: lowered again next time, never a failure)
         return False
 
 
@@ -219,7 +220,8 @@ def _decode(x, made: list):
 
 def _layout(v):
     if isinstance(v, torch.Tensor):
-        if not _plain_tensor(v) or v.layout != torch.strided or any(not isinstance(s, int) for s in (*v.shape, *v.stride())):
+        if not _plain_tensor(v) or v.layout != torch.strided or \
+                any(not isinstance(s, int) for s in (*v.shape, *v.stride())):
             raise Unsupported("value layout")
         return ("tensor", tuple(v.shape), tuple(v.stride()), int(v.storage_offset()), v.dtype, str(v.device))
     if isinstance(v, (list, tuple)):

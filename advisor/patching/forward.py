@@ -14,8 +14,9 @@ when they index a KV cache; train mode) owns a new one, which later instances li
 recompiling one cache: 32 layers in one would exhaust dynamo's recompile limit of 8 and later layers
 would silently run unpatched); one that has hooks or instance-level forwards inside (dynamo does not
 guard on hooks: `HookWatch.plain`) gets its own compiled function, as does every instance when the
-owner's capture had a graph break (a refusal in a resumed frame would come after side effects). Each compiled function's
-dynamo state goes with its holder (`compile_fresh`): a deleted model takes its graphs with it.
+owner's capture had a graph break (a refusal in a resumed frame would come after side effects). Each
+compiled function's dynamo state goes with its holder (`compile_fresh`): a deleted model takes its graphs
+with it.
 A call in inference mode runs the capture a `no_grad` call made (its inference tensors passed as normal
 tensors over the same memory, `PatchedForward._call_as_no_grad`): dynamo's guards would otherwise tell
 the two modes apart and trace every module once per mode.
@@ -377,7 +378,8 @@ class PatchedForward:
             if self._via is not None:
                 out = self._served_by_class(lead, args, kwargs)
                 if out is _NOT_SERVED:  # every shared capture of the class refuses it: a new one, owned by it
-                    fn = self._found() if self.saved is None and not self.outer and self._watch.plain() else self._own()
+                    shares = self.saved is None and not self.outer and self._watch.plain()
+                    fn = self._found() if shares else self._own()
                     captures, unfused = self._backend.captures, self._backend.unfused_graphs
                     breaks = _graph_breaks() if self._owns is not None else None
             if out is _NOT_SERVED and spent:

@@ -176,7 +176,8 @@ def _entries(chosen: list[Candidate], out_dir: Path) -> dict[str, PatternResult]
 
 def shape_candidates(c: Candidate) -> list[Candidate]:
     """Candidate `c` at each of its other shapes, a job (and a kernel module) of its own each."""
-    return [dataclasses.replace(c, id=f"{c.id}s{i}", program=p, variants=None) for i, p in enumerate(c.variants or [], 1)]
+    return [dataclasses.replace(c, id=f"{c.id}s{i}", program=p, variants=None)
+            for i, p in enumerate(c.variants or [], 1)]
 
 
 def kernel_path(out_dir: Path, c: Candidate) -> Path:
