@@ -19,14 +19,14 @@ APPLY_SCHEMA_VERSION = 1
 META_SCHEMA_VERSION = 1
 
 
-def atomic_write(path: Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file and os.replace: a concurrent reader sees the old
-    file or the new one, never half of it."""
+def atomic_write(path: Path, text: str | bytes) -> Path:
+    """Write `text` (or bytes) to `path` through a temporary file and os.replace: a concurrent reader sees the
+    old file or the new one, never half of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -17,15 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
-import os
 import pickle
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import fx
 
 from advisor.codegen.cache import cache_dir
+from advisor.jsonio import atomic_write
 from advisor.patching import timing
 
 FORMAT = 1
@@ -88,12 +87,7 @@ def store(k: str | None, g: fx.GraphModule, example_inputs) -> bool:
         return False
     try:
         with timing.timed("aot cache"):
-            data = pickle.dumps({"format": FORMAT, **dump(g)})
-            folder().mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder(), prefix=f".{k}.", suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, folder() / f"{k}.pkl")
+            atomic_write(folder() / f"{k}.pkl", pickle.dumps({"format": FORMAT, **dump(g)}))
         return True
     except Exception:  # noqa: BLE001  (outside the vocabulary, a full disk: lowered again next time, never a failure)
         return False

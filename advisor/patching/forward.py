@@ -214,8 +214,7 @@ class PatchedForward:
         """The function this instance calls: its class's shared capture where there is one to join (or
         to own), else its own."""
         self._watch = self._watch or HookWatch(self.module)
-        # Dynamo does not guard on hooks (`skip_nnmodule_hook_guards`): only hook-free instances share.
-        if self.saved is None and not self.outer and self._watch.plain():
+        if self._shares_class():
             joinable = self._joinable()
             if joinable:
                 self._join(joinable[0])  # tried on the first call; the others after it if it refuses
@@ -224,6 +223,11 @@ class PatchedForward:
         if self._owns is None:
             return self._own()
         return self._compiled
+
+    def _shares_class(self) -> bool:
+        """Whether this instance may join (or own) one of its class's shared captures: the class's own forward,
+        no outer capture, and hook-free (dynamo does not guard on hooks, `skip_nnmodule_hook_guards`)."""
+        return self.saved is None and not self.outer and self._watch.plain()
 
     def _class_key(self) -> tuple:
         return self._target()[0], self.digest
@@ -378,8 +382,7 @@ class PatchedForward:
             if self._via is not None:
                 out = self._served_by_class(lead, args, kwargs)
                 if out is _NOT_SERVED:  # every shared capture of the class refuses it: a new one, owned by it
-                    shares = self.saved is None and not self.outer and self._watch.plain()
-                    fn = self._found() if shares else self._own()
+                    fn = self._found() if self._shares_class() else self._own()
                     captures, unfused = self._backend.captures, self._backend.unfused_graphs
                     breaks = _graph_breaks() if self._owns is not None else None
             if out is _NOT_SERVED and spent:
