@@ -167,7 +167,7 @@ def child(a, model: str, run: str) -> int:
 
     call()  # the eager call a user's script makes anyway
     bundle = a.out / f"{model}.fab"
-    before = triton_entries()
+    before, hosts_before = triton_entries(), host_module_entries()
     from advisor.patching import timing
 
     phases_before = timing.snapshot()
@@ -203,9 +203,14 @@ def child(a, model: str, run: str) -> int:
         import zipfile
 
         with zipfile.ZipFile(bundle) as z:
-            installed = set(json.loads(z.read("header.json")).get("binaries") or [])
+            header = json.loads(z.read("header.json"))
+        installed = set(header.get("binaries") or [])
         rec["binaries_installed"] = len(installed)
+        rec["host_modules_installed"] = len(header.get("host_modules") or [])
+        installed |= set(header.get("host_modules") or [])
     rec["triton_compiles"] = len({e for e in triton_entries() - before if Path(e).name not in installed})
+    # Triton's launchers (one per argument signature) and CUDA utilities, built by gcc on first use
+    rec["host_modules_built"] = len({e for e in host_module_entries() - hosts_before if Path(e).name not in installed})
     # The other way users call a model: a capture of its own, unless the first call's serves it too
     phases_before, t3 = timing.snapshot(), time.perf_counter()
     call(target, torch.inference_mode)
@@ -236,6 +241,12 @@ def build(name: str, device: str, quick: bool):
     return model, inputs
 
 
+def host_module_entries() -> set:
+    """Entries of this process's Triton cache holding a shared object (host modules gcc built, not kernels)."""
+    root = os.environ.get("TRITON_CACHE_DIR")
+    return {str(f.parent) for f in Path(root).glob("*/*.so")} if root and Path(root).is_dir() else set()
+
+
 def triton_entries() -> set:
     """Compiled-kernel entries in this process's Triton and Inductor caches (each holds a `__grp__` file)."""
     out = set()
@@ -252,7 +263,7 @@ INNER = ("workers start", "jobs", "alternatives", "outer check", "timed runs")
 
 def markdown(doc: dict) -> str:
     cols = ["model", "run", "status", "to first call s", "profile", "analyze", "capture", "generate", "patch", "check",
-            "select", "first call s", "dynamo", "aot", "rewrite", "record", "captures", "Triton compiles",
+            "select", "first call s", "dynamo", "aot", "rewrite", "record", "captures", "Triton compiles", "host modules built",
             "first inference-mode call s", "its dynamo", "process s"]
     lines = ["# Cold start" + (" (smoke: CPU, interpreter)" if doc.get("smoke") else ""), "",
              "Seconds. `to first call`: from `optimize` / `patch` / `torch.compile` to the end of the first "
@@ -262,7 +273,7 @@ def markdown(doc: dict) -> str:
              "in dynamo's tracing, AOTAutograd, our rewrite and CUDA-graph recording up to the end of the first "
              "call (every capture `optimize` makes included), captures: graphs dynamo handed us; first "
              "inference-mode call: the first call under `torch.inference_mode` after that, and dynamo's "
-             "seconds in it.", "",
+             "seconds in it; host modules built: Triton's kernel launchers and CUDA utilities gcc built in the timed part.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in doc["records"]:
         ph = r.get("phases_s") or {}
@@ -273,7 +284,8 @@ def markdown(doc: dict) -> str:
                  _f(r.get("first_call_s")),
                  *(_f((r.get("capture_phases_s") or {}).get(k)) for k in ("dynamo", "aot", "rewrite", "record")),
                  str(int((r.get("capture_phases_s") or {}).get("captures", 0))),
-                 str(r.get("triton_compiles", "")), _f(r.get("first_inference_call_s")),
+                 str(r.get("triton_compiles", "")), str(r.get("host_modules_built", "")),
+                 _f(r.get("first_inference_call_s")),
                  _f((r.get("inference_call_phases_s") or {}).get("dynamo")), _f(r.get("process_s"))]
         lines.append("| " + " | ".join(cells) + " |")
     inner = [(r["model"], r["run"], {k: v for k, v in (r.get("capture_phases_s") or {}).items() if k in INNER})

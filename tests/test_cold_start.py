@@ -163,6 +163,47 @@ def test_binaries_install_only_where_built_alike(optimized, tmp_path, monkeypatc
     assert files and all(Path(f).parent == plan.resolve() / "kernels" and Path(f).is_file() for f in files)
 
 
+def test_bundle_carries_the_host_modules_this_process_loaded(optimized, tmp_path, monkeypatch):
+    """Triton's kernel launchers and CUDA utilities are shared objects gcc builds into Triton's cache on
+    first use: those this process loaded from it (its memory map) go into apply.json and the bundle, and
+    load installs them; one it never loaded stays out."""
+    import importlib.util
+    import shutil
+    import sysconfig
+    import _statistics
+
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    built = tmp_path / "built"
+    for entry in ("LAUNCHERKEY", "UNUSEDKEY"):
+        (built / entry).mkdir(parents=True)
+        shutil.copy(_statistics.__file__, built / entry / f"_statistics{suffix}")
+    assert bundle.loaded_host_modules(built) == []
+    spec = importlib.util.spec_from_file_location("_statistics", built / "LAUNCHERKEY" / f"_statistics{suffix}")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # as Triton loads a module it built
+    assert bundle.loaded_host_modules(built) == ["LAUNCHERKEY"]
+    assert bundle.loaded_host_modules(built, tmp_path / "no-maps") == []
+
+    here = {**bundle.environment(), "gpu": "NVIDIA H100 80GB HBM3", "capability": [9, 0]}
+    monkeypatch.setattr(bundle, "environment", lambda: dict(here))
+    monkeypatch.setattr(bundle, "triton_cache_root", lambda: built)
+    plan = tmp_path / "plan"
+    shutil.copytree(optimized.out_dir, plan)
+    applied = json.loads((plan / "apply.json").read_text())
+    assert applied["host_modules"] == []  # the interpreter's run loads none
+    applied["host_modules"] = ["RECORDEDKEY", "../escape"]  # what the plan's own run loaded, elsewhere
+    (plan / "apply.json").write_text(json.dumps(applied))
+    (built / "RECORDEDKEY").mkdir()
+    (built / "RECORDEDKEY" / f"__triton_launcher{suffix}").write_bytes(b"\x7fELF")
+    path = bundle.save(plan, tmp_path / "plan.fab")
+    with zipfile.ZipFile(path) as z:
+        assert json.loads(z.read("header.json"))["host_modules"] == ["LAUNCHERKEY", "RECORDEDKEY"]
+    target = tmp_path / "triton-here"
+    monkeypatch.setattr(bundle, "triton_cache_root", lambda: target)
+    bundle.load(path, tmp_path / "plan-a")
+    assert sorted(p.name for p in target.iterdir()) == ["LAUNCHERKEY", "RECORDEDKEY"]
+    assert (target / "RECORDEDKEY" / f"__triton_launcher{suffix}").read_bytes() == b"\x7fELF"
+
+
 def test_bundle_cli(optimized, tmp_path):
     from advisor.cli import main
 

@@ -13,6 +13,15 @@ Which cache entries: Triton names each entry's files after the kernel (`__grp__<
 plan's kernel names come from its sources, so an entry of every specialisation that ran (the
 validation shapes and the model's own) is found without knowing Triton's cache keys. An entry of
 another plan's kernel of the same name comes along too: harmless, as Triton looks entries up by key.
+
+Host modules: Triton (3.6 on the lent GPU) launches each kernel through a C module built by gcc on first
+use, one per argument signature, and its CUDA utilities likewise, into the same cache. A fresh cache
+builds them again at the first launches, half a second or more each (a Llama bundle's first call spent
+1.7 s recording its graphs against 0.15 s with a warm cache). Their cache keys hash Triton's generated C
+source, which only Triton knows; so the entries are taken from what this process loaded
+(`loaded_host_modules`: the shared objects mapped into it from Triton's cache), recorded in apply.json
+(`host_modules`) when `optimize`/`apply` ends and read again when the bundle is written. Each is keyed by
+its source and platform, and named for the Python it was built for: a module of another is never loaded.
 """
 from __future__ import annotations
 
@@ -80,6 +89,37 @@ def binary_entries(names: set, root: Path | None = None) -> list[Path]:
     return sorted(d for d in root.iterdir() if d.is_dir() and wanted & set(os.listdir(d)))
 
 
+def loaded_host_modules(root: Path | None = None, maps: Path = Path("/proc/self/maps")) -> list[str]:
+    """Triton cache entries (names) holding a shared object this process has loaded (see the docstring
+    above: kernel launchers, CUDA utilities). Empty where the process map cannot be read (not Linux)."""
+    try:
+        root = (root or triton_cache_root()).resolve()
+        lines = maps.read_text().splitlines()
+    except (OSError, RuntimeError):
+        return []
+    out = set()
+    for line in lines:
+        path = line.split(maxsplit=5)[5].strip() if len(line.split(maxsplit=5)) == 6 else ""
+        if not path.endswith(".so"):
+            continue
+        rel = Path(path).relative_to(root) if Path(path).is_relative_to(root) else None
+        if rel is not None and len(rel.parts) == 2:
+            out.add(rel.parts[0])
+    return sorted(out)
+
+
+def host_module_entries(folder: Path, root: Path | None = None) -> list[Path]:
+    """The host modules' entries to carry: those the plan's run loaded (apply.json `host_modules`) and those
+    this process has, still in Triton's cache."""
+    root = root or triton_cache_root()
+    try:
+        named = json.loads((folder / "apply.json").read_text()).get("host_modules") or []
+    except (OSError, json.JSONDecodeError):
+        named = []
+    names = {n for n in named if isinstance(n, str) and Path(n).name == n} | set(loaded_host_modules(root))
+    return sorted(root / n for n in names if (root / n).is_dir())
+
+
 def plan_folder(plan) -> Path:
     """The output folder of an `OptimizeReport`, or a folder given as is (OUT or the folder holding it)."""
     folder = Path(getattr(plan, "out_dir", plan))
@@ -94,6 +134,9 @@ def save(plan, path) -> Path:
     header = environment()
     entries = binary_entries(kernel_names(folder)) if header["gpu"] else []
     header["binaries"] = [d.name for d in entries]
+    hosts = host_module_entries(folder) if header["gpu"] else []
+    header["host_modules"] = [d.name for d in hosts]
+    entries = entries + [d for d in hosts if d not in entries]
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -156,14 +199,14 @@ def load(path, dest: Path | None = None) -> Path:
             _extract(z, "plan/", Path(tmp))
             copy_plan(Path(tmp), dest)
             _extract(z, "graphs/", graphs_folder())  # keyed by torch's version: another torch's never match
-            if header.get("binaries"):
+            if header.get("binaries") or header.get("host_modules"):
                 here = environment()
                 differ = [f"{k} {header.get(k)} (here {here.get(k)})" for k in MATCH if header.get(k) != here.get(k)]
                 if differ:
                     print(f"fusion-advisor: {path.name} was built with {', '.join(differ)}: "
                           f"its kernels compile on first use instead", file=sys.stderr)
                 else:
-                    install(z, header["binaries"])
+                    install(z, header["binaries"] + list(header.get("host_modules") or []))
     return dest
 
 

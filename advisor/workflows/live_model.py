@@ -35,6 +35,7 @@ from advisor.records import PatternResult
 from advisor.stopwatch import Stopwatch
 from advisor.bench import timing as bench_timing  # read at call time: tests replace it
 from advisor.workflows import early_capture, plan_cache
+from advisor.workflows.bundle import loaded_host_modules
 from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.lm_loss import causal_lm_step, keep_faster_lm_loss
@@ -212,7 +213,8 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
            "plan_key_parts": key_parts, "selection": selection, "training": training,
            "enabled": sorted(handle.enabled) if handle.enabled is not None else None,
            "outer": handle.outer_on,
-           "skipped_targets": getattr(plan, "skipped", {}), "modes": modes, "graphs": handle.graph_keys()}
+           "skipped_targets": getattr(plan, "skipped", {}), "modes": modes, "graphs": handle.graph_keys(),
+           "host_modules": loaded_host_modules() if device == "cuda" else []}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
         plan_cache.store(out_dir, key)
