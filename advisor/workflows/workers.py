@@ -37,9 +37,17 @@ def wanted(jobs: int, interpreted: bool) -> int:
         except ValueError:
             n = 0
     else:
-        n = 0 if interpreted else min(MAX_WORKERS, os.cpu_count() or 1)
+        n = 0 if interpreted else min(MAX_WORKERS, _cpus())
     n = min(n, jobs) if jobs else n
     return n if n > 1 else 0
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (a container's or `taskset`'s share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def start(n: int, warm=None) -> ProcessPoolExecutor | None:
