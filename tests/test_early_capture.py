@@ -131,18 +131,22 @@ def test_a_pending_kernel_is_loaded_at_its_first_launch(tmp_path):
 
 
 def test_tritons_own_hash_is_computed_in_a_thread_while_the_model_is_captured(monkeypatch):
-    """Triton hashes its sources the first time a process launches a kernel: `patch` starts that in a thread."""
-    from triton.runtime.cache import triton_key
+    """Triton hashes its sources the first time a process launches a kernel: `patch` and `optimize` start
+    that in a thread, and a recording's first launches wait for it rather than hash beside it."""
+    from triton.runtime.cache import triton_key as tritons_key
+
+    from advisor.patching import triton_key
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(capture, "_TRITON_KEY", [])
-    triton_key.cache_clear()
-    capture.warm_triton_soon()
-    capture.warm_triton_soon()  # once a process
-    assert len(capture._TRITON_KEY) == 1 and capture._TRITON_KEY[0].name == "fusion-advisor-triton-key"
-    capture._TRITON_KEY[0].join(timeout=120)
-    assert triton_key.cache_info().currsize == 1
+    monkeypatch.setattr(triton_key, "_THREAD", [])
+    triton_key.wait()  # none started: returns at once
+    tritons_key.cache_clear()
+    triton_key.start()
+    triton_key.start()  # once a process
+    assert len(triton_key._THREAD) == 1 and triton_key._THREAD[0].name == "fusion-advisor-triton-key"
+    triton_key.wait(timeout=120)
+    assert not triton_key._THREAD[0].is_alive() and tritons_key.cache_info().currsize == 1
 
 
 def test_a_generation_that_fails_leaves_the_model_unpatched(tmp_path, monkeypatch):

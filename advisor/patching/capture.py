@@ -102,31 +102,6 @@ def plan_digest(specs: list[PatternSpec]) -> str:
 
 
 # ------------------------------------------------------------------------------------ launchers
-_TRITON_KEY: list = []  # the thread computing it, once a process
-
-
-def warm_triton_soon() -> None:
-    """Start computing Triton's own source hash in a thread. Triton hashes its compiler's sources and its
-    library (hundreds of MB) the first time a process launches any kernel, cached or not: 0.45 s (under
-    cProfile) of a warm-cache Llama's first patched call on the H100 (reports/cold-start-h100-session23). Reading
-    and hashing release the GIL, so it runs while the model is captured. Not under Triton's interpreter."""
-    if _TRITON_KEY or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        return
-    _TRITON_KEY.append(threading.Thread(target=_triton_key, name="fusion-advisor-triton-key", daemon=True))
-    _TRITON_KEY[0].start()
-
-
-def _triton_key() -> None:
-    try:
-        try:
-            from triton.runtime.cache import triton_key
-        except ImportError:  # older Triton
-            from triton.compiler.compiler import triton_key
-        triton_key()  # (an lru_cache: the launch finds it there)
-    except Exception:  # noqa: BLE001  (an optimisation: the first launch computes it as before)
-        pass
-
-
 def load_launcher(kernel_file: str) -> Callable:
     """`run` from a generated kernel module (cached by path and modification time)."""
     path = os.path.abspath(kernel_file)

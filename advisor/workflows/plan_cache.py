@@ -120,8 +120,11 @@ def copy_plan(src: Path, dst: Path) -> Path:
         shutil.copytree(src / "kernels", tmp / "kernels")
     new = str(dst.resolve() / "kernels")
     for name in FILES:
-        doc = json.loads((src / name).read_text())
-        write_json(tmp / name, _rebase(doc, set(kernels), new))
+        text = (src / name).read_text()
+        if '"kernel_file"' in text:
+            write_json(tmp / name, _rebase(json.loads(text), set(kernels), new))
+        else:  # nothing to point at the copy (analysis.json): copied as it is, not parsed and written again
+            (tmp / name).write_text(text)
     for name in ("kernels", *FILES):  # into place: a concurrent reader sees the old plan or the new one
         target = dst / name
         if target.is_dir():
