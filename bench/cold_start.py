@@ -210,7 +210,8 @@ def child(a, model: str, run: str) -> int:
         installed |= set(header.get("host_modules") or [])
     rec["triton_compiles"] = len({e for e in triton_entries() - before if Path(e).name not in installed})
     # Triton's launchers (one per argument signature) and CUDA utilities, built by gcc on first use
-    rec["host_modules_built"] = len({e for e in host_module_entries() - hosts_before if Path(e).name not in installed})
+    rec["host_modules_built"] = len({e for e in host_module_entries() - hosts_before
+                                     if Path(e).name not in installed})
     # The other way users call a model: a capture of its own, unless the first call's serves it too
     phases_before, t3 = timing.snapshot(), time.perf_counter()
     call(target, torch.inference_mode)
@@ -263,8 +264,8 @@ INNER = ("workers start", "jobs", "alternatives", "outer check", "timed runs")
 
 def markdown(doc: dict) -> str:
     cols = ["model", "run", "status", "to first call s", "profile", "analyze", "capture", "generate", "patch", "check",
-            "select", "first call s", "dynamo", "aot", "rewrite", "record", "captures", "Triton compiles", "host modules built",
-            "first inference-mode call s", "its dynamo", "process s"]
+            "select", "first call s", "dynamo", "aot", "rewrite", "record", "captures", "Triton compiles",
+            "host modules built", "first inference-mode call s", "its dynamo", "process s"]
     lines = ["# Cold start" + (" (smoke: CPU, interpreter)" if doc.get("smoke") else ""), "",
              "Seconds. `to first call`: from `optimize` / `patch` / `torch.compile` to the end of the first "
              "call after it; phases are `optimize`'s (`capture`: the model captured while the kernels compile, "
@@ -273,7 +274,8 @@ def markdown(doc: dict) -> str:
              "in dynamo's tracing, AOTAutograd, our rewrite and CUDA-graph recording up to the end of the first "
              "call (every capture `optimize` makes included), captures: graphs dynamo handed us; first "
              "inference-mode call: the first call under `torch.inference_mode` after that, and dynamo's "
-             "seconds in it; host modules built: Triton's kernel launchers and CUDA utilities gcc built in the timed part.", "",
+             "seconds in it; host modules built: Triton's kernel launchers and CUDA utilities gcc built in the "
+             "timed part.", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in doc["records"]:
         ph = r.get("phases_s") or {}

@@ -20,7 +20,7 @@ builds them again at the first launches, half a second or more each (a Llama bun
 1.7 s recording its graphs against 0.15 s with a warm cache). Their cache keys hash Triton's generated C
 source, which only Triton knows; so the entries are taken from what this process loaded
 (`loaded_host_modules`: the shared objects mapped into it from Triton's cache), recorded in apply.json
-(`host_modules`) when `optimize`/`apply` ends and read again when the bundle is written. Each is keyed by
+(`host_modules`) when `optimize` ends and read again when the bundle is written. Each is keyed by
 its source and platform, and named for the Python it was built for: a module of another is never loaded.
 """
 from __future__ import annotations
@@ -99,12 +99,10 @@ def loaded_host_modules(root: Path | None = None, maps: Path = Path("/proc/self/
         return []
     out = set()
     for line in lines:
-        path = line.split(maxsplit=5)[5].strip() if len(line.split(maxsplit=5)) == 6 else ""
-        if not path.endswith(".so"):
-            continue
-        rel = Path(path).relative_to(root) if Path(path).is_relative_to(root) else None
-        if rel is not None and len(rel.parts) == 2:
-            out.add(rel.parts[0])
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path (a mapped file's)
+        path = Path(fields[5].strip()) if len(fields) == 6 else None
+        if path and path.suffix == ".so" and path.is_relative_to(root) and len(path.relative_to(root).parts) == 2:
+            out.add(path.relative_to(root).parts[0])
     return sorted(out)
 
 
