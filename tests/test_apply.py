@@ -154,6 +154,7 @@ def test_apply_script_end_to_end(name, must, tmp_path):
     assert doc["end_to_end"]["timing_meaningful"] is False and "speedup" not in doc["end_to_end"]
     saved = json.loads((tmp_path / name / "apply.json").read_text())
     assert saved["manifest"] == doc["manifest"]
+    assert saved["host_modules"] == []  # Triton's launchers this run loaded, for bundles: none in the interpreter
 
 
 def test_apply_cli(tmp_path):

@@ -20,7 +20,8 @@ builds them again at the first launches, half a second or more each (a Llama bun
 1.7 s recording its graphs against 0.15 s with a warm cache). Their cache keys hash Triton's generated C
 source, which only Triton knows; so the entries are taken from what this process loaded
 (`loaded_host_modules`: the shared objects mapped into it from Triton's cache), recorded in apply.json
-(`host_modules`) when `optimize` ends and read again when the bundle is written. Each is keyed by
+(`host_modules`) when `optimize` or `apply` ends (the script ran in that process) and read again when the
+bundle is written. Each is keyed by
 its source and platform, and named for the Python it was built for: a module of another is never loaded.
 """
 from __future__ import annotations

@@ -32,6 +32,7 @@ from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, occurrence_modules, only, patches_off
 from advisor.patching.modules import root_class
 from advisor.records import PatternResult
+from advisor.workflows.bundle import loaded_host_modules
 from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.outcome import pattern_status
@@ -147,7 +148,8 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
                "manifest": handles.manifest() if chosen else [], "enabled": selection.get("enabled"),
                "selection": selection, "outer": bool(selection.get("outer")),
                "checks": session.checks, "errors": session.errors, "end_to_end": e2e,
-               "skipped_targets": plan.skipped, "train": train}
+               "skipped_targets": plan.skipped, "train": train,
+               "host_modules": loaded_host_modules() if dev == "cuda" else []}
         if not session.handles:
             doc["errors"] = doc["errors"] + [f"no instance of {', '.join(sorted(session.roots)) or 'a planned module'} "
                                              "was called while the script ran: nothing was patched"]
