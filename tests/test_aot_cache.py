@@ -161,3 +161,19 @@ def test_a_rebuilt_graph_matches_the_patterns_the_lowered_one_did(tmp_path):
     advisor.unpatch(model)
     with torch.no_grad():
         torch.testing.assert_close(got, model(**inputs), rtol=1e-4, atol=1e-4)
+
+    # Patterns are kept per decomposition state: each state's BatchNorm graph is matched by its own
+    from torch._dispatch.python import enable_python_dispatcher
+
+    from advisor.patching.match import find
+    from advisor.patching.program import program_graph
+
+    spec = next(s for s in report.handle.plan.patterns if s.title.startswith("BatchNorm + ReLU"))
+    program = spec.shapes()[0][0]
+    capture._PATTERNS.clear()
+    with enable_python_dispatcher():
+        inside = program_graph(program, "cpu")
+        assert find(capture.pattern_of(spec, 0, program, "cpu"), inside.graph) is not None
+    outside = program_graph(program, "cpu")
+    assert {str(n.target) for n in inside.graph.nodes} != {str(n.target) for n in outside.graph.nodes}
+    assert find(capture.pattern_of(spec, 0, program, "cpu"), outside.graph) is not None

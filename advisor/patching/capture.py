@@ -101,6 +101,21 @@ def plan_digest(specs: list[PatternSpec]) -> str:
     return hashlib.sha1(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def pattern_of(spec: PatternSpec, shape: int, program: dict, device) -> Pattern:
+    """`spec`'s pattern at its `shape`-th program, built once per content, device and decomposition state. By
+    content: one pattern id covers every size of a model family, and a pattern built from another model's
+    program (its sizes) would match nothing. By state: under the Python dispatcher (AOTAutograd's, where the
+    graphs we rewrite come from) BatchNorm traces to `_native_batch_norm_legit_no_training`, outside it to
+    `native_batch_norm`; a pattern built in one state matches no graph traced in the other."""
+    dispatcher = torch._C._dispatch_tls_local_include_set().has(torch._C.DispatchKey.PythonDispatcher)
+    pkey = (plan_digest([spec]), shape, str(device), dispatcher)
+    pattern = _PATTERNS.get(pkey)
+    if pattern is None:
+        with timing.timed("patterns"):
+            pattern = _PATTERNS[pkey] = Pattern.build(program, program_graph(program, device))
+    return pattern
+
+
 # ------------------------------------------------------------------------------------ launchers
 def load_launcher(kernel_file: str) -> Callable:
     """`run` from a generated kernel module (cached by path and modification time)."""
@@ -312,13 +327,7 @@ class Backend:
         before each substitution (the caller keeps the graph as it was before the first, to put back should
         one fail)."""
         for shape, (program, kernel_file) in enumerate(spec.shapes()):
-            # By content: one pattern id covers every size of a model family, and a pattern built from another
-            # model's program (its sizes) would match nothing here.
-            pkey = (plan_digest([spec]), shape, str(device))
-            pattern = _PATTERNS.get(pkey)
-            if pattern is None:
-                with timing.timed("patterns"):
-                    pattern = _PATTERNS[pkey] = Pattern.build(program, program_graph(program, device))
+            pattern = pattern_of(spec, shape, program, device)
             exclude: set = set()
             escapes: list = []
             while True:
