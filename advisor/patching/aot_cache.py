@@ -26,6 +26,7 @@ from torch import fx
 from advisor.codegen.cache import cache_dir
 from advisor.jsonio import atomic_write
 from advisor.patching import timing
+from advisor.patching.program import extent
 
 FORMAT = 1
 
@@ -232,7 +233,6 @@ def _fake(layout, mode):
     if kind == "seq":
         return tuple(_fake(i, mode) for i in layout[1])
     _, shape, stride, offset, dtype, device = layout
-    extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
     with mode:
-        base = torch.empty(offset + extent, dtype=dtype, device=device)
+        base = torch.empty(offset + extent(shape, stride), dtype=dtype, device=device)
         return base.as_strided(shape, stride, offset)
