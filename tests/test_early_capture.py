@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -130,23 +131,35 @@ def test_a_pending_kernel_is_loaded_at_its_first_launch(tmp_path):
     assert not capture.kernels_pending() and capture.differentiable(spec) is True
 
 
-def test_tritons_own_hash_is_computed_in_a_thread_while_the_model_is_captured(monkeypatch):
-    """Triton hashes its sources the first time a process launches a kernel: `patch` and `optimize` start
-    that in a thread, and a recording's first launches wait for it rather than hash beside it."""
+def test_tritons_set_up_is_done_in_a_thread_while_the_model_is_captured(monkeypatch):
+    """Triton hashes its sources, and makes its CUDA driver (gcc builds the driver's utilities into an empty
+    cache), the first time a process launches or compiles a kernel: `patch`, `optimize` and each compile
+    worker start both in a thread, and a recording's first launches wait for it rather than do it beside it."""
     from triton.runtime.cache import triton_key as tritons_key
+    from triton.runtime.driver import driver
 
-    from advisor.patching import triton_key
+    from advisor.patching import triton_setup
+
+    class Driver:  # this CPU has no CUDA driver: one that says when it is asked for the device
+        asked = threading.Event()
+
+        def get_current_device(self):
+            time.sleep(0.2)  # `wait` must wait for this too
+            self.asked.set()
+            return 0
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(triton_key, "_THREAD", [])
-    triton_key.wait()  # none started: returns at once
+    monkeypatch.setattr(triton_setup, "_THREAD", [])
+    monkeypatch.setattr(driver, "_active", Driver())
+    triton_setup.wait()  # none started: returns at once
     tritons_key.cache_clear()
-    triton_key.start()
-    triton_key.start()  # once a process
-    assert len(triton_key._THREAD) == 1 and triton_key._THREAD[0].name == "fusion-advisor-triton-key"
-    triton_key.wait(timeout=120)
-    assert not triton_key._THREAD[0].is_alive() and tritons_key.cache_info().currsize == 1
+    triton_setup.start()
+    triton_setup.start()  # once a process
+    assert len(triton_setup._THREAD) == 1 and triton_setup._THREAD[0].name == "fusion-advisor-triton-setup"
+    triton_setup.wait(timeout=120)
+    assert not triton_setup._THREAD[0].is_alive() and tritons_key.cache_info().currsize == 1
+    assert Driver.asked.is_set()
 
 
 def test_a_generation_that_fails_leaves_the_model_unpatched(tmp_path, monkeypatch):

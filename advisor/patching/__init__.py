@@ -23,7 +23,7 @@ import torch
 from advisor.errors import AdvisorError
 from advisor.kernels import derived
 from advisor.kernels.linear_cross_entropy import CausalLMLossForward
-from advisor.patching import rewrite, triton_key
+from advisor.patching import rewrite, triton_setup
 from advisor.patching.forward import PatchedForward
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.modules import called_ancestor, contains, outermost, qualified, resolve
@@ -143,7 +143,7 @@ def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
     if isinstance(plan, (str, Path)):
         plan = load_plan(Path(plan))
     if any(s.replacement == "kernel" for s in plan.patterns):
-        triton_key.start()  # while the model is captured, before its first launch
+        triton_setup.start()  # while the model is captured, before its first launch
     unpatch(model)
     wanted: dict[str, list[str]] = {}
     over: dict[str, list[str]] = {}  # outer targets: installed over the others, off until switched on

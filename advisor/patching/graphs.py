@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from advisor.kernels import derived
-from advisor.patching import rewrite, timing, triton_key
+from advisor.patching import rewrite, timing, triton_setup
 
 MAX_GRAPHS = 64  # per captured function: layers x `only` states seen while timing patterns
 MAX_STORAGE_RATIO = 4  # copy a view's whole storage only when it is at most this much larger
@@ -148,7 +148,7 @@ class CudaRecorder:
         pool = self.pool(device)
         stream = self.side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        triton_key.wait()  # the first launches need it: not hashed a second time beside the thread computing it
+        triton_setup.wait()  # the first launches need it: not hashed a second time beside the thread computing it
         with torch.cuda.stream(stream):
             fn(*args)  # first launches compile / autotune / allocate workspaces, none of which may be recorded
         torch.cuda.current_stream(device).wait_stream(stream)

@@ -17,12 +17,13 @@ import torch
 from advisor.interpreter import interpreter_problem
 from advisor.stopwatch import Stopwatch
 from advisor.validate.compare import TOLERANCES, compare, poison
-from advisor.validate.inputs import draw
+from advisor.validate import launchers
+from advisor.validate.inputs import draw, meta_inputs
 from advisor.validate.memo import memo_key, recall, remember
 from advisor.validate.reference import run_reference
 from advisor.validate.shapes import cases
 
-__all__ = ["validate", "Validation", "TOLERANCES", "interpreted", "compile_jobs", "compile_ahead"]
+__all__ = ["validate", "Validation", "TOLERANCES", "interpreted", "compile_jobs", "compile_ahead", "launch_signatures"]
 
 
 def interpreted() -> bool:
@@ -156,6 +157,23 @@ def compile_ahead(gen, module, case_name: str, config: int | None, seed: int = 0
             _run_kernel(module, prog, inputs)
     finally:
         module._config = real_config
+
+
+def launch_signatures(gen, module) -> list:
+    """The Triton kernel signatures `validate` will launch, one (JIT function, signature, constants) per
+    kernel launch of each case, found without compiling or running anything: the kernel's launch code runs on
+    meta tensors of the case's shapes and layouts, its JIT handing over what it would compile
+    (`launchers.collecting`; for `launchers.build`). A case whose launch code needs real data is left out."""
+    prog, found = gen.program, []
+    for case in cases(prog, False):
+        inputs = meta_inputs(prog, case)
+        with launchers.collecting() as launched, _tuning(module, False):
+            try:
+                module.run(*[inputs[i.id] for i in prog.inputs])
+            except Exception:  # noqa: BLE001  (its validation launches it as before)
+                pass
+        found += launched
+    return found
 
 
 def _errors(worst, failed, dtypes, shapes, notes) -> dict:

@@ -60,13 +60,27 @@ def draw(prog: Program, case: Case, device, generator: torch.Generator) -> dict:
     positive = positive_inputs(prog)
     out = {}
     for inp in prog.inputs:
-        shape = case.shape(prog, inp.shape)
-        strides = layout(inp, shape)
-        lo, hi = _extent(prog, case, inp, shape, strides)
+        shape, strides, lo, hi = _placed(prog, case, inp)
         storage = _values(inp, hi - lo + 1, inp.id in positive, generator)
-        t = torch.as_strided(storage.to(device), shape, strides, -lo)  # drawn on the generator's device
-        out[inp.id] = t
+        out[inp.id] = torch.as_strided(storage.to(device), shape, strides, -lo)  # drawn on the generator's device
     return out
+
+
+def meta_inputs(prog: Program, case: Case) -> dict:
+    """{input id: tensor} for one case as `draw` lays them out, on the meta device (shapes, strides and
+    dtypes, no memory): enough for a kernel's launch code to choose the Triton signature it would launch."""
+    out = {}
+    for inp in prog.inputs:
+        shape, strides, lo, hi = _placed(prog, case, inp)
+        out[inp.id] = torch.empty(hi - lo + 1, dtype=inp.dtype, device="meta").as_strided(shape, strides, -lo)
+    return out
+
+
+def _placed(prog: Program, case: Case, inp: Input) -> tuple[list, list, int, int]:
+    """Input `inp`'s shape and strides at `case`, and the lowest and highest element offset any read touches."""
+    shape = case.shape(prog, inp.shape)
+    strides = layout(inp, shape)
+    return (shape, strides, *_extent(prog, case, inp, shape, strides))
 
 
 def _extent(prog: Program, case: Case, inp: Input, shape, strides) -> tuple[int, int]:

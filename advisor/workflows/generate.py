@@ -14,6 +14,7 @@ import dataclasses
 import json
 import re
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -23,12 +24,12 @@ from advisor.codegen import GENERATOR_VERSION, Unsupported, generate
 from advisor.codegen.anchored import AnchoredGenerated, generate_anchored
 from advisor.codegen.cache import FIRST_LINE, load_module
 from advisor.jsonio import APPLY_SCHEMA_VERSION, atomic_write, write_json
-from advisor.patching import timing  # where a cold start's seconds go (bench/cold_start.py)
+from advisor.patching import timing, triton_setup  # timing: where a cold start's seconds go (bench/cold_start.py)
 from advisor.ops.registry import OpClass, op_class, tagged
 from advisor.records import Candidate, Kind, PatternResult, candidates_of
 from advisor.status import Status
 from advisor.stopwatch import Stopwatch
-from advisor.validate import compile_ahead, compile_jobs, interpreted, validate
+from advisor.validate import compile_ahead, compile_jobs, interpreted, launch_signatures, launchers, validate
 from advisor.validate.inputs import draw
 from advisor.validate.shapes import cases
 
@@ -157,6 +158,7 @@ def _entries(chosen: list[Candidate], out_dir: Path) -> dict[str, PatternResult]
     """{candidate id: its job's record}: each candidate generated and validated (in the compile workers where
     they run), a pattern's other shapes as jobs of their own (one kernel per shape) folded into its record."""
     shapes = [s for c in chosen for s in shape_candidates(c)]
+    launchers_soon(chosen + shapes)
     entries = _in_workers(chosen + shapes, out_dir)
     if entries is None:
         entries = [_job(c, out_dir) for c in chosen + shapes]
@@ -172,6 +174,31 @@ def _entries(chosen: list[Candidate], out_dir: Path) -> dict[str, PatternResult]
                          "shapes": round(sum(_job_seconds(e) for e in shape_jobs), 3)})
         out[c.id] = entry
     return out
+
+
+def launchers_soon(chosen: list[Candidate]) -> threading.Thread | None:
+    """Have Triton's launchers for every kernel signature the candidates' validations will launch built in a
+    thread (`validate.launchers`: gcc, up to Triton 3.6), while the compile workers start (3-4 s on the H100)
+    or, in this process, while the first job compiles; None where nothing is built (no GPU, the interpreter,
+    a Triton with one launcher for all)."""
+    if interpreted() or not launchers.per_signature():
+        return None
+    thread = threading.Thread(target=_build_launchers, args=(chosen,), name="fusion-advisor-launchers", daemon=True)
+    thread.start()
+    return thread
+
+
+def _build_launchers(chosen: list[Candidate]) -> int:
+    found = []
+    for c in chosen:
+        if skip_reason(c) is not None:
+            continue
+        try:  # generated before (`rivals`): from the generator's cache
+            gen = generate_anchored(c.program, c.kind.value) if c.kind.anchored else generate(c.program)
+            found += launch_signatures(gen, load_module(gen.path))
+        except Exception:  # noqa: BLE001  (its job generates it again and says why it failed)
+            continue
+    return launchers.build(found)
 
 
 def shape_candidates(c: Candidate) -> list[Candidate]:
@@ -301,7 +328,10 @@ def warm_worker() -> None:
     """A compile worker's start-up: importing this module (and with it torch, triton and the generator),
     which naming this function as the pool's initializer does, and the worker's CUDA context with the
     random generator validation draws from: each worker's first job drew its inputs in 0.4-0.9 s on the H100
-    against 0.0 s for later jobs, and at start-up that overlaps the parent's profiling."""
+    against 0.0 s for later jobs, and at start-up that overlaps the parent's profiling. Triton's set-up
+    (its hash, its driver: `triton_setup`), which was in each worker's first compile, starts here in a
+    thread and goes on while the other workers start; a job waits for it (`_job`)."""
+    triton_setup.start()
     if torch.cuda.is_available():
         torch.empty(1, device="cuda").normal_(generator=torch.Generator(device="cuda").manual_seed(0))
 
@@ -312,6 +342,7 @@ def _job(c: Candidate, out_dir: Path) -> PatternResult:
     entry = pattern_record(c, reason=skip_reason(c))
     if entry.reason is not None:
         return entry
+    triton_setup.wait()  # its first compile needs what the set-up makes: not made a second time beside it
     clock = Stopwatch()
     try:
         with clock("generate"):

@@ -27,7 +27,7 @@ from advisor.collect.in_process import profile_calls
 from advisor.errors import AdvisorError
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
-from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_key, unpatch
+from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
 from advisor.patching.capture import launched_sites
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.verify import check, eval_if_unrepeatable, float32_reference
@@ -124,7 +124,7 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     out_dir.mkdir(parents=True, exist_ok=True)
     phases = Stopwatch()
     if device == "cuda" and replacement == "kernel":
-        triton_key.start()  # every way on launches Triton kernels: hashed meanwhile (fingerprint, reuse, profile)
+        triton_setup.start()  # every way on launches Triton kernels: hashed meanwhile (fingerprint, reuse, profile)
     options = {"top": top, "replacement": replacement, "granularity": granularity, "select": select is not False}
     key_parts: dict = {}
     key = plan_cache.fingerprint(model, args, kwargs, device, options, key_parts) if reuse else None

@@ -29,7 +29,7 @@ from advisor.collect.region import observe_regions
 from advisor.collect.runner import profile_script, resolve_device
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
-from advisor.patching import build_plan, occurrence_modules, only, patches_off
+from advisor.patching import build_plan, occurrence_modules, only, patches_off, triton_setup
 from advisor.patching.modules import root_class
 from advisor.records import PatternResult
 from advisor.workflows.bundle import loaded_host_modules
@@ -106,8 +106,9 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
     out = Path(out)
     use_interpreter_without_gpu()
     dev = resolve_device(device)
-    if dev == "cuda":  # the kernel workers start (3-4 s on the H100) while the script is profiled
+    if dev == "cuda":  # the kernel workers start (3-4 s on the H100), and Triton is set up, while the script is profiled
         start_soon(warm_worker)
+        triton_setup.start()
     meta = profile_script(script, args, out_dir=out, device=device, region=region, console=console)
     with console.status("analysing the trace …"):
         analysis = analyze(out / "trace")

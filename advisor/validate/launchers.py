@@ -1,0 +1,99 @@
+"""Triton's kernel launchers, built ahead for the signatures a validation will launch (Triton 3.6 and older).
+
+Up to Triton 3.6, the first launch of a kernel signature (its arguments' names and types, ints equal to 1
+made constants) in a process has gcc build a C launcher for it into Triton's on-disk cache, 0.3-0.4 s each
+on the H100's host. A validation launches two (its recorded and odd shapes share one; the all-ones shape's
+sizes of 1 make another), each on its compile job's path: with the driver's utilities and Triton's hash,
+most of a row kernel's first case (1.1 of its job's 2.2 s: reports/cold-start-session26).
+
+Which signatures a validation launches is known before anything compiles: the kernel's own launch code,
+run on meta tensors of each case (`inputs.meta_inputs`), reaches Triton's JIT, which hands its cache hook
+(`knobs.runtime.jit_cache_hook`) the signature before compiling and skips the compile when the hook says
+so (`collecting`). `build` then has gcc make each launcher into the cache, several at once, while the
+compile workers start; their jobs, and this process's first patched call, load it from there. Newer Triton
+launches every kernel through one launcher of its driver: there is nothing to build.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import types
+from concurrent.futures import ThreadPoolExecutor
+
+_STATE = threading.local()  # .found: the list this thread's launches are collected into, while collecting
+_HOOKS = threading.Lock()
+# What Triton's launcher reads from a compiled kernel's metadata besides its signature: none of it goes into
+# the C source it builds (the launcher's cache key), only into the Python wrapper around it
+_NO_METADATA = types.SimpleNamespace(num_ctas=1, tensordesc_meta=None, global_scratch_size=0, global_scratch_align=1,
+                                     profile_scratch_size=0, profile_scratch_align=1,
+                                     launch_cooperative_grid=False, launch_pdl=False)
+
+
+@contextlib.contextmanager
+def collecting():
+    """Inside: a Triton kernel this thread launches compiles nothing and launches nothing (its JIT returns
+    None); its (JIT function, signature, constants) goes into the list this yields. Other threads' launches
+    go on as before (to the hook installed before, if any)."""
+    from triton import knobs
+
+    found: list = []
+    with _HOOKS:
+        previous = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = _hook(previous)
+    _STATE.found = found
+    try:
+        yield found
+    finally:
+        _STATE.found = None
+        with _HOOKS:
+            knobs.runtime.jit_cache_hook = previous
+
+
+def _hook(previous):
+    def hook(**kw):
+        found = getattr(_STATE, "found", None)
+        if found is None:
+            return previous(**kw) if previous else None
+        found.append((kw["fn"].jit_function, dict(kw["compile"]["signature"]), dict(kw["compile"]["constants"])))
+        return True  # skip the compile
+    return hook
+
+
+def per_signature() -> bool:
+    """Whether this Triton builds a launcher per kernel signature (3.6 and older: its driver's
+    `make_launcher` writes the C source gcc compiles)."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:
+        return False
+    return hasattr(nvidia, "make_launcher")
+
+
+def build(found: list, workers: int | None = None) -> int:
+    """Have each distinct launcher among `found` (from `collecting`) built into Triton's cache, `workers` at
+    once (gcc runs outside the GIL), or loaded where it is there already. Returns how many were made ready;
+    one that fails is left to the launch that needs it (which builds it as before)."""
+    if not found or not per_signature():
+        return 0
+    distinct = {}
+    for fn, signature, constants in found:
+        if any(isinstance(t, str) and t.startswith("tensordesc") for t in signature.values()):
+            continue  # a tensor descriptor's launcher depends on how it compiled: not known before
+        distinct.setdefault((id(fn), tuple(signature.items())), (fn, signature, constants))
+    if not distinct:
+        return 0
+    n = workers or min(len(distinct), max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4))
+    with ThreadPoolExecutor(n, thread_name_prefix="fusion-advisor-launcher") as pool:
+        return sum(pool.map(_make, distinct.values()))
+
+
+def _make(entry) -> bool:
+    from triton.runtime.driver import driver
+
+    fn, signature, constants = entry
+    try:
+        driver.active.launcher_cls(fn.ASTSource(fn, signature, constants, {}), _NO_METADATA)
+        return True
+    except Exception:  # noqa: BLE001  (another Triton's launcher: its first launch builds it)
+        return False
