@@ -130,3 +130,32 @@ def test_the_launchers_of_a_real_models_candidates_are_built_before_their_jobs(s
         if not c.kind.anchored:  # a row or pointwise kernel: one launcher at least, its own
             source = generate(c.program).code
             assert any(f"def {name}(" in source for name in kernels), c.title
+
+
+def test_collections_in_two_threads_share_one_hook(stand_in, monkeypatch):
+    """Two threads collecting at once (two `optimize` calls): the first to finish does not take the hook out
+    from under the other, whose launches would then compile and launch on meta tensors; the last puts back
+    the hook installed before."""
+    from triton import knobs
+
+    gen, module = _kernel(lambda x, b: torch.log(torch.relu(x + b)), (3000,), (3000,))
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    x = torch.empty(3000, device="meta")
+    inside, finished, results = threading.Event(), threading.Event(), {}
+
+    def second():
+        with launchers.collecting() as found:
+            inside.set()
+            finished.wait(10)  # the first thread's collection has ended meanwhile
+            module.run(x, x)
+        results["second"] = found
+
+    t = threading.Thread(target=second)
+    with launchers.collecting() as first:
+        t.start()
+        inside.wait(10)
+        module.run(x, x)
+    finished.set()
+    t.join(10)
+    assert len(first) == 1 and len(results["second"]) == 1
+    assert knobs.runtime.jit_cache_hook is None

@@ -22,7 +22,8 @@ import types
 from concurrent.futures import ThreadPoolExecutor
 
 _STATE = threading.local()  # .found: the list this thread's launches are collected into, while collecting
-_HOOKS = threading.Lock()
+_HOOK = threading.Lock()
+_USERS = [0, None]  # collections going on in any thread, and the hook installed before the first of them
 # What Triton's launcher reads from a compiled kernel's metadata besides its signature: none of it goes into
 # the C source it builds (the launcher's cache key), only into the Python wrapper around it
 _NO_METADATA = types.SimpleNamespace(num_ctas=1, tensordesc_meta=None, global_scratch_size=0, global_scratch_align=1,
@@ -34,30 +35,34 @@ _NO_METADATA = types.SimpleNamespace(num_ctas=1, tensordesc_meta=None, global_sc
 def collecting():
     """Inside: a Triton kernel this thread launches compiles nothing and launches nothing (its JIT returns
     None); its (JIT function, signature, constants) goes into the list this yields. Other threads' launches
-    go on as before (to the hook installed before, if any)."""
+    go on as before (to the hook installed before, if any). Collections in several threads at once share one
+    hook, installed by the first and taken out by the last (where it is still the one installed)."""
     from triton import knobs
 
-    found: list = []
-    with _HOOKS:
-        previous = knobs.runtime.jit_cache_hook
-        knobs.runtime.jit_cache_hook = _hook(previous)
-    _STATE.found = found
+    with _HOOK:
+        if _USERS[0] == 0:
+            _USERS[1] = knobs.runtime.jit_cache_hook
+            knobs.runtime.jit_cache_hook = _collect
+        _USERS[0] += 1
+    _STATE.found = found = []
     try:
         yield found
     finally:
         _STATE.found = None
-        with _HOOKS:
-            knobs.runtime.jit_cache_hook = previous
+        with _HOOK:
+            _USERS[0] -= 1
+            if _USERS[0] == 0:
+                if knobs.runtime.jit_cache_hook is _collect:
+                    knobs.runtime.jit_cache_hook = _USERS[1]
+                _USERS[1] = None
 
 
-def _hook(previous):
-    def hook(**kw):
-        found = getattr(_STATE, "found", None)
-        if found is None:
-            return previous(**kw) if previous else None
-        found.append((kw["fn"].jit_function, dict(kw["compile"]["signature"]), dict(kw["compile"]["constants"])))
-        return True  # skip the compile
-    return hook
+def _collect(**kw):
+    found = getattr(_STATE, "found", None)
+    if found is None:  # another thread's launch: as before
+        return _USERS[1](**kw) if _USERS[1] else None
+    found.append((kw["fn"].jit_function, dict(kw["compile"]["signature"]), dict(kw["compile"]["constants"])))
+    return True  # skip the compile
 
 
 def per_signature() -> bool:
@@ -83,7 +88,7 @@ def build(found: list, workers: int | None = None) -> int:
         distinct.setdefault((id(fn), tuple(signature.items())), (fn, signature, constants))
     if not distinct:
         return 0
-    n = workers or min(len(distinct), max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4))
+    n = workers or min(len(distinct), os.cpu_count() or 1, 8)
     with ThreadPoolExecutor(n, thread_name_prefix="fusion-advisor-launcher") as pool:
         return sum(pool.map(_make, distinct.values()))
 
