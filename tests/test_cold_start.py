@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import advisor
-from advisor.workflows import bundle
+from advisor.workflows import bundle, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -261,6 +261,30 @@ def test_workers_that_cannot_start_fall_back_in_one_line(optimized, tmp_path, mo
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "compile workers unavailable" in err[0] and "no processes here" in err[0], err
     assert any(p["validated"] for p in done["patterns"])
+
+
+def test_jobs_done_here_sooner_than_the_workers_start_do_not_wait_for_them(optimized, tmp_path, monkeypatch):
+    """On a GPU, two kernels' jobs are done in this process (about 1 s together on the H100) rather than wait
+    3-4 s for the compile workers to import torch; three go to the workers; a count the user set in
+    $FUSION_ADVISOR_COMPILE_WORKERS is used however few the jobs."""
+    from advisor.records import candidates_of
+    from advisor.workflows import workers
+
+    [c] = [c for c in candidates_of(json.loads((optimized.out_dir / "analysis.json").read_text()))
+           if generate.skip_reason(c) is None][:1]
+    started = []
+    monkeypatch.delenv(workers.ENV, raising=False)
+    monkeypatch.setattr(generate, "interpreted", lambda: False)  # as on a GPU
+    monkeypatch.setattr(workers, "_cpus", lambda: 16)
+    monkeypatch.setattr(workers, "start", lambda n, warm=None: started.append(n))  # no pool: the caller works here
+    monkeypatch.setattr(workers, "discard", lambda: None)
+    monkeypatch.setattr(workers, "discard_soon", lambda: started.append("let go"))
+    assert generate._in_workers([c, c], tmp_path) is None and started == ["let go"]
+    started.clear()
+    assert generate._in_workers([c, c, c], tmp_path) is None and started == [3]
+    started.clear()
+    monkeypatch.setenv(workers.ENV, "2")
+    assert generate._in_workers([c, c], tmp_path) is None and started == [2]
 
 
 @pytest.mark.parametrize("jobs", [0, 1])

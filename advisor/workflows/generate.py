@@ -238,6 +238,20 @@ def _top_forward(candidates: list[Candidate], top: int | None) -> list[Candidate
     return chosen
 
 
+# Jobs worth the compile workers. Their start is their import of torch and a CUDA context: 2.7-4.3 s after the
+# analysis on the H100's host, whatever the jobs. A kernel's job in this process, where Triton is set up and its
+# launchers built ahead, took 0.5-0.7 s: distilbert's two jobs in process 1.1-1.3 s against 2.1-4.7 s through
+# the workers, its first call 6.3 and 7.5 s against 8.4 and 12.9 s (reports/cold-start-session27/h100-in-process).
+WORKERS_START_S = 3.0
+JOB_S = 1.0  # a job in this process, rounded up: its kernel generated, compiled at three shapes and compared
+
+
+def _in_process_s(chosen: list) -> float:
+    """Seconds `chosen`'s jobs would take one after another in this process: one per kernel, and one per tile
+    config a tuned kernel compiles (`_ahead_jobs`: eight ~2 s compiles, what the workers exist for)."""
+    return JOB_S * sum(max(1, len(_ahead_jobs(c))) for c in chosen if skip_reason(c) is None)
+
+
 def _in_workers(chosen: list, out_dir: Path) -> list | None:
     """Each candidate's record, worked on in the worker processes; None = do them in this process."""
     from concurrent.futures.process import BrokenProcessPool  # function-level: only where workers run
@@ -245,7 +259,9 @@ def _in_workers(chosen: list, out_dir: Path) -> list | None:
     from advisor.workflows import workers  # function-level: multiprocessing only on this path
 
     n = workers.wanted(len(chosen), interpreted()) if chosen else 0
-    if n == 0:  # no job, or one: done in this process (or none to do), without the pool `start_soon` began
+    if n and not workers.chosen_by_user() and _in_process_s(chosen) < WORKERS_START_S:
+        n = 0  # done here before the workers would have started
+    if n == 0:  # no job, or few: done in this process (or none to do), without the pool `start_soon` began
         workers.discard_soon()
         return None
     try:

@@ -9,7 +9,9 @@ Workers are spawned, never forked (a forked CUDA context is unusable), and witho
 user's `__main__`: a script that calls `optimize` at top level, unguarded by `if __name__ ...`, would
 otherwise run again in every worker. How many: $FUSION_ADVISOR_COMPILE_WORKERS if set (0 or 1 = in
 process, one after another), else one per CPU up to 8 (each holds a CUDA context) on a GPU, and in
-process under the interpreter (pure Python on the CPU, where the CI's cores are shared).
+process under the interpreter (pure Python on the CPU, where the CI's cores are shared). Unless the
+variable is set, `generate` also works in process when its jobs would be done there before the workers
+would have started (`generate.WORKERS_START_S`).
 """
 from __future__ import annotations
 
@@ -40,6 +42,11 @@ def wanted(jobs: int, interpreted: bool) -> int:
         n = 0 if interpreted else min(MAX_WORKERS, _cpus())
     n = min(n, jobs) if jobs else n
     return n if n > 1 else 0
+
+
+def chosen_by_user() -> bool:
+    """Whether $FUSION_ADVISOR_COMPILE_WORKERS says how many: then `generate` uses that many, however few its jobs."""
+    return bool(os.environ.get(ENV, "").strip())
 
 
 def _cpus() -> int:
