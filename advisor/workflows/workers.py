@@ -32,10 +32,9 @@ _let_go = False  # `discard_soon` was asked since the last `start_soon`: the poo
 
 def wanted(jobs: int, interpreted: bool) -> int:
     """Worker processes for `jobs` independent jobs; 0 = work in process."""
-    text = os.environ.get(ENV)
-    if text is not None and text.strip():
+    if chosen_by_user():
         try:
-            n = int(text)
+            n = int(os.environ[ENV])
         except ValueError:
             n = 0
     else:
