@@ -167,7 +167,7 @@ def child(a, model: str, run: str) -> int:
 
     call()  # the eager call a user's script makes anyway
     bundle = a.out / f"{model}.fab"
-    before, hosts_before = triton_entries(), host_module_entries()
+    before, hosts_before = triton_entries(), host_module_dirs()
     from advisor.patching import timing
 
     phases_before = timing.snapshot()
@@ -210,7 +210,7 @@ def child(a, model: str, run: str) -> int:
         installed |= set(header.get("host_modules") or [])
     rec["triton_compiles"] = len({e for e in triton_entries() - before if Path(e).name not in installed})
     # Triton's launchers (one per argument signature) and CUDA utilities, built by gcc on first use
-    rec["host_modules_built"] = len({e for e in host_module_entries() - hosts_before
+    rec["host_modules_built"] = len({e for e in host_module_dirs() - hosts_before
                                      if Path(e).name not in installed})
     # The other way users call a model: a capture of its own, unless the first call's serves it too
     phases_before, t3 = timing.snapshot(), time.perf_counter()
@@ -242,10 +242,13 @@ def build(name: str, device: str, quick: bool):
     return model, inputs
 
 
-def host_module_entries() -> set:
-    """Entries of this process's Triton cache holding a shared object (host modules gcc built, not kernels)."""
-    root = os.environ.get("TRITON_CACHE_DIR")
-    return {str(f.parent) for f in Path(root).glob("*/*.so")} if root and Path(root).is_dir() else set()
+def host_module_dirs() -> set:
+    """Every entry of this process's Triton cache holding a shared object (host modules gcc built, not kernels;
+    `bundle.host_module_entries` is those a bundle carries)."""
+    from advisor.workflows.bundle import triton_cache_root
+
+    root = triton_cache_root()
+    return {str(f.parent) for f in root.glob("*/*.so")} if root.is_dir() else set()
 
 
 def triton_entries() -> set:

@@ -246,10 +246,11 @@ WORKERS_START_S = 3.0
 JOB_S = 1.0  # a job in this process, rounded up: its kernel generated, compiled at three shapes and compared
 
 
-def _in_process_s(chosen: list) -> float:
+def _in_process_s(chosen: list, ahead: list) -> float:
     """Seconds `chosen`'s jobs would take one after another in this process: one per kernel, and one per tile
-    config a tuned kernel compiles (`_ahead_jobs`: eight ~2 s compiles, what the workers exist for)."""
-    return JOB_S * sum(max(1, len(_ahead_jobs(c))) for c in chosen if skip_reason(c) is None)
+    config a tuned kernel compiles (`ahead`, each one's `_ahead_jobs`: eight ~2 s compiles, what the workers
+    exist for)."""
+    return JOB_S * sum(max(1, len(a)) for c, a in zip(chosen, ahead) if skip_reason(c) is None)
 
 
 def _in_workers(chosen: list, out_dir: Path) -> list | None:
@@ -259,7 +260,8 @@ def _in_workers(chosen: list, out_dir: Path) -> list | None:
     from advisor.workflows import workers  # function-level: multiprocessing only on this path
 
     n = workers.wanted(len(chosen), interpreted()) if chosen else 0
-    if n and not workers.chosen_by_user() and _in_process_s(chosen) < WORKERS_START_S:
+    ahead = [_ahead_jobs(c) for c in chosen] if n else []  # (generated once: the estimate and the pool use them)
+    if n and not workers.chosen_by_user() and _in_process_s(chosen, ahead) < WORKERS_START_S:
         n = 0  # done here before the workers would have started
     if n == 0:  # no job, or few: done in this process (or none to do), without the pool `start_soon` began
         workers.discard_soon()
@@ -268,7 +270,7 @@ def _in_workers(chosen: list, out_dir: Path) -> list | None:
         with timing.timed("workers start"):  # waits for the pool `start_soon` began before profiling
             pool = workers.start(n, warm=warm_worker)
         with timing.timed("jobs"):
-            return _pooled(pool, chosen, out_dir) if pool else None
+            return _pooled(pool, chosen, out_dir, ahead) if pool else None
     except (BrokenProcessPool, OSError, RuntimeError) as e:
         print(f"fusion-advisor: compile workers unavailable ({type(e).__name__}: {e}); "
               f"generating {len(chosen)} kernels in this process", file=sys.stderr)
@@ -277,13 +279,14 @@ def _in_workers(chosen: list, out_dir: Path) -> list | None:
         workers.discard()
 
 
-def _pooled(pool, chosen: list, out_dir: Path) -> list:
+def _pooled(pool, chosen: list, out_dir: Path, ahead: list | None = None) -> list:
     """Each candidate's `_job` run in `pool`, the records in the candidates' order. A kernel that times its
     tile configs (matmul-anchored) would compile them one after another inside its job (the H100: eight
     ~2 s compiles, the longest job of a cold start, while other workers sat idle): those compiles go to the
     pool first, as jobs of their own (`_compile_ahead`, into Triton's on-disk cache, which the processes
-    share), and that candidate's `_job` starts once they are done; the other candidates' jobs run meanwhile."""
-    ahead = [_ahead_jobs(c) for c in chosen]
+    share), and that candidate's `_job` starts once they are done; the other candidates' jobs run meanwhile.
+    `ahead`: each candidate's `_ahead_jobs`, where the caller has them."""
+    ahead = [_ahead_jobs(c) for c in chosen] if ahead is None else ahead
     if not any(ahead):
         return list(pool.map(_job, chosen, [out_dir] * len(chosen)))
     futures = {i: pool.submit(_job, c, out_dir) for i, c in enumerate(chosen) if not ahead[i]}
