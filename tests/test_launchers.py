@@ -62,11 +62,11 @@ def test_each_validation_case_gives_its_signature_without_compiling(stand_in):
     found = launch_signatures(gen, module)
     names = [c.name for c in cases(gen.program, False)]
     assert names == ["recorded", "odd", "ones"] and len(found) == 3, found
-    (rec_fn, rec, _), (odd_fn, odd, _), (_, ones, ones_consts) = found
+    (rec_fn, rec, _, _), (odd_fn, odd, _, _), (_, ones, ones_consts, _) = found
     assert rec == odd and rec_fn is odd_fn  # one launcher serves both
     assert rec != ones and any(v == 1 for v in ones_consts.values())  # sizes of 1 are made constants
     assert all(t.startswith("*fp32") for n, t in rec.items() if n.endswith("_ptr"))
-    for jit in {id(f): f for f, _, _ in found}.values():  # nothing compiled: no kernel in any JIT cache
+    for jit in {id(f.fn): f.fn for f in found}.values():  # nothing compiled: no kernel in any JIT cache
         assert all(not caches[0] for caches in jit.device_caches.values())
 
 
@@ -95,11 +95,11 @@ def test_build_makes_each_distinct_launcher_once(stand_in, monkeypatch):
     monkeypatch.setattr(launchers, "per_signature", lambda: True)  # Triton 3.6's per-signature launchers
     gen, module = _kernel(lambda x, b: torch.log(torch.relu(x + b)), (3000,), (3000,))
     found = launch_signatures(gen, module)
-    assert launchers.build(found + found) == len({tuple(s.items()) for _, s, _ in found}) == 2
+    assert launchers.build(found + found) == len({tuple(f.signature.items()) for f in found}) == 2
     recorded, ones = sorted((c for _, _, c in stand_in.made), key=len)
     assert set(recorded) < set(ones)  # the all-ones case's sizes are constants too
     fn = found[0][0]
-    described = [(fn, {"a": "tensordesc<fp32[16, 16]>"}, {})]  # its launcher depends on how it compiles
+    described = [launchers.Launch(fn, {"a": "tensordesc<fp32[16, 16]>"}, {}, None)]  # its launcher depends on how it compiles
     assert launchers.build(described) == 0
     stand_in.fail = (fn.__name__,)
     stand_in.made.clear()
@@ -159,3 +159,45 @@ def test_collections_in_two_threads_share_one_hook(stand_in, monkeypatch):
     t.join(10)
     assert len(first) == 1 and len(results["second"]) == 1
     assert knobs.runtime.jit_cache_hook is None
+
+
+def test_a_validations_kernels_compile_at_once_in_threads_and_its_launches_wait_for_them(stand_in, monkeypatch):
+    """Its cases' two distinct kernels (recorded = odd, all-ones) compile each once, both at the same time (a
+    barrier of two), in the threads `compiling` started, not in this one; a launch inside (of one of them) is
+    handed the compile under way instead of starting its own. (Triton's compile itself is stood in for: after
+    the interpreter has run in this process, Triton's language module is patched for it.)"""
+    import types
+
+    gen, module = _kernel(lambda x, b: torch.log(torch.relu(x + b)), (3000,), (3000,))
+    found = launch_signatures(gen, module)
+    fn = found[0].fn
+    compiled_in, both = [], threading.Barrier(2, timeout=10)
+
+    def compile_(src, target=None, options=None, **_):
+        compiled_in.append(threading.current_thread().name)
+        both.wait()  # the other compile is under way at the same time
+        return types.SimpleNamespace(constants=dict(src.constants))
+
+    monkeypatch.setattr(fn, "compile", compile_)
+    x = torch.empty(3000, device="meta")
+    with launchers.compiling(found + found) as started:
+        assert started == 2
+        with pytest.raises(AttributeError):  # handed the stand-in kernel, which cannot launch
+            module.run(x, x)
+    assert len(compiled_in) == 2 and all(t.startswith("fusion-advisor-compile") for t in compiled_in), compiled_in
+    kernels = list(fn.device_caches[0][0].values())
+    assert len(kernels) == 2 and sorted(len(k.constants) for k in kernels)[0] < max(len(k.constants) for k in kernels)
+
+
+def test_compiling_starts_nothing_it_cannot_describe_or_inside_another_async_mode(stand_in):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    gen, module = _kernel(lambda x, b: torch.log(torch.relu(x + b)), (3000,), (3000,))
+    found = launch_signatures(gen, module)
+    with launchers.compiling([f._replace(specialization=None) for f in found]) as started:
+        assert started == 0
+    with ThreadPoolExecutor(1) as pool, AsyncCompileMode(pool), launchers.compiling(found) as started:
+        assert started == 0  # the caller's own mode is left alone
+    assert all(not caches[0] for caches in found[0].fn.device_caches.values())

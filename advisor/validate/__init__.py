@@ -35,9 +35,10 @@ class Validation:
     validated: bool
     reason: str | None
     errors: dict = field(default_factory=dict)
-    # Wall seconds per step (inputs, reference, `kernel <case>`: a case's first launch holds its Triton compile,
-    # compare), summed over the cases: a row kernel's validation took 4-5 s in its H100 worker, and compiling its
-    # cases ahead did not shorten it (reports/cold-start-h100-session15/cases-ahead.md); these say which step does.
+    # Wall seconds per step (signatures: finding what the cases will compile; inputs, reference, `kernel <case>`:
+    # a case's first launch, which waits for its Triton compile, compare), summed over the cases: a row kernel's
+    # validation took 4-5 s in its H100 worker, and compiling its cases ahead as jobs of their own did not shorten
+    # it (reports/cold-start-h100-session15/cases-ahead.md); these say which step does.
     steps: dict = field(default_factory=dict)
 
 
@@ -61,7 +62,12 @@ def validate(gen, module, seed: int = 0, memo: bool | None = None) -> Validation
 
 def _validate(gen, module, seed: int, interp: bool) -> Validation:
     clock = Stopwatch()
-    result = _checked(gen, module, seed, interp, clock)
+    ahead = []
+    if not interp:  # the cases' kernels, compiled from here on, at once (`launchers.compiling`)
+        with clock("signatures"):
+            ahead = launch_signatures(gen, module)
+    with launchers.compiling(ahead):
+        result = _checked(gen, module, seed, interp, clock)
     result.steps = clock.seconds
     return result
 
@@ -160,10 +166,10 @@ def compile_ahead(gen, module, case_name: str, config: int | None, seed: int = 0
 
 
 def launch_signatures(gen, module) -> list:
-    """The Triton kernel signatures `validate` will launch, one (JIT function, signature, constants) per
-    kernel launch of each case, found without compiling or running anything: the kernel's launch code runs on
-    meta tensors of the case's shapes and layouts, its JIT handing over what it would compile
-    (`launchers.collecting`; for `launchers.build`). A case whose launch code needs real data is left out."""
+    """The Triton kernel signatures `validate` will launch, one `launchers.Launch` per kernel launch of each
+    case, found without compiling or running anything: the kernel's launch code runs on meta tensors of the
+    case's shapes and layouts, its JIT handing over what it would compile (`launchers.collecting`; for
+    `launchers.build` and `launchers.compiling`). A case whose launch code needs real data is left out."""
     prog, found = gen.program, []
     for case in cases(prog, False):
         inputs = meta_inputs(prog, case)

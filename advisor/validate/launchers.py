@@ -1,4 +1,5 @@
-"""Triton's kernel launchers, built ahead for the signatures a validation will launch (Triton 3.6 and older).
+"""What a validation will launch, known before it launches: Triton's launchers built and its kernels compiled
+ahead, several at once.
 
 Up to Triton 3.6, the first launch of a kernel signature (its arguments' names and types, ints equal to 1
 made constants) in a process has gcc build a C launcher for it into Triton's on-disk cache, 0.3-0.4 s each
@@ -12,6 +13,12 @@ run on meta tensors of each case (`inputs.meta_inputs`), reaches Triton's JIT, w
 so (`collecting`). `build` then has gcc make each launcher into the cache, several at once, while the
 compile workers start; their jobs, and this process's first patched call, load it from there. Newer Triton
 launches every kernel through one launcher of its driver: there is nothing to build.
+
+A validation's own cases compile one after another as each first launches (its recorded, odd and all-ones
+shapes: a Triton compile each, 0.1-0.6 s on the H100's host, most of a job's 0.8-1.7 s beside drawing inputs,
+the references and comparing). `compiling` starts every one of them at the validation's start, in threads
+(Triton's `AsyncCompileMode`: ptxas, and part of its passes, run outside the GIL), while the first case draws
+its inputs and runs its references; each launch then waits for its own compile only.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import os
 import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 _STATE = threading.local()  # .found: the list this thread's launches are collected into, while collecting
 _HOOK = threading.Lock()
@@ -29,6 +37,14 @@ _USERS = [0, None]  # collections going on in any thread, and the hook installed
 _NO_METADATA = types.SimpleNamespace(num_ctas=1, tensordesc_meta=None, global_scratch_size=0, global_scratch_align=1,
                                      profile_scratch_size=0, profile_scratch_align=1,
                                      launch_cooperative_grid=False, launch_pdl=False)
+
+
+class Launch(NamedTuple):
+    """One kernel launch as Triton's JIT described it to its cache hook, before compiling."""
+    fn: Any  # the JIT function
+    signature: dict  # argument name -> Triton type
+    constants: dict  # arguments made compile-time constants (constexprs, ints equal to 1)
+    specialization: str | None  # the JIT's own description of the compile, for `JITFunction.preload`
 
 
 @contextlib.contextmanager
@@ -61,7 +77,9 @@ def _collect(**kw):
     found = getattr(_STATE, "found", None)
     if found is None:  # another thread's launch: as before
         return _USERS[1](**kw) if _USERS[1] else None
-    found.append((kw["fn"].jit_function, dict(kw["compile"]["signature"]), dict(kw["compile"]["constants"])))
+    compile_ = kw["compile"]
+    found.append(Launch(kw["fn"].jit_function, dict(compile_["signature"]), dict(compile_["constants"]),
+                        compile_.get("specialization_data")))
     return True  # skip the compile
 
 
@@ -82,7 +100,7 @@ def build(found: list, workers: int | None = None) -> int:
     if not found or not per_signature():
         return 0
     distinct = {}
-    for fn, signature, constants in found:
+    for fn, signature, constants, _ in found:
         if any(isinstance(t, str) and t.startswith("tensordesc") for t in signature.values()):
             continue  # a tensor descriptor's launcher depends on how it compiled: not known before
         distinct.setdefault((id(fn), tuple(signature.items())), (fn, signature, constants))
@@ -101,4 +119,42 @@ def _make(entry) -> bool:
         driver.active.launcher_cls(fn.ASTSource(fn, signature, constants, {}), _NO_METADATA)
         return True
     except Exception:  # noqa: BLE001  (another Triton's launcher: its first launch builds it)
+        return False
+
+
+@contextlib.contextmanager
+def compiling(found: list, workers: int | None = None):
+    """Inside: the distinct kernels of `found` (this thread's launches to come, from `collecting`) compile in
+    `workers` threads, all started at once; this thread's launch of one of them waits for its compile (Triton's
+    `AsyncCompileMode`, which hands a launch the compile already under way for the same kernel) instead of
+    compiling it. Yields how many were started. One that fails to compile fails its launch as it would have;
+    at the end the compiles still running are waited for, their errors left to the launches. Where this
+    Triton has no such mode, or another is active in this thread, nothing is started (the launches compile)."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode, active_mode
+    except ImportError:
+        yield 0
+        return
+    distinct = {}
+    for launch in found:
+        if launch.specialization:
+            distinct.setdefault((id(launch.fn), launch.specialization), launch)
+    if not distinct or active_mode.get() is not None:
+        yield 0
+        return
+    n = workers or min(len(distinct), os.cpu_count() or 1, 8)
+    pool = ThreadPoolExecutor(n, thread_name_prefix="fusion-advisor-compile")
+    try:
+        with AsyncCompileMode(pool, ignore_errors=True):
+            started = sum(_start(launch) for launch in distinct.values())
+            yield started
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _start(launch: Launch) -> bool:
+    try:
+        launch.fn.preload(launch.specialization)  # under the mode: submitted to its threads, not compiled here
+        return True
+    except Exception:  # noqa: BLE001  (another Triton's description: its launch compiles it as before)
         return False
