@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, interpret=True, no torch.compile runs")
     p.add_argument("--runs", default=",".join(r for r in RUNS if r != "advisor-empty-serial"),
                    help=f"comma-separated, of {', '.join(RUNS)}")
-    p.add_argument("--profile", action="store_true", help="advisor runs under cProfile: OUT/MODEL-RUN.prof.txt, "
-                   "the host's time by function (cumulative and own), to see where a cold start goes")
+    p.add_argument("--profile", action="store_true", help="advisor runs under cProfile: OUT/MODEL-RUN.prof.txt "
+                   "(and .prof.pstats), the host's time by function (cumulative and own), to see where a cold start goes")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "RUN"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.out = a.out or Path(tempfile.mkdtemp(prefix="cold-start-"))
@@ -140,6 +140,7 @@ def profiled(path: Path | None):
         yield
     finally:
         prof.disable()
+        prof.dump_stats(str(path.with_suffix(".pstats")))  # all of it, for pstats later (the text has the top)
         text = io.StringIO()
         stats = pstats.Stats(prof, stream=text)
         stats.sort_stats("cumulative").print_stats(70)
