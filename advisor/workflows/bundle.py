@@ -98,8 +98,10 @@ def loaded_host_modules(root: Path | None = None, maps: Path = Path("/proc/self/
         lines = maps.read_text().splitlines()
     except (OSError, RuntimeError):
         return []
-    out = set()
+    out, inside = set(), f"{root}/"
     for line in lines:
+        if inside not in line or not line.endswith(".so"):  # (a process maps thousands of files: torch's, CUDA's)
+            continue
         fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path (a mapped file's)
         path = Path(fields[5].strip()) if len(fields) == 6 else None
         if path and path.suffix == ".so" and path.is_relative_to(root) and len(path.relative_to(root).parts) == 2:
