@@ -123,6 +123,21 @@ def test_validation_times_the_configs_at_the_recorded_shape_only():
     assert seen == [mod.TUNE, False, False] and mod.TUNE  # and the module's own setting is left as it was
 
 
+def test_a_call_that_times_nothing_leaves_no_config_decided_for_a_tuned_call(monkeypatch):
+    """A validation first runs its kernel's launch code untuned on meta tensors (to start its compiles,
+    `launch_signatures`), at the recorded shape's key: that call must not pin the default config there, or
+    the recorded case (and the patched model's first call) would never time the configs."""
+    fn, shapes = EPILOGUES["linear+gelu"]
+    _, mod = generated(fn, *[rand(*s) for s in shapes])
+    key, configs = (64, 96, 32, torch.bfloat16), mod.CONFIGS
+    assert mod._tuned(key, lambda cfg: None, False, configs, configs[0]) == configs[0]
+    fastest = configs[-1]
+    monkeypatch.setattr(mod.triton.testing, "do_bench", lambda f, **kw: 1.0 if f.__defaults__[0] == fastest else 2.0)
+    monkeypatch.setattr(mod, "TUNE", True)
+    assert mod._tuned(key, lambda cfg: None, True, configs, configs[0]) == fastest
+    assert mod._tuned(key, lambda cfg: None, False, configs, configs[0]) == fastest  # decided once timed
+
+
 def test_compile_jobs_are_the_compiles_validation_makes(monkeypatch):
     """Issue 17: a tuned kernel's validation compiles every tile config at the recorded shape, then the
     default config at each other shape; those are the jobs the compile workers run ahead of it."""

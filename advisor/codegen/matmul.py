@@ -626,19 +626,20 @@ def _small(x):
 
 
 def _tuned(key, launch, tune, configs, default):
-    """The fastest of `configs` at `key`, timed once on the GPU (configs that fail to compile are skipped)."""
+    """The fastest of `configs` at `key`, timed once on the GPU (configs that fail to compile are skipped).
+    A call that times nothing (tune off) remembers nothing: a later tuned call at `key` still times them."""
     hit = _best.get(key)
     if hit is None:
-        hit = default
-        if tune and TUNE:
-            times = []
-            for cfg in configs:
-                try:
-                    times.append(triton.testing.do_bench(lambda c=cfg: launch(c), warmup=3, rep=15))
-                except Exception:  # too much shared memory for this dtype and tile: skip it
-                    times.append(float("inf"))
-            if min(times) < float("inf"):
-                hit = configs[times.index(min(times))]
+        if not (tune and TUNE):
+            return default
+        hit, times = default, []
+        for cfg in configs:
+            try:
+                times.append(triton.testing.do_bench(lambda c=cfg: launch(c), warmup=3, rep=15))
+            except Exception:  # too much shared memory for this dtype and tile: skip it
+                times.append(float("inf"))
+        if min(times) < float("inf"):
+            hit = configs[times.index(min(times))]
         _best[key] = hit
     return hit
 
