@@ -17,8 +17,10 @@ launches every kernel through one launcher of its driver: there is nothing to bu
 A validation's own cases compile one after another as each first launches (its recorded, odd and all-ones
 shapes: a Triton compile each, 0.1-0.6 s on the H100's host, most of a job's 0.8-1.7 s beside drawing inputs,
 the references and comparing). `compiling` starts every one of them at the validation's start, in threads
-(Triton's `AsyncCompileMode`: ptxas, and part of its passes, run outside the GIL), while the first case draws
-its inputs and runs its references; each launch then waits for its own compile only.
+(Triton's `AsyncCompileMode`), while the first case draws its inputs and runs its references; each launch
+then waits for its own compile only. ptxas and part of the passes run outside the GIL, the front end does
+not: the kernel steps shrink by 60-85% and the job's other steps slow meanwhile, a row kernel's job by about
+a third net on the H100 (reports/cold-start-session28).
 """
 from __future__ import annotations
 
