@@ -19,8 +19,8 @@ shapes: a Triton compile each, 0.1-0.6 s on the H100's host, most of a job's 0.8
 the references and comparing). `compiling` starts every one of them at the validation's start, in threads
 (Triton's `AsyncCompileMode`), while the first case draws its inputs and runs its references; each launch
 then waits for its own compile only. ptxas and part of the passes run outside the GIL, the front end does
-not: the kernel steps shrink by 60-85% and the job's other steps slow meanwhile, a row kernel's job by about
-a third net on the H100 (reports/cold-start-session28).
+not: the kernel steps shrink by 60-85% and the job's other steps slow meanwhile; jobs came out 0-35%
+shorter on the H100 (reports/cold-start-session28).
 """
 from __future__ import annotations
 
