@@ -287,6 +287,29 @@ def test_jobs_done_here_sooner_than_the_workers_start_do_not_wait_for_them(optim
     assert generate._in_workers([c, c], tmp_path) is None and started == [2]
 
 
+def test_only_a_compile_workers_jobs_compile_their_kernels_in_threads(optimized, tmp_path, monkeypatch):
+    """A job in `optimize`'s own process runs while the model is captured, whose dynamo trace the compiles'
+    Python front end would slow: it validates as before. A compile worker (its start-up, `warm_worker`, ran)
+    has nothing else to do: its jobs start their validation's compiles at once (`launchers.compiling`)."""
+    from advisor.records import candidates_of
+
+    [c] = [c for c in candidates_of(json.loads((optimized.out_dir / "analysis.json").read_text()))
+           if generate.skip_reason(c) is None][:1]
+    seen, real = [], generate.validate
+
+    def spy(gen, module, **kw):
+        seen.append(kw.get("compile_at_once", False))
+        return real(gen, module, **kw)
+
+    monkeypatch.setattr(generate, "validate", spy)
+    monkeypatch.setattr(generate, "_IN_WORKER", [False])  # (a worker's flag, set below, goes with the test)
+    assert generate._job(c, tmp_path).validated
+    monkeypatch.setattr(generate.triton_setup, "start", lambda: None)
+    generate.warm_worker()  # as each compile worker starts
+    assert generate._job(c, tmp_path).validated
+    assert seen == [False, True]
+
+
 @pytest.mark.parametrize("jobs", [0, 1])
 def test_a_generate_of_under_two_jobs_lets_the_starting_pool_go_without_waiting(optimized, tmp_path, monkeypatch, jobs):
     """`optimize` starts the compile workers before profiling; a generate with no job (every candidate not worth

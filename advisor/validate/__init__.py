@@ -42,11 +42,14 @@ class Validation:
     steps: dict = field(default_factory=dict)
 
 
-def validate(gen, module, seed: int = 0, memo: bool | None = None) -> Validation:
+def validate(gen, module, seed: int = 0, memo: bool | None = None, compile_at_once: bool = False) -> Validation:
     """Check `module.run` against the program it was generated from (`gen`: a codegen.Generated).
 
     `memo` (default: on a GPU) reuses a success recorded for the same kernel source, runner, shapes,
-    device and versions (`advisor.validate.memo`): the cold start of a second run pays no validation."""
+    device and versions (`advisor.validate.memo`): the cold start of a second run pays no validation.
+    `compile_at_once`: the cases' kernels compile in threads from the start (`launchers.compiling`), for a
+    process that has nothing else to do meanwhile (a compile worker): their Python front end takes the GIL
+    from whatever else this process runs."""
     interp = interpreted()
     if interp and (problem := interpreter_problem()):
         return Validation(False, problem)
@@ -54,16 +57,16 @@ def validate(gen, module, seed: int = 0, memo: bool | None = None) -> Validation
     key = memo_key(gen, module, seed, interp) if use_memo else None
     if key and (hit := recall(key)):
         return Validation(True, None, hit)
-    result = _validate(gen, module, seed, interp)
+    result = _validate(gen, module, seed, interp, compile_at_once)
     if key and result.validated:
         remember(key, result.errors)
     return result
 
 
-def _validate(gen, module, seed: int, interp: bool) -> Validation:
+def _validate(gen, module, seed: int, interp: bool, compile_at_once: bool = False) -> Validation:
     clock = Stopwatch()
     ahead = []
-    if not interp:  # the cases' kernels, compiled from here on, at once (`launchers.compiling`)
+    if compile_at_once and not interp:  # the cases' kernels, compiled from here on, at once
         with clock("signatures"):
             ahead = launch_signatures(gen, module)
     with launchers.compiling(ahead):

@@ -20,7 +20,8 @@ the references and comparing). `compiling` starts every one of them at the valid
 (Triton's `AsyncCompileMode`), while the first case draws its inputs and runs its references; each launch
 then waits for its own compile only. ptxas and part of the passes run outside the GIL, the front end does
 not: the kernel steps shrink by 60-85% and the job's other steps slow meanwhile; jobs came out 0-35%
-shorter on the H100 (reports/cold-start-session28).
+shorter on the H100 (reports/cold-start-session28). So only a compile worker's jobs do it
+(`validate(compile_at_once=True)`): in `optimize`'s own process they would slow the model's capture.
 """
 from __future__ import annotations
 

@@ -343,6 +343,13 @@ def pattern_record(c: Candidate, **fields) -> PatternResult:
     return PatternResult(candidate=c.id, pattern_id=c.pattern_id, title=c.title, **fields)
 
 
+# Whether this process is a compile worker (`warm_worker` ran): its jobs compile their validation's kernels in
+# threads (`validate(compile_at_once=True)`). Jobs done in `optimize`'s own process do not: there they run while
+# the model is captured, whose dynamo trace the compiles' Python front end would slow (distilbert on the H100:
+# its capture 3.1-3.7 -> 4.0-4.5 s, its two jobs no shorter; reports/cold-start-session28).
+_IN_WORKER = [False]
+
+
 def warm_worker() -> None:
     """A compile worker's start-up: importing this module (and with it torch, triton and the generator),
     which naming this function as the pool's initializer does, and the worker's CUDA context with the
@@ -350,6 +357,7 @@ def warm_worker() -> None:
     against 0.0 s for later jobs, and at start-up that overlaps the parent's profiling. Triton's set-up
     (its hash, its driver: `triton_setup`), which was in each worker's first compile, starts here in a
     thread and goes on while the other workers start; a job waits for it (`_job`)."""
+    _IN_WORKER[0] = True
     triton_setup.start()
     if torch.cuda.is_available():
         torch.empty(1, device="cuda").normal_(generator=torch.Generator(device="cuda").manual_seed(0))
@@ -370,7 +378,7 @@ def _job(c: Candidate, out_dir: Path) -> PatternResult:
         with clock("load"):
             module = load_module(gen.path)
         with clock("validate"):
-            check = validate(gen, module)
+            check = validate(gen, module, compile_at_once=_IN_WORKER[0])
         entry = dataclasses.replace(entry, validated=check.validated, reason=check.reason, errors=check.errors,
                                     device_type="cpu" if interpreted() else "cuda",
                                     seconds={**clock.seconds, **({"validate_steps": check.steps} if check.steps else {})})
