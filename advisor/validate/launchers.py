@@ -133,26 +133,31 @@ def compiling(found: list, workers: int | None = None):
     compiling it. Yields how many were started. One that fails to compile fails its launch as it would have;
     at the end the compiles still running are waited for, their errors left to the launches. Where this
     Triton has no such mode, or another is active in this thread, nothing is started (the launches compile)."""
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode, active_mode
-    except ImportError:
-        yield 0
-        return
     distinct = {}
     for launch in found:
         if launch.specialization:
             distinct.setdefault((id(launch.fn), launch.specialization), launch)
-    if not distinct or active_mode.get() is not None:
+    async_mode = _async_compile_mode() if distinct else None  # (Triton's internals looked at only when needed)
+    if async_mode is None:
         yield 0
         return
     n = workers or min(len(distinct), os.cpu_count() or 1, 8)
     pool = ThreadPoolExecutor(n, thread_name_prefix="fusion-advisor-compile")
     try:
-        with AsyncCompileMode(pool, ignore_errors=True):
+        with async_mode(pool, ignore_errors=True):
             started = sum(_start(launch) for launch in distinct.values())
             yield started
     finally:
         pool.shutdown(wait=True)
+
+
+def _async_compile_mode():
+    """Triton's `AsyncCompileMode`, or None where this Triton has none or one is active in this thread already."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode, active_mode
+    except ImportError:
+        return None
+    return AsyncCompileMode if active_mode.get() is None else None
 
 
 def _start(launch: Launch) -> bool:
