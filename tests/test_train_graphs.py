@@ -182,19 +182,18 @@ def test_parameters_are_recorded_through_leaves_of_the_recordings_own():
 
 
 def test_training_pool_is_handed_back_once_no_recording_is_left(monkeypatch):
-    from advisor.patching import train_graphs
-    from advisor.patching.graphs import CudaRecorder
+    from advisor.patching import graph_pools, train_graphs
 
-    monkeypatch.setattr(CudaRecorder, "_pools", {("cuda:0", "training"): ("pool", "anchor"),
-                                                 ("cuda:0", "inference"): ("other", "anchor")})
+    monkeypatch.setattr(graph_pools, "_POOLS", {("cuda:0", "training"): ("pool", "anchor"),
+                                                ("cuda:0", "inference"): ("other", "anchor")})
     w, b = params(1)
     graphed = TrainGraphed(layer, recorder=StaticRecorder())
     graphed(torch.randn(2, 16, requires_grad=True), w, b)[0].sum().backward()
     train_graphs.release_unused_pool()
-    assert ("cuda:0", "training") in CudaRecorder._pools  # a recording still uses it
+    assert ("cuda:0", "training") in graph_pools._POOLS  # a recording still uses it
     graphed.recordings.clear()  # what a patched forward does when its training calls fall back
     train_graphs.release_unused_pool()
-    assert list(CudaRecorder._pools) == [("cuda:0", "inference")]
+    assert list(graph_pools._POOLS) == [("cuda:0", "inference")]
 
 
 def test_parameters_take_the_recordings_gradient_memory_without_a_copy():

@@ -18,7 +18,9 @@ The contract of a CUDA graph is fixed addresses, so:
 - tensors derived from weights (`derived`: a BatchNorm folded into a conv) are read where they live and
   recomputed in place before a replay when the weights they come from changed.
 All graphs share one memory pool: they run one at a time on one stream and their static outputs stay
-alive, so the scratch one frees at the end of its recording is safe for the next to reuse.
+alive, so the scratch one frees at the end of its recording is safe for the next to reuse. Every buffer a
+graph reads is ours for as long as it lives, whoever else records graphs or empties caches in the process
+(`graph_pools`: cuBLAS's workspace is the one PyTorch would otherwise lend us from a shared table).
 Not replayed (the plain function runs): when copying the inputs in and the outputs out would cost the
 GPU more than the graph saves the host (a few large memory-bound kernels: the seed's one fused kernel
 on 1 GB ran 2.35x faster than eager op by op and no faster replayed), inputs off the GPU, autograd, a
@@ -40,7 +42,7 @@ from typing import Callable
 import torch
 
 from advisor.kernels import derived
-from advisor.patching import rewrite, timing, triton_setup
+from advisor.patching import graph_pools, rewrite, timing, triton_setup
 
 MAX_GRAPHS = 64  # per captured function: layers x `only` states seen while timing patterns
 MAX_STORAGE_RATIO = 4  # copy a view's whole storage only when it is at most this much larger
@@ -95,95 +97,51 @@ def release_pool(kind: str) -> bool:
     starts a new pool. Returns whether a pool was handed back."""
     if any(g.pool_kind == kind and g.recordings for g in list(_LIVE)):
         return False
-    dropped = [key for key in CudaRecorder._pools if key[1] == kind]
-    for key in dropped:
-        CudaRecorder._pools.pop(key)
-    if dropped and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return bool(dropped)
+    return graph_pools.release(kind)
 
 
 class CudaRecorder:
-    """Records a `torch.cuda.CUDAGraph` (after a warm-up on a side stream, as the CUDA graph docs ask)."""
+    """Records a `torch.cuda.CUDAGraph`: a warm-up on the side stream (as the CUDA graph docs ask), then the
+    capture on its pool's own stream (`graph_pools`: every buffer the graph reads stays ours)."""
 
     device_type = "cuda"
-    _pools: dict = {}  # (device, kind) -> (pool handle, the anchor recording that keeps the pool alive)
-    _streams: dict = {}  # (device, thread) -> the side stream its recordings use
-
-    @classmethod
-    def pool(cls, device: torch.device, kind: str = "inference"):
-        """The shared pool of `device`. A pool lives while a recording made in it lives: once
-        `clear_recordings` dropped them all, recording into the same handle again failed inside
-        PyTorch (`use_count > 0` INTERNAL ASSERT in CUDACachingAllocator: the layers then ran op by op
-        and the model was slower than eager). An anchor recording that is never dropped keeps it alive."""
-        entry = cls._pools.get((device, kind))
-        if entry is None:
-            handle = torch.cuda.graph_pool_handle()
-            anchor = torch.cuda.CUDAGraph()
-            stream = cls.side_stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
-                try:
-                    torch.zeros(1, device=device).add_(1)  # one kernel: CUDA refuses to instantiate an empty graph
-                finally:
-                    anchor.capture_end()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            entry = cls._pools[(device, kind)] = (handle, anchor)
-        return entry[0]
-
-    @classmethod
-    def side_stream(cls, device: torch.device) -> torch.cuda.Stream:
-        """The stream every recording on `device` warms up and records on. One for all: the caching
-        allocator keeps a stream's freed blocks for that stream, so a new stream per recording kept each
-        warm-up's scratch reserved apart (the H100's Llama training: 20 GB reserved for 9.5 GB allocated)."""
-        key = (device, threading.get_ident())  # per thread too: two threads may record at once
-        stream = cls._streams.get(key)
-        if stream is None:
-            stream = cls._streams[key] = torch.cuda.Stream(device)
-        return stream
 
     def record(self, fn: Callable, args: list) -> tuple[Callable[[], None], list]:
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        pool = self.pool(device)
-        stream = self.side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        pool = graph_pools.pool(device)
+        warm = graph_pools.side_stream(device)
+        current = torch.cuda.current_stream(device)
+        warm.wait_stream(current)
         triton_setup.wait()  # the first launches need it: not hashed a second time beside the thread computing it
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(warm):
             fn(*args)  # first launches compile / autotune / allocate workspaces, none of which may be recorded
-        torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # capture_begin/end, not `torch.cuda.graph`: that context also synchronises and empties the caching
         # allocator (whose blocks the next eager ops then cudaMalloc again), and some versions gc.collect():
         # with it, the first patched call of an 8-layer Llama took 10.5 s instead of 2.1 s on the H100.
         # Thread-local: other threads' CUDA calls (a data loader's) are no error during the recording.
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                outs = fn(*args)
-            finally:
-                try:
-                    graph.capture_end()
-                except Exception:
-                    self._abandon(device, pool)
-                    raise
-        torch.cuda.current_stream(device).wait_stream(stream)
+        outs = capture(graph, pool, device, lambda: fn(*args), after=(warm, current))
         return graph.replay, list(outs)
 
-    @classmethod
-    def _abandon(cls, device: torch.device, pool) -> None:
-        """After a recording the GPU invalidated (a synchronising op inside it), `capture_end` raises before
-        telling the allocator the recording is over, so every later recording into the pool failed
-        ('beginAllocateToPool: already recording'): end it here, and record the next ones in a new pool
-        (graphs already recorded keep theirs)."""
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        if end is not None:
+
+def capture(graph, pool: graph_pools.GraphPool, device: torch.device, body: Callable, after=()):
+    """Record `body()` into `graph`, in `pool`, on the pool's capture stream (which first waits for the
+    streams `after`); returns what `body` returned. A capture the GPU invalidated abandons its pool."""
+    stream = pool.stream(device)
+    for s in after:
+        stream.wait_stream(s)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
+        try:
+            result = body()
+        finally:
             try:
-                end(device.index if device.index is not None else torch.cuda.current_device(), pool)
-            except Exception:  # already ended (the failure came later): nothing to undo
-                pass
-        for key in [k for k, (handle, _) in cls._pools.items() if handle == pool]:
-            cls._pools.pop(key)
+                graph.capture_end()
+            except Exception:
+                graph_pools.abandon(device, pool.handle)
+                raise
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return result
 
 
 class Graphed:

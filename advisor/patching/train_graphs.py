@@ -51,8 +51,8 @@ from typing import Callable
 
 import torch
 
-from advisor.patching import rewrite
-from advisor.patching.graphs import _LIVE as _GRAPHED, CudaRecorder, Graphed, _copy_in, _copy_out, release_pool
+from advisor.patching import graph_pools, rewrite
+from advisor.patching.graphs import _LIVE as _GRAPHED, Graphed, _copy_in, _copy_out, capture, release_pool
 
 WARMUP = 2  # forward + backward runs before recording: Triton compiles, autotuning, workspaces
 _SEQ = itertools.count()
@@ -288,52 +288,38 @@ class CudaTrainRecorder:
     device_type = "cuda"
 
     def record_training(self, fn: Callable, args: list, inputs: list) -> TrainRecording:
-        device = next(a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda")
-        pool = CudaRecorder.pool(device, "training")
-        stream = CudaRecorder.side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), rewrite.recording_replayed_graph():  # (sites time GPU work alone)
+        device = next(a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == self.device_type)
+        pool = graph_pools.pool(device, "training")
+        warm = graph_pools.side_stream(device)
+        current = torch.cuda.current_stream(device)
+        warm.wait_stream(current)
+        with torch.cuda.stream(warm), rewrite.recording_replayed_graph():  # (sites time GPU work alone)
             for _ in range(WARMUP):
                 outs = list(fn(*args))
                 if not _differentiable(outs):
                     raise ValueError("no output needs a gradient")
                 _grads(outs, args, [torch.ones_like(o) if isinstance(o, torch.Tensor) else None for o in outs], False)
             del outs
-        torch.cuda.current_stream(device).wait_stream(stream)
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         outs: list = []
-        with torch.cuda.stream(stream):
-            before = rewrite.fused_runs()
-            self._capture(fwd, pool, device, lambda: outs.extend(fn(*args)))
-            fused = rewrite.fused_runs() - before
-            grad_outputs = [_shared(device, "output", j, o) if j in _differentiable(outs) else None
-                            for j, o in enumerate(outs)]
-            needs = _needing_grads(args)
-            # Outside the pool: memory of the pool that this recording's gradients were computed in may be an
-            # earlier recording's scratch, written by its backward replay later in the same step.
-            buffers = {i: torch.empty_strided(args[i].shape, args[i].stride(), dtype=args[i].dtype,
-                                              device=args[i].device) for i in needs}
-            grad_inputs: list = [None] * len(args)
+        before = rewrite.fused_runs()
+        capture(fwd, pool, device, lambda: outs.extend(fn(*args)), after=(warm, current))
+        fused = rewrite.fused_runs() - before
+        grad_outputs = [_shared(device, "output", j, o) if j in _differentiable(outs) else None
+                        for j, o in enumerate(outs)]
+        needs = _needing_grads(args)
+        # Outside the pool: memory of the pool that this recording's gradients were computed in may be an
+        # earlier recording's scratch, written by its backward replay later in the same step.
+        buffers = {i: torch.empty_strided(args[i].shape, args[i].stride(), dtype=args[i].dtype,
+                                          device=args[i].device) for i in needs}
+        grad_inputs: list = [None] * len(args)
 
-            def backward():
-                for i, g in zip(needs, _grads(outs, args, grad_outputs, True)):
-                    if g is not None:
-                        buffers[i].copy_(g)
-                        grad_inputs[i] = buffers[i]
+        def backward():
+            for i, g in zip(needs, _grads(outs, args, grad_outputs, True)):
+                if g is not None:
+                    buffers[i].copy_(g)
+                    grad_inputs[i] = buffers[i]
 
-            self._capture(bwd, pool, device, backward)
-        torch.cuda.current_stream(device).wait_stream(stream)
+        capture(bwd, pool, device, backward, after=(current,))
         return TrainRecording(fwd.replay, bwd.replay, inputs, outs, grad_outputs, grad_inputs, fused,
                               keep=(fwd, bwd))
-
-    @staticmethod
-    def _capture(graph, pool, device, body: Callable[[], None]) -> None:
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            body()
-        finally:
-            try:
-                graph.capture_end()
-            except Exception:
-                CudaRecorder._abandon(device, pool)
-                raise
