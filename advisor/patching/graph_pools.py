@@ -81,10 +81,6 @@ def pool(device: torch.device, kind: str = "inference") -> GraphPool:
     return entry
 
 
-def kinds_in_use() -> list:
-    return list(_POOLS)
-
-
 def release(kind: str) -> bool:
     """Hand the pools of `kind` back (the caller knows no recording of theirs is left): the anchors go,
     cuBLAS's table lets go of the workspaces our capture streams allocated in them (else each would keep
