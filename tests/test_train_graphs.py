@@ -244,3 +244,52 @@ def test_a_handed_out_gradient_held_elsewhere_raises_instead_of_being_overwritte
     del kept
     w.grad = b.grad = None
     graphed(x + h, w, b)[0].sum().backward()  # nothing held: replays again
+
+
+def test_a_layer_at_new_shapes_replaces_its_recording_and_other_layers_keep_theirs():
+    """Each training recording holds its saved activations for good: a layer never holds two shape variants
+    (the user's loop at another length than the check's held both, above eager's peak), while two layers
+    sharing one captured function keep one recording each."""
+    rec = StaticRecorder()
+    graphed = TrainGraphed(layer, recorder=rec)
+    (w1, b1), (w2, b2) = params(1), params(2)
+    for x in (torch.randn(2, 16, requires_grad=True), torch.randn(3, 16, requires_grad=True)):
+        for w, b in ((w1, b1), (w2, b2)):
+            graphed(x, w, b)[0].sum().backward()
+    assert rec.records == 4 and len(graphed.recordings) == 2  # each layer: its 3-row recording only
+    assert {r.reads for r in graphed.recordings.values()} == {frozenset({w1.data_ptr(), b1.data_ptr()}),
+                                                               frozenset({w2.data_ptr(), b2.data_ptr()})}
+    assert graphed(torch.randn(3, 16, requires_grad=True), w1, b1) and rec.records == 4  # replayed, not recorded
+
+
+def test_the_training_checks_original_forwards_are_measured_without_training_recordings(monkeypatch):
+    """The fused state's recordings (an earlier check's: the LM loss's) must not count against the original
+    forwards' peak: the check then held a state 7 GB heavier in the user's loop to be lighter."""
+    from advisor.bench.timing import Timing
+    from advisor.patching import train_graphs
+    from advisor.workflows import training
+
+    for g in list(train_graphs._GRAPHED):  # earlier tests' layers, not yet collected
+        g.recordings.clear()
+    graphed = TrainGraphed(layer, recorder=StaticRecorder())
+    w, b = params(1)
+    graphed(torch.randn(2, 16, requires_grad=True), w, b)[0].sum().backward()
+    assert graphed.recordings
+    live = []
+    monkeypatch.setattr(training, "peak_bytes", lambda step, device: (
+        step(), live.append(sum(len(g.recordings) for g in list(train_graphs._GRAPHED)
+                                if isinstance(g, TrainGraphed))), 100)[2])
+    monkeypatch.setattr(training.timing, "time_configs", lambda call, configs, device, iters=20, rounds=5: {
+        k: Timing(2.0, 5, "perf_counter", [2.0] * 5, 0.0, [2.0] * 5) for k in configs})
+    monkeypatch.setattr(train_graphs, "release_pool", lambda kind: False)  # (no GPU pool here)
+
+    class Handle:
+        def train_fused(self, on):
+            if on:  # the fused state records again, as a patched forward's training call would
+                graphed(torch.randn(2, 16, requires_grad=True), w, b)[0].sum().backward()
+
+    other = TrainGraphed(layer, recorder=StaticRecorder())  # another model's layer: its recording stays
+    w2, b2 = params(2)
+    other(torch.randn(2, 16, requires_grad=True), w2, b2)[0].sum().backward()
+    training._compare(lambda: None, Handle(), "cpu", iters=2, addresses={w.data_ptr(), b.data_ptr()})
+    assert live[0] == 1 and live[-1] == 2, live  # original forwards alone; the fused state with its recording

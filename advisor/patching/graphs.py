@@ -169,6 +169,7 @@ class Graphed:
             return self.fn(*args)
         rec = self.recordings.get(key)
         if rec is None:
+            self._make_room(args)
             try:
                 with timing.timed("record"):
                     rec = self._record(args)
@@ -179,9 +180,12 @@ class Graphed:
                               RuntimeWarning, stacklevel=2)
                 return self.fn(*args)
             self.recordings[key] = rec
-            if len(self.recordings) > MAX_GRAPHS:
-                self.recordings.popitem(last=False)
         return self._run(rec, args)
+
+    def _make_room(self, args) -> None:
+        """Before a new recording: the oldest goes once there are `MAX_GRAPHS`."""
+        while len(self.recordings) >= MAX_GRAPHS:
+            self.recordings.popitem(last=False)
 
     def _refusal(self, args) -> str | None:
         """Why this call cannot replay at all (before looking at each input)."""
@@ -236,7 +240,7 @@ class Graphed:
         static_args = [a if s is None else s for a, s in zip(args, inputs)]
         with derived.reading() as used:
             replay, outs = self.recorder.record(self.fn, static_args)
-        reads = frozenset(a.data_ptr() for a in args if input_kind(a, self.recorder.device_type) == "in place")
+        reads = in_place_addresses(args, self.recorder.device_type)
         return Recording(replay, inputs, outs, list({id(d): d for d in used}.values()), reads)
 
     @staticmethod
@@ -260,6 +264,11 @@ def read_in_place(a: torch.Tensor) -> bool:
     (what Inductor's CUDA graphs read in place too). Recordings are keyed by its address; copying it in
     before every replay cost ResNet-50's whole-model graph 106 copies (BatchNorm statistics) per call."""
     return isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None) is not None
+
+
+def in_place_addresses(args, device_type: str) -> frozenset:
+    """Addresses of the arguments a recording reads in place (parameters, buffers): which layer it is."""
+    return frozenset(a.data_ptr() for a in args if input_kind(a, device_type) == "in place")
 
 
 def input_kind(a, device_type: str) -> str:

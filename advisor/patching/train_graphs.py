@@ -52,7 +52,8 @@ from typing import Callable
 import torch
 
 from advisor.patching import graph_pools, rewrite
-from advisor.patching.graphs import _LIVE as _GRAPHED, Graphed, _copy_in, _copy_out, capture, release_pool
+from advisor.patching.graphs import (_LIVE as _GRAPHED, Graphed, _copy_in, _copy_out, capture, drop_recordings_reading,
+                                     in_place_addresses, release_pool)
 
 WARMUP = 2  # forward + backward runs before recording: Triton compiles, autotuning, workspaces
 _SEQ = itertools.count()
@@ -78,6 +79,7 @@ class TrainRecording:
     # per argument: how many tensors hold its gradient's memory while none is handed out (the recording's own)
     own_uses: list = field(init=False)
     holders: list = field(default_factory=list)  # per argument: the leaf the last backward handed its gradient to
+    reads: frozenset = frozenset()  # addresses of the tensors it reads in place (its layer's parameters)
 
     def __post_init__(self):
         self.own_uses = [_uses(g) for g in self.grad_inputs]
@@ -98,12 +100,16 @@ def release_unused_pool() -> None:
     release_pool("training")
 
 
-def drop_training_recordings() -> None:
-    """Forget every training recording and hand back their pool (training runs the original forwards now:
-    `workflows.training`); a later training call through a fused capture records again."""
-    for g in list(_GRAPHED):
-        if isinstance(g, TrainGraphed):
+def drop_training_recordings(addresses: set | None = None) -> None:
+    """Forget the training recordings (those reading a tensor at `addresses` in place: one model's, where
+    given; else every one) and hand back their pool once none is left (training runs the original forwards
+    now: `workflows.training`); a later training call through a fused capture records again."""
+    graphs = [g for g in list(_GRAPHED) if isinstance(g, TrainGraphed)]
+    if addresses is None:
+        for g in graphs:
             g.recordings.clear()
+    else:
+        drop_recordings_reading(graphs, addresses)
     release_unused_pool()
 
 
@@ -141,6 +147,15 @@ class TrainGraphed(Graphed):
         grads = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
         return 2 * super()._copied_bytes(args, inputs_bytes) + grads
 
+    def _make_room(self, args) -> None:
+        """One recording per set of parameters (a layer): each holds its saved activations for good, so a
+        layer called at new shapes replaces its recording instead of adding one (two shape variants held
+        Llama's training above eager's peak). Its memory goes back to the pool for the new one."""
+        reads = in_place_addresses(args, self.recorder.device_type)
+        for key in [k for k, rec in self.recordings.items() if getattr(rec, "reads", None) == reads]:
+            del self.recordings[key]
+        super()._make_room(args)
+
     def _record(self, args) -> TrainRecording:
         inputs = self._static_inputs(args)
         static_args = []
@@ -155,7 +170,9 @@ class TrainGraphed(Graphed):
                 static_args.append(a.detach().requires_grad_(True))
             else:
                 static_args.append(a)
-        return self.recorder.record_training(self.fn, static_args, inputs)
+        rec = self.recorder.record_training(self.fn, static_args, inputs)
+        rec.reads = in_place_addresses(args, self.recorder.device_type)
+        return rec
 
     def _run(self, rec: TrainRecording, args) -> list:
         why = None
