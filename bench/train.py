@@ -71,6 +71,12 @@ AUTOCAST = os.environ.get("FUSION_BENCH_AUTOCAST") == "1"
 # usual fine-tuning; peft is not among the project's dependencies (carry its wheel to the GPU machine)
 LORA = os.environ.get("FUSION_BENCH_LORA") == "1"
 DEFAULT_MODES = "eager,compile,advisor,lce,liger"
+# --form (causal LMs): the call a training loop makes, the same in every mode and handed to `optimize` as is:
+# `inference` (optimize gets the inference inputs; the loop adds labels), `dict` ({"input_ids", "labels",
+# "use_cache": False}: model(**batch)), `tuple` ((ids,): model(ids, labels=ids)), `kwargs` (optimize gets
+# {"input_ids"}: model(input_ids=ids, labels=ids))
+FORMS = ("inference", "dict", "tuple", "kwargs")
+FORM = os.environ.get("FUSION_BENCH_FORM", "inference")
 
 
 # ----------------------------------------------------------------------------------------- child
@@ -163,6 +169,11 @@ class Mode:
         model = w.model.float() if AUTOCAST else w.model
         lm = type(model).__name__.endswith(("LMHeadModel", "CausalLM"))  # HF LMs compute their own loss from labels
         self.labels = w.inputs["input_ids"] if lm and isinstance(w.inputs, dict) else None
+        if self.labels is not None and FORM != "inference":
+            ids = self.labels
+            w.inputs = {"dict": {"input_ids": ids, "labels": ids, "use_cache": False}, "tuple": (ids,),
+                        "kwargs": {"input_ids": ids}}[FORM]
+            self.labels = None if FORM == "dict" else ids
         self.res = res = {"mode": mode, "shape": w.shape, "state_before": process_state()}
         self.report = None  # the advisor's OptimizeReport (advisor modes)
         if mode == "liger":
@@ -471,6 +482,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--autocast", action="store_true", help="fp32 weights, steps under torch.autocast (bf16)")
     p.add_argument("--lora", action="store_true", help="causal LMs: every mode trains LoRA adapters (needs peft)")
+    p.add_argument("--form", choices=FORMS, default="inference", help="causal LMs: the training call the loop makes "
+                   "and optimize is handed (see FORMS)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3, help="eager / compile / advisor built side by side and timed in "
@@ -491,7 +504,7 @@ def main(argv=None) -> int:
     if a.child:
         return child(a.child, modes, a.quick, a.warmup, a.steps, a.result, a.profile, a.rounds)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"results": {}, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+    doc = {"results": {}, "form": a.form, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                     text=True).stdout.strip()}
     for name in names:
         result = a.out.parent / f".train-{name}.json"
@@ -503,7 +516,7 @@ def main(argv=None) -> int:
         try:
             proc = subprocess.run(cmd, timeout=a.timeout, capture_output=True, text=True,
                                   env={**os.environ, **({"FUSION_BENCH_AUTOCAST": "1"} if a.autocast else {}),
-                                       **({"FUSION_BENCH_LORA": "1"} if a.lora else {})})
+                                       **({"FUSION_BENCH_LORA": "1"} if a.lora else {}), "FUSION_BENCH_FORM": a.form})
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
         except subprocess.TimeoutExpired as e:
             tail = [(e.stdout or b"").decode(errors="replace")[-2000:] if isinstance(e.stdout, bytes) else (e.stdout or ""),
