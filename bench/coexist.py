@@ -183,11 +183,6 @@ def child(name: str, result: Path, calls: int, peers: list[str], control: bool =
         res["errors"].append(f"{type(e).__name__}: {str(e)[:300]}")
         res["traceback"] = traceback.format_exc()[-3000:]
     res["ok"] = not res["errors"] and res["mismatches"] == 0 and res["calls"] > 0
-    try:
-        from advisor.patching import graph_pools
-        res["capture_streams"] = sorted(set(graph_pools._STREAM_KINDS.values()))
-    except ImportError:  # a checkout from before graph_pools (the A/B's old code)
-        res["capture_streams"] = ["the recording's side stream"]
     result.write_text(json.dumps(res, indent=1, default=str))
     print(f"{name}: {'ok' if res['ok'] else 'FAILED'}: {res['calls']} patched calls beside {list(steps)}, "
           f"{res['mismatches']} mismatches, errors {res['errors'][:2]}", flush=True)

@@ -86,7 +86,7 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
         monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", self.workspaces.clear, raising=False)
-        monkeypatch.setattr(graph_pools, "_driver_stream", lambda device: None)
+        monkeypatch.setattr(graph_pools, "_driver_stream", lambda device: FakeStream())
         monkeypatch.setattr(graph_pools, "_POOLS", {})
         monkeypatch.setattr(graph_pools, "_SIDE_STREAMS", {})
 
@@ -149,3 +149,20 @@ def test_a_released_pool_takes_its_streams_and_workspaces_with_it(cuda):
     second = graph_pools._POOLS[(torch.device("cpu"), "inference")]
     assert second.handle != first.handle and not set(second.streams.values()) & set(first.streams.values())
     assert cuda.baked[-1] == (second.handle, second.handle)
+
+
+def test_without_a_stream_of_our_own_nothing_is_recorded_and_the_reason_is_kept(cuda, monkeypatch):
+    """A stream from PyTorch's shared set could carry another library's eagerly allocated workspace into the
+    graph: where the driver makes no stream of our own, the function runs op by op and says why."""
+    from advisor.patching.graphs import Graphed
+
+    monkeypatch.setattr(graph_pools, "_driver_stream", lambda device: None)
+
+    class OnTheGpu(CudaRecorder):
+        device_type = "cpu"  # (its arguments are CPU tensors here)
+
+    g = Graphed(lambda x, y: [cuda.matmul(x, y)], OnTheGpu())
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with pytest.warns(RuntimeWarning, match="no CUDA stream of our own"):
+        (out,) = g(a, b)
+    assert torch.allclose(out, a @ b) and "NoPrivateStream" in g.failed and not cuda.baked

@@ -19,7 +19,7 @@ allocated, for as long as the graph may replay:
 - The stream is one nobody else is handed: PyTorch's `torch.cuda.Stream()` cycles through a shared set
   of streams, so another library's eager matmuls could run on the same stream and leave a workspace
   outside our pool in the table. A stream of the driver's own (`cuStreamCreate`) is ours alone; where the
-  driver library cannot be reached, a pooled high-priority stream is the fallback (`private_stream`).
+  driver makes none, nothing is recorded (`private_stream`).
 Warm-ups (first launches compile, autotune and allocate workspaces) run on `side_stream`, never on a
 capture stream.
 """
@@ -55,7 +55,6 @@ class GraphPool:
 
 _POOLS: dict = {}  # (device, kind) -> GraphPool
 _SIDE_STREAMS: dict = {}  # (device, thread) -> the stream warm-ups run on
-_STREAM_KINDS: dict = {}  # "driver" / "pooled": how each capture stream was made (diagnostics)
 
 
 def pool(device: torch.device, kind: str = "inference") -> GraphPool:
@@ -123,14 +122,18 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def private_stream(device: torch.device) -> torch.cuda.Stream:
     """A CUDA stream no other code in the process is handed (see the module's docstring). Never destroyed:
-    cuBLAS's table is keyed by the stream's address, which a destroyed stream's successor could reuse."""
+    cuBLAS's table is keyed by the stream's address, which a destroyed stream's successor could reuse.
+    Where the driver makes none, no graph is recorded (the caller runs op by op and says why): a stream of
+    PyTorch's shared set could carry another library's workspace into our graphs."""
     made = _driver_stream(device)
-    if made is not None:
-        _STREAM_KINDS[made.cuda_stream] = "driver"
-        return made
-    s = torch.cuda.Stream(device, priority=-1)  # the high-priority set: fewer other users than the default one
-    _STREAM_KINDS[s.cuda_stream] = "pooled"
-    return s
+    if made is None:
+        raise NoPrivateStream("no CUDA stream of our own for the capture (the driver's cuStreamCreate failed): "
+                              "a shared stream could hand the graph a workspace another library frees")
+    return made
+
+
+class NoPrivateStream(RuntimeError):
+    pass
 
 
 def _driver_stream(device: torch.device) -> torch.cuda.Stream | None:
