@@ -183,3 +183,29 @@ def test_a_training_check_that_fails_leaves_the_model_working_and_stores_the_tra
     assert not model.training  # left as found, and it still runs
     with torch.no_grad():
         torch.testing.assert_close(model(x), torch.nn.functional.gelu(model.norm(model.lin(x)) + x))
+
+
+def test_a_failure_outside_the_checks_own_handlers_leaves_training_on_the_original_forwards(tmp_path,
+                                                                                           monkeypatch):
+    """optimize still hands back the patched model: training runs the original forwards, with the reason and
+    the traceback recorded, and a training step gives eager's gradients."""
+    import advisor
+    from advisor.patching.forward import TRAINING_CALL
+    from advisor.workflows import live_model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the check's own bug")
+
+    monkeypatch.setattr(live_model, "keep_faster_lm_loss", broken)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU())
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    report = advisor.optimize(model, (x,), out=tmp_path, reuse=False, interpret=True, train=True)
+    assert report.applied and not report.training["kept"], report.training
+    assert "RuntimeError: the check's own bug" in report.training["decision"]
+    assert "the check's own bug" in json.loads((tmp_path / "apply.json").read_text())["training"]["traceback"]
+    model(x).pow(2).mean().backward()
+    twin(x).pow(2).mean().backward()
+    assert TRAINING_CALL in str(report.handle.fallbacks()), report.handle.fallbacks()  # the original forward ran
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
