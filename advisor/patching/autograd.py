@@ -39,6 +39,7 @@ import torch
 from advisor.bench.timing import time_call, timing_meaningful
 from advisor.codegen import Unsupported, generate, load_module
 from advisor.codegen.read import read_program
+from advisor.errors import exception_reason
 from advisor.patching import backward
 from advisor.patching.backward import float_outputs
 from advisor.patching.program import is_scalar_slot
@@ -168,7 +169,7 @@ class Trainable:
                             bw.fused_ms, bw.eager_ms = time_both(self.forward, self.original, bw, xs, key[1][0])
                             bw.faster = bw.fused_ms < bw.eager_ms
                         except Exception as e:  # timing must never break the site: it keeps its original ops
-                            bw.faster, bw.reason = False, f"not timed: {type(e).__name__}: {e}"[:300]
+                            bw.faster, bw.reason = False, f"not timed: {exception_reason(e)}"
                     _BACKWARDS[key] = bw
         return bw
 
@@ -283,7 +284,7 @@ def build(program: dict, key: tuple, device, forward: Callable) -> Backward:
     except Unsupported as e:
         return Backward(None, None, False, f"no backward: {e}")
     except Exception as e:  # a backward that cannot be built must never break the forward
-        return Backward(None, None, False, f"no backward: {type(e).__name__}: {e}"[:500])
+        return Backward(None, None, False, f"no backward: {exception_reason(e, limit=500)}")
 
 
 def _at_shapes(program: dict, shapes: tuple) -> dict:

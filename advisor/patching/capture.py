@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from advisor.codegen.cache import load_module
+from advisor.errors import exception_reason
 from advisor.ops.registry import OpClass, op_class
 from advisor.patching import aot_cache, epilogue, rewrite, splade, timing
 from advisor.patching.causal_masks import fold_causal_masks
@@ -282,7 +283,7 @@ class Backend:
             g.graph.eliminate_dead_code()
             fold_causal_masks(g)
         except Exception as e:
-            self.log.errors.append(f"training graph not traced: {type(e).__name__}: {e}"[:300])
+            self.log.errors.append(f"training graph not traced: {exception_reason(e)}")
             return None
         timing.count("rewrites")
         with timing.timed("rewrite"):

@@ -45,6 +45,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from advisor.errors import exception_reason
 from advisor.kernels import derived
 from advisor.patching import rewrite
 from advisor.patching.capture import Backend, CaptureLog, graphs_run, log_for, plan_digest, trainable
@@ -395,13 +396,13 @@ class PatchedForward:
                 # A training call's capture: training runs the original forward from now on, inference keeps
                 # its capture (an outer one's whole stack, say).
                 self._may_train = False
-                why = f"training capture failed: {type(e).__name__}: {e}"[:300]
+                why = f"training capture failed: {exception_reason(e, named=(m,))}"
                 warnings.warn(f"fusion-advisor: patched {type(m).__name__}.forward could not train fused ({why}); "
                               "its training calls run the original forward", RuntimeWarning, stacklevel=2)
                 return self._fall_back(why, args, kwargs)
             # A capture that cannot run (dynamo limitation, launcher import error, ...): say so once,
             # then behave exactly like the unpatched module.
-            self.failed = f"capture failed: {type(e).__name__}: {e}"
+            self.failed = f"capture failed: {exception_reason(e, named=(m,))}"
             warnings.warn(f"fusion-advisor: patched {type(m).__name__}.forward failed ({self.failed}); "
                           "running the original forward", RuntimeWarning, stacklevel=2)
             return self._fall_back(self.failed, args, kwargs)

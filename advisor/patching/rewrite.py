@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import Graph, Node
 
+from advisor.errors import exception_reason
 from advisor.graph.dtypes import torch_dtype
 from advisor.ops.registry import OpClass, op_class
 from advisor.patching.match import Match, Pattern, compute_users, input_offset, is_transparent, layout, \
@@ -176,7 +177,7 @@ class Site:
             except Exception as e:  # a launcher that fails must not take the model down with it
                 if _capturing():
                     raise  # fails the CUDA graph's recording (the forward then runs op by op), not the launcher
-                self.broken = f"{type(e).__name__}: {e}"
+                self.broken = exception_reason(e)
                 warnings.warn(f"fusion-advisor: {self.label}: launcher failed ({self.broken}); "
                               "running the original ops from now on", RuntimeWarning, stacklevel=2)
         self.stats["fell_back"] += 1

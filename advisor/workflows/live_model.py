@@ -24,12 +24,13 @@ import torch
 
 from advisor.analysis.api import analyze
 from advisor.collect.in_process import profile_calls
-from advisor.errors import AdvisorError
+from advisor.errors import AdvisorError, exception_details, exception_reason
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
 from advisor.patching.capture import launched_sites
 from advisor.patching.graphs import clear_recordings
+from advisor.patching.train_graphs import drop_training_recordings
 from advisor.patching.verify import check, eval_if_unrepeatable, float32_reference
 from advisor.records import PatternResult
 from advisor.stopwatch import Stopwatch
@@ -202,9 +203,18 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
         with phases("train_check"):
             # The LM loss first: the training check then steps as the user's loop will (its loss included), held
             # to the memory of the user's model (its loss as before)
-            lm_loss = keep_faster_lm_loss(model, args, kwargs, device, iters)
-            training = keep_faster_training(model, handle, args, kwargs, device, iters, train_memory,
-                                            *causal_lm_step(model, args, kwargs, lm_loss))
+            lm_loss = None
+            try:
+                lm_loss = keep_faster_lm_loss(model, args, kwargs, device, iters)
+                training = keep_faster_training(model, handle, args, kwargs, device, iters, train_memory,
+                                                *causal_lm_step(model, args, kwargs, lm_loss))
+            except Exception as e:  # each check catches its own failures; one outside them must not cost the
+                # user their patched model either: training then runs the original forwards
+                handle.train_fused(False)
+                drop_training_recordings()
+                training = {"decision": f"training runs the original forwards (its check failed: "
+                                        f"{exception_reason(e, named=(model,))}; apply.json's training.traceback "
+                                        "has the full error)", "kept": False, **exception_details(e)}
             if lm_loss is not None:
                 training["lm_loss"] = lm_loss
     handle.settle()  # the checks' own captures (training calls, their modes) are not the user's loop's budget

@@ -5,10 +5,10 @@ cross-entropy and keeps the softmax's gradient as large: on the suite's Llama (4
 1.5 GB and 4.4 ms of the step for the head's forward and backward. The fused loss
 (`kernels.linear_cross_entropy`) goes through the rows in chunks and never holds them (0.4 GB, 2.9 ms on
 the H100: reports/lce-chunks-h100.json). It is used only where it computes the model's own loss: on the
-example (its input_ids as labels, dropout off) the fused loss against the model's forward with labels (which
-tells apart heads that do more than the projection, BERT's LM transform, or rescale the logits); then, like
-a generated kernel, on the example's token count its loss and gradients (hidden states, weight, bias)
-against eager's; then, on a GPU, the model's training call with labels timed with its loss both ways
+example (its labels, else its input_ids as labels; dropout off) the fused loss against the model's forward
+with labels (which tells apart heads that do more than the projection, BERT's LM transform, or rescale the
+logits); then, like a generated kernel, on the example's token count its loss and gradients (hidden states,
+weight, bias) against eager's; then, on a GPU, the model's training call with labels timed with its loss both ways
 (eager's way is the model's forward as it is: a head another pattern patched runs so), interleaved, with the
 peak memory of each; it is used only where it validated and either times faster beyond the noise and is no
 heavier, or is lighter and not slower beyond the noise (the suite's Llama on the H100: 1.2 GB lighter and
@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from advisor.bench import timing  # read at call time: tests replace its clocks
+from advisor.errors import exception_details, exception_reason
 from advisor.kernels.linear_cross_entropy import (CausalLMLossForward, LinearCrossEntropyFunction, NotCausalLM,
                                                   causal_lm_parts, fused_causal_lm_loss,
                                                   linear_cross_entropy_reference)
@@ -58,8 +59,9 @@ def keep_faster_lm_loss(model: torch.nn.Module, args: tuple, kwargs: dict, devic
         wrapper = model.__dict__.get("forward")
         if isinstance(wrapper, CausalLMLossForward):
             wrapper.remove()
-        return out | {"decision": f"eager's LM loss (its check failed: {type(e).__name__}: {str(e)[:200]})",
-                      "kept": False}
+        return out | {"decision": f"eager's LM loss (its check failed: {exception_reason(e, named=(model,))}; "
+                                  "apply.json's training.lm_loss.traceback has the full error)", "kept": False,
+                      **exception_details(e)}
 
 
 def _checked_and_timed(model, head, args: tuple, kwargs: dict, device: str, iters: int, out: dict) -> dict:
@@ -97,14 +99,14 @@ def _checked_and_timed(model, head, args: tuple, kwargs: dict, device: str, iter
 
 def causal_lm_step(model: torch.nn.Module, args: tuple, kwargs: dict, decision: dict | None) -> tuple:
     """(labels, baseline) for the training check (`training.keep_faster_training`) of a causal LM this module
-    decided on (`decision` not None): its input_ids as labels, and a context in which its loss is eager's (the
+    decided on (`decision` not None): its labels (`_labels`), and a context in which its loss is eager's (the
     fused loss off, where kept); (None, None) for other models."""
     if decision is None:
         return None, None
     wrapper = _inner(model).__dict__.get("forward")
     if not isinstance(wrapper, CausalLMLossForward):
-        return _input_ids(args, kwargs), None
-    return _input_ids(args, kwargs), _fused_loss(wrapper, False)
+        return _labels(args, kwargs), None
+    return _labels(args, kwargs), _fused_loss(wrapper, False)
 
 
 def _fused_loss(wrapper: CausalLMLossForward, on: bool) -> Callable:
@@ -132,14 +134,21 @@ def _input_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
 
 
+def _labels(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The labels a training call on the example trains on: the caller's where the example carries them (a
+    training loop's inputs), else its input_ids (HF's causal LMs shift them inside their loss)."""
+    labels = kwargs.get("labels")
+    return labels if isinstance(labels, torch.Tensor) else _input_ids(args, kwargs)
+
+
 def _tokens(args: tuple, kwargs: dict) -> int | None:
     ids = _input_ids(args, kwargs)
     return None if ids is None else ids.numel()
 
 
 def _against_the_models_loss(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[float, type | None]:
-    """How far the fused loss is from the model's own (its forward with labels) on the example, its input_ids as
-    labels, dropout off: the one check that the model's loss is what the fused one computes (cross-entropy of
+    """How far the fused loss is from the model's own (its forward with labels) on the example, its labels
+    (`_labels`), dropout off: the one check that the model's loss is what the fused one computes (cross-entropy of
     the base model's hidden states through the head, labels shifted by one), whatever the model's code does
     between them. The head's weight is scaled up for it (`SHARPEN`, restored exactly after): with random
     weights the logits are near 0 and every position's loss near log V, whichever label it is scored against
@@ -148,7 +157,7 @@ def _against_the_models_loss(model: torch.nn.Module, args: tuple, kwargs: dict) 
     model's states against the model's own). Returns the larger relative error (inf where the model's output
     is not a dataclass with `loss` first and `logits`) and the model's output class (the fused loss's output
     keeps it)."""
-    labelled = dict(kwargs, labels=_input_ids(args, kwargs))
+    labelled = dict(kwargs, labels=_labels(args, kwargs))
     modes = {m: m.training for m in model.modules()}
     head = model.get_output_embeddings()
     saved = head.weight.detach().clone()
@@ -208,7 +217,7 @@ def _timed(model: torch.nn.Module, args: tuple, kwargs: dict, wrapper, device: s
     `zero_grad` does), timed interleaved with the loss eager's way (the model's forward as it was: its patched
     head, say) and fused, with each one's peak memory. The model is left as it was found."""
     params = [p for p in model.parameters() if p.is_floating_point()]
-    step = labelled_step(model, args, kwargs, _input_ids(args, kwargs), params)
+    step = labelled_step(model, args, kwargs, _labels(args, kwargs), params)
     eager, fused = _fused_loss(wrapper, False), _fused_loss(wrapper, True)
     peaks = {}
     with left_as_found(model, [], device):

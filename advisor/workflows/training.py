@@ -20,6 +20,7 @@ The model is left as it was found: module modes, parameters' `requires_grad`, gr
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from typing import Callable
 
@@ -27,6 +28,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from advisor.bench import timing  # read at call time: tests replace its clocks
+from advisor.errors import exception_details, exception_reason
 from advisor.patching.forward import TRAINING_CALL
 from advisor.patching.train_graphs import drop_training_recordings
 from advisor.workflows.selection import ROUNDS, Option, margin_ms, shown_faster
@@ -67,7 +69,8 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
                 out["decision"] += " (the model's parameters were made trainable for the comparison: none was)"
         except Exception as e:  # the comparison failing must not cost the user their (inference) patch
             out = {"decision": f"training runs the original forwards (its comparison failed: "
-                               f"{type(e).__name__}: {str(e)[:200]})", "kept": False}
+                               f"{exception_reason(e, named=(model,))}; apply.json's training.traceback has the "
+                               "full error)", "kept": False, **exception_details(e)}
     handle.train_fused(out["kept"])
     if not out["kept"]:
         drop_training_recordings(_addresses(model))
@@ -138,16 +141,17 @@ def training_call(model: torch.nn.Module, args: tuple, kwargs: dict,
     fused training 0.19 GB heavier (its recordings' saved tensors resident to the end of the backward) where
     the training loop measured it 0.59 GB lighter than eager (reports/train-h100-session22/).
 
-    `labels` (a causal LM's): the step is the model's own loss from them, as an HF LM's training step computes
-    it (the fused LM loss where `workflows.lm_loss` kept it: no logits), if the model returns one."""
+    Where the model computes its own loss, the step is that loss's backward, as a training loop's is: from the
+    labels among the caller's inputs, else from `labels` (a causal LM's input_ids, `workflows.lm_loss`: the
+    fused LM loss where it kept it, no logits)."""
     leaves = [p for p in model.parameters() if p.requires_grad] + _grad_leaves((args, kwargs))
-    if labels is not None:
-        with torch.enable_grad():
-            own = getattr(model(*args, **kwargs, labels=labels), "loss", None)
-        if isinstance(own, torch.Tensor) and own.requires_grad:
-            return labelled_step(model, args, kwargs, labels, leaves)
+    kwargs = with_labels(model, args, kwargs, labels)
     with torch.enable_grad():
-        probe = _differentiable(model(*args, **kwargs))
+        out = model(*args, **kwargs)
+    if _own_loss(out) is not None:
+        return labelled_step(model, args, kwargs, None, leaves)
+    probe = _differentiable(out)
+    del out
     if not probe:
         return None
     gen = torch.Generator(probe[0].device).manual_seed(0)
@@ -165,16 +169,44 @@ def training_call(model: torch.nn.Module, args: tuple, kwargs: dict,
     return step
 
 
-def labelled_step(model: torch.nn.Module, args: tuple, kwargs: dict, labels: torch.Tensor,
+def labelled_step(model: torch.nn.Module, args: tuple, kwargs: dict, labels: torch.Tensor | None,
                   leaves: list) -> Callable[[], None]:
-    """A causal LM's training call: forward with labels, backward from the model's own loss, then the leaves'
-    gradients set to None as `zero_grad` does."""
+    """A training call of a model that computes its own loss: forward with labels (the caller's where its inputs
+    carry them, else `labels`: `with_labels`), backward from the model's loss, then the leaves' gradients set to
+    None as `zero_grad` does."""
+    kwargs = with_labels(model, args, kwargs, labels)
+
     def step() -> None:
         with torch.enable_grad():
-            model(*args, **kwargs, labels=labels).loss.backward()
+            model(*args, **kwargs).loss.backward()
         for t in leaves:
             t.grad = None
     return step
+
+
+def with_labels(model: torch.nn.Module, args: tuple, kwargs: dict, labels: torch.Tensor | None) -> dict:
+    """The call's keyword arguments with `labels` added, unless the caller's inputs carry labels already (a
+    training loop's inputs: it trains on those) or `labels` is None. Never a second value for the argument:
+    Python refuses that call with a TypeError that names the model by its whole repr."""
+    if labels is None or kwargs.get("labels") is not None or _labels_positional(model, args):
+        return kwargs
+    return {**kwargs, "labels": labels}
+
+
+def _labels_positional(model: torch.nn.Module, args: tuple) -> bool:
+    """Whether the positional arguments reach the forward's `labels` parameter."""
+    if not args:
+        return False
+    try:
+        return "labels" in inspect.signature(model.forward).bind_partial(*args).arguments
+    except (TypeError, ValueError):  # no signature to read, or the arguments do not bind: nothing to tell
+        return False
+
+
+def _own_loss(out) -> torch.Tensor | None:
+    """The loss a model's output carries (an HF model called with labels), where a backward can start from it."""
+    loss = getattr(out, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1 else None
 
 
 def _weighted(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
