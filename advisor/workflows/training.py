@@ -27,6 +27,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from advisor.bench import timing  # read at call time: tests replace its clocks
+from advisor.example_inputs import snapshot
 from advisor.patching.forward import TRAINING_CALL
 from advisor.patching.train_graphs import drop_training_recordings
 from advisor.workflows.selection import ROUNDS, Option, margin_ms, shown_faster
@@ -135,11 +136,11 @@ def training_call(model: torch.nn.Module, args: tuple, kwargs: dict,
     leaves = [p for p in model.parameters() if p.requires_grad] + _grad_leaves((args, kwargs))
     if labels is not None:
         with torch.enable_grad():
-            own = getattr(model(*args, **kwargs, labels=labels), "loss", None)
+            own = getattr(_called(model, args, kwargs, labels), "loss", None)
         if isinstance(own, torch.Tensor) and own.requires_grad:
             return labelled_step(model, args, kwargs, labels, leaves)
     with torch.enable_grad():
-        probe = _differentiable(model(*args, **kwargs))
+        probe = _differentiable(_called(model, args, kwargs))
     if not probe:
         return None
     gen = torch.Generator(probe[0].device).manual_seed(0)
@@ -148,7 +149,7 @@ def training_call(model: torch.nn.Module, args: tuple, kwargs: dict,
 
     def step() -> None:
         with torch.enable_grad():
-            outs = _differentiable(model(*args, **kwargs))
+            outs = _differentiable(_called(model, args, kwargs))
             loss = sum(_weighted(o, c) for o, c in zip(outs, cotangents))
             loss.backward()
             del loss, outs
@@ -163,10 +164,18 @@ def labelled_step(model: torch.nn.Module, args: tuple, kwargs: dict, labels: tor
     gradients set to None as `zero_grad` does."""
     def step() -> None:
         with torch.enable_grad():
-            model(*args, **kwargs, labels=labels).loss.backward()
+            _called(model, args, kwargs, labels).loss.backward()
         for t in leaves:
             t.grad = None
     return step
+
+
+def _called(model: torch.nn.Module, args: tuple, kwargs: dict, labels: torch.Tensor | None = None):
+    """`model(*args, **kwargs)` (with `labels=labels` where given) on a snapshot of them: the user's example, and
+    labels that are its input_ids, stay as they are whatever the forward or its loss edits in place. The gradients
+    of inputs that require one land on the snapshot's leaves."""
+    args, kwargs, labels = snapshot((args, kwargs, labels))
+    return model(*args, **kwargs) if labels is None else model(*args, **kwargs, labels=labels)
 
 
 def _weighted(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
