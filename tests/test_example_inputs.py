@@ -92,3 +92,22 @@ def test_a_snapshot_copies_tensors_and_containers_and_keeps_their_sharing():
     with torch.no_grad():
         a.add_(1)
     assert not torch.equal(a, x)
+
+
+def test_a_static_kv_cache_among_the_example_inputs_is_handed_back_unused(tmp_path):
+    """`generate()`'s first forward passes a cache object; optimize called the model many times with that one
+    object, and a `StaticCache` was written past its end (IndexError from `index_copy_`). Each call now gets a
+    deep copy: the user's cache is untouched, ready for their own first call."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=256, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).eval()
+    cache = StaticCache(config=cfg, max_cache_len=26)
+    example = {"input_ids": torch.randint(0, 256, (1, 10)), "past_key_values": cache, "use_cache": True,
+               "cache_position": torch.arange(10)}
+    report = advisor.optimize(model, example, out=tmp_path / "opt", reuse=False, interpret=True)
+    assert report.applied, report
+    assert example["past_key_values"] is cache and cache.get_seq_length() == 0
+    assert all(not getattr(layer, "is_initialized", False) or not layer.keys.any() for layer in cache.layers)
