@@ -29,13 +29,17 @@ stack as one CUDA graph. A patched forward reached while dynamo traces (inside a
 inside the user's own `torch.compile`) is transparent: dynamo inlines the original forward.
 Hooks registered (or removed) after patching on any module inside a captured one, and instance
 forwards replaced there, are not seen by dynamo's guards: `HookWatch` sees them and the module then
-runs its original forward, which honours them (said once). Nothing unpicklable is stored on the module.
+runs its original forward, which honours them (said once). HF's output-capturing hooks, installed inside
+every layer by the first call asking for `output_hidden_states`, are dormant in other calls: only the calls
+asking for extra outputs run the original forward (`HookWatch`, `dormant_hook`). Nothing unpicklable is stored
+on the module.
 """
 from __future__ import annotations
 
 import copy
 import functools
 import inspect
+import sys
 import types
 import warnings
 import weakref
@@ -604,8 +608,6 @@ def dormant_hook(hook: Callable) -> Callable[[], bool] | None:
     outputs only while a model call asking for them has a collector holding their key (`_active_collector`)."""
     if getattr(hook, "__name__", None) != "output_capturing_hook":
         return None
-    import sys
-
     collector = getattr(sys.modules.get(getattr(hook, "__module__", None) or ""), "_active_collector", None)
     return None if collector is None or not callable(getattr(collector, "get", None)) else _collecting(collector)
 
