@@ -123,14 +123,14 @@ def test_the_training_call_trains_on_the_callers_labels_however_they_are_passed(
         model.seen.clear()
         step = training.training_call(model, args, kwargs, labels=added)
         step()
-        assert model.seen and all(seen is mine for seen in model.seen), (args, kwargs)
+        assert model.seen and all(torch.equal(seen, mine) for seen in model.seen), (args, kwargs)  # (on a snapshot)
     model.seen.clear()
     training.training_call(model, (x,), {}, labels=added)()
-    assert model.seen and all(seen is added for seen in model.seen)
+    assert model.seen and all(torch.equal(seen, added) for seen in model.seen)
     model.seen.clear()  # labels only among the caller's inputs (no LM loss added): still the model's own loss
     step = training.training_call(model, (), {"x": x, "labels": mine})
     step()
-    assert model.seen and all(seen is mine for seen in model.seen)
+    assert model.seen and all(torch.equal(seen, mine) for seen in model.seen)
     assert all(p.grad is None for p in model.parameters())  # set to None after the step, as zero_grad does
 
 

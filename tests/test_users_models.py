@@ -14,6 +14,7 @@ import torch
 
 import advisor
 from advisor.patching import patched_modules
+from advisor.patching.forward import EXTRA_OUTPUTS
 from advisor.status import Status
 from candidates import RESIDUAL_RMSNORM, ROTARY, candidates_of  # (pytest puts tests/ on sys.path)
 
@@ -120,6 +121,39 @@ def test_hooks_added_after_optimize_are_honoured(optimized):
     before = launches(model)  # hooks gone: layer 0 runs its captured graph again
     torch.testing.assert_close(logits(model, batch()), logits(untouched, batch()), rtol=1e-4, atol=1e-4)
     assert launches(model) > before
+
+
+def test_a_call_asking_for_hidden_states_leaves_later_calls_fused(tmp_path):
+    """HF installs its output-capturing hooks inside every layer on the first call asking for
+    `output_hidden_states`; they were taken for hooks the user added, and every later call ran the original
+    forward (a Mistral's 16 launches per call -> 0 for good). Now only the calls asking for extra outputs do,
+    counted in the handle's fallbacks, and their hidden states are the unpatched model's."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                                             max_position_embeddings=128)).eval()
+    untouched = copy.deepcopy(model)
+    x = batch()
+    report = advisor.optimize(model, x, out=tmp_path / "opt", reuse=False, interpret=True)
+
+    def launched(**extra) -> tuple[int, object]:
+        before = launches(model)
+        with torch.no_grad():
+            out = model(**x, **extra)
+        return launches(model) - before, out
+
+    fused, _ = launched()
+    assert fused > 0
+    _, out = launched(output_hidden_states=True)
+    with torch.no_grad():
+        want = untouched(**x, output_hidden_states=True).hidden_states
+    assert len(out.hidden_states) == len(want) == 3
+    for got, expected in zip(out.hidden_states, want):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert [launched()[0] for _ in range(2)] == [fused, fused]
+    assert all(why == {EXTRA_OUTPUTS: 1} for why in report.handle.fallbacks().values()), report.handle.fallbacks()
 
 
 def test_other_shapes_afterwards_never_wait_for_dynamo(optimized):

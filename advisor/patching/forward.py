@@ -29,13 +29,17 @@ stack as one CUDA graph. A patched forward reached while dynamo traces (inside a
 inside the user's own `torch.compile`) is transparent: dynamo inlines the original forward.
 Hooks registered (or removed) after patching on any module inside a captured one, and instance
 forwards replaced there, are not seen by dynamo's guards: `HookWatch` sees them and the module then
-runs its original forward, which honours them (said once). Nothing unpicklable is stored on the module.
+runs its original forward, which honours them (said once). HF's output-capturing hooks, installed inside
+every layer by the first call asking for `output_hidden_states`, are dormant in other calls: only the calls
+asking for extra outputs run the original forward (`HookWatch`, `dormant_hook`). Nothing unpicklable is stored
+on the module.
 """
 from __future__ import annotations
 
 import copy
 import functools
 import inspect
+import sys
 import types
 import warnings
 import weakref
@@ -361,7 +365,7 @@ class PatchedForward:
             fn = self._own()
         changed = self._watch.changed()
         if changed:
-            if changed not in self.fallbacks:
+            if changed not in self.fallbacks and changed != EXTRA_OUTPUTS:
                 warnings.warn(f"fusion-advisor: {changed} inside the patched {type(m).__name__}: it runs its "
                               "original forward, which honours them (optimize again to fuse with them)",
                               RuntimeWarning, stacklevel=2)
@@ -533,7 +537,13 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
 class HookWatch:
     """Whether hooks or forwards inside a captured module changed since it was captured. Dynamo does not
     guard on them, so a hook added later on a submodule would silently never run. Checked on every call:
-    one comparison of a global counter and of the hook dicts' sizes (a few µs for a decoder layer)."""
+    one comparison of a global counter and of the hook dicts' sizes (a few µs for a decoder layer).
+
+    Hooks added later that do nothing unless their library asks for something in the call at hand
+    (`dormant_hook`: HF's output-capturing hooks, installed on the first call asking for
+    `output_hidden_states` or `output_attentions`) are taken in, not counted as a change: a call in which one
+    is live runs the original forward for that call only (`EXTRA_OUTPUTS`), every other call the capture,
+    which those hooks would have left as it is."""
 
     def __init__(self, module: torch.nn.Module):
         from torch.nn.modules import module as nn_module
@@ -543,6 +553,11 @@ class HookWatch:
         self.dicts = [d for m in self.subs for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
                                                  m._backward_pre_hooks)]
         self.dicts += [getattr(nn_module, name) for name in _GLOBAL_HOOKS]
+        self.dormant: list[Callable[[], bool]] = []  # whether each kind of dormant hook taken in is live now
+        self._seen()
+
+    def _seen(self) -> None:
+        """The hooks as they are now are the ones the capture stands for."""
         self.keys = self._keys()
         self.sizes = self._sizes()
         self.next_id = RemovableHandle.next_id
@@ -560,15 +575,48 @@ class HookWatch:
         return tuple(tuple(d) for d in self.dicts)
 
     def changed(self) -> str | None:
-        """None when nothing changed, else what did (in words)."""
-        if RemovableHandle.next_id == self.next_id and self._sizes() == self.sizes:
-            return None
-        if self._sizes()[len(self.dicts):] != self.sizes[len(self.dicts):]:
-            return "a forward replaced after patching"
-        if self._keys() != self.keys:
-            return "hooks registered or removed after patching"
-        self.next_id = RemovableHandle.next_id  # a hook elsewhere (a tensor's, another model's)
+        """None when nothing changed (or only dormant hooks came, none live in this call), else what did (in words)."""
+        if RemovableHandle.next_id != self.next_id or self._sizes() != self.sizes:
+            if self._sizes()[len(self.dicts):] != self.sizes[len(self.dicts):]:
+                return "a forward replaced after patching"
+            if self._keys() != self.keys:
+                if not self._only_dormant_added():
+                    return "hooks registered or removed after patching"
+            self._seen()  # a hook elsewhere (a tensor's, another model's), or dormant ones taken in
+        return EXTRA_OUTPUTS if any(live() for live in self.dormant) else None
+
+    def _only_dormant_added(self) -> bool:
+        """Whether the only change is hooks added that are dormant (`dormant_hook`); if so they are taken in."""
+        added = []
+        for d, keys in zip(self.dicts, self.keys):
+            if not set(keys) <= d.keys():
+                return False  # one removed: the capture ran it
+            added += [d[k] for k in d.keys() - set(keys)]
+        lives = [dormant_hook(h) for h in added]
+        if not added or any(live is None for live in lives):
+            return False
+        self.dormant += [live for live in dict.fromkeys(lives) if live not in self.dormant]
+        return True
+
+
+EXTRA_OUTPUTS = ("a call asking for extra outputs (output_hidden_states, output_attentions): the original forward ran "
+                 "that call, whose hooks collect them; other calls run fused")
+
+
+def dormant_hook(hook: Callable) -> Callable[[], bool] | None:
+    """For a hook known to do nothing unless its library asks for something in the current call: a function
+    telling whether it is live now; else None. HF's output-capturing hooks (transformers >= 5) record layer
+    outputs only while a model call asking for them has a collector holding their key (`_active_collector`)."""
+    if getattr(hook, "__name__", None) != "output_capturing_hook":
         return None
+    collector = getattr(sys.modules.get(getattr(hook, "__module__", None) or ""), "_active_collector", None)
+    return None if collector is None or not callable(getattr(collector, "get", None)) else _collecting(collector)
+
+
+@functools.lru_cache(maxsize=None)
+def _collecting(collector) -> Callable[[], bool]:
+    """One function per collector (so that a watch lists each kind once). A call asking for nothing opens an empty one."""
+    return lambda: bool(collector.get())
 
 
 def _as_normal_inputs(x):

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from advisor.bench.compare import Comparison, compare_outputs
+from advisor.example_inputs import snapshot
 from advisor.ops import registry
 from advisor.patching import Patched, only, patch, patches_off, whole
 from advisor.patching.capture import launched_sites
@@ -199,7 +200,7 @@ def float32_reference(module: torch.nn.Module, args: tuple, kwargs: dict) -> Cal
 
     def run():
         twin = copy.deepcopy(module).float()
-        a, k = tree_map(up, (args, kwargs))
+        a, k = tree_map(up, snapshot((args, kwargs)))  # `up` hands float32 inputs over as they are
         try:
             with patches_off(), torch.inference_mode():
                 return twin(*a, **k)

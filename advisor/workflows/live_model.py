@@ -25,6 +25,7 @@ import torch
 from advisor.analysis.api import analyze
 from advisor.collect.in_process import profile_calls
 from advisor.errors import AdvisorError, exception_details, exception_reason
+from advisor.example_inputs import snapshot
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
@@ -110,8 +111,9 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
     unpatch(model)  # profile the original (and probe it for random ops)
 
     def call():  # as most users call a model for inference (HF's docs, eval loops); a patched forward
+        call_args, call_kwargs = snapshot((args, kwargs))  # the user's inputs stay as they handed them over
         with torch.no_grad():  # runs calls in inference mode through the same capture (`PatchedForward`)
-            return model(*args, **kwargs)
+            return model(*call_args, **call_kwargs)
 
     with eval_if_unrepeatable(model, call) as modes:
         return _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity,

@@ -27,6 +27,7 @@ import torch
 
 from advisor.bench import timing  # read at call time: tests replace its clocks
 from advisor.errors import exception_details, exception_reason
+from advisor.example_inputs import snapshot
 from advisor.kernels.linear_cross_entropy import (CausalLMLossForward, LinearCrossEntropyFunction, NotCausalLM,
                                                   causal_lm_parts, fused_causal_lm_loss,
                                                   linear_cross_entropy_reference)
@@ -165,8 +166,10 @@ def _against_the_models_loss(model: torch.nn.Module, args: tuple, kwargs: dict) 
     try:
         with torch.no_grad():
             head.weight.mul_(SHARPEN)
-            theirs = model(*args, **labelled)  # no grad: the original forward, even if wrapped
-            loss, hidden, _ = CausalLMLossForward(model).loss(*args, **dict(labelled))
+            a, k = snapshot((args, labelled))
+            theirs = model(*a, **k)  # no grad: the original forward, even if wrapped
+            a, k = snapshot((args, labelled))
+            loss, hidden, _ = CausalLMLossForward(model).loss(*a, **k)
             logits = head(hidden)
     finally:
         with torch.no_grad():

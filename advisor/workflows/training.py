@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from advisor.bench import timing  # read at call time: tests replace its clocks
 from advisor.errors import exception_details, exception_reason
+from advisor.example_inputs import snapshot
 from advisor.patching.forward import TRAINING_CALL
 from advisor.patching.train_graphs import drop_training_recordings
 from advisor.workflows.selection import ROUNDS, Option, margin_ms, shown_faster
@@ -147,7 +148,7 @@ def training_call(model: torch.nn.Module, args: tuple, kwargs: dict,
     leaves = [p for p in model.parameters() if p.requires_grad] + _grad_leaves((args, kwargs))
     kwargs = with_labels(model, args, kwargs, labels)
     with torch.enable_grad():
-        out = model(*args, **kwargs)
+        out = _called(model, args, kwargs)
     if _own_loss(out) is not None:
         return labelled_step(model, args, kwargs, None, leaves)
     probe = _differentiable(out)
@@ -160,7 +161,7 @@ def training_call(model: torch.nn.Module, args: tuple, kwargs: dict,
 
     def step() -> None:
         with torch.enable_grad():
-            outs = _differentiable(model(*args, **kwargs))
+            outs = _differentiable(_called(model, args, kwargs))
             loss = sum(_weighted(o, c) for o, c in zip(outs, cotangents))
             loss.backward()
             del loss, outs
@@ -178,7 +179,7 @@ def labelled_step(model: torch.nn.Module, args: tuple, kwargs: dict, labels: tor
 
     def step() -> None:
         with torch.enable_grad():
-            model(*args, **kwargs).loss.backward()
+            _called(model, args, kwargs).loss.backward()
         for t in leaves:
             t.grad = None
     return step
@@ -207,6 +208,14 @@ def _own_loss(out) -> torch.Tensor | None:
     """The loss a model's output carries (an HF model called with labels), where a backward can start from it."""
     loss = getattr(out, "loss", None)
     return loss if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1 else None
+
+
+def _called(model: torch.nn.Module, args: tuple, kwargs: dict, labels: torch.Tensor | None = None):
+    """`model(*args, **kwargs)` (with `labels=labels` where given) on a snapshot of them: the user's example, and
+    labels that are its input_ids, stay as they are whatever the forward or its loss edits in place. The gradients
+    of inputs that require one land on the snapshot's leaves."""
+    args, kwargs = snapshot((args, with_labels(model, args, kwargs, labels)))
+    return model(*args, **kwargs)
 
 
 def _weighted(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
