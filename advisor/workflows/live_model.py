@@ -28,6 +28,7 @@ from advisor.errors import AdvisorError
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
+from advisor.patching.modules import under_compile
 from advisor.patching.capture import launched_sites
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.verify import check, eval_if_unrepeatable, float32_reference
@@ -105,6 +106,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         raise AdvisorError(f"train_memory is the extra peak memory fused training may take, as a fraction from 0 to "
                            f"1 (0.05: 5%); got {train_memory!r}")
     use_interpreter_without_gpu()
+    model = under_compile(model)  # a torch.compile wrapper: the module it calls is optimised, the wrapper keeps working
     args, kwargs = split_inputs(example_inputs)
     unpatch(model)  # profile the original (and probe it for random ops)
 
