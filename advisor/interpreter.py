@@ -6,6 +6,16 @@ the flag (transformers imports triton), kernels with reductions fail inside the 
 `import advisor` sets the flag on a machine without a GPU, and `interpreter_problem` names the case
 where it came too late. The interpreter also converts float32 to bfloat16 by truncation where the GPU
 rounds to nearest even: `round_like_the_gpu` gives it the GPU's rounding before any kernel runs.
+
+Not done yet: choosing the backend per launch from the tensors' device, without the process-wide flag (which
+also sends the user's own later `@triton.jit` kernels to the interpreter). Triton 3.9 allows it: a JITFunction
+kernel runs interpreted on CPU tensors as `InterpretedFunction(kernel.fn)[grid](...)` provided the `@jit`
+functions it calls (`tl.sum`, our helpers; JITFunctions, whose `__call__` refuses outside a compile) are
+called as `InterpretedFunction`s for the launch (`JITFunction.__call__` swapped within it, with
+`knobs.runtime.interpret` on: constexpr functions read it). The launch point would be an instance-level `run`
+on each kernel of a generated module (`codegen.cache.load_module`) and of `advisor/kernels`; what reads
+TRITON_INTERPRET today (validate.interpreted, the hand-written kernels' `_INTERPRET`, workers, triton_setup,
+`patch_interpreter`) would then ask the device instead.
 """
 from __future__ import annotations
 
@@ -68,5 +78,6 @@ def interpreter_problem() -> str | None:
 
     if type(tl.standard.sum).__name__ == "InterpretedFunction":
         return None
-    return ("triton was imported before TRITON_INTERPRET=1 was set (e.g. by transformers), so its reductions "
-            "cannot run in the interpreter: import advisor first, or set TRITON_INTERPRET=1 in the environment")
+    return ("triton was imported before TRITON_INTERPRET=1 was set (by the script before `import advisor`, or by a "
+            "library that imports it, e.g. transformers), so its reductions cannot run in Triton's interpreter: "
+            "import advisor before triton, or set TRITON_INTERPRET=1 in the environment")

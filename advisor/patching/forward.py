@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import logging
 import sys
 import types
 import warnings
@@ -293,8 +294,13 @@ class PatchedForward:
         forced = rewrite.outer_override() if self.outer else None
         return self.active if forced is None else forced
 
+    @property
+    def __code__(self):
+        """The original forward's code: `torch.export` names its trace after `module.forward.__code__`."""
+        return self.original().__code__
+
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling():  # traced by an outer capture (or the user's torch.compile): inlined
+        if _traced(self.module):  # an outer capture, torch.compile, torch.export, jit.trace: inlined
             # (a plain call, as `_target` spells it: dynamo cannot trace `function.__get__`, and a graph
             # break inside the outer capture's layer loop made dynamo skip the whole stack's frame)
             fn, lead = self._target()
@@ -641,6 +647,35 @@ def _as_normal_tensor(t: torch.Tensor) -> torch.Tensor:
         return t
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
                                                                t.stride())
+
+
+_log = logging.getLogger(__name__)
+_TRACERS_TOLD: set = set()  # which whole-model tracers the log has named already (once per process each)
+
+
+def _traced(m: torch.nn.Module) -> bool:
+    """Whether a tracer is recording this call: dynamo (an outer capture, the user's `torch.compile`,
+    `torch.export`), `torch.jit.trace` or FX's symbolic trace. Each then sees the original forward: a
+    capture of ours inside it could only fail (jit.trace refuses a dynamo-compiled function, and the failure
+    used to switch the module to its original forward for good) or stand in its graph for the model's ops.
+    The exporting tracers are told once in the log that their graph holds the model's own ops (not from
+    inside dynamo, which would break its graph on the logging call)."""
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    if torch.compiler.is_exporting():
+        tracer = "torch.export"
+    elif torch.jit.is_tracing():
+        tracer = "torch.jit.trace"
+    elif torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+        tracer = "torch.fx"
+    else:
+        return torch.compiler.is_compiling()
+    if tracer not in _TRACERS_TOLD:
+        _TRACERS_TOLD.add(tracer)
+        _log.info("fusion-advisor: %s traces the original forward of the patched %s (and of every patched module): "
+                  "its graph holds the model's own ops, not the fused kernels; the patched model itself still runs "
+                  "them", tracer, type(m).__name__)
+    return True
 
 
 def _needs_autograd(m: torch.nn.Module, args, kwargs) -> bool:

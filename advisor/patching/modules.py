@@ -11,11 +11,32 @@ check that each step descends from the previous one.
 """
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 
 _INSTANCE = re.compile(r"^(?P<cls>[A-Za-z_]\w*?)_(?P<n>\d+)$")
+log = logging.getLogger(__name__)
+
+
+def under_compile(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a `torch.compile` wrapper (`OptimizedModule`) calls, else `model` itself. The wrapper's own
+    `forward` is dynamo's frame, which cannot be profiled or captured again (our module hooks, traced by the
+    user's dynamo, failed an assertion in its side-effect tracking); the module underneath can. The wrapper keeps
+    working over it: a patched forward is transparent while dynamo traces, so the wrapper compiles (or keeps)
+    the original forwards and its outputs stay eager's; the fused kernels run when the module itself is called."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # another torch's internals: hand the model on as it is
+        return model
+    if not isinstance(model, OptimizedModule):
+        return model
+    inner = model._orig_mod
+    log.info("fusion-advisor: the model is a torch.compile wrapper: patching the %s underneath (`._orig_mod`); "
+             "calls through the wrapper run torch.compile's graph of the original forwards, calls of `._orig_mod` "
+             "run the fused kernels", type(inner).__name__)
+    return inner
 
 
 def is_instance_chain(path: str) -> bool:

@@ -26,9 +26,10 @@ from advisor.analysis.api import analyze
 from advisor.collect.in_process import profile_calls
 from advisor.errors import AdvisorError, exception_details, exception_reason
 from advisor.example_inputs import snapshot
-from advisor.interpreter import use_interpreter_without_gpu
+from advisor.interpreter import interpreter_problem, use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
+from advisor.patching.modules import under_compile
 from advisor.patching.capture import launched_sites
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.train_graphs import drop_training_recordings
@@ -107,6 +108,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
         raise AdvisorError(f"train_memory is the extra peak memory fused training may take, as a fraction from 0 to "
                            f"1 (0.05: 5%); got {train_memory!r}")
     use_interpreter_without_gpu()
+    model = under_compile(model)  # a torch.compile wrapper: the module it calls is optimised, the wrapper keeps working
     args, kwargs = split_inputs(example_inputs)
     unpatch(model)  # profile the original (and probe it for random ops)
 
@@ -123,6 +125,9 @@ def optimize(model: torch.nn.Module, example_inputs, top: int = 5, out=None, rep
 def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity, reuse, select,
               interpret, train, modes, train_memory: float = 0.0) -> OptimizeReport:
     device = _device_of(model, args, kwargs)
+    if device != "cuda" and interpret and replacement == "kernel" and (problem := interpreter_problem()):
+        # every kernel would fail its validation for this one reason: said once, before any profiling
+        raise AdvisorError(f"nothing patched: {problem}")
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="fusion-advisor-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     phases = Stopwatch()
