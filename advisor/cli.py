@@ -8,8 +8,10 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from advisor.cli_options import (Device, Granularity, Replacement, calls_option, chosen_schedule, device_option,
-                                 out_option, region_option, schedule_option, top_option)
+from advisor.cli_options import (TOP_DEFAULT, Device, Granularity, Replacement, calls_option, chosen_schedule,
+                                 device_option,
+                                 out_option, region_option, schedule_option,
+                                 top_option)
 from advisor.collect.layout import TRACE_DIR, drop_stale_kernels, locate
 from advisor.errors import AdvisorError
 from advisor.jsonio import write_json
@@ -77,7 +79,7 @@ def run(
     region: Optional[str] = region_option(),
     calls: Optional[int] = calls_option(),
     schedule: Optional[str] = schedule_option(),
-    top: int = top_option(),
+    top: Optional[int] = top_option(),
 ):
     """Profile SCRIPT, then analyse the trace: `profile` and `analyze` in one go."""
     chosen = chosen_schedule(calls, schedule)
@@ -91,7 +93,7 @@ def run(
     _profile(script, args, out, device=device.value, region=region, schedule=chosen)
     from advisor.analysis.api import analyze_cli
 
-    _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top))
+    _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top or TOP_DEFAULT))
 
 
 @app.command()
@@ -100,20 +102,20 @@ def analyze(
     et: Optional[Path] = typer.Option(None, "--et", help="Execution trace file (when TRACE is a bare Kineto file)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Where to write analysis.json and the reports "
                                        "(default: OUT, the directory holding the trace/ folder)."),
-    top: int = top_option(),
+    top: Optional[int] = top_option(),
 ):
     """Find fusion candidates in a trace and estimate what each saves; writes analysis.json and the reports."""
     from advisor.analysis.api import analyze_cli
 
     located = locate(trace)
-    _report_written(analyze_cli(located.trace, et=et, out=out or located.out, top=top))
+    _report_written(analyze_cli(located.trace, et=et, out=out or located.out, top=top or TOP_DEFAULT))
 
 
 @app.command()
 def generate(
     source: Path = typer.Argument(..., help="Directory with analysis.json, or a trace (directory or Kineto file) to analyse first."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: OUT, where analysis.json is)."),
-    top: int = top_option(),
+    top: Optional[int] = top_option(),
 ):
     """Generate a fused Triton kernel per top candidate, validate each against PyTorch, write OUT/kernels/*.py and OUT/apply.json."""
     import json
@@ -157,16 +159,16 @@ def generate(
     console.print(table)
     n_ok = sum(r.validated for r in shown)
     console.print(f"{n_ok} of {len(shown)} patterns validated; results in [bold]{Path(out_dir) / 'apply.json'}[/]")
-    _report_written(render_reports(out_dir, console, top=top, terminal=False))
+    _report_written(render_reports(out_dir, console, top=top or TOP_DEFAULT, terminal=False))
 
 
 @app.command()
 def report(
     directory: Path = typer.Argument(..., help="OUT (holding analysis.json, and apply.json if any) or OUT/trace."),
-    top: int = top_option(),
+    top: Optional[int] = top_option(),
 ):
     """Re-render the terminal and HTML reports from a directory, without re-running anything."""
-    _report_written(render_reports(directory, top=top))
+    _report_written(render_reports(directory, top=top or TOP_DEFAULT))
 
 
 @app.command()
@@ -186,7 +188,7 @@ def bundle(
 def apply(
     ctx: typer.Context,
     script: Path = typer.Argument(..., help="Workload script (arguments for it go after `--`)."),
-    top: int = top_option(),
+    top: Optional[int] = top_option(),
     out: Path = out_option(what="Output directory, the only place written"),
     device: Device = device_option(),
     region: Optional[str] = region_option(),
@@ -212,7 +214,7 @@ def apply(
     apply_script(script, list(ctx.args), out, top=top, device=device.value, region=region,
                  replacement=replacement.value, iters=iters, granularity=granularity.value, train=train)
     drop_stale_kernels(out)
-    _report_written(render_reports(out, top=top, terminal=False))
+    _report_written(render_reports(out, top=top or TOP_DEFAULT, terminal=False))
 
 
 def _profile(script: Path, args: List[str], out: Path, **options) -> None:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-TOP_DEFAULT = 5  # as advisor.optimize(top=5)
+TOP_DEFAULT = 5  # candidates the terminal report lists when --top is not given
 
 
 class Device(str, Enum):
@@ -31,8 +31,8 @@ class Granularity(str, Enum):
 
 
 def top_option():
-    return typer.Option(TOP_DEFAULT, "--top", min=1, help="The N highest-ranked candidates: the ones the terminal "
-                        "report lists and, for generate and apply, the ones given a kernel (report.html lists all).")
+    return typer.Option(None, "--top", min=1, help="At most the N highest-ranked candidates get a kernel (default: "
+                        "every candidate worth one); the terminal report lists as many (5 by default).")
 
 
 def out_option(default: Optional[Path] = Path("advisor_out"), what: str = "Output directory"):

@@ -272,6 +272,25 @@ def test_patterns_worth_under_half_a_percent_of_the_best_are_not_patched():
     assert [c.id for c in worth_patching(cands[:2], call_us=4_000.0)[0]] == ["c1", "c2"]
 
 
+def test_patterns_too_small_to_time_alone_are_judged_together():
+    """T5's RMSNorm at 180 µs a call of 40 ms beside patterns of 25-50 µs in every layer: each under 0.5% of the
+    call, together what torch.compile wins. They are patched as one group (selection times them among every
+    pattern on) where their savings add up to that share, and dropped together, saying so, where they do not."""
+    from advisor.records import Candidate, Kind
+    from advisor.workflows.kernels import worth_patching
+
+    sizes = [("Residual add + LayerNorm", 2500.0), ("RMSNorm", 180.0), ("dropout add", 45.0), ("GELU", 30.0),
+             ("mask", 0.4)]
+    cands = [Candidate(f"c{i}", Kind.NORM, pattern_id=f"p{i}", title=t, est_time_saved_us=us)
+             for i, (t, us) in enumerate(sizes, 1)]
+    keep, rest = worth_patching(cands, call_us=40_000.0)
+    assert [c.id for c in keep] == ["c1", "c2", "c3", "c4"]  # 255 µs together: over 0.5% of 40 ms
+    assert [r.candidate for r in rest] == ["c5"] and "of the best pattern's" in rest[0].reason  # the root guard
+    keep, rest = worth_patching(cands[:1] + cands[2:4], call_us=40_000.0)
+    assert [c.id for c in keep] == ["c1"] and [r.candidate for r in rest] == ["c3", "c4"]
+    assert all("75 µs together with the 1 other patterns" in r.reason for r in rest), rest[0].reason
+
+
 def test_optimize_with_the_kv_cache_on(tmp_path, monkeypatch):
     """HF's default call returns a DynamicCache: its keys and values are compared, not its identity (that
     unpatched every pattern), and the rotary group ending in the cache's first `cat` (a legacy empty 1-d

@@ -29,7 +29,7 @@ MIN_SHARE = 0.005  # of the best candidate's estimated saving
 MIN_CALL_SHARE = 0.005
 
 
-def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path, device_type: str,
+def kernel_specs(doc: dict, top: int | None, replacement: str, out_dir: Path, device_type: str,
                  gpu_free=None) -> tuple[list[PatternSpec], list[PatternResult]]:
     """(specs to patch, one result per top candidate of analysis.json document `doc`, in rank order).
     With `replacement="kernel"` OUT/apply.json is written with the generated results, as `generate` does.
@@ -59,7 +59,7 @@ def kernel_specs(doc: dict, top: int, replacement: str, out_dir: Path, device_ty
     return substitution_order(specs), sorted(records + negligible, key=lambda r: rank[r.candidate])
 
 
-def expected_specs(doc: dict, top: int, out_dir: Path, device_type: str) -> list[PatternSpec]:
+def expected_specs(doc: dict, top: int | None, out_dir: Path, device_type: str) -> list[PatternSpec]:
     """The specs `kernel_specs(doc, top, "kernel", out_dir, device_type)` returns when every kernel validates,
     known before any is generated: the kernel modules' paths are fixed (`generate.kernel_path`)."""
     _, chosen, _ = _chosen(doc, top, device_type)
@@ -72,9 +72,9 @@ def expected_specs(doc: dict, top: int, out_dir: Path, device_type: str) -> list
     return substitution_order(specs)
 
 
-def _chosen(doc: dict, top: int, device_type: str) -> tuple[list[Candidate], list[Candidate], list[PatternResult]]:
+def _chosen(doc: dict, top: int | None, device_type: str) -> tuple[list[Candidate], list[Candidate], list[PatternResult]]:
     """(the top candidates, those worth a kernel, the results of the rest)."""
-    top_candidates = candidates_of(doc)[:max(0, top)]
+    top_candidates = candidates_of(doc)[:None if top is None else max(0, top)]
     # Estimates from a CPU trace are CPU times, noisy at tiny sizes and unrelated to what a GPU saves: the
     # cut-off (a guard against captures that cost more than they save) applies to GPU traces only.
     totals = doc.get("totals") or {}
@@ -106,33 +106,42 @@ def _has_matmul(spec: PatternSpec) -> bool:
 
 
 def worth_patching(candidates: list[Candidate], call_us: float | None = None) -> tuple[list[Candidate], list[PatternResult]]:
-    """(candidates to patch, results of the rest). A pattern estimated to save nothing is not generated (a GEMM
-    epilogue whose Triton GEMM loses more to cuBLAS than fusing saves: each costs a compile and a place in
-    selection's timed states). One saving under 0.5% of the best
-    one's estimate is not worth its patch: each patched module is captured by dynamo and run from a
-    graph, and a tiny pattern in a model's root (a mask computation) would make the whole model one
-    capture, tracing every layer, for a microsecond. Nor is one under `MIN_CALL_SHARE` of `call_us` (the
-    trace's GPU time per call, when known): no timing of the model can show it."""
+    """(candidates to patch, results of the rest), in rank order. A pattern estimated to save nothing is not
+    generated (a GEMM epilogue whose Triton GEMM loses more to cuBLAS than fusing saves: each costs a compile
+    and a place in selection's timed states). One saving under 0.5% of the best one's estimate is not worth
+    its patch: each patched module is captured by dynamo and run from a graph, and a tiny pattern in a
+    model's root (a mask computation) would make the whole model one capture, tracing every layer, for a
+    microsecond. A saving under `MIN_CALL_SHARE` of `call_us` (the trace's GPU time per call, when known) is
+    below what timing the model can show alone; such patterns are judged together, as Inductor fuses every
+    region however small: where their savings add up to that share, every one of them is patched (selection
+    then times them among every pattern on, not alone), else none is."""
     best = max((c.est_time_saved_us or 0.0 for c in candidates), default=0.0)
-    keep, rest = [], []
+    keep, small, rest = [], [], []
+
+    def drop(c: Candidate, why: str) -> None:
+        rest.append(pattern_record(c, errors={}, source="", est_time_saved_us=c.est_time_saved_us or 0.0,
+                                   occurrences=c.occurrences, reason=why, verdict=Verdict(Status.NOT_WORTH, why)))
+
     for c in candidates:
         est = c.est_time_saved_us or 0.0
         if c.est_time_saved_us is not None and est <= 0:
-            why = "not worth patching: estimated to save nothing" + (
+            drop(c, "not worth patching: estimated to save nothing" + (
                 " (the Triton GEMM an epilogue runs is slower than cuBLAS's by more than fusing saves: "
-                "analysis/cost.py's TRITON_GEMM_SLOWDOWN)" if c.kind is Kind.EPILOGUE else "")
+                "analysis/cost.py's TRITON_GEMM_SLOWDOWN)" if c.kind is Kind.EPILOGUE else ""))
         elif best > 0 and est < MIN_SHARE * best:
-            why = (f"not worth patching: estimated saving {est:.2g} µs per iteration "
-                   f"is under {MIN_SHARE:.1%} of the best pattern's ({best:.3g} µs)")
+            drop(c, f"not worth patching: estimated saving {est:.2g} µs per iteration "
+                    f"is under {MIN_SHARE:.1%} of the best pattern's ({best:.3g} µs)")
         elif c.est_time_saved_us is not None and call_us and est < MIN_CALL_SHARE * call_us:
-            why = (f"not worth patching: estimated saving {est:.2g} µs per iteration is under "
-                   f"{MIN_CALL_SHARE:.1%} of a call's GPU time ({call_us / 1e3:.3g} ms), below what timing the "
-                   "model can show")
-        else:
-            why = None
-        if why:
-            rest.append(pattern_record(c, errors={}, source="", est_time_saved_us=est, occurrences=c.occurrences,
-                                       reason=why, verdict=Verdict(Status.NOT_WORTH, why)))
+            small.append(c)
         else:
             keep.append(c)
-    return keep, rest
+    together = sum(c.est_time_saved_us or 0.0 for c in small)
+    if small and together >= MIN_CALL_SHARE * call_us:
+        keep.extend(small)
+    for c in small if small and together < MIN_CALL_SHARE * call_us else []:
+        drop(c, f"not worth patching: estimated saving {c.est_time_saved_us:.2g} µs per iteration, and "
+                f"{together:.3g} µs together with the {len(small) - 1} other patterns each under "
+                f"{MIN_CALL_SHARE:.1%} of a call's GPU time ({call_us / 1e3:.3g} ms): below what timing the "
+                "model can show")
+    order = {c.id: i for i, c in enumerate(candidates)}
+    return sorted(keep, key=lambda c: order[c.id]), rest

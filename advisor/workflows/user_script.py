@@ -99,7 +99,7 @@ class Handles:
         return out
 
 
-def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str = "auto", region: str | None = None,
+def apply_script(script: Path, args: list, out: Path, top: int | None = None, device: str = "auto", region: str | None = None,
                  replacement: str = "kernel", iters: int = 20, granularity: str = "layer", console=None,
                  train: bool = False) -> dict:
     console = console or Console(highlight=False, soft_wrap=True)
@@ -113,7 +113,8 @@ def apply_script(script: Path, args: list, out: Path, top: int = 5, device: str 
     with console.status("analysing the trace …"):
         analysis = analyze(out / "trace")
         analysis.to_json(out / "analysis.json")
-    with console.status(f"generating and validating kernels for the top {top} candidates …"):
+    with console.status("generating and validating kernels for " + (f"the top {top} candidates …" if top else
+                                                                     "every candidate worth one …")):
         specs, records = kernel_specs(analysis.doc, top, replacement, out, dev)
     plan = build_plan(specs, analysis.doc, occurrence_modules(analysis), granularity)
     session = Session(plan, train=train)
