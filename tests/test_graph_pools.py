@@ -117,13 +117,22 @@ def test_once_the_workspace_table_is_emptied_later_captures_still_bake_workspace
     assert [owner for _, owner in cuda.baked] == [pool for pool, _ in cuda.baked]
 
 
-def test_warm_ups_never_run_on_a_capture_stream(cuda):
+def test_warm_ups_never_run_on_a_capture_stream(cuda, monkeypatch):
+    made = set()  # the streams the driver made for us: never one of PyTorch's shared set
+
+    def driver_stream(device):
+        s = FakeStream()
+        made.add(s.cuda_stream)
+        return s
+    monkeypatch.setattr(graph_pools, "_driver_stream", driver_stream)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pytest.fail("a stream of PyTorch's shared set"))
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     for _ in range(3):
         CudaRecorder().record(lambda x, y: [cuda.matmul(x, y)], [a, b])
     capture_streams = {s for p in graph_pools._POOLS.values() for s in p.streams.values()}
     assert capture_streams and not capture_streams & cuda.eager_streams
-    assert graph_pools.side_stream(torch.device("cpu")) in cuda.eager_streams  # the warm-ups ran there
+    side = graph_pools.side_stream(torch.device("cpu"))
+    assert side in cuda.eager_streams and side.cuda_stream in made  # the warm-ups ran there, a stream of our own
 
 
 def test_training_captures_take_their_workspace_from_the_training_pool(cuda):

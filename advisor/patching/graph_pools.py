@@ -112,11 +112,13 @@ def abandon(device: torch.device, handle) -> None:
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream warm-ups run on (per thread). One for all recordings: the caching allocator keeps a
     stream's freed blocks for that stream, so a new stream per recording kept each warm-up's scratch
-    reserved apart (the H100's Llama training: 20 GB reserved for 9.5 GB allocated)."""
+    reserved apart (the H100's Llama training: 20 GB reserved for 9.5 GB allocated). Ours alone too: our
+    eager matmuls on a stream of PyTorch's shared set would leave a workspace outside any pool in cuBLAS's
+    table for whoever captures on that stream next (a user's `torch.cuda.graph`)."""
     key = (device, threading.get_ident())
     stream = _SIDE_STREAMS.get(key)
     if stream is None:
-        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+        stream = _SIDE_STREAMS[key] = private_stream(device)
     return stream
 
 
