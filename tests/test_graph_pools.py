@@ -175,3 +175,27 @@ def test_without_a_stream_of_our_own_nothing_is_recorded_and_the_reason_is_kept(
     with pytest.warns(RuntimeWarning, match="no CUDA stream of our own"):
         (out,) = g(a, b)
     assert torch.allclose(out, a @ b) and "NoPrivateStream" in g.failed and not cuda.baked
+
+
+def test_a_capture_without_its_cuda_graph_is_said_in_the_report(tmp_path):
+    """Where a recording fails or is refused (no stream of our own), the capture runs op by op: `print(report)`
+    and the handle say which module and why, as apply.json does at optimize's end."""
+    import warnings
+
+    import advisor
+    from advisor.patching.graphs import Graphed
+    from test_graphs import ReplayOnCpu, affine
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = advisor.optimize(model, (torch.randn(4, 8),), out=tmp_path, reuse=False, interpret=True)
+    assert not report.handle.graphs_not_used()
+    forward = next(f for f in report.handle.forwards.values() if f._backend is not None)
+    g = Graphed(affine, ReplayOnCpu(fail=True))
+    forward._backend.inference_graphs.append(g)
+    with pytest.warns(RuntimeWarning):
+        g(torch.nn.Parameter(torch.ones(2), requires_grad=False), torch.ones(2))
+    (module, why), = report.handle.graphs_not_used().items()
+    assert "operation not permitted when stream is capturing" in why
+    assert f"{module} runs its capture op by op, without a CUDA graph: {why}" in str(report)

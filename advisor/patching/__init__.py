@@ -76,6 +76,17 @@ class Patched:
         budget spent, a capture that failed)."""
         return {q or type(self.model).__name__: dict(f.fallbacks) for q, f in self.forwards.items() if f.fallbacks}
 
+    def graphs_not_used(self) -> dict[str, str]:
+        """{module: why} for the captures whose CUDA graphs are not replayed (a recording that failed, or was
+        refused where its memory could not be made safe: `graph_pools`): they run op by op."""
+        out = {}
+        for q, f in self.forwards.items():
+            backend = f._backend
+            for g in [*getattr(backend, "inference_graphs", ()), *getattr(backend, "train_graphs", ())]:
+                if g.failed:
+                    out.setdefault(q or type(self.model).__name__, g.failed)
+        return out
+
     @property
     def enabled(self):
         """Pattern keys whose launchers run (None: every patched one); set by selection (`enable`)."""

@@ -79,6 +79,8 @@ class OptimizeReport:
             lines.append(f"  {r.candidate:>4} {r.title}: {state}")
         for module, why in (self.handle.fallbacks() if self.handle is not None else {}).items():
             lines.append(f"  {module} ran its original forward: " + ", ".join(f"{w} ({n}x)" for w, n in why.items()))
+        for module, why in (self.handle.graphs_not_used() if self.handle is not None else {}).items():
+            lines.append(f"  {module} runs its capture op by op, without a CUDA graph: {why}")
         if self.selection and self.selection.get("decision"):
             lines.append(f"  selection: {self.selection['decision']}")
         if self.training and self.training.get("decision"):
@@ -233,6 +235,7 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
            "enabled": sorted(handle.enabled) if handle.enabled is not None else None,
            "outer": handle.outer_on,
            "skipped_targets": getattr(plan, "skipped", {}), "modes": modes, "graphs": handle.graph_keys(),
+           "cuda_graphs_not_used": handle.graphs_not_used(),
            "host_modules": loaded_host_modules() if device == "cuda" else []}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
