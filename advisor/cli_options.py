@@ -52,7 +52,7 @@ def region_option():
 def calls_option():
     return typer.Option(None, "--calls", min=1, help="Profile only the first N calls of the outermost nn.Module "
                         "(the first is warm-up); the rest of the script runs unprofiled, at full speed. "
-                        "Default: every call.")
+                        "Default: the first 11 (schedule 0,1,10).")
 
 
 def _parse_schedule(text: Optional[str]):
@@ -75,7 +75,7 @@ def schedule_option():
 
 
 def chosen_schedule(calls: Optional[int], schedule):
-    """--calls N or --schedule, not both (None: every call profiled, the first one warm-up)."""
+    """--calls N or --schedule, not both (None: the runner's default window, `Schedule.default`)."""
     from advisor.collect.schedule import Schedule
     from advisor.errors import AdvisorError
 

@@ -207,7 +207,7 @@ def _all_threads() -> Dict[str, Any]:
 
 def _schedule(schedule: Optional[Schedule], profile_calls: Optional[int]) -> Schedule:
     """The schedule asked for: `schedule`, else the first `profile_calls` calls (FUSION_ADVISOR_PROFILE_CALLS
-    when neither is given), else every call with the first one warm-up."""
+    when neither is given), else `Schedule.default()`: the first call as warm-up and a few steady ones."""
     if schedule is not None:
         return schedule
     if profile_calls is None and os.environ.get(PROFILE_CALLS_ENV, "").strip():
@@ -215,7 +215,7 @@ def _schedule(schedule: Optional[Schedule], profile_calls: Optional[int]) -> Sch
             profile_calls = int(os.environ[PROFILE_CALLS_ENV])
         except ValueError:
             raise AdvisorError(f"{PROFILE_CALLS_ENV} must be a whole number (got {os.environ[PROFILE_CALLS_ENV]!r})")
-    return Schedule.first_calls(profile_calls) if profile_calls else Schedule()
+    return Schedule.first_calls(profile_calls) if profile_calls else Schedule.default()
 
 
 def _gzip_file(src: Path, dst: Path) -> None:
@@ -375,6 +375,7 @@ def profile_script(
         "wall_s": round(outcome.wall_s, 4),
         "profile_calls": schedule.last_call,
         "schedule": schedule.as_meta(),
+        "module_calls": window.calls,  # calls of the outermost nn.Module the script made, profiled or not
         "collect_s": {k: round(v, 3) for k, v in timings.items()},
     }
     if "measure_error" in measured:
@@ -431,6 +432,10 @@ def _print_summary(console, meta, summary, trace_dir: Path, dev: str, region: Op
         console.print(f"[yellow]warning:[/] no region named {st['requested_region']!r} was recorded; "
                       f"fell back to {st['source']}")
     console.print(f"recorded {summary['cpu_ops']} cpu ops ({summary['aten_ops']} aten), {summary['kernels']} kernels")
+    last, made = meta.get("profile_calls"), meta.get("module_calls") or 0
+    if last is not None and made > last:
+        console.print(f"profiled calls {meta['schedule']['wait'] + 1}-{last} of the {made} the script made "
+                      "(--calls N or --schedule WAIT,WARMUP,ACTIVE profiles others)")
     if dev == "cuda":
         console.print(f"GPU time per steady iteration: {summary['gpu_us_per_iter'] / 1e3:.3f} ms "
                       f"over {summary['kernels_per_iter']:.0f} kernels")
