@@ -16,6 +16,26 @@ if "FUSION_ADVISOR_CACHE" not in os.environ:
     _SESSION_CACHE = os.environ["FUSION_ADVISOR_CACHE"] = tempfile.mkdtemp(prefix="fusion-advisor-test-cache-")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The zoo's rotation, printed last (also under -q), so that a run can be repeated (FUSION_ADVISOR_ZOO_SEED)."""
+    terminalreporter.write_line(zoo_rotation())
+
+
+def zoo_rotation() -> str:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_zoo import QUICK, rotation
+
+    want = os.environ.get("FUSION_ADVISOR_ZOO", "").strip()
+    if want:
+        return f"zoo: FUSION_ADVISOR_ZOO={want}"
+    seed, k, chunks, chosen = rotation()
+    return (f"zoo: FUSION_ADVISOR_ZOO_SEED={seed} (chunk {k} of {chunks}: {', '.join(sorted(chosen))}; "
+            f"and every run: {', '.join(QUICK)})")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The session's cache goes with it: every run left one more folder in the temp directory."""
     if _SESSION_CACHE:

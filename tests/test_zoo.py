@@ -26,9 +26,11 @@ Float outputs are compared leaf by leaf (logits, hidden states, cache tensors...
 Which models run (CI runs the whole suite on a 2-core CPU machine, so the zoo runs a part per run):
   - QUICK, every run: one model per family (LLaMA, GPT-2, BERT, T5, Whisper, ViT, the conv net, the MLP).
   - plus ROTATE more from the rest, chosen by a seed: the rest, in a fixed order, split into chunks of
-    ROTATE; a run takes chunk `seed % chunks`, so every model runs about once every 6 days. The seed
-    is FUSION_ADVISOR_ZOO_SEED, by default today's date (UTC, as YYYYMMDD). Models not chosen are
-    skipped with a reason that names the seed (to re-run a day's choice, set the seed).
+    ROTATE; a run takes chunk `seed % chunks`, so every model runs once every few commits. The seed
+    is FUSION_ADVISOR_ZOO_SEED, by default the checked-out commit's (its hash's first 8 hex digits, 0 outside
+    a git checkout): a re-run of one commit tests the same models, whatever the day. The session's header
+    prints the seed and its chunk, and models not chosen are skipped with a reason that names it (to re-run
+    a choice, set the seed).
   - FUSION_ADVISOR_ZOO=all runs every model; FUSION_ADVISOR_ZOO=quick only QUICK;
     FUSION_ADVISOR_ZOO=llama,bart (names from tests/zoo_models.py) exactly those.
 Measured on 2 shared cores, main 7b37561 (optimize and its 10 checks): 1-31 s per model; QUICK 2 min,
@@ -42,7 +44,6 @@ checks passing.
 from __future__ import annotations
 
 import copy
-import datetime
 import math
 import os
 import random
@@ -83,13 +84,31 @@ def selection(env=os.environ) -> tuple[set, str]:
         unknown = names - set(BY_NAME)
         assert not unknown, f"FUSION_ADVISOR_ZOO names unknown models {sorted(unknown)}; known: {sorted(BY_NAME)}"
         return names, f"FUSION_ADVISOR_ZOO={want}"
-    seed = int(env.get("FUSION_ADVISOR_ZOO_SEED") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d"))
+    seed, k, chunks, chosen = rotation(env)
+    return set(QUICK) | chosen, \
+        f"not in this run's rotation (FUSION_ADVISOR_ZOO_SEED={seed}: chunk {k} of {chunks}); FUSION_ADVISOR_ZOO=all runs it"
+
+
+def rotation(env=os.environ) -> tuple[int, int, int, set]:
+    """(the seed, its chunk, how many chunks, the models of that chunk)."""
+    seed = int(env.get("FUSION_ADVISOR_ZOO_SEED") or commit_seed())
     rest = sorted(set(BY_NAME) - set(QUICK))
     random.Random(0).shuffle(rest)
     chunks = math.ceil(len(rest) / ROTATE)
     k = seed % chunks
-    return set(QUICK) | set(rest[k * ROTATE:(k + 1) * ROTATE]), \
-        f"not in this run's rotation (FUSION_ADVISOR_ZOO_SEED={seed}: chunk {k} of {chunks}); FUSION_ADVISOR_ZOO=all runs it"
+    return seed, k, chunks, set(rest[k * ROTATE:(k + 1) * ROTATE])
+
+
+def commit_seed() -> int:
+    """The checked-out commit's hash as a number (its first 8 hex digits); 0 outside a git checkout."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        return int(head[:8], 16) if head else 0
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0
 
 
 SELECTED, NOT_SELECTED = selection()
