@@ -131,7 +131,7 @@ def generate(
     if located.analysis.is_file():
         doc = json.loads(located.analysis.read_text())
         if located.analysis.parent != out_dir:  # the report reads it beside apply.json
-            _write_json(out_dir / "analysis.json", doc)
+            write_json(out_dir / "analysis.json", doc)
     else:
         from advisor.analysis.api import analyze as run_analysis
 
@@ -232,13 +232,6 @@ def _report_written(paths: dict) -> None:
     """The last line: where the HTML report is, as `nsys` ends with the file it wrote."""
     Console().print(f"Report: [bold]{paths['html']}[/]  [dim](text version: {paths['txt']})[/]", highlight=False,
                     soft_wrap=True)
-
-
-def _write_json(path: Path, doc: dict) -> None:
-    try:
-        write_json(path, doc)
-    except OSError as e:
-        raise AdvisorError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 # Commands that run no user code: once their files are written, the process ends without tearing down

@@ -14,6 +14,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from advisor.errors import not_writable
+
 ANALYSIS_SCHEMA_VERSION = 1
 APPLY_SCHEMA_VERSION = 1
 META_SCHEMA_VERSION = 1
@@ -21,14 +23,20 @@ META_SCHEMA_VERSION = 1
 
 def atomic_write(path: Path, text: str | bytes) -> Path:
     """Write `text` (or bytes) to `path` through a temporary file and os.replace: a concurrent reader sees the
-    old file or the new one, never half of it."""
+    old file or the new one, never half of it. An output that cannot be written raises `NotWritable`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise not_writable(path, e) from None
     try:
         with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise not_writable(path, e) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

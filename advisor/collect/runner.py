@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from advisor.collect.native_log import stop_execution_trace
 from advisor.collect.schedule import ProfilerWindow, Schedule
-from advisor.errors import AdvisorError
+from advisor.errors import AdvisorError, not_writable
 from advisor.jsonio import META_SCHEMA_VERSION, write_json
 
 DEVICE_ENV = "FUSION_ADVISOR_DEVICE"
@@ -276,7 +276,7 @@ def profile_script(
     try:
         trace_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise AdvisorError(f"cannot create output directory {trace_dir}: {e.strerror or e}") from None
+        raise not_writable(trace_dir, e) from None
 
     import torch
     from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile
