@@ -81,13 +81,7 @@ def run(
 ):
     """Profile SCRIPT, then analyse the trace: `profile` and `analyze` in one go."""
     chosen = chosen_schedule(calls, schedule)
-    args = list(ctx.args)
-    if script is not None and str(script).startswith("-"):  # `run -- --iters 2`: arguments for the demo
-        args, script = [str(script), *args], None
-    if script is None:
-        import advisor.demo_workload as demo
-
-        script = Path(demo.__file__)
+    script, args = _script_or_demo(script, list(ctx.args))
     _profile(script, args, out, device=device.value, region=region, schedule=chosen)
     from advisor.analysis.api import analyze_cli
 
@@ -185,7 +179,8 @@ def bundle(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def apply(
     ctx: typer.Context,
-    script: Path = typer.Argument(..., help="Workload script (arguments for it go after `--`)."),
+    script: Optional[Path] = typer.Argument(None, help="Workload script (arguments for it go after `--`; default: "
+                                            "the bundled demo workload)."),
     top: int = top_option(),
     out: Path = out_option(what="Output directory, the only place written"),
     device: Device = device_option(),
@@ -209,10 +204,23 @@ def apply(
     """
     from advisor.workflows.user_script import apply_script
 
-    apply_script(script, list(ctx.args), out, top=top, device=device.value, region=region,
+    script, args = _script_or_demo(script, list(ctx.args))
+    apply_script(script, args, out, top=top, device=device.value, region=region,
                  replacement=replacement.value, iters=iters, granularity=granularity.value, train=train)
     drop_stale_kernels(out)
     _report_written(render_reports(out, top=top, terminal=False))
+
+
+def _script_or_demo(script: Optional[Path], args: List[str]) -> tuple:
+    """(the script to run, its arguments): the bundled demo workload when no script is named. The demo is
+    named by no path in what is printed (`next_step`): an editable reinstall moves the installed file."""
+    if script is not None and str(script).startswith("-"):  # `run -- --iters 2`: arguments for the demo
+        args, script = [str(script), *args], None
+    if script is None:
+        from advisor.demo_workload import __file__ as demo
+
+        script = Path(demo)
+    return script, args
 
 
 def _profile(script: Path, args: List[str], out: Path, **options) -> None:

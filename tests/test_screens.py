@@ -70,3 +70,54 @@ def test_an_unwritable_output_is_one_line_and_exit_2(command, unwritable, tiny_s
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot write {unwritable}"), r.stderr
+
+
+# ------------------------------------------------------------------ D: what the commands leave behind
+OPTIMIZE = """\
+import json, os, sys, tempfile, torch, advisor
+os.umask(0o022)
+model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU())
+report = advisor.optimize(model, (torch.randn(4, 32),), top=1, reuse=False)
+out = report.out_dir
+print(json.dumps({"repr": repr(report), "str": str(report), "out": str(out),
+                  "in_temp": str(out).startswith(tempfile.gettempdir()),
+                  "modes": {str(p.relative_to(out)): oct(p.stat().st_mode & 0o777) for p in out.rglob("*") if p.is_file()},
+                  "apply": (out / "apply.json").is_file()}))
+"""
+
+
+def test_optimize_without_out_leaves_nothing_in_temp_and_writes_normal_files(tmp_path):
+    import json
+    import subprocess
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    script = tmp_path / "user.py"
+    script.write_text(OPTIMIZE)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temp)})
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["in_temp"] and seen["apply"]  # while the process runs, the report's paths are there
+    assert "kernels/" in " ".join(seen["modes"]) and "analysis.json" in seen["modes"]
+    assert set(seen["modes"].values()) == {"0o644"}, seen["modes"]  # as report.html: the umask, not mkstemp's 0600
+    assert len(seen["repr"]) < 200 and seen["repr"].startswith("<OptimizeReport ") and seen["out"] in seen["repr"]
+    assert seen["str"].startswith("fusion-advisor: ") and len(seen["str"].splitlines()) > 1
+    assert not [p.name for p in temp.iterdir() if p.name.startswith("fusion-advisor-")]
+
+
+def test_cli_outputs_follow_the_umask(tmp_path):
+    out = tmp_path / "out"
+    r = cli("generate", SAMPLE / "trace", "--out", out, "--top", "1")
+    assert r.returncode == 0, r.stderr
+    modes = {str(p.relative_to(out)): oct(p.stat().st_mode & 0o777) for p in out.rglob("*") if p.is_file()}
+    assert {"analysis.json", "apply.json", "report.html"} <= set(modes) and len(set(modes.values())) == 1, modes
+
+
+def test_the_next_step_after_the_demo_names_no_installed_file(tmp_path):
+    out = tmp_path / "out"
+    r = cli("run", "--out", out, "--", "--iters", "2")
+    assert r.returncode == 0, r.stderr
+    step = next(line for line in r.stdout.splitlines() if "fusion-advisor apply" in line)
+    assert "demo_workload" not in step and ".py" not in step, step
+    assert f"fusion-advisor apply --out {out}" in step

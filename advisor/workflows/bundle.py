@@ -39,6 +39,7 @@ from pathlib import Path
 
 from advisor.codegen.cache import cache_dir
 from advisor.errors import AdvisorError, not_writable
+from advisor.jsonio import like_a_new_file
 from advisor.workflows.plan_cache import FILES, copy_plan
 
 FORMAT = 1
@@ -143,6 +144,7 @@ def save(plan, path) -> Path:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
         raise not_writable(path, e) from None
+    like_a_new_file(fd)
     os.close(fd)
     try:
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
