@@ -6,6 +6,7 @@ arguments and output directory filled in (from meta.json beside the trace, when 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 from pathlib import Path
@@ -62,10 +63,9 @@ def _script_command(analysis: dict, out: Optional[Path]) -> Optional[str]:
 def _is_the_demo(script: str) -> bool:
     """Whether `script` is the bundled demo workload: its installed path is not one to print (site-packages, or
     a checkout an editable install points at, which a reinstall moves)."""
-    from advisor import demo_workload
-
+    demo = importlib.util.find_spec("advisor.demo_workload")  # found, not imported (it imports torch)
     try:
-        return Path(script).resolve() == Path(demo_workload.__file__).resolve()
+        return bool(demo and demo.origin) and Path(script).resolve() == Path(demo.origin).resolve()
     except OSError:
         return False
 
