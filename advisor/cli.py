@@ -82,7 +82,7 @@ def run(
     """Profile SCRIPT, then analyse the trace: `profile` and `analyze` in one go."""
     chosen = chosen_schedule(calls, schedule)
     script, args = _script_or_demo(script, list(ctx.args))
-    _profile(script, args, out, device=device.value, region=region, schedule=chosen)
+    _profile(script, args, out, device=device.value, region=region, schedule=chosen, totals=False)
     from advisor.analysis.api import analyze_cli
 
     _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top))

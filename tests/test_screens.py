@@ -118,6 +118,38 @@ def test_the_next_step_after_the_demo_names_no_installed_file(tmp_path):
     out = tmp_path / "out"
     r = cli("run", "--out", out, "--", "--iters", "2")
     assert r.returncode == 0, r.stderr
+    # one count per iteration on the screen: the report's, not the profiler's nested op events above it
+    assert "Per iteration" in r.stdout and "per steady iteration" not in r.stdout, r.stdout
     step = next(line for line in r.stdout.splitlines() if "fusion-advisor apply" in line)
     assert "demo_workload" not in step and ".py" not in step, step
     assert f"fusion-advisor apply --out {out}" in step
+
+
+# ------------------------------------------------------------------ A, B: the demo applied, at 80 columns
+@pytest.fixture(scope="module")
+def demo_applied(tmp_path_factory):
+    """`fusion-advisor apply` on the bundled demo, as a pipe gets it (80 columns): (OUT, the process)."""
+    out = tmp_path_factory.mktemp("demo") / "out"
+    return out, cli("apply", "--out", out, env={"COLUMNS": "80"})
+
+
+def test_the_report_fits_80_columns_and_says_each_thing_once(demo_applied):
+    import re
+
+    import advisor
+
+    out, r = demo_applied
+    r = cli("report", out, env={"COLUMNS": "80"})
+    assert r.returncode == 0, r.stderr
+    screen = r.stdout
+    commands = [line for line in screen.splitlines() if line.startswith(("  fusion-advisor ", "Report: "))]
+    assert f"  fusion-advisor apply --out {out}" in commands, screen  # one line, to paste: outside any box
+    assert all(len(line) <= 80 for line in screen.splitlines() if line not in commands), screen
+    for label in ("Measured", "✓ patched", "– not patched"):  # columns and labels whole, not "Measur", "✓ val"
+        assert label in screen, screen
+    text, html = (out / "report.txt").read_text(), (out / "report.html").read_text()
+    for shown in (screen, text, html):
+        assert "Launches" not in shown  # a CPU trace launched no kernel
+        assert "not patched: not patched" not in shown and "not patched: unpatched" not in shown
+    # the same figure in the same unit as the report: not "22650.4 µs"
+    assert not re.search(r"\d{4,}(\.\d+)? µs", advisor.analyze(out).summary())

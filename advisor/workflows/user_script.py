@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import textwrap
 import time
 from pathlib import Path
 
@@ -317,7 +318,7 @@ def print_summary(console, doc: dict, out: Path) -> None:
         alone = (p.applied_alone or {}).get("saved_us_per_iter")
         est = p.est_time_saved_us
         status = p.verdict.message if p.verdict else ""
-        t.add_row(p.candidate, p.title, status if len(status) < 80 else status[:77] + "…", str(p.sites or 0),
+        t.add_row(p.candidate, p.title, textwrap.shorten(status, 80, placeholder=" …"), str(p.sites or 0),
                   f"{est:.1f}" if isinstance(est, (int, float)) else "-",
                   f"{alone:.1f}" if isinstance(alone, (int, float)) else "-")
     console.print(t)
