@@ -133,6 +133,24 @@ def demo_applied(tmp_path_factory):
     return out, cli("apply", "--out", out, env={"COLUMNS": "80"})
 
 
+def test_apply_ends_with_the_final_verdict_in_one_line(demo_applied):
+    import json
+
+    out, r = demo_applied
+    assert r.returncode == 0, r.stderr
+    assert "Warning" not in r.stdout + r.stderr, r.stderr  # numpy's from the interpreter (log of 0)
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1].startswith("Report: ")
+    verdict = lines[-2]
+    checks = json.loads((out / "apply.json").read_text())["checks"]
+    assert checks and checks[-1]["ok"], checks
+    assert "MISMATCH" not in r.stdout, r.stdout  # the final model matches: no line says otherwise
+    assert verdict.startswith("check DemoModel: patched vs unpatched outputs match"), verdict
+    dropped = [why for c in checks for why in (c.get("dropped") or {}).values()]
+    if dropped:  # what was dropped and why, on that line
+        assert " was dropped: " in verdict and dropped[0] in verdict, verdict
+
+
 def test_the_report_fits_80_columns_and_says_each_thing_once(demo_applied):
     import re
 
