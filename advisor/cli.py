@@ -83,14 +83,8 @@ def run(
 ):
     """Profile SCRIPT, then analyse the trace: `profile` and `analyze` in one go."""
     chosen = chosen_schedule(calls, schedule)
-    args = list(ctx.args)
-    if script is not None and str(script).startswith("-"):  # `run -- --iters 2`: arguments for the demo
-        args, script = [str(script), *args], None
-    if script is None:
-        import advisor.demo_workload as demo
-
-        script = Path(demo.__file__)
-    _profile(script, args, out, device=device.value, region=region, schedule=chosen)
+    script, args = _script_or_demo(script, list(ctx.args))
+    _profile(script, args, out, device=device.value, region=region, schedule=chosen, totals=False)
     from advisor.analysis.api import analyze_cli
 
     _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top or TOP_DEFAULT))
@@ -133,7 +127,7 @@ def generate(
     if located.analysis.is_file():
         doc = json.loads(located.analysis.read_text())
         if located.analysis.parent != out_dir:  # the report reads it beside apply.json
-            _write_json(out_dir / "analysis.json", doc)
+            write_json(out_dir / "analysis.json", doc)
     else:
         from advisor.analysis.api import analyze as run_analysis
 
@@ -187,7 +181,8 @@ def bundle(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def apply(
     ctx: typer.Context,
-    script: Path = typer.Argument(..., help="Workload script (arguments for it go after `--`)."),
+    script: Optional[Path] = typer.Argument(None, help="Workload script (arguments for it go after `--`; default: "
+                                            "the bundled demo workload)."),
     top: Optional[int] = top_option(),
     out: Path = out_option(what="Output directory, the only place written"),
     device: Device = device_option(),
@@ -211,10 +206,23 @@ def apply(
     """
     from advisor.workflows.user_script import apply_script
 
-    apply_script(script, list(ctx.args), out, top=top, device=device.value, region=region,
+    script, args = _script_or_demo(script, list(ctx.args))
+    apply_script(script, args, out, top=top, device=device.value, region=region,
                  replacement=replacement.value, iters=iters, granularity=granularity.value, train=train)
     drop_stale_kernels(out)
     _report_written(render_reports(out, top=top or TOP_DEFAULT, terminal=False))
+
+
+def _script_or_demo(script: Optional[Path], args: List[str]) -> tuple:
+    """(the script to run, its arguments): the bundled demo workload when no script is named. The demo is
+    named by no path in what is printed (`next_step`): an editable reinstall moves the installed file."""
+    if script is not None and str(script).startswith("-"):  # `run -- --iters 2`: arguments for the demo
+        args, script = [str(script), *args], None
+    if script is None:
+        from advisor.demo_workload import __file__ as demo
+
+        script = Path(demo)
+    return script, args
 
 
 def _profile(script: Path, args: List[str], out: Path, **options) -> None:
@@ -234,13 +242,6 @@ def _report_written(paths: dict) -> None:
     """The last line: where the HTML report is, as `nsys` ends with the file it wrote."""
     Console().print(f"Report: [bold]{paths['html']}[/]  [dim](text version: {paths['txt']})[/]", highlight=False,
                     soft_wrap=True)
-
-
-def _write_json(path: Path, doc: dict) -> None:
-    try:
-        write_json(path, doc)
-    except OSError as e:
-        raise AdvisorError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 # Commands that run no user code: once their files are written, the process ends without tearing down

@@ -12,6 +12,16 @@ class AdvisorError(Exception):
             self.exit_code = exit_code
 
 
+class NotWritable(AdvisorError, OSError):
+    """An output file or folder that cannot be written (read-only, a file in the way, disk full): one line,
+    exit 2, from every command alike. Still an OSError, for callers that catch those."""
+
+
+def not_writable(path, error: OSError) -> NotWritable:
+    """`cannot write PATH: Permission denied`, from the OSError that writing `path` raised."""
+    return NotWritable(f"cannot write {path}: {error.strerror or error}")
+
+
 class NotBuiltYet(AdvisorError):
     """A sub-command whose stage does not exist yet: say so instead of pretending."""
 

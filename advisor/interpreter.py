@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 
 def use_interpreter_without_gpu() -> None:
@@ -28,6 +29,11 @@ def use_interpreter_without_gpu() -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # The interpreter computes with numpy, which warns where a GPU and PyTorch's own ops return inf or nan
+        # quietly (log(0) after a relu: "RuntimeWarning: divide by zero encountered in log" in the user's
+        # terminal). Only warnings raised from the interpreter's own lines are silenced.
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
 
 
 def patch_interpreter(owner: str, method: str, marker: str, make) -> None:

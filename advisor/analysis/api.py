@@ -8,6 +8,7 @@ from operator import itemgetter
 from pathlib import Path
 
 import json
+import textwrap
 
 import numpy as np
 import pandas as pd
@@ -22,6 +23,7 @@ from advisor.graph.nodes import Graph
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, write_json
 from advisor.ops.registry import CONV_EPILOGUE, MEMORY_BOUND, OpClass
 from advisor.records import Kind
+from advisor.report.units import fmt_time
 from advisor.trace.load import gc_paused, load_trace
 
 # A candidate is negligible when it saves under 1% of the best one's estimated time; or, its time under 10% of the
@@ -69,16 +71,16 @@ class Analysis:
         d, tot, cands = self.doc["device"], self.doc["totals"], self.doc["candidates"]
         noun = "kernels" if tot["time_kind"] == "gpu" else "ops"
         gpu = " on a GPU" if self.doc["estimate"]["basis"] == "gpu_bytes_model" else ""
-        best = f"; best: {cands[0]['title'].split(':')[0]}, est. {cands[0]['est_time_saved_us']:.1f} µs{gpu}" if cands else ""
+        best = f"; best: {cands[0]['title'].split(':')[0]}, est. {fmt_time(cands[0]['est_time_saved_us'])}{gpu}" if cands else ""
         return (f"<Analysis {d['name']} ({d['type']}): {self.doc['steady_state']['iterations']} iterations, "
-                f"{tot['kernels']} {noun} and {tot['time_us']:.1f} µs per iteration; {len(cands)} candidates{best}>")
+                f"{tot['kernels']} {noun} and {fmt_time(tot['time_us'])} per iteration; {len(cands)} candidates{best}>")
 
     def summary(self, top: int = 5) -> str:
         """A few lines for a notebook or a log: where the time goes and the `top` candidates."""
         d, tot, cands = self.doc["device"], self.doc["totals"], self.doc["candidates"]
         lines = [f"{d['name']} ({d['type']}), {self.doc['steady_state']['iterations']} steady-state iterations",
                  f"per iteration: {tot['kernels']} {'kernels' if tot['time_kind'] == 'gpu' else 'ops'}, "
-                 f"{tot['time_us']:.1f} µs {tot['time_kind'].upper()} time{_spread(tot)}, "
+                 f"{fmt_time(tot['time_us'])} {tot['time_kind'].upper()} time{_spread(tot)}, "
                  f"{tot['memory_bound_share']:.0%} of it memory-bound"]
         if self.doc["low_confidence"]:
             lines.append("low confidence: no execution trace joined, dataflow guessed from shapes and order")
@@ -87,8 +89,8 @@ class Analysis:
         gpu = self.doc["estimate"]["basis"] == "gpu_bytes_model"
         for c in listed[:top]:
             share = "on a GPU, bytes model" if gpu else f"{c['share_of_iteration']:.1%}"
-            lines.append(f"  {c['id']:>4}  {c['title'][:70]:<70}  x{c['occurrences']:<4} "
-                         f"est. {c['est_time_saved_us']:9.1f} µs ({share})")
+            lines.append(f"  {c['id']:>4}  {textwrap.shorten(c['title'], 70, placeholder='…'):<70}  x{c['occurrences']:<4} "
+                         f"est. {fmt_time(c['est_time_saved_us']):>9} ({share})")
         if len(listed) < len(cands):
             lines.append(f"  and {len(cands) - len(listed)} negligible (in `doc['candidates']`, ranked last)")
         return "\n".join(lines)
@@ -308,7 +310,8 @@ def _spread(totals: dict) -> str:
     sp = totals.get("time_us_per_iteration") or {}
     if sp.get("iterations", 0) < 2:
         return ""
-    return f" (median {sp['median']:.1f} µs, range {sp['min']:.1f} – {sp['max']:.1f} over {sp['iterations']} iterations)"
+    return (f" (median {fmt_time(sp['median'])}, range {fmt_time(sp['min'])} – {fmt_time(sp['max'])} "
+            f"over {sp['iterations']} iterations)")
 
 
 def _pattern_of(graph: Graph, g: Group, pattern_of: dict, pid_of: dict) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from advisor.collect.native_log import stop_execution_trace
 from advisor.collect.schedule import ProfilerWindow, Schedule
-from advisor.errors import AdvisorError
+from advisor.errors import AdvisorError, not_writable
 from advisor.jsonio import META_SCHEMA_VERSION, write_json
 
 DEVICE_ENV = "FUSION_ADVISOR_DEVICE"
@@ -254,11 +254,13 @@ def profile_script(
     preimport_modules: bool = True,
     profile_calls: Optional[int] = None,
     schedule: Optional[Schedule] = None,
+    totals: bool = True,
 ) -> Dict[str, Any]:
     """Profile SCRIPT and write OUT_DIR/trace/{kineto.json.gz, et.json.gz, meta.json}; returns meta.
 
     Raises AdvisorError for bad input (exit 2), a failing script (exit 1; partial trace written with
-    complete=false) and a script that did no tensor work (exit 4; trace written).
+    complete=false) and a script that did no tensor work (exit 4; trace written). `totals=False` leaves out the
+    profiler's own count and time per iteration, where the analysis's report follows with its own.
     """
     from rich.console import Console
 
@@ -276,7 +278,7 @@ def profile_script(
     try:
         trace_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise AdvisorError(f"cannot create output directory {trace_dir}: {e.strerror or e}") from None
+        raise not_writable(trace_dir, e) from None
 
     import torch
     from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile
@@ -384,7 +386,7 @@ def profile_script(
         meta["et_error"] = et_note
     write_json(meta_path, meta, indent=2)
 
-    _print_summary(console, meta, summary, trace_dir, dev, region)
+    _print_summary(console, meta, summary, trace_dir, dev, region, totals)
 
     if outcome.interrupted:
         raise KeyboardInterrupt
@@ -410,7 +412,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GB"  # pragma: no cover
 
 
-def _print_summary(console, meta, summary, trace_dir: Path, dev: str, region: Optional[str]) -> None:
+def _print_summary(console, meta, summary, trace_dir: Path, dev: str, region: Optional[str], totals: bool = True) -> None:
     st = meta["steady_state"]
     if meta["complete"]:
         status = "[green]completed[/]"
@@ -436,12 +438,14 @@ def _print_summary(console, meta, summary, trace_dir: Path, dev: str, region: Op
     if last is not None and made > last:
         console.print(f"profiled calls {meta['schedule']['wait'] + 1}-{last} of the {made} the script made "
                       "(--calls N or --schedule WAIT,WARMUP,ACTIVE profiles others)")
-    if dev == "cuda":
+    # The profiler's raw figures: every op event, nested ones included. The analysis counts the ops it models
+    # over its own steady state; `run` prints only its figures ("over 37 cpu ops" sat above "8 ops").
+    if totals and dev == "cuda":
         console.print(f"GPU time per steady iteration: {summary['gpu_us_per_iter'] / 1e3:.3f} ms "
                       f"over {summary['kernels_per_iter']:.0f} kernels")
-    else:
+    elif totals:
         console.print(f"CPU op time per steady iteration: {summary['cpu_op_us_per_iter'] / 1e3:.3f} ms "
-                      f"over {summary['cpu_ops_per_iter']:.0f} cpu ops")
+                      f"in top-level ops ({summary['cpu_ops_per_iter']:.0f} op events, nested ones included)")
     bw, lu = meta.get("bandwidth_Bps"), meta.get("launch_us")
     bw_s = f"{bw / 1e9:.1f} GB/s" if bw else "n/a"
     lu_s = f"{lu:.2f} us" if lu else "n/a"

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from advisor.collect.layout import locate
-from advisor.errors import AdvisorError
+from advisor.errors import AdvisorError, not_writable
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, APPLY_SCHEMA_VERSION
 
 TEXT_WIDTH = 120  # report.txt is read in editors and diffs, not in the user's terminal
@@ -62,9 +62,11 @@ def render_reports(directory, console=None, top: int = 10, terminal: bool = True
     rec = Console(record=True, width=TEXT_WIDTH, file=io.StringIO(), force_terminal=False, color_system=None)
     render_terminal(analysis, apply, rec, top=top, out=d)
     paths = {"html": d / "report.html", "txt": d / "report.txt"}
+    path = paths["txt"]
     try:
-        paths["txt"].write_text(rec.export_text(), encoding="utf-8")
-        write_html(analysis, apply, paths["html"], out=d)
+        path.write_text(rec.export_text(), encoding="utf-8")
+        path = paths["html"]
+        write_html(analysis, apply, path, out=d)
     except OSError as ex:
-        raise AdvisorError(f"cannot write the report into {d}: {ex}") from None
+        raise not_writable(path, ex) from None
     return paths

@@ -70,7 +70,7 @@ def _table(a: dict, apply: Optional[dict], colors: Dict[str, str]) -> str:
     pats = M.patterns_by_candidate(apply)
     # "\n" in a header becomes a line break: two-line headers keep the number columns narrow.
     gpu_est = M.gpu_estimate(a)
-    heads = [("Id", "num"), ("Pattern", "text"), ("Module(s)", "text"), ("Occ.", "num"), ("Launches\nsaved", "num"),
+    heads = [("Id", "num"), ("Pattern", "text"), ("Module(s)", "text"), ("Occ.", "num"), (f"{M.saved_label(a)}\nsaved", "num"),
              ("Bytes\nsaved", "num"), ("GPU est.\n(bytes model)" if gpu_est else "Est.\nsaved", "num")]
     if pats:
         heads += [("Measured\nsaved", "num"), ("Kernel", "text")]
@@ -221,7 +221,7 @@ def _candidate(a: dict, c: Candidate, p: Optional[PatternResult], color: str) ->
     occ = M.num(c.occurrences, 1) or 1
     facts = [("Occurrences", f"{fmt_count(c.occurrences)} per iteration"),
              (f"{M.work_noun(a).capitalize()} per occurrence", f"{with_k} → 1" if with_k else "–"),
-             ("Launches saved", f"{fmt_count(c.kernels_saved)} per iteration"),
+             (f"{M.saved_label(a)} saved", f"{fmt_count(c.kernels_saved)} per iteration"),
              ("Est. saved" + (" on a GPU (bytes model)" if M.gpu_estimate(a) else ""),
               f"{fmt_time(c.est_time_saved_us)} per iteration"
               + ("" if M.gpu_estimate(a) else f" ({fmt_pct(M.share(c, a))})") + ", "

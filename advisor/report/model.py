@@ -6,6 +6,7 @@ is present instead of failing on what is not.
 """
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Optional
 
 from advisor.records import Candidate, Kind, PatternResult
@@ -25,6 +26,12 @@ def num(x, default=None):
 def work_noun(analysis: dict) -> str:
     """CPU traces have ops, not kernels; saying "kernels" there would misdescribe what was counted."""
     return "ops" if (analysis.get("totals") or {}).get("time_kind") == "cpu" else "kernels"
+
+
+def saved_label(analysis: dict) -> str:
+    """What a fused pattern saves in count: launches on a GPU trace; on a CPU trace, which launched no kernel,
+    the ops fused away."""
+    return "Ops" if work_noun(analysis) == "ops" else "Launches"
 
 
 def candidates(analysis: dict) -> List[Candidate]:
@@ -109,8 +116,13 @@ def status_reason(p: Optional[PatternResult]) -> str:
         why = p.verdict.message if p.verdict else ""
         if p.patched and p.kept is False:
             why = why if why and why != "patched" else "patched, then dropped: it did not make the model faster"
-        return why or "not patched"
+        return _NOT_PATCHED_PREFIX.sub("", why) or "not patched"
     return str(p.reason or "") if st in ("failed", "skipped") else ""
+
+
+# The reports label a pattern not in use themselves ("– not patched"): the reason after the label drops its own
+# copy of that word ("not patched: not patched: its ops…").
+_NOT_PATCHED_PREFIX = re.compile(r"^(validated, )?(not patched|unpatched): ")
 
 
 def speed_words(sp: float) -> str:

@@ -6,6 +6,7 @@ arguments and output directory filled in (from meta.json beside the trace, when 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 from pathlib import Path
@@ -51,11 +52,22 @@ def _script_command(analysis: dict, out: Optional[Path]) -> Optional[str]:
     script = meta.get("script")
     if not script or meta.get("in_process"):
         return None
-    cmd = ["fusion-advisor", "apply", script, "--out", str(out or "advisor_out")] + \
+    named = [] if _is_the_demo(script) else [script]  # `apply` runs the demo by default
+    cmd = ["fusion-advisor", "apply", *named, "--out", str(out or "advisor_out")] + \
         (["--train"] if _trains(analysis, M.candidates(analysis)) else [])
     if meta.get("args"):
         cmd += ["--", *map(str, meta["args"])]
     return shlex.join(cmd)
+
+
+def _is_the_demo(script: str) -> bool:
+    """Whether `script` is the bundled demo workload: its installed path is not one to print (site-packages, or
+    a checkout an editable install points at, which a reinstall moves)."""
+    demo = importlib.util.find_spec("advisor.demo_workload")  # found, not imported (it imports torch)
+    try:
+        return bool(demo and demo.origin) and Path(script).resolve() == Path(demo.origin).resolve()
+    except OSError:
+        return False
 
 
 def next_steps(analysis: dict, apply: Optional[dict] = None, out: Optional[Path] = None) -> List[Step]:

@@ -136,7 +136,8 @@ def _wrap_dotted(path: str, width: int) -> str:
 def _candidates_table(analysis: dict, apply: Optional[dict], top: int, width: int) -> Table:
     pats = M.patterns_by_candidate(apply)
     has_apply = bool(pats)
-    # Narrow terminals fold the module column into the pattern cell rather than truncate numbers.
+    # Narrow terminals fold the module column, and the status under the measured saving, into the pattern cell
+    # rather than truncate numbers and labels (80 columns, what a pipe gets, cut "– not patched" to "– not p").
     narrow = width < (110 if has_apply else 100)
     mod_w = max(16, width - (60 if has_apply else 50)) if narrow else max(26, min(34, (width - (62 if has_apply else 52)) // 2))
     n_all = len(M.listed(analysis))
@@ -147,7 +148,7 @@ def _candidates_table(analysis: dict, apply: Optional[dict], top: int, width: in
     if not narrow:
         t.add_column("Module(s)", width=mod_w, overflow="fold")
     t.add_column("Occ.", justify="right", no_wrap=True)
-    t.add_column("Launches\nsaved", justify="right", no_wrap=True)
+    t.add_column(f"{M.saved_label(analysis)}\nsaved", justify="right", no_wrap=True)
     t.add_column("Bytes\nsaved", justify="right", no_wrap=True)
     gpu_est = M.gpu_estimate(analysis)
     t.add_column("GPU est.\n(bytes model)" if gpu_est else "Est. saved\n(share)", justify="right", no_wrap=True)
@@ -156,6 +157,9 @@ def _candidates_table(analysis: dict, apply: Optional[dict], top: int, width: in
     for c in M.listed(analysis)[:top]:
         mods = "\n".join(_wrap_dotted(m, mod_w) for m in modules_summary(list(c.modules), limit=64))
         pattern = _pattern_cell(c)
+        label, status_style = STATUS_TEXT[M.status(pats.get(c.id))] if has_apply else ("", "")
+        if narrow and label:
+            pattern.append("\n" + label, style=status_style)
         if narrow and mods:
             pattern.append("\n" + mods, style="cyan")
         est = Text(fmt_time(c.est_time_saved_us), style="bold")
@@ -164,12 +168,10 @@ def _candidates_table(analysis: dict, apply: Optional[dict], top: int, width: in
         row = [c.id, pattern] + ([] if narrow else [mods])
         row += [fmt_count(c.occurrences), fmt_count(c.kernels_saved), fmt_bytes(c.bytes_saved), est]
         if has_apply:
-            p = pats.get(c.id)
-            meas = M.measured_saved_per_iter(p, c)
-            label, style = STATUS_TEXT[M.status(p)]
+            meas = M.measured_saved_per_iter(pats.get(c.id), c)
             cell = Text(fmt_time(meas) if meas is not None else "–", style="red" if meas is not None and meas < 0 else "")
-            if label:
-                cell.append("\n" + label, style=style)
+            if label and not narrow:
+                cell.append("\n" + label, style=status_style)
             row.append(cell)
         t.add_row(*row, end_section=True)
     return t
@@ -203,17 +205,17 @@ def _footnotes(analysis: dict, apply: Optional[dict], top: int) -> list:
     return out
 
 
-def _next_steps(analysis: dict, apply: Optional[dict], out) -> Optional[Panel]:
+def _print_next_steps(analysis: dict, apply: Optional[dict], out, console: Console) -> None:
+    """The next steps, each command on one line of its own, outside any box: a command folded at the terminal's
+    width, or between a box's borders, cannot be pasted."""
     steps = next_steps(analysis, apply, out)
     if not steps:
-        return None
-    body = Text()
-    for i, step in enumerate(steps):
-        body.append(("\n" if i else "") + step.text)
+        return
+    console.print(Text("Next step", style="bold green"))
+    for step in steps:
+        console.print(Text(step.text), overflow="fold")
         if step.code:
-            body.append("\n  " + step.code, style="bold cyan")
-    return Panel(body, title="[bold]Next step[/]", title_align="left", border_style="green", padding=(0, 1),
-                 expand=False)
+            console.print(Text("  " + step.code, style="bold cyan"), soft_wrap=True)
 
 
 def render_terminal(analysis: dict, apply: Optional[dict], console: Console, top: int = 10, out=None) -> None:
@@ -225,6 +227,4 @@ def render_terminal(analysis: dict, apply: Optional[dict], console: Console, top
         console.print(Text("No fusion candidates found.", style="bold"))
     for line in _footnotes(analysis, apply, top):
         console.print(line)
-    panel = _next_steps(analysis, apply, out)
-    if panel is not None:
-        console.print(panel)
+    _print_next_steps(analysis, apply, out, console)

@@ -38,7 +38,8 @@ import zipfile
 from pathlib import Path
 
 from advisor.codegen.cache import cache_dir
-from advisor.errors import AdvisorError
+from advisor.errors import AdvisorError, not_writable
+from advisor.jsonio import like_a_new_file
 from advisor.workflows.plan_cache import FILES, copy_plan
 
 FORMAT = 1
@@ -138,8 +139,12 @@ def save(plan, path) -> Path:
     hosts = host_module_entries(folder) if header["gpu"] else []
     header["host_modules"] = [d.name for d in hosts]
     entries = entries + [d for d in hosts if d not in entries]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise not_writable(path, e) from None
+    like_a_new_file(fd)
     os.close(fd)
     try:
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:

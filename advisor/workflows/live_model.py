@@ -15,7 +15,9 @@ re-patches and re-checks it without profiling (`advisor.workflows.plan_cache`). 
 """
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +49,7 @@ from advisor.workflows.selection import final_status, keep_faster, time_patterns
 from advisor.workflows.training import keep_faster_training
 from advisor.workflows.workers import start_soon
 
-@dataclass
+@dataclass(repr=False)
 class OptimizeReport:
     out_dir: Path
     results: list[PatternResult]  # what became of each candidate tried (apply.json's `patterns`)
@@ -69,6 +71,10 @@ class OptimizeReport:
     def applied(self) -> list[dict]:
         """The records of the patterns in use: patched, and not dropped by selection."""
         return [r.to_json() for r in self.results if r.in_use]
+
+    def __repr__(self) -> str:  # short, as in a notebook's echo or a log line; print() gives the summary
+        return (f"<OptimizeReport out_dir={str(self.out_dir)!r} patterns={len(self.results)} "
+                f"in_use={len(self.applied)}>")
 
     def __str__(self) -> str:
         lines = [f"fusion-advisor: {len(self.applied)} of {len(self.results)} patterns patched "
@@ -92,6 +98,16 @@ class OptimizeReport:
         if self.end_to_end:
             lines.append("  " + describe_timing(self.end_to_end))
         return "\n".join(lines)
+
+
+def scratch_out_dir() -> Path:
+    """The output folder of an `optimize` not given `out=`: in the temp directory, removed when the process
+    exits. Not sooner: the patched model imports its kernels from it (a new input shape captures again), and
+    `report.out_dir` names it for `advisor.patch` and `save_bundle` for as long as the report lives. The plan
+    itself outlives it in the plan cache (a later `optimize` reuses it)."""
+    d = Path(tempfile.mkdtemp(prefix="fusion-advisor-"))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    return d
 
 
 def describe_timing(e2e: dict) -> str:
@@ -130,7 +146,7 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     if device != "cuda" and interpret and replacement == "kernel" and (problem := interpreter_problem()):
         # every kernel would fail its validation for this one reason: said once, before any profiling
         raise AdvisorError(f"nothing patched: {problem}")
-    out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="fusion-advisor-"))
+    out_dir = Path(out) if out else scratch_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     phases = Stopwatch()
     if device == "cuda" and replacement == "kernel":

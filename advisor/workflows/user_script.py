@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import textwrap
 import time
 from pathlib import Path
 
@@ -291,13 +292,24 @@ class _RegionTimer:
         return [(e - s) * 1e3 for s, e in self.spans]
 
 
-def check_lines(checks: list) -> list[str]:
+def check_lines(checks: list, patterns: list = ()) -> list[str]:
     """One line per module compared (the script may call it many times): match, bit-identical or MISMATCH
-    over its calls, with the worst call's errors."""
+    over its calls, with the worst call's errors. Where the mismatching calls dropped the patterns to blame
+    and the calls after them matched, the line is that final verdict: what was dropped, why, and that the
+    model now matches (a "MISMATCH" line above "every patched pattern kept" read as a failure)."""
     lines = []
     for module in dict.fromkeys(c["module"] for c in checks):
         mine = [c for c in checks if c["module"] == module]
         bad = [c for c in mine if not c.get("ok")]
+        if bad and mine[-1].get("ok") and all(c.get("dropped") for c in bad):
+            after = mine[max(i for i, c in enumerate(mine) if not c.get("ok")) + 1:]
+            worst = max(after, key=lambda c: c.get("rel_l2") or 0.0)
+            dropped = {k: why for c in bad for k, why in c["dropped"].items()}
+            lines.append(f"check {module}: patched vs unpatched outputs match "
+                         f"(rel_l2 {worst.get('rel_l2') or 0:.2g}, max_abs {worst.get('max_abs') or 0:.2g}) once "
+                         f"{', '.join(_pattern_named(k, patterns) for k in dropped)} was dropped: "
+                         + "; ".join(dict.fromkeys(dropped.values())))
+            continue
         calls = f" in {len(bad)} of {len(mine)} calls" if bad and len(mine) > 1 else \
             (f" over {len(mine)} calls" if len(mine) > 1 else "")
         if not bad and all(c.get("bit_identical") for c in mine):
@@ -310,6 +322,12 @@ def check_lines(checks: list) -> list[str]:
     return lines
 
 
+def _pattern_named(key: str, patterns: list) -> str:
+    """`c1 (linear epilogue)` for a plan's pattern key (`<pattern_id>:<replacement>`)."""
+    found = next((p for p in patterns if p.get("pattern_id") and p["pattern_id"] == key.split(":")[0]), None)
+    return f"{found['candidate']} ({(found.get('title') or '').split(':')[0]})" if found else key
+
+
 def print_summary(console, doc: dict, out: Path) -> None:
     t = Table(title="fusion-advisor apply", title_justify="left")
     for col in ("cand.", "pattern", "status", "sites", "est. saved µs/iter", "measured µs/iter (alone)"):
@@ -318,12 +336,10 @@ def print_summary(console, doc: dict, out: Path) -> None:
         alone = (p.applied_alone or {}).get("saved_us_per_iter")
         est = p.est_time_saved_us
         status = p.verdict.message if p.verdict else ""
-        t.add_row(p.candidate, p.title, status if len(status) < 80 else status[:77] + "…", str(p.sites or 0),
+        t.add_row(p.candidate, p.title, textwrap.shorten(status, 80, placeholder=" …"), str(p.sites or 0),
                   f"{est:.1f}" if isinstance(est, (int, float)) else "-",
                   f"{alone:.1f}" if isinstance(alone, (int, float)) else "-")
     console.print(t)
-    for line in check_lines(doc.get("checks") or []):
-        console.print(line)
     for e in doc.get("errors") or []:
         console.print(f"[yellow]warning:[/] {e}")
     e2e = doc.get("end_to_end") or {}
@@ -337,3 +353,5 @@ def print_summary(console, doc: dict, out: Path) -> None:
     if doc.get("selection"):
         console.print(f"selection: {doc['selection']['decision']}")
     console.print(f"apply results written to [bold]{out / 'apply.json'}[/]")
+    for line in check_lines(doc.get("checks") or [], doc.get("patterns") or []):  # the verdict, last
+        console.print(line, soft_wrap=True)
