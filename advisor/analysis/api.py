@@ -1,6 +1,7 @@
 """`advisor.analyze(path) -> Analysis` and the `analyze` sub-command: trace -> graph -> candidates -> analysis.json."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
@@ -157,13 +158,19 @@ class _Pattern:
 
 def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.DataFrame) -> Analysis:
     groups = find_groups(graph)
+    sigs = list(signatures(graph, groups))
+    groups, sigs, iters, odd = _whole_iterations(graph, groups, sigs)
+    if odd:
+        graph.warnings.append(f"steady-state iteration(s) {', '.join(map(str, odd))} grouped their ops differently "
+                              f"from the other {iters} (a stale dataflow binding, a window edge): left out of the "
+                              "candidates, which are counted over whole iterations that agree")
     pid_of: dict[str, str] = {}  # family of a signature -> pattern id (its first signature's)
     pattern_of: dict[int, str] = {}  # id(group) -> pattern id
     by_pattern: dict[str, _Pattern] = {}
     gpu = gpu_model() if device.type == "cpu" else None
     ests: dict[int, float] = {}
     whole: set[int] = set()  # id(group) of epilogues whose estimate is not an increment on their base's (conv)
-    for g, sig, cost in zip(groups, signatures(graph, groups), group_costs(graph, groups, device)):
+    for g, sig, cost in zip(groups, sigs, group_costs(graph, groups, device)):
         if g.kind == "padded_matmul" and not padding_pays(cost, device):
             continue
         if cost.in_anchor_kernel_us is not None and gpu is None:
@@ -177,7 +184,6 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
         if pid not in by_pattern:
             by_pattern[pid] = _Pattern(g, sig, [])
         by_pattern[pid].add(g, cost, device, gpu, ests)
-    iters = graph.iterations
     records, group_map = [], {}
     totals = _totals(graph)
     totals["est_time_saved_us"] = _potential([g for g in groups if id(g) in ests], ests, whole) / iters
@@ -248,13 +254,14 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
                    "meta": str(files.meta) if files.meta else None},
         "device": {"type": device.type, "name": device.name, "bandwidth_Bps": device.bandwidth_Bps,
                    "launch_us": device.launch_us, "bandwidth_source": device.source},
-        "steady_state": {"iterations": iters,
+        "steady_state": {"iterations": graph.iterations,
+                         **({"left_out_of_candidates": odd} if odd else {}),
                          "source": (meta.get("steady_state") or {}).get("source", "whole"),
                          **({"training_step": True} if (meta.get("steady_state") or {}).get("training_step") else {})},
         "totals": totals,
         "estimate": _estimate_basis(device, gpu),
-        "unknown_ops": graph.unknown_ops.assign(count=lambda d: d["count"] / iters,
-                                                time_us=lambda d: d["time_us"] / iters).to_dict("records"),
+        "unknown_ops": graph.unknown_ops.assign(count=lambda d: d["count"] / graph.iterations,
+                                                time_us=lambda d: d["time_us"] / graph.iterations).to_dict("records"),
         "low_confidence": graph.confidence == "low",
         "warnings": list(graph.warnings),  # e.g. an ET that cannot be joined (issue 8)
         "timeline": _timeline(graph, groups_by_id),
@@ -320,6 +327,37 @@ def _pattern_of(graph: Graph, g: Group, pattern_of: dict, pid_of: dict) -> str:
         return pattern_of[id(g)]
     sig = signature(graph, g)
     return pid_of.get(family(sig)) or pattern_id(sig)
+
+
+def _census(graph: Graph, g: Group, sig: str) -> tuple:
+    """What makes two occurrences one candidate: the signature's family and the part of the step it ran in."""
+    return family(sig), graph.nodes[g.members[0]].phase
+
+
+def _whole_iterations(graph: Graph, groups: list, sigs: list) -> tuple[list, list, int, list]:
+    """(groups, signatures, iterations, left-out iterations): the groups of the steady iterations whose census
+    (how many occurrences of each candidate) the majority of iterations share, when more than half share one
+    and some do not. A steady state repeats: a deterministic model's iterations run the same ops, and an
+    iteration grouped otherwise is an artefact of the trace, not of the model (on a CPU, a tensor read at an
+    address another tensor had freed binds to that stale writer, which makes a value look shared by two
+    layers; a window's edge). Counted over all iterations, such a run gave 2.6 occurrences a call, and
+    candidates and ids that changed from one profile of the model to the next. Without a majority (a workload
+    that varies from call to call) every iteration counts, as before."""
+    iters = graph.iterations
+    if iters < 3:
+        return groups, sigs, iters, []
+    per_iteration: dict[int, Counter] = {k: Counter() for k in range(iters)}
+    iteration_of = [graph.nodes[g.members[0]].iteration for g in groups]
+    for g, sig, k in zip(groups, sigs, iteration_of):
+        if k in per_iteration:
+            per_iteration[k][_census(graph, g, sig)] += 1
+    shapes = Counter(frozenset(c.items()) for c in per_iteration.values())
+    common, agree = shapes.most_common(1)[0]
+    if agree == iters or 2 * agree <= iters:
+        return groups, sigs, iters, []
+    odd = sorted(k for k, c in per_iteration.items() if frozenset(c.items()) != common)
+    keep = [k not in odd for k in iteration_of]
+    return ([g for g, ok in zip(groups, keep) if ok], [s for s, ok in zip(sigs, keep) if ok], agree, odd)
 
 
 def _stable_key(r: dict) -> tuple:

@@ -23,6 +23,7 @@ from advisor.collect.measure import device_info, measure
 from advisor.collect.module_scopes import module_scopes
 from advisor.collect.native_log import quiet_profile, stop_execution_trace
 from advisor.collect.region import region
+from advisor.fast_paths import module_level_paths
 from advisor.jsonio import META_SCHEMA_VERSION, write_json
 
 REGION = "advisor.optimize"
@@ -39,7 +40,7 @@ def profile_calls(fn: Callable[[], object], out_dir: Path, device: str, calls: i
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
             with quiet_profile(profile(activities=activities, record_shapes=True, execution_trace_observer=et)) as prof:
-                with module_scopes():
+                with module_scopes(), module_level_paths():  # the ops the capture will see
                     for _ in range(max(2, calls)):
                         with region(REGION):
                             fn()

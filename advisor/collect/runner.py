@@ -287,6 +287,7 @@ def profile_script(
     from advisor.collect.module_scopes import module_scopes
     from advisor.collect.measure import device_info, measure
     from advisor.collect.nvtx_ranges import ranges_as_regions
+    from advisor.fast_paths import module_level_paths
 
     kineto_gz, et_gz, meta_path = trace_dir / "kineto.json.gz", trace_dir / "et.json.gz", trace_dir / "meta.json"
     kineto_tmp, et_tmp = trace_dir / "kineto.json.tmp", trace_dir / "et.json.tmp"
@@ -317,7 +318,8 @@ def profile_script(
                     sync = torch.cuda.synchronize if dev == "cuda" else None
                     window = ProfilerWindow(prof, schedule, before_stop=sync)
                     try:
-                        with ranges_as_regions(), module_scopes(), window:
+                        # module_level_paths: the ops a capture of the script's modules will see
+                        with ranges_as_regions(), module_scopes(), module_level_paths(), window:
                             _run_as_main(script, outcome)
                     finally:
                         try:

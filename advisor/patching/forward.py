@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from advisor.errors import exception_reason
+from advisor.fast_paths import module_level_paths
 from advisor.kernels import derived
 from advisor.patching import rewrite
 from advisor.patching.capture import Backend, CaptureLog, graphs_run, log_for, plan_digest, trainable
@@ -364,6 +365,12 @@ class PatchedForward:
             return self._call(m, _as_normal_inputs(args), _as_normal_inputs(kwargs))
 
     def _call(self, m, args, kwargs, training: bool = False):
+        # The captured graph holds what the profile saw only with PyTorch's eager fast paths off (the profile
+        # runs under the same block): dynamo's guards read the flag, so every call of a capture runs under it.
+        with module_level_paths():
+            return self._call_captured(m, args, kwargs, training)
+
+    def _call_captured(self, m, args, kwargs, training: bool):
         if self.failed:
             return self._fall_back(self.failed, args, kwargs)
         fn = self._compiled or self._compile()

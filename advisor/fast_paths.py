@@ -1,0 +1,30 @@
+"""PyTorch's eager-only fused paths, switched off wherever the profile must see what a capture runs.
+
+In inference (grad off or no parameter requiring it, eval mode, batch_first, ...) `nn.MultiheadAttention`
+and `nn.TransformerEncoderLayer` run one fused native op (`torch._native_multi_head_attention`,
+`torch._transformer_encoder_layer_fwd`) when `torch.backends.mha.get_fastpath_enabled()`. The profiler sees
+that op's internals (in-place residual adds, `layer_norm`), a capture sees the op itself, opaque: no
+candidate found inside it can be matched in the captured graph, so a LayerNorm the report ranks was never
+patched. With the fast path off both see the same module-level ops (linear, attention, add, layer_norm):
+the profile is taken and the captured layers run under `module_level_paths()`, so what is ranked is what
+can be patched, and the numbers are those of the path the patched model runs. The unpatched model keeps
+its fast path: a selection timing the two compares the fused slow path with PyTorch's fused op.
+
+One global flag (it is PyTorch's): set for the duration of the block, restored after it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+
+@contextlib.contextmanager
+def module_level_paths():
+    import torch
+
+    mha = torch.backends.mha
+    before = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(before)
