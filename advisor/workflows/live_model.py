@@ -31,6 +31,7 @@ from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
 from advisor.patching.modules import under_compile
 from advisor.patching.capture import launched_sites
+from advisor.patching.forward import checking
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.train_graphs import drop_training_recordings
 from advisor.patching.verify import check, eval_if_unrepeatable, float32_reference
@@ -207,7 +208,7 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     handle.train_fused(train)  # (selection may have handed back a new handle)
     training = None
     if train and select is not False:  # kept only where a whole training call measures faster, no heavier
-        with phases("train_check"):
+        with phases("train_check"), checking():  # its calls through the original forwards are not the user's
             # The LM loss first: the training check then steps as the user's loop will (its loss included), held
             # to the memory of the user's model (its loss as before)
             lm_loss = None
