@@ -24,7 +24,7 @@ from advisor.errors import AdvisorError
 from advisor.kernels import derived
 from advisor.kernels.linear_cross_entropy import CausalLMLossForward
 from advisor.patching import rewrite, triton_setup
-from advisor.patching.forward import PatchedForward
+from advisor.patching.forward import GradientCalls, PatchedForward
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.modules import called_ancestor, contains, outermost, qualified, resolve, under_compile
 from advisor.patching.plan import Plan, PatternSpec, Target, build_plan, load_plan, manifest_entry, \
@@ -190,6 +190,9 @@ def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
         mod = model.get_submodule(qual) if qual else model
         mod.forward = done.forwards[qual] = PatchedForward(mod, specs, mod.__dict__.get("forward"), outer=True)
         done.modules.append((qual, mod, specs))
+    gradient_calls = GradientCalls(type(model).__name__)  # said once per model, not once per patched layer
+    for f in done.forwards.values():
+        f.gradient_calls = gradient_calls
     done.set_outer(plan.outer_on)  # as selection left it when the plan was written
     done.enable(plan.enabled)
     return done

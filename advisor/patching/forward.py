@@ -41,6 +41,7 @@ import functools
 import inspect
 import logging
 import sys
+import threading
 import types
 import warnings
 import weakref
@@ -123,12 +124,49 @@ def _wrapped_by_dynamo(fn: Callable) -> bool:
 # ------------------------------------------------------------------------------------ the forward
 SPENT = "new input shapes or modes after the capture budget"
 EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
-TRAINING_CALL = ("a call needing gradients: the original forward runs it, as by default (optimize(..., train=True) "
-                 "trains through the fused kernels)")
+TRAINING_CALL = ("a call needing gradients: the original forward runs it, as by default (torch.no_grad() or "
+                 "torch.inference_mode() for inference; optimize(..., train=True) trains through the fused kernels)")
 UNPROFILED = ("inputs at shapes never profiled: no pattern matches them (kernels are made for the profiled "
               "shapes), so its new capture runs the module's own ops (optimize with these inputs to fuse them)")
 NO_BACKWARD = ("no fused backward validated (or faster than the original ops) here: calls needing gradients run the "
                "original forward")
+
+
+class GradientCalls:
+    """Whether a patched model has said that its calls with gradients enabled run the original forward: its
+    forwards share one, so the warning comes once per model (evaluation scripts often call without `no_grad`,
+    and then never ran a fused kernel without a word)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.said = False
+
+    def say(self, why: str) -> None:
+        if self.said or _checking():
+            return
+        self.said = True
+        if why == TRAINING_CALL:
+            fix = ("call it under torch.no_grad() or torch.inference_mode() for inference, or optimize(..., train=True) "
+                   "(apply --train) to train through the fused kernels")
+        else:
+            fix = ("no fused backward validated for it, so calls that train run the original ops; call it under "
+                   "torch.no_grad() or torch.inference_mode() for inference")
+        warnings.warn(f"fusion-advisor: calls of the patched {self.model_name} with gradients enabled (a parameter or "
+                      f"an input requires grad) run its original forward, not the fused kernels: {fix} "
+                      "(report.handle.fallbacks() counts these calls; said once per model)", RuntimeWarning,
+                      stacklevel=5)
+
+
+_CHECKS = threading.local()
+
+
+def _checking() -> bool:
+    return getattr(_CHECKS, "on", False)
+
+
+def checking():
+    """Inside: `optimize`'s own calls (its training comparison's runs through the original forwards), which say nothing."""
+    return rewrite.thread_flag(_CHECKS, "on", True)
 
 
 class PatchedForward:
@@ -158,6 +196,7 @@ class PatchedForward:
         self._capturing_calls = 0  # calls that made dynamo capture at least one graph
         self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
         self.train_fused = False  # see `trains`
+        self.gradient_calls = GradientCalls(type(module).__name__)  # shared by the model's forwards (`patch`)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -316,13 +355,16 @@ class PatchedForward:
         # whole stack, not one per layer with the host's work between them).
         off = rewrite.patches_are_off() or not self.on()
         if off or (grad and not self.trains):
-            if grad and not off and not self.train_fused:
-                self.fallbacks[TRAINING_CALL] = self.fallbacks.get(TRAINING_CALL, 0) + 1
+            if grad and not off and not _checking():
+                why = NO_BACKWARD if self.train_fused else TRAINING_CALL
+                self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+                self.gradient_calls.say(why)
             return self.original()(*args, **kwargs)
         if grad:
             if getattr(self._backend, "trains_nothing", False):  # a module sharing this capture found no site fused
                 self._may_train = False
                 self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
+                self.gradient_calls.say(NO_BACKWARD)
                 return self.original()(*args, **kwargs)
             fused = rewrite.fused_runs()
             out = self._call(m, args, kwargs, training=True)
@@ -339,6 +381,15 @@ class PatchedForward:
             return out
         if torch.is_inference_mode_enabled():
             return self._call_as_no_grad(m, args, kwargs)
+        if torch.is_grad_enabled():
+            # Nothing requires a gradient (a frozen model called without no_grad): no autograd would be recorded,
+            # so it runs as a no_grad call, served by that capture (dynamo guards on the grad mode: each mode had
+            # cost a trace of its own, out of the capture budget). (The grad mode set by hand: `no_grad()` costs 3 us.)
+            torch._C._set_grad_enabled(False)
+            try:
+                return self._call(m, args, kwargs)
+            finally:
+                torch._C._set_grad_enabled(True)
         return self._call(m, args, kwargs)
 
     def _release_inference(self) -> None:
@@ -441,16 +492,19 @@ class PatchedForward:
     def __deepcopy__(self, memo):
         new = PatchedForward(copy.deepcopy(self.module, memo), self.specs, copy.deepcopy(self.saved, memo), self.outer)
         new.failed, new.enabled, new.active, new.train_fused = self.failed, self.enabled, self.active, self.train_fused
+        new.gradient_calls = copy.deepcopy(self.gradient_calls, memo)  # (shared by the copy's forwards, via memo)
         return new
 
     def __reduce__(self):
         return (PatchedForward, (self.module, self.specs, self.saved, self.outer),
-                {"failed": self.failed, "enabled": self.enabled, "active": self.active, "train_fused": self.train_fused})
+                {"failed": self.failed, "enabled": self.enabled, "active": self.active, "train_fused": self.train_fused,
+                 "gradient_calls": self.gradient_calls})
 
     def __setstate__(self, state: dict) -> None:
         self.failed, self.enabled = state.get("failed"), state.get("enabled")
         self.active = state.get("active", not self.outer)
         self.train_fused = state.get("train_fused", False)
+        self.gradient_calls = state.get("gradient_calls", self.gradient_calls)
 
     def __repr__(self) -> str:
         tier = f"outer, {'on' if self.active else 'off'}; " if self.outer else ""

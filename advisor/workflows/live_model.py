@@ -33,13 +33,14 @@ from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
 from advisor.patching.modules import under_compile
 from advisor.patching.capture import launched_sites
+from advisor.patching.forward import checking
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.train_graphs import drop_training_recordings
 from advisor.patching.verify import check, eval_if_unrepeatable, float32_reference
 from advisor.records import PatternResult
 from advisor.stopwatch import Stopwatch
 from advisor.bench import timing as bench_timing  # read at call time: tests replace it
-from advisor.workflows import early_capture, plan_cache
+from advisor.workflows import counted, early_capture, plan_cache
 from advisor.workflows.bundle import loaded_host_modules
 from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
@@ -61,6 +62,7 @@ class OptimizeReport:
     selection: dict | None = None  # what selection handed back, and why (apply.json `selection`)
     training: dict | None = None  # with train=True: whether calls needing gradients run fused, and why
     modes: str | None = None  # set where optimize ran a model handed over in training mode in eval mode
+    runs: dict | None = None  # fused launches counted on one call after the checks (`counted`)
 
     @property
     def patterns(self) -> list[dict]:
@@ -83,6 +85,9 @@ class OptimizeReport:
             state = f"patched, {r.sites} site(s)" if r.in_use else \
                 (r.verdict.message if r.verdict else "") or "not patched"
             lines.append(f"  {r.candidate:>4} {r.title}: {state}")
+        if self.runs is not None:
+            lines.append(f"  runs: {self.runs['fused_launches_per_call']} fused kernel launch(es) per call (counted on "
+                         "one call of the example inputs after the checks)")
         for module, why in (self.handle.fallbacks() if self.handle is not None else {}).items():
             lines.append(f"  {module} ran its original forward: " + ", ".join(f"{w} ({n}x)" for w, n in why.items()))
         for module, why in (self.handle.graphs_not_used() if self.handle is not None else {}).items():
@@ -225,14 +230,17 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     handle.train_fused(train)  # (selection may have handed back a new handle)
     training = None
     if train and select is not False:  # kept only where a whole training call measures faster, no heavier
-        with phases("train_check"):
+        with phases("train_check"), checking():  # its calls through the original forwards are not the user's
             # The LM loss first: the training check then steps as the user's loop will (its loss included), held
             # to the memory of the user's model (its loss as before)
             lm_loss = None
             try:
                 lm_loss = keep_faster_lm_loss(model, args, kwargs, device, iters)
-                training = keep_faster_training(model, handle, args, kwargs, device, iters, train_memory,
-                                                *causal_lm_step(model, args, kwargs, lm_loss))
+                labels, baseline = causal_lm_step(model, args, kwargs, lm_loss)
+                training = keep_faster_training(model, handle, args, kwargs, device, iters, train_memory, labels,
+                                                baseline)
+                if training.get("kept"):  # stated as a real step runs it
+                    _count_training(training, model, handle, args, kwargs, device, labels)
             except Exception as e:  # each check catches its own failures; one outside them must not cost the
                 # user their patched model either: training then runs the original forwards
                 handle.train_fused(False)
@@ -242,12 +250,16 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
                                         "has the full error)", "kept": False, **exception_details(e)}
             if lm_loss is not None:
                 training["lm_loss"] = lm_loss
+    with phases("count"):  # what the report says runs is what one call runs now (before `settle`: not the user's budget)
+        ran = counted.inference(call, handle)
+    records = counted.agree(records, specs, ran)
+    runs = {"fused_launches_per_call": sum(ran.values()), "sites": ran}
     handle.settle()  # the checks' own captures (training calls, their modes) are not the user's loop's budget
     out = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": [r.to_json() for r in records], "manifest": handle.manifest(), "check": chk.as_dict(),
            "end_to_end": e2e,
            "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
-           "plan_key_parts": key_parts, "selection": selection, "training": training,
+           "plan_key_parts": key_parts, "selection": selection, "training": training, "runs": runs,
            "enabled": sorted(handle.enabled) if handle.enabled is not None else None,
            "outer": handle.outer_on,
            "skipped_targets": getattr(plan, "skipped", {}), "modes": modes, "graphs": handle.graph_keys(),
@@ -257,7 +269,23 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     if key and not reused and out["manifest"]:
         plan_cache.store(out_dir, key)
     return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds, selection,
-                          training, modes)
+                          training, modes, runs)
+
+
+def _count_training(training: dict, model, handle, args, kwargs, device, labels) -> None:
+    """`training` (kept fused) as one real training step runs it: its fused site runs counted, and where there are
+    none, training handed back to the original forwards and said so (it had been "kept as asked" on a model
+    whose layers could not train fused)."""
+    n = counted.training(model, handle, args, kwargs, device, labels)
+    training["fused_per_step"] = n
+    if n == 0:
+        handle.train_fused(False)
+        drop_training_recordings()
+        training.update(kept=False, decision="training runs the original forwards: a training step ran no fused site "
+                        "(counted; no pattern here has a validated backward, or its layers could not be captured "
+                        f"for training), where the check had said: {training['decision']}")
+    elif n is not None:
+        training["decision"] += f"; counted on one training step: {n} fused site run(s) per step"
 
 
 def split_inputs(example_inputs) -> tuple[tuple, dict]:
