@@ -31,7 +31,7 @@ def analyze(path, et=None):
     return analyze_trace(path, et=et)
 
 
-def optimize(model, example_inputs, top: int | None = None, out=None, replacement: str = "kernel", calls: int = 3,
+def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel", calls: int = 3,
              benchmark: bool = False, iters: int = 20, granularity: str = "layer", reuse: bool = True,
              select: bool | None = None, interpret: bool = False, train: bool = False, train_memory: float = 0.0):
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
@@ -41,8 +41,8 @@ def optimize(model, example_inputs, top: int | None = None, out=None, replacemen
         advisor.unpatch(model)    # back to the original, bit for bit
 
     example_inputs: a tuple of positional arguments, a dict of keyword arguments, or one tensor.
-    top: at most this many of the highest-ranked candidates get kernels (default: every candidate worth
-    one, `workflows.kernels.worth_patching`); out: where the plan goes (a temporary folder by default);
+    top: the highest-ranked candidates that get kernels (None: every candidate worth one,
+    `workflows.kernels.worth_patching`); out: where the plan goes (a temporary folder by default);
     replacement: `kernel` (generated Triton), or the stand-ins `program` / `subgraph` (tests the patcher);
     calls: profiled calls; benchmark: also time before/after and each pattern alone (GPU); iters: timed
     calls per configuration; granularity: what a capture holds (`layer`, `occurrence`, `pattern`,

@@ -8,10 +8,8 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from advisor.cli_options import (TOP_DEFAULT, Device, Granularity, Replacement, calls_option, chosen_schedule,
-                                 device_option,
-                                 out_option, region_option, schedule_option,
-                                 top_option)
+from advisor.cli_options import (Device, Granularity, Replacement, calls_option, chosen_schedule, device_option,
+                                 out_option, region_option, schedule_option, top_option)
 from advisor.collect.layout import TRACE_DIR, drop_stale_kernels, locate
 from advisor.errors import AdvisorError
 from advisor.jsonio import write_json
@@ -79,7 +77,7 @@ def run(
     region: Optional[str] = region_option(),
     calls: Optional[int] = calls_option(),
     schedule: Optional[str] = schedule_option(),
-    top: Optional[int] = top_option(),
+    top: int = top_option(),
 ):
     """Profile SCRIPT, then analyse the trace: `profile` and `analyze` in one go."""
     chosen = chosen_schedule(calls, schedule)
@@ -87,7 +85,7 @@ def run(
     _profile(script, args, out, device=device.value, region=region, schedule=chosen, totals=False)
     from advisor.analysis.api import analyze_cli
 
-    _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top or TOP_DEFAULT))
+    _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top))
 
 
 @app.command()
@@ -96,20 +94,20 @@ def analyze(
     et: Optional[Path] = typer.Option(None, "--et", help="Execution trace file (when TRACE is a bare Kineto file)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Where to write analysis.json and the reports "
                                        "(default: OUT, the directory holding the trace/ folder)."),
-    top: Optional[int] = top_option(),
+    top: int = top_option(),
 ):
     """Find fusion candidates in a trace and estimate what each saves; writes analysis.json and the reports."""
     from advisor.analysis.api import analyze_cli
 
     located = locate(trace)
-    _report_written(analyze_cli(located.trace, et=et, out=out or located.out, top=top or TOP_DEFAULT))
+    _report_written(analyze_cli(located.trace, et=et, out=out or located.out, top=top))
 
 
 @app.command()
 def generate(
     source: Path = typer.Argument(..., help="Directory with analysis.json, or a trace (directory or Kineto file) to analyse first."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: OUT, where analysis.json is)."),
-    top: Optional[int] = top_option(),
+    top: int = top_option(),
 ):
     """Generate a fused Triton kernel per top candidate, validate each against PyTorch, write OUT/kernels/*.py and OUT/apply.json."""
     import json
@@ -153,16 +151,16 @@ def generate(
     console.print(table)
     n_ok = sum(r.validated for r in shown)
     console.print(f"{n_ok} of {len(shown)} patterns validated; results in [bold]{Path(out_dir) / 'apply.json'}[/]")
-    _report_written(render_reports(out_dir, console, top=top or TOP_DEFAULT, terminal=False))
+    _report_written(render_reports(out_dir, console, top=top, terminal=False))
 
 
 @app.command()
 def report(
     directory: Path = typer.Argument(..., help="OUT (holding analysis.json, and apply.json if any) or OUT/trace."),
-    top: Optional[int] = top_option(),
+    top: int = top_option(),
 ):
     """Re-render the terminal and HTML reports from a directory, without re-running anything."""
-    _report_written(render_reports(directory, top=top or TOP_DEFAULT))
+    _report_written(render_reports(directory, top=top))
 
 
 @app.command()
@@ -183,7 +181,7 @@ def apply(
     ctx: typer.Context,
     script: Optional[Path] = typer.Argument(None, help="Workload script (arguments for it go after `--`; default: "
                                             "the bundled demo workload)."),
-    top: Optional[int] = top_option(),
+    top: int = top_option(),
     out: Path = out_option(what="Output directory, the only place written"),
     device: Device = device_option(),
     region: Optional[str] = region_option(),
@@ -210,7 +208,7 @@ def apply(
     apply_script(script, args, out, top=top, device=device.value, region=region,
                  replacement=replacement.value, iters=iters, granularity=granularity.value, train=train)
     drop_stale_kernels(out)
-    _report_written(render_reports(out, top=top or TOP_DEFAULT, terminal=False))
+    _report_written(render_reports(out, top=top, terminal=False))
 
 
 def _script_or_demo(script: Optional[Path], args: List[str]) -> tuple:

@@ -121,7 +121,7 @@ def describe_timing(e2e: dict) -> str:
     return f"{e2e['before_ms']:.3f} ms -> {e2e['after_ms']:.3f} ms per call ({e2e['speedup']:.2f}x)"
 
 
-def optimize(model: torch.nn.Module, example_inputs, top: int | None = None, out=None, replacement: str = "kernel",
+def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "layer", reuse: bool = True, select: bool | None = None,
              interpret: bool = False, train: bool = False, train_memory: float = 0.0) -> OptimizeReport:

@@ -100,7 +100,7 @@ class Handles:
         return out
 
 
-def apply_script(script: Path, args: list, out: Path, top: int | None = None, device: str = "auto", region: str | None = None,
+def apply_script(script: Path, args: list, out: Path, top: int | None = 5, device: str = "auto", region: str | None = None,
                  replacement: str = "kernel", iters: int = 20, granularity: str = "layer", console=None,
                  train: bool = False) -> dict:
     console = console or Console(highlight=False, soft_wrap=True)
