@@ -220,3 +220,28 @@ def test_small_doubles_reach_the_kernels_in_full(tmp_path):
     want = torch.nn.functional.layer_norm(x + zero, (64,), w, b, 1e-12)
     assert torch.isfinite(normed).all()
     torch.testing.assert_close(normed.reshape(want.shape), want)
+
+
+def test_models_of_one_class_asking_for_hidden_states_do_not_share_a_capture_budget(tmp_path):
+    """Every HF decoder layer's forward runs through decorators whose wrapper code every decorated function
+    shares; dynamo compiled it as a frame of its own where the graph broke (hidden states asked for), so its
+    recompile limit (8) was spent across models: in one process the third tiny Qwen2 optimized with
+    `output_hidden_states=True` got no pattern. Each capture's functions, those its decorators wrap included,
+    have code of their own. (HF's output-capturing hook, one function for every model, still shares one
+    cache: past four such models the later ones get fewer patterns.)"""
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    models, applied = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4):
+            torch.manual_seed(i)
+            model = transformers.Qwen2ForCausalLM(cfg).eval()
+            report = advisor.optimize(model, {"input_ids": ids, "output_hidden_states": True}, interpret=True,
+                                      reuse=False, out=tmp_path / f"m{i}")
+            models.append(model)
+            applied.append(len(report.applied))
+    assert applied[0] > 0 and applied == applied[:1] * 4, applied

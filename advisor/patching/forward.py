@@ -94,7 +94,15 @@ def _fresh(fn: Callable) -> Callable:
     is a new backend, hence a new entry, so plans would otherwise share, and exhaust, one cache.
     A function of torch's own files (`nn.Linear.forward`: a patched LM head) dynamo compiles only from a
     wrapper frame, and it wraps them all in one `inner` whose code, and cache, they then share: the
-    ninth such capture in a process ran uncaptured. Those get a wrapper of ours, with its own code."""
+    ninth such capture in a process ran uncaptured. Those get a wrapper of ours, with its own code.
+    The functions a decorator's wrapper holds in its closure (the forward it wraps) get their own too: where
+    dynamo breaks the graph inside, it compiles them as frames of their own, and a decorator's code is shared
+    by every function it wraps (HF's `deprecate_kwarg` wrapper around every decoder layer's forward: ten
+    models optimized with `output_hidden_states` in one process exhausted its cache at the third)."""
+    return _fresh_function(fn, depth=3)
+
+
+def _fresh_function(fn: Callable, depth: int) -> Callable:
     if not isinstance(fn, types.FunctionType):
         return fn
     if _wrapped_by_dynamo(fn):
@@ -104,11 +112,22 @@ def _fresh(fn: Callable) -> Callable:
         call.__code__ = call.__code__.replace(co_name=fn.__name__)  # a code object of its own
         call.__name__, call.__qualname__ = fn.__name__, fn.__qualname__
         return call
-    g = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    closure = fn.__closure__
+    if closure and depth > 1 and any(isinstance(_cell_value(c), types.FunctionType) for c in closure):
+        closure = tuple(types.CellType(_fresh_function(v, depth - 1)) if isinstance(v := _cell_value(c), types.FunctionType)
+                        else c for c in closure)
+    g = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, closure)
     g.__kwdefaults__ = fn.__kwdefaults__
     g.__dict__.update(fn.__dict__)
     g.__qualname__ = fn.__qualname__
     return g
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell (a name the closure binds later)
+        return None
 
 
 def _wrapped_by_dynamo(fn: Callable) -> bool:
