@@ -212,6 +212,7 @@ def test_patched_bert_splade_head_trains_like_eager_without_the_logits(tmp_path)
     model.train(), twin.train()
     opt, opt_twin = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
     fused = rewrite.fused_runs()
+    launched = {b["program"]: b["launches"] for b in ag.summary()}  # (optimize counts a training step of its own)
     for _ in range(2):
         with Allocations() as seen:
             loss, got = step(model, hidden, mask, opt)
@@ -224,7 +225,8 @@ def test_patched_bert_splade_head_trains_like_eager_without_the_logits(tmp_path)
         assert B * L * V * 4 not in seen.sizes  # neither pass allocated the logits (nor anything of their size)
     assert rewrite.fused_runs() >= fused + 2
     (rec,) = [b for b in ag.summary() if b["program"] == "splade_head"]
-    assert rec["validated"] and rec["launches"] == 2 and rec["saved_bytes"] < rec["eager_saved_bytes"] / 10, rec
+    assert rec["validated"] and rec["launches"] - launched.get("splade_head", 0) == 2 and \
+        rec["saved_bytes"] < rec["eager_saved_bytes"] / 10, rec
     assert not report.handle.fallbacks(), report.handle.fallbacks()
     with Allocations() as seen:  # the check itself can fail: the same step unpatched allocates the logits
         step(twin, hidden, mask, opt_twin)

@@ -413,7 +413,7 @@ class Rotate(torch.nn.Module):
 def test_a_pattern_without_a_backward_trains_at_eager_cost(tmp_path):
     """Only the weight needs a gradient: its backward (a column sum of g * rotated x) is generated and used.
     Once the input needs one too, its strided slices' backward has no kernel: that call and every later one run the
-    original forward, said once in `fallbacks()`, with eager's gradients."""
+    original forward, each counted in `fallbacks()`, with eager's gradients."""
     import advisor
     from advisor.patching.forward import NO_BACKWARD
 
@@ -422,15 +422,16 @@ def test_a_pattern_without_a_backward_trains_at_eager_cost(tmp_path):
     x = torch.randn(4, 32, 16)
     report = advisor.optimize(model, (x,), out=tmp_path, reuse=False, interpret=True, train=True)
     assert report.applied, str(report)
+    before = [b["launches"] for b in ag.summary() if b["validated"]]  # (optimize counts one training step of its own)
     model(x).pow(2).mean().backward()
     twin(x).pow(2).mean().backward()
     torch.testing.assert_close(model.w.grad, twin.w.grad, rtol=1e-5, atol=1e-5)
-    assert [b["launches"] for b in ag.summary() if b["validated"]] == [1]
+    assert [b["launches"] - n for b, n in zip([b for b in ag.summary() if b["validated"]], before)] == [1]
     assert not report.handle.fallbacks()
     xg = x.clone().requires_grad_()
     for _ in range(2):
         model(xg).pow(2).mean().backward()
-    assert report.handle.fallbacks() == {"Rotate": {NO_BACKWARD: 1}}, report.handle.fallbacks()
+    assert report.handle.fallbacks() == {"Rotate": {NO_BACKWARD: 2}}, report.handle.fallbacks()
     xt = x.clone().requires_grad_()
     twin(xt).pow(2).mean().backward()
     twin(xt).pow(2).mean().backward()
