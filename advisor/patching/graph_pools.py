@@ -38,8 +38,9 @@ _CU_STREAM_NON_BLOCKING = 1
 class GraphPool:
     """A private memory pool, the anchor recording that keeps it alive, and the streams captures into it
     run on (one per thread: two threads may record at once, and one stream holds one capture). The streams
-    are this pool's alone, never a later pool's: a workspace allocated in one pool must not be read by
-    graphs of another, which could outlive it."""
+    are this pool's alone while it lives: a workspace allocated in one pool must not be read by graphs of
+    another, which could outlive it. A released pool's streams serve later pools once cuBLAS's table has let
+    go of their workspaces (`release`)."""
 
     handle: tuple
     anchor: object
@@ -49,12 +50,14 @@ class GraphPool:
         key = threading.get_ident()
         s = self.streams.get(key)
         if s is None:
-            s = self.streams[key] = private_stream(device)
+            spare = _SPARE.get(device)
+            s = self.streams[key] = spare.pop() if spare else private_stream(device)
         return s
 
 
 _POOLS: dict = {}  # (device, kind) -> GraphPool
 _SIDE_STREAMS: dict = {}  # (device, thread) -> the stream warm-ups run on
+_SPARE: dict = {}  # device -> capture streams of released pools, no workspace left in cuBLAS's table
 
 
 def pool(device: torch.device, kind: str = "inference") -> GraphPool:
@@ -86,11 +89,12 @@ def release(kind: str) -> bool:
     its pool's segment), and the caching allocator frees what the pools held. The next recording starts a
     new pool, with streams of its own."""
     dropped = [key for key in _POOLS if key[1] == kind]
-    for key in dropped:
-        _POOLS.pop(key)
+    pools = [_POOLS.pop(key) for key in dropped]
     if dropped and torch.cuda.is_available():
         _forget_workspaces()
         torch.cuda.empty_cache()
+        for (device, _), p in zip(dropped, pools):  # (a training loop with evaluations releases once per round)
+            _SPARE.setdefault(device, []).extend(p.streams.values())
     return bool(dropped)
 
 
