@@ -33,7 +33,8 @@ def analyze(path, et=None):
 
 def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel", calls: int = 3,
              benchmark: bool = False, iters: int = 20, granularity: str = "layer", reuse: bool = True,
-             select: bool | None = None, interpret: bool = False, train: bool = False, train_memory: float = 0.0):
+             select: bool | None = None, interpret: bool = False, train: bool = False, train_memory: float = 0.0,
+             decode: bool = False):
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
 
         report = advisor.optimize(model, (input_ids,))
@@ -55,13 +56,16 @@ def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: 
     original forwards and no heavier (`report.training` says which and why); off by default, training
     then runs the original forwards, at eager's time and memory; train_memory: how much heavier than the
     original forwards' peak fused training may be and still be kept, as a fraction (0.05: 5%; default 0:
-    no heavier, beyond the allocator's rounding), for a user who would trade memory for speed.
+    no heavier, beyond the allocator's rounding), for a user who would trade memory for speed; decode: the
+    model will `generate` (a Hugging Face generation model): its decode steps run on HF's static cache,
+    which `generate` compiles with CUDA graphs over the patched model (`report.decode` says what was set;
+    `unpatch` restores the generation config).
     """
     from advisor.workflows.live_model import optimize as optimize_model  # torch, dynamo, triton: when called
 
     return optimize_model(model, example_inputs, top=top, out=out, replacement=replacement, calls=calls,
                           benchmark=benchmark, iters=iters, granularity=granularity, reuse=reuse, select=select,
-                          interpret=interpret, train=train, train_memory=train_memory)
+                          interpret=interpret, train=train, train_memory=train_memory, decode=decode)
 
 
 def patch(model, plan):

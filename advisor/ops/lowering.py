@@ -98,6 +98,18 @@ def lowering(name: str) -> Lowering | None:
     return hit
 
 
+# Output-shape rules whose kernels take every size as an argument: a kernel made at one batch and sequence
+# serves any other (`patching.resize`). Not `group` (channels per group fixed in the kernel), `window` (the
+# pooling geometry fixed) or `factory` (literal sizes).
+_ANY_ROWS = frozenset({"broadcast", "cat", "reduce", "row", "norm", "channel"})
+
+
+def serves_any_rows(name: str) -> bool:
+    """Whether a kernel generated for this op computes it at any leading sizes (the last dim as recorded)."""
+    low = lowering(name)
+    return low is not None and low.kind in ("pointwise", "cat", "row") and low.shape in _ANY_ROWS
+
+
 def why_not_generated(name: str) -> str | None:
     """Why the generator refuses an op ("" never: a reason or None when it has a lowering)."""
     if lowering(name) is not None:

@@ -23,7 +23,7 @@ import torch
 from advisor.errors import AdvisorError
 from advisor.kernels import derived
 from advisor.kernels.linear_cross_entropy import CausalLMLossForward
-from advisor.patching import rewrite, triton_setup
+from advisor.patching import decode, rewrite, triton_setup
 from advisor.patching.forward import GradientCalls, PatchedForward
 from advisor.patching.graphs import clear_recordings
 from advisor.patching.modules import called_ancestor, contains, outermost, qualified, resolve, under_compile
@@ -210,6 +210,7 @@ def unpatch(model: torch.nn.Module) -> int:
             else:
                 del mod.forward
             n += 1
+    decode.restore(model)  # `optimize(..., decode=True)`'s generation config, as the user had it
     if n:
         clear_recordings()  # their CUDA graphs hold buffers; still-patched models simply record again
     return n

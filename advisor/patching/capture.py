@@ -38,7 +38,7 @@ import torch
 from advisor.codegen.cache import load_module
 from advisor.errors import exception_reason
 from advisor.ops.registry import OpClass, op_class
-from advisor.patching import aot_cache, epilogue, rewrite, splade, timing
+from advisor.patching import aot_cache, epilogue, resize, rewrite, splade, timing
 from advisor.patching.causal_masks import fold_causal_masks
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import make_host_copies_recordable
@@ -103,18 +103,28 @@ def plan_digest(specs: list[PatternSpec]) -> str:
 
 
 def pattern_of(spec: PatternSpec, shape: int, program: dict, device) -> Pattern:
-    """`spec`'s pattern at its `shape`-th program, built once per content, device and decomposition state. By
-    content: one pattern id covers every size of a model family, and a pattern built from another model's
-    program (its sizes) would match nothing. By state: under the Python dispatcher (AOTAutograd's, where the
-    graphs we rewrite come from) BatchNorm traces to `_native_batch_norm_legit_no_training`, outside it to
-    `native_batch_norm`; a pattern built in one state matches no graph traced in the other."""
+    """`spec`'s pattern at its `shape`-th program (`program`)."""
+    return pattern_at(program, device)
+
+
+def pattern_at(program: dict, device) -> Pattern:
+    """A program's pattern, built once per content, device and decomposition state. By content: one pattern id
+    covers every size of a model family, and a pattern built from another model's program (its sizes), or
+    rebound to other sizes (`resize`), would match other graphs. By state: under the Python dispatcher
+    (AOTAutograd's, where the graphs we rewrite come from) BatchNorm traces to
+    `_native_batch_norm_legit_no_training`, outside it to `native_batch_norm`; a pattern built in one state
+    matches no graph traced in the other."""
     dispatcher = torch._C._dispatch_tls_local_include_set().has(torch._C.DispatchKey.PythonDispatcher)
-    pkey = (plan_digest([spec]), shape, str(device), dispatcher)
+    digest = hashlib.sha1(json.dumps(program, sort_keys=True, default=str).encode()).hexdigest()
+    pkey = (digest, str(device), dispatcher)
     pattern = _PATTERNS.get(pkey)
     if pattern is None:
         with timing.timed("patterns"):
             pattern = _PATTERNS[pkey] = Pattern.build(program, program_graph(program, device))
     return pattern
+
+
+MAX_RESIZED = 8  # sets of new sizes one pattern is tried at in one graph (a layer holds one or two)
 
 
 # ------------------------------------------------------------------------------------ launchers
@@ -324,36 +334,66 @@ class Backend:
 
     def _rewrite_one(self, gm, spec: PatternSpec, device, keep: Callable[[], None] = lambda: None,
                      training: bool = False) -> None:
-        """Substitute every match of one pattern, at each of its shapes (a kernel per shape); `keep()` runs
-        before each substitution (the caller keeps the graph as it was before the first, to put back should
-        one fail)."""
+        """Substitute every match of one pattern, at each of its shapes (a kernel per shape), and in an inference
+        graph at sizes never profiled where its kernel serves them (`resize`); `keep()` runs before each
+        substitution (the caller keeps the graph as it was before the first, to put back should one fail)."""
+        before = self.log.count(spec.key)
+        escapes: list = []
         for shape, (program, kernel_file) in enumerate(spec.shapes()):
-            pattern = pattern_of(spec, shape, program, device)
-            exclude: set = set()
-            escapes: list = []
-            while True:
-                try:
-                    with timing.timed("find"):
-                        m = find(pattern, gm.graph, exclude, escapes)
-                except SearchTooLong as e:  # the sites found so far stay; the rest of this graph is not searched
-                    self.log.rejected[spec.key].append(str(e))
-                    break
-                if m is None:
-                    break
-                if training and rewrite.reads_outside_inputs(m, program["inputs"]):
-                    result = READS_OUTSIDE  # its original ops stay: autograd differentiates them
-                else:
-                    keep()
-                    with timing.timed("substitute"):
-                        result = rewrite.substitute(gm.graph, m, pattern,
-                                                    lambda m: self._site(spec, m, program, kernel_file))
-                if isinstance(result, str):
-                    exclude |= m.g_nodes()
-                    self.log.rejected[spec.key].append(result)
-                else:
-                    self.log.sites[spec.key].append(result)
-            logged = self.log.escapes[spec.key]
-            logged.extend(e for e in dict.fromkeys(escapes) if e not in logged)  # each find meets them again
+            self._substitute_all(gm, spec, program, kernel_file, pattern_of(spec, shape, program, device), keep,
+                                 training, escapes)
+        if not training and self.log.count(spec.key) == before and resize.resizable(spec.program):
+            self._substitute_resized(gm, spec, device, keep, escapes)
+        logged = self.log.escapes[spec.key]
+        logged.extend(e for e in dict.fromkeys(escapes) if e not in logged)  # each find meets them again
+
+    def _substitute_all(self, gm, spec: PatternSpec, program: dict, kernel_file: str | None, pattern: Pattern,
+                        keep: Callable[[], None], training: bool, escapes: list) -> set:
+        """Substitute every exact match of `pattern` (the program at one set of sizes); returns the graph nodes
+        of the matches left in place (refused)."""
+        exclude: set = set()
+        while True:
+            try:
+                with timing.timed("find"):
+                    m = find(pattern, gm.graph, exclude, escapes)
+            except SearchTooLong as e:  # the sites found so far stay; the rest of this graph is not searched
+                self.log.rejected[spec.key].append(str(e))
+                break
+            if m is None:
+                break
+            if training and rewrite.reads_outside_inputs(m, program["inputs"]):
+                result = READS_OUTSIDE  # its original ops stay: autograd differentiates them
+            else:
+                keep()
+                with timing.timed("substitute"):
+                    result = rewrite.substitute(gm.graph, m, pattern, lambda m: self._site(spec, m, program, kernel_file))
+            if isinstance(result, str):
+                exclude |= m.g_nodes()
+                self.log.rejected[spec.key].append(result)
+            else:
+                self.log.sites[spec.key].append(result)
+        return exclude
+
+    def _substitute_resized(self, gm, spec: PatternSpec, device, keep: Callable[[], None], escapes: list) -> None:
+        """The pattern at the graph's own sizes: each set of sizes a loose match proposes (`resize`) is matched
+        exactly, with the kernel made at the profiled ones."""
+        loose = pattern_of(spec, 0, spec.program, device)
+        free = resize.free_sizes(spec.program)
+        seen: set = set()  # loose matches tried (each set of sizes is tried once)
+        for _ in range(MAX_RESIZED):
+            try:
+                with timing.timed("find"):
+                    m = find(loose, gm.graph, seen, sizes=free)
+            except SearchTooLong as e:
+                self.log.rejected[spec.key].append(str(e))
+                return
+            if m is None:
+                return
+            seen |= m.g_nodes()
+            program = resize.rebind(spec.program, m.sizes)
+            pattern = pattern_at(program, device)
+            seen |= self._substitute_all(gm, spec, program, spec.kernel_file, pattern, keep, False, escapes)
+
 
     def _site(self, spec: PatternSpec, m, program: dict, kernel_file: str | None) -> rewrite.Site:
         fallback = rewrite.make_fallback(m, program["inputs"])

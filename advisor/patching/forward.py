@@ -145,8 +145,9 @@ SPENT = "new input shapes or modes after the capture budget"
 EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
 TRAINING_CALL = ("a call needing gradients: the original forward runs it, as by default (torch.no_grad() or "
                  "torch.inference_mode() for inference; optimize(..., train=True) trains through the fused kernels)")
-UNPROFILED = ("inputs at shapes never profiled: no pattern matches them (kernels are made for the profiled "
-              "shapes), so its new capture runs the module's own ops (optimize with these inputs to fuse them)")
+UNPROFILED = ("inputs at shapes never profiled, where no pattern matches (row and pointwise kernels serve any batch and "
+              "sequence; matmul, attention, GroupNorm and pooling kernels only the profiled shapes), so its new capture "
+              "runs the module's own ops (optimize with these inputs to fuse them)")
 NO_BACKWARD = ("no fused backward validated (or faster than the original ops) here: calls needing gradients run the "
                "original forward")
 

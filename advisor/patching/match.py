@@ -220,22 +220,48 @@ class Match:
     nodes: dict[Node, Node]  # P compute node -> G node
     inputs: list[InputBinding | None]  # per program input
     outputs: list[Node]  # G nodes holding the program outputs, in order
+    sizes: dict = field(default_factory=dict)  # `find(sizes=...)`: recorded size -> the graph's
 
     def g_nodes(self) -> set[Node]:
         return set(self.nodes.values())
 
 
 class _State:
-    def __init__(self, pattern: Pattern):
+    def __init__(self, pattern: Pattern, free: frozenset | None = None):
         self.p2g: dict[Node, Node] = {}
         self.g2p: dict[Node, Node] = {}
         self.inputs: list[InputBinding | None] = [None] * len(pattern.program["inputs"])
+        self.free = free  # recorded sizes that may map to others (`find(sizes=...)`); None: sizes as recorded
+        self.sizes: dict[int, int] = {}  # recorded size -> the graph's, for the free ones
 
     def copy(self) -> "_State":
         s = _State.__new__(_State)
-        s.p2g, s.g2p = dict(self.p2g), dict(self.g2p)
+        s.p2g, s.g2p, s.free, s.sizes = dict(self.p2g), dict(self.g2p), self.free, dict(self.sizes)
         s.inputs = [None if b is None else InputBinding(b.kind, b.root, b.value, list(b.reads)) for b in self.inputs]
         return s
+
+    def same_size(self, recorded: int, found: int) -> bool:
+        """`found` stands where the program recorded `recorded`: equal, or a free size mapped consistently."""
+        if self.free is None or recorded not in self.free:
+            return recorded == found
+        if found < 1:
+            return False
+        return self.sizes.setdefault(recorded, found) == found
+
+    def suggest_strides(self, found_shape, recorded, found) -> None:
+        """An intermediate's strides (which eager's layout rules derive from the sizes): free ones not bound yet
+        are bound, nothing refused (the rebound program's exact match checks)."""
+        if self.free is not None and len(recorded) == len(found):
+            for d, a, b in zip(found_shape, recorded, found):
+                if d > 1 and a in self.free and b >= 1:
+                    self.sizes.setdefault(a, b)
+
+    def same_shape(self, recorded, found) -> bool:
+        return len(recorded) == len(found) and all(self.same_size(a, b) for a, b in zip(recorded, found))
+
+    def same_strides(self, found_shape, recorded, found) -> bool:
+        return len(recorded) == len(found) and \
+            all(d <= 1 or self.same_size(a, b) for d, a, b in zip(found_shape, recorded, found))
 
 
 @dataclass(frozen=True)
@@ -273,17 +299,19 @@ class _Budget:
 
 
 def find(pattern: Pattern, graph: Graph, exclude: set[Node] = frozenset(),
-         escapes: list[Escape] | None = None) -> Match | None:
+         escapes: list[Escape] | None = None, sizes: frozenset | None = None) -> Match | None:
     """The first match of the pattern in graph order, avoiding `exclude`; None if there is none.
     `escapes` gets an `Escape` for each complete match refused because an intermediate escapes it.
-    Raises `SearchTooLong` past `SEARCH_BUDGET`."""
+    `sizes`: recorded sizes that may stand for others (`resize.free_sizes`): the match found there proposes
+    `Match.sizes` for `resize.rebind`, and only the rebound program's exact match may be substituted (input
+    offsets are not checked here). Raises `SearchTooLong` past `SEARCH_BUDGET`."""
     anchor = pattern.compute[0]
     key = canonical(anchor)
     budget = _Budget(pattern)
     for g in list(graph.nodes):
         if g in exclude or g.op != "call_function" or canonical(g) != key:
             continue
-        st = _State(pattern)
+        st = _State(pattern, sizes)
         budget.spend(st)
         if not _bind(pattern, anchor, g, st):
             continue
@@ -338,7 +366,7 @@ def _paired_edges(pargs: list, gargs: list):
 
 def _bind(pattern: Pattern, p: Node, g: Node, st: _State) -> bool:
     """Map p -> g if they agree on op, literals, outputs and every edge whose other end is known."""
-    if not _same_outputs(p, g):
+    if not _same_outputs(p, g, st):
         return False
     pargs, gargs = full_args(p), full_args(g)
     if len(pargs) != len(gargs):
@@ -352,7 +380,7 @@ def _bind(pattern: Pattern, p: Node, g: Node, st: _State) -> bool:
     # Edges from p to consumers mapped before it.
     for q, gq in list(st.p2g.items()):
         for pa, ga in _paired_edges(full_args(q), full_args(gq)):
-            if strip(pa) is p and (not isinstance(ga, Node) or strip(ga) is not g or not _same_view(pa, p, ga, g)):
+            if strip(pa) is p and (not isinstance(ga, Node) or strip(ga) is not g or not _same_view(pa, p, ga, g, st)):
                 return False
     return True
 
@@ -374,7 +402,7 @@ def _bind_arg(pattern: Pattern, pa: Any, ga: Any, st: _State) -> bool:
             b.reads.append((pa, ga))
             return True
         if pu in st.p2g:
-            return st.p2g[pu] is gu and _same_view(pa, pu, ga, gu)
+            return st.p2g[pu] is gu and _same_view(pa, pu, ga, gu, st)
         return True  # checked when pu is mapped
     if isinstance(pa, (list, tuple)):
         return isinstance(ga, (list, tuple)) and len(pa) == len(ga) and \
@@ -398,7 +426,7 @@ def _bind_arg(pattern: Pattern, pa: Any, ga: Any, st: _State) -> bool:
     return not isinstance(ga, Node) and _same_literal(pa, ga)
 
 
-def _same_outputs(p: Node, g: Node) -> bool:
+def _same_outputs(p: Node, g: Node, st: _State) -> bool:
     pv, gv = val(p), val(g)
     pv = pv if isinstance(pv, (tuple, list)) else (pv,)
     gv = gv if isinstance(gv, (tuple, list)) else (gv,)
@@ -407,20 +435,32 @@ def _same_outputs(p: Node, g: Node) -> bool:
     for a, b in zip(pv, gv):
         if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
             return False
-        if isinstance(a, torch.Tensor) and (a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape)):
+        if isinstance(a, torch.Tensor) and (a.dtype != b.dtype or not st.same_shape(tuple(a.shape), tuple(b.shape))):
             return False
+        if isinstance(a, torch.Tensor):
+            st.suggest_strides(tuple(b.shape), a.stride(), b.stride())
     return True
 
 
-def _same_view(pa: Node, pu: Node, ga: Node, gu: Node) -> bool:
+def _same_view(pa: Node, pu: Node, ga: Node, gu: Node, st: _State) -> bool:
     """The read pa of pu and the read ga of gu see the same elements (layout and relative offset)."""
     if pa is pu and ga is gu:
         return True
     lp, lpu, lg, lgu = layout(pa), layout(pu), layout(ga), layout(gu)
     if lp is None or lg is None or lpu is None or lgu is None:
         return pa is pu and ga is gu
+    if st.free is not None:
+        return (st.same_shape(lp[0], lg[0]) and st.same_strides(lg[0], lp[1], lg[1]) and lp[3] == lg[3]
+                and st.same_size(lp[2] - lpu[2], lg[2] - lgu[2]))
     return (lp[0] == lg[0] and same_strides(lp[0], lp[1], lg[1]) and lp[3] == lg[3]
             and lp[2] - lpu[2] == lg[2] - lgu[2])
+
+
+def _same_read(pa: Node, ga: Node, st: _State) -> bool:
+    """A loose match (`find(sizes=...)`): an input read's layout maps through the sizes (binding its strides)."""
+    lp, lg = layout(pa), layout(ga)
+    return lp is not None and lg is not None and lp[3] == lg[3] and st.same_shape(lp[0], lg[0]) and \
+        st.same_strides(lg[0], lp[1], lg[1])
 
 
 def _finish(pattern: Pattern, st: _State, escapes: list[Escape] | None = None) -> Match | None:
@@ -430,7 +470,9 @@ def _finish(pattern: Pattern, st: _State, escapes: list[Escape] | None = None) -
     for k, b in enumerate(st.inputs):
         if b is None:
             return None
-        if b.kind == "tensor" and input_offset(specs[k], b) is None:
+        if b.kind == "tensor" and st.free is None and input_offset(specs[k], b) is None:
+            return None
+        if b.kind == "tensor" and st.free is not None and not all(_same_read(pa, ga, st) for pa, ga in b.reads):
             return None
     outputs = [st.p2g[o] for o in pattern.outputs]
     inside = set(st.g2p)
@@ -442,7 +484,7 @@ def _finish(pattern: Pattern, st: _State, escapes: list[Escape] | None = None) -
             if escapes is not None:
                 escapes.append(_escape(pattern, st.g2p[g], g, inside))
             return None
-    return Match(dict(st.p2g), st.inputs, outputs)
+    return Match(dict(st.p2g), st.inputs, outputs, dict(st.sizes))
 
 
 def _escape(pattern: Pattern, p: Node, g: Node, inside: set[Node]) -> Escape:

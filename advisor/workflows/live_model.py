@@ -31,6 +31,7 @@ from advisor.example_inputs import snapshot
 from advisor.interpreter import interpreter_problem, use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
+from advisor.patching import decode as decode_setup
 from advisor.patching.modules import under_compile
 from advisor.patching.capture import launched_sites
 from advisor.patching.forward import checking
@@ -63,6 +64,7 @@ class OptimizeReport:
     training: dict | None = None  # with train=True: whether calls needing gradients run fused, and why
     modes: str | None = None  # set where optimize ran a model handed over in training mode in eval mode
     runs: dict | None = None  # fused launches counted on one call after the checks (`counted`)
+    decode: str | None = None  # what `generate` does with the patched model (`patching.decode`)
 
     @property
     def patterns(self) -> list[dict]:
@@ -100,6 +102,8 @@ class OptimizeReport:
             lines.append(f"  training: {self.training['lm_loss']['decision']}")
         if self.modes:
             lines.append(f"  {self.modes}")
+        if self.decode:
+            lines.append(f"  {self.decode}")
         if self.end_to_end:
             lines.append("  " + describe_timing(self.end_to_end))
         return "\n".join(lines)
@@ -124,7 +128,8 @@ def describe_timing(e2e: dict) -> str:
 def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "layer", reuse: bool = True, select: bool | None = None,
-             interpret: bool = False, train: bool = False, train_memory: float = 0.0) -> OptimizeReport:
+             interpret: bool = False, train: bool = False, train_memory: float = 0.0,
+             decode: bool = False) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
     if isinstance(train_memory, bool) or not isinstance(train_memory, (int, float)) or not 0 <= train_memory <= 1:
@@ -142,11 +147,11 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
 
     with eval_if_unrepeatable(model, call) as modes:
         return _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity,
-                         reuse, select, interpret, train, modes, train_memory)
+                         reuse, select, interpret, train, modes, train_memory, decode)
 
 
 def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity, reuse, select,
-              interpret, train, modes, train_memory: float = 0.0) -> OptimizeReport:
+              interpret, train, modes, train_memory: float = 0.0, decode: bool = False) -> OptimizeReport:
     device = _device_of(model, args, kwargs)
     if device != "cuda" and interpret and replacement == "kernel" and (problem := interpreter_problem()):
         # every kernel would fail its validation for this one reason: said once, before any profiling
@@ -255,6 +260,7 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     records = counted.agree(records, specs, ran)
     runs = {"fused_launches_per_call": sum(ran.values()), "sites": ran}
     handle.settle()  # the checks' own captures (training calls, their modes) are not the user's loop's budget
+    generate = decode_setup.prepare(model) if decode else None  # what `model.generate` will do now
     out = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device,
            "patterns": [r.to_json() for r in records], "manifest": handle.manifest(), "check": chk.as_dict(),
            "end_to_end": e2e,
@@ -264,12 +270,14 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
            "outer": handle.outer_on,
            "skipped_targets": getattr(plan, "skipped", {}), "modes": modes, "graphs": handle.graph_keys(),
            "cuda_graphs_not_used": handle.graphs_not_used(),
-           "host_modules": loaded_host_modules() if device == "cuda" else []}
+           "host_modules": loaded_host_modules() if device == "cuda" else [],
+           "decode": generate.to_json() if generate is not None else None}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
         plan_cache.store(out_dir, key)
     return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds, selection,
-                          training, modes, runs)
+                          training, modes, runs,
+                          generate.decision if generate is not None else decode_setup.hint(model))
 
 
 def _count_training(training: dict, model, handle, args, kwargs, device, labels) -> None:
