@@ -329,3 +329,29 @@ def test_a_training_call_drops_its_models_inference_recordings(monkeypatch, tmp_
         torch.testing.assert_close(student(x), untouched(x), rtol=1e-5, atol=1e-5)
         student(x)
     assert _recordings_reading(student) > 0  # recorded again for inference
+
+
+def test_a_replay_counts_the_fused_launches_it_replays():
+    """A replay runs no Python, so the sites its recording captured are credited on each replay: a reused plan's
+    model (recorded at its check call, replayed at the counted one) was reported with no kernel launched."""
+    from advisor.patching import rewrite
+
+    site = rewrite.Site(key="k:kernel", label="c1 test", launcher=lambda x: (x * 2,), fallback=lambda x: (x * 2,),
+                        inputs=[rewrite.InputSpec(False, torch.float32, (4,), (1,))], outputs=[((4,), (1,), torch.float32)],
+                        device_type=None)
+
+    class GraphOnly(ReplayOnCpu):  # as a CUDA graph: the replay writes the outputs without calling the function
+        def record(self, fn, args):
+            replay, outs = super().record(fn, args)
+            return (lambda: None), outs
+
+    g = Graphed(lambda x: list(site(x)), recorder=GraphOnly())
+    old = rewrite.set_caller("layer")
+    try:
+        g(torch.ones(4))  # records (its warm-up and capture run the site)
+        before = dict(site.callers)
+        for _ in range(3):
+            g(torch.ones(4))
+    finally:
+        rewrite.set_caller(old)
+    assert site.callers["layer"] - before["layer"] == 3

@@ -71,6 +71,7 @@ class Recording:
     outputs: list
     derived: list = field(default_factory=list)  # `derived.Derived` entries it reads: refreshed before a replay
     reads: frozenset = frozenset()  # addresses of the tensors it reads in place (parameters, buffers)
+    sites: tuple = ()  # the fused sites whose kernels it launches (credited on each replay: `rewrite.credit`)
 
 
 def clear_recordings() -> None:
@@ -238,10 +239,10 @@ class Graphed:
     def _record(self, args) -> Recording:
         inputs = self._static_inputs(args)
         static_args = [a if s is None else s for a, s in zip(args, inputs)]
-        with derived.reading() as used:
+        with derived.reading() as used, rewrite.recording_sites() as sites:
             replay, outs = self.recorder.record(self.fn, static_args)
         reads = in_place_addresses(args, self.recorder.device_type)
-        return Recording(replay, inputs, outs, list({id(d): d for d in used}.values()), reads)
+        return Recording(replay, inputs, outs, list({id(d): d for d in used}.values()), reads, tuple(sites))
 
     @staticmethod
     def _run(rec: Recording, args) -> list:
@@ -249,6 +250,7 @@ class Graphed:
             d.refresh()
         _copy_in(rec.inputs, args)
         rec.replay()
+        rewrite.credit(rec.sites)
         return _copy_out(rec.outputs)
 
 

@@ -55,6 +55,26 @@ def set_caller(token) -> Any:
     return old
 
 
+@contextlib.contextmanager
+def recording_sites():
+    """Inside this block (a CUDA graph's recording), the sites whose kernels the recording captured are listed:
+    a replay runs no Python, so `credit` counts them for it (what `counted` and `launches()` read)."""
+    old = getattr(_RUNTIME, "recorded", None)
+    _RUNTIME.recorded = sites = {}
+    try:
+        yield sites
+    finally:
+        _RUNTIME.recorded = old
+
+
+def credit(sites) -> None:
+    """A replay ran these sites' kernels: counted as their launches, for the patched forward running now."""
+    caller = getattr(_RUNTIME, "caller", None)
+    for site in sites:
+        site.stats["launched"] += 1
+        site.callers[caller] = site.callers.get(caller, 0) + 1
+
+
 def outer_override() -> bool | None:
     """Whether outer captures run (True/False) inside a `whole` block; None: each as selection set it."""
     return getattr(_RUNTIME, "outer", None)
@@ -173,6 +193,9 @@ class Site:
                 self.stats["launched"] += 1
                 caller = getattr(_RUNTIME, "caller", None)
                 self.callers[caller] = self.callers.get(caller, 0) + 1
+                recorded = getattr(_RUNTIME, "recorded", None)
+                if recorded is not None:  # (its warm-up and its capture both list it: one site each)
+                    recorded[self] = None
                 return outs
             except Exception as e:  # a launcher that fails must not take the model down with it
                 if _capturing():

@@ -1,0 +1,167 @@
+"""LLM decode on a GPU, as a user runs it: `model.generate(prompt, max_new_tokens=64, do_sample=False)`.
+
+Per (model, batch, way), in a process of its own: build the model (random weights, bf16) and an untouched
+deep copy, set the way up, and time end-to-end `generate` of both, interleaved, after warm-up, in the same
+process (CUDA events). Ways:
+- `static`: HF's static cache (`generation_config.cache_implementation = "static"`): `generate` compiles
+  the decode step with torch.compile (CUDA graphs) itself; the peer to beat;
+- `advisor`: `advisor.optimize(model, {"input_ids": prompt})`, defaults;
+- `advisor_decode`: the same with `decode=True`.
+Also: setup seconds (optimize), first `generate` seconds, greedy tokens' agreement with the untouched copy's
+(share of generated positions equal), fused launches in one `generate` (advisor ways).
+
+    python3 bench/decode.py --models llama,qwen2,mistral --batches 1,4 --out reports/decode/decode
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+DIMS = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+            num_key_value_heads=4, vocab_size=32000)
+MODELS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+          "mistral": ("MistralConfig", "MistralForCausalLM")}
+WAYS = ("static", "advisor", "advisor_decode")
+
+
+def build(name: str, batch: int, prompt_len: int):
+    import torch
+    import transformers
+
+    cfg_name, cls_name = MODELS[name]
+    cfg = getattr(transformers, cfg_name)(**DIMS)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = getattr(transformers, cls_name)(cfg).to(torch.bfloat16).eval()
+        prompt = torch.randint(1, DIMS["vocab_size"], (batch, prompt_len))
+    model.generation_config.pad_token_id = 0
+    return model, prompt
+
+
+def agreement(a, b, prompt_len: int) -> float:
+    a, b = a[:, prompt_len:], b[:, prompt_len:]
+    n = min(a.shape[1], b.shape[1])
+    return round(float((a[:, :n] == b[:, :n]).float().mean()), 4)
+
+
+def child(name: str, batch: int, way: str, result: Path, new_tokens: int, prompt_len: int, iters: int) -> int:
+    import torch
+
+    import advisor
+    from suite import interleaved, process_warmup
+
+    torch.manual_seed(0)
+    process_warmup("cuda")
+    model, prompt = build(name, batch, prompt_len)
+    untouched = copy.deepcopy(model)
+
+    def gen(m):
+        def call():
+            with torch.no_grad():
+                return m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        return call
+
+    res = {"model": name, "batch": batch, "way": way, "prompt": prompt_len, "new_tokens": new_tokens,
+           "dims": DIMS, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    eager_tokens = gen(untouched)()
+    t0 = time.perf_counter()
+    report = None
+    if way == "static":
+        model.generation_config.cache_implementation = "static"
+    else:
+        report = advisor.optimize(model, {"input_ids": prompt}, decode=way == "advisor_decode")
+        res["report"] = str(report)
+    torch.cuda.synchronize()
+    res["setup_s"] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    before = report.handle.launches() if report is not None and report.handle is not None else {}
+    tokens = gen(model)()
+    torch.cuda.synchronize()
+    res["first_generate_s"] = round(time.perf_counter() - t0, 2)
+    if report is not None and report.handle is not None:
+        after = report.handle.launches()
+        res["fused_launches_first_generate"] = sum(n - before.get(k, 0) for k, n in after.items())
+        res["fallbacks"] = report.handle.fallbacks()
+    res["agreement_with_eager"] = agreement(tokens, eager_tokens, prompt.shape[1])
+    res["timing"] = interleaved({"eager": gen(untouched), way: gen(model)}, "cuda", iters=iters, rounds=3,
+                                warmup_s=0.0)
+    t = res["timing"]
+    res["speedup"] = round(t["eager"]["median_ms"] / t[way]["median_ms"], 3)
+    if report is not None and report.handle is not None:
+        res["fallbacks_after_timing"] = report.handle.fallbacks()
+    result.write_text(json.dumps(res, indent=1, default=str))
+    print(f"{name} b{batch} {way}: eager {t['eager']['median_ms']:.1f} ms, {way} {t[way]['median_ms']:.1f} ms "
+          f"({res['speedup']:.2f}x); setup {res['setup_s']} s, first generate {res['first_generate_s']} s, "
+          f"agreement {res['agreement_with_eager']}", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--ways", default=",".join(WAYS))
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--out", type=Path, default=Path("reports/decode/decode"))
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        name, batch, way = a.child
+        return child(name, int(batch), way, a.result, a.new_tokens, a.prompt, a.iters)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    path = a.out.with_suffix(".json")
+    doc = json.loads(path.read_text()) if path.exists() else {"results": {}}
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    for name in a.models.split(","):
+        for batch in a.batches.split(","):
+            for way in a.ways.split(","):
+                key = f"{name} b{batch} {way}"
+                result = a.out.parent / f".decode-{name}-{batch}-{way}.json"
+                result.unlink(missing_ok=True)
+                try:
+                    proc = subprocess.run([sys.executable, __file__, "--child", name, batch, way, "--result", str(result),
+                                           "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens),
+                                           "--iters", str(a.iters)], timeout=a.timeout, capture_output=True, text=True)
+                    tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
+                except subprocess.TimeoutExpired:
+                    tail = [f"timed out after {a.timeout:.0f} s"]
+                res = json.loads(result.read_text()) if result.exists() else {"error": "\n".join(tail)}
+                result.unlink(missing_ok=True)
+                res["commit"] = rev
+                doc["results"][key] = res
+                print(tail[-1] if tail else key, flush=True)
+                path.write_text(json.dumps(doc, indent=1, default=str))
+    a.out.with_suffix(".md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+def markdown(doc: dict) -> str:
+    lines = ["| model | batch | way | eager ms | way ms | speedup | setup s | first generate s | agreement | fused launches |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, r in sorted(doc["results"].items()):
+        if "error" in r:
+            lines.append(f"| {key} | | | | | error: {r['error'].splitlines()[-1][:80] if r['error'] else ''} | | | | |")
+            continue
+        t = r["timing"]
+        lines.append(f"| {r['model']} | {r['batch']} | {r['way']} | {t['eager']['median_ms']:.1f} | "
+                     f"{t[r['way']]['median_ms']:.1f} | {r['speedup']:.2f}x | {r['setup_s']} | {r['first_generate_s']} | "
+                     f"{r['agreement_with_eager']} | {r.get('fused_launches_first_generate', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Forwards at shapes never profiled, on a GPU: `advisor.optimize` at one batch and length, then the user's
+loop (`with torch.no_grad(): model(input_ids=ids)`) at others, against the untouched model and
+`torch.compile` (default mode, which turns a recompiled dimension dynamic), each timed in the same process,
+interleaved, after warm-up (CUDA events). Fused launches are counted per call at every shape.
+
+    python3 bench/new_shapes.py --models llama,qwen2 --out reports/new-shapes/new_shapes
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from decode import MODELS, build  # noqa: E402  (same models and sizes as the decode benchmark)
+
+PROFILED = (4, 1024)
+OTHERS = ((1, 512), (2, 1500))  # two new shapes: what a patched forward may capture after optimize
+
+
+def child(name: str, result: Path, iters: int) -> int:
+    import torch
+
+    import advisor
+    from suite import interleaved, process_warmup
+
+    torch.manual_seed(0)
+    process_warmup("cuda")
+    model, ids = build(name, *PROFILED)
+    untouched, to_compile = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = torch.compile(to_compile)
+    report = advisor.optimize(model, {"input_ids": ids})
+    res = {"model": name, "profiled": PROFILED, "report": str(report), "shapes": {}}
+    for shape in (PROFILED, *OTHERS):
+        x = torch.randint(1, 32000, shape, device="cuda")
+
+        def loop(m, x=x):
+            def call():
+                with torch.no_grad():
+                    return m(input_ids=x).logits
+            return call
+        got, want = loop(model)(), loop(untouched)()
+        before = report.handle.launches()
+        loop(model)()
+        after = report.handle.launches()
+        row = {"fused_launches": sum(n - before.get(k, 0) for k, n in after.items()),
+               "max_abs_vs_eager": float((got.float() - want.float()).abs().max())}
+        t = interleaved({"eager": loop(untouched), "advisor": loop(model), "compile": loop(compiled)}, "cuda",
+                        iters=iters, rounds=5, warmup_s=1.0)
+        row["timing"] = t
+        row["speedup"] = {k: round(t["eager"]["median_ms"] / t[k]["median_ms"], 3) for k in ("advisor", "compile")}
+        res["shapes"][f"{shape[0]}x{shape[1]}"] = row
+        print(f"{name} {shape}: advisor {row['speedup']['advisor']:.2f}x, compile {row['speedup']['compile']:.2f}x, "
+              f"{row['fused_launches']} fused launches", flush=True)
+    res["fallbacks"] = report.handle.fallbacks()
+    result.write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="llama")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--out", type=Path, default=Path("reports/new-shapes/new_shapes"))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        return child(a.child, a.result, a.iters)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    path = a.out.with_suffix(".json")
+    doc = json.loads(path.read_text()) if path.exists() else {"results": {}}
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    for name in a.models.split(","):
+        result = a.out.parent / f".new-shapes-{name}.json"
+        proc = subprocess.run([sys.executable, __file__, "--child", name, "--result", str(result), "--iters",
+                               str(a.iters)], capture_output=True, text=True, timeout=400)
+        print((proc.stdout + proc.stderr).strip()[-1500:], flush=True)
+        res = json.loads(result.read_text()) if result.exists() else {"error": (proc.stdout + proc.stderr)[-3000:]}
+        result.unlink(missing_ok=True)
+        res["commit"] = rev
+        doc["results"][name] = res
+        path.write_text(json.dumps(doc, indent=1, default=str))
+    lines = ["| model | shape | advisor | compile | fused launches |", "|---|---|---|---|---|"]
+    for name, r in doc["results"].items():
+        for shape, row in (r.get("shapes") or {}).items():
+            lines.append(f"| {name} | {shape} | {row['speedup']['advisor']:.2f}x | {row['speedup']['compile']:.2f}x | "
+                         f"{row['fused_launches']} |")
+    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
