@@ -214,6 +214,8 @@ class PatchedForward:
         self._via: ClassCapture | None = None  # the class's shared capture, called without compiling
         self._budget: int | None = None  # calls allowed to capture, in total (None: until `settle`)
         self._capturing_calls = 0  # calls that made dynamo capture at least one graph
+        self._captured_shapes: set = set()  # `_shapes_of` the calls that captured: past the budget, any other
+        # call's shapes are refused by the guards (dynamic=False), so it runs the original forward unasked
         self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
         self.train_fused = False  # see `trains`
         self.gradient_calls = GradientCalls(type(module).__name__)  # shared by the model's forwards (`patch`)
@@ -457,7 +459,9 @@ class PatchedForward:
         ran, captures, unfused = graphs_run(), self._backend.captures, self._backend.unfused_graphs
         spent = self._budget is not None and self._capturing_calls >= self._budget
         lead = self._target()[1]
-        if spent and (self._via is None or self._via.breaks) and _guards_accept(fn, lead, args, kwargs) is False:
+        own = self._via is None or self._via.breaks
+        if spent and own and (_shapes_of(args, kwargs) not in self._captured_shapes
+                              or _guards_accept(fn, lead, args, kwargs) is False):
             # Past its budget, a capture that would recompile runs the original forward, asked of the guards
             # directly: through dynamo's eager_on_recompile stance each such call cost ~140 us of dynamo's Python
             # per layer on the H100 (a growing KV cache makes every decode step a new shape: generate() ran
@@ -503,6 +507,7 @@ class PatchedForward:
                 rewrite.set_enabled(None)
         if self._backend.captures > captures:
             self._capturing_calls += 1
+            self._captured_shapes.add(_shapes_of(args, kwargs))
             if self._backend.unfused_graphs > unfused:
                 self.fallbacks[UNPROFILED] = self.fallbacks.get(UNPROFILED, 0) + 1
             if breaks is not None and _graph_breaks() > breaks:
@@ -592,6 +597,23 @@ def _served(fn: Callable, lead: tuple, args, kwargs):
         raise
 
 
+def _shapes_of(args, kwargs) -> tuple:
+    """The shapes and dtypes of a call's tensors, top level and one level into tuples and lists (HF's rotary
+    tables): what a capture's guards (dynamic=False) hold exactly, among other things."""
+    out = []
+    for a in (*args, *kwargs.items()):
+        if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str):  # a keyword argument
+            out.append(a[0])
+            a = a[1]
+        if isinstance(a, torch.Tensor):
+            out.append((a.shape, a.dtype))
+        elif isinstance(a, (tuple, list)):
+            out.append(tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in a))
+        else:
+            out.append(type(a))
+    return tuple(out)
+
+
 def _guards_accept(fn: Callable, lead: tuple, args, kwargs) -> bool | None:
     """Whether one of the compiled entries of `fn` (a `compile_fresh` function) accepts these arguments,
     by the guards dynamo would check on entry; None where that cannot be told (no entries yet, another
@@ -605,7 +627,10 @@ def _guards_accept(fn: Callable, lead: tuple, args, kwargs) -> bool | None:
             return None
         # The frame's own locals: its parameters (a decorator's `wrapper(*args, **kwargs)`, not the signature
         # it advertises) and the free variables it closes over, which dynamo's guards read as locals too.
-        bound = inspect.signature(fresh, follow_wrapped=False).bind(*lead, *args, **kwargs)
+        signature = fresh.__dict__.get("_fusion_advisor_signature")
+        if signature is None:  # (computed once: 70 us a call on this project's CPU)
+            signature = fresh._fusion_advisor_signature = inspect.signature(fresh, follow_wrapped=False)
+        bound = signature.bind(*lead, *args, **kwargs)
         bound.apply_defaults()
         f_locals = dict(bound.arguments)
         f_locals.update(zip(fresh.__code__.co_freevars, (c.cell_contents for c in fresh.__closure__ or ())))
