@@ -10,6 +10,12 @@ the profile is taken and the captured layers run under `module_level_paths()`, s
 can be patched, and the numbers are those of the path the patched model runs. The unpatched model keeps
 its fast path: a selection timing the two compares the fused slow path with PyTorch's fused op.
 
+The same flag gates `nn.TransformerEncoder`'s nested-tensor path (a `src_key_padding_mask` in inference packs
+its layers' inputs into a nested tensor): the profile sees padded tensors, which PyTorch's execution-trace
+observer can record (a nested tensor made it disable itself, and the profiler's next region crashed the
+interpreter). A patched layer handed a nested tensor by an encoder running outside the block runs its original
+forward on the caller's flags (`forward.NESTED_INPUT`).
+
 One global flag (it is PyTorch's): set for the duration of the block, restored after it.
 """
 from __future__ import annotations

@@ -21,7 +21,12 @@ A call in inference mode runs the capture a `no_grad` call made (its inference t
 tensors over the same memory, `PatchedForward._call_as_no_grad`): dynamo's guards would otherwise tell
 the two modes apart and trace every module once per mode.
 A forward captures at most `EXTRA_CAPTURES` more graphs after `optimize` has checked it (new shapes,
-train mode): later new shapes run the original forward instead of recompiling inside the user's loop.
+train mode): later new shapes run the original forward instead of recompiling inside the user's loop. One
+compiled function holds at most `GRAPHS_PER_CAPTURE` graphs, within dynamo's recompile limit, whose warning
+would otherwise reach the user's terminal (a module called at many shapes within `optimize`'s own calls); a
+limit dynamo reaches inside a capture anyway (a frame compiled where the graph breaks) is noted as a fallback
+reason (`dynamo_limits_noted`). A call handed a nested tensor (`nn.TransformerEncoder`'s nested-tensor fast
+path) runs the original forward on the caller's fast paths: dynamo cannot capture it (`NESTED_INPUT`).
 An outer capture (`outer=True`: a module holding several patched layers, e.g. a decoder stack) runs
 only when switched on (`Patched.set_outer`, chosen by selection's timing): its one graph holds every
 layer, so it fuses across them (layer N's residual add with layer N+1's norm) and replays the whole
@@ -36,6 +41,7 @@ on the module.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -70,6 +76,7 @@ def compile_fresh(fn: Callable, backend: Backend, holder: object) -> Callable:
     fresh = _fresh(fn)
     compiled = torch.compile(fresh, backend=backend, dynamic=False)
     compiled._fusion_advisor_fresh = fresh  # whose code object holds dynamo's cache (`_guards_accept` reads it)
+    compiled._fusion_advisor_graphs = graphs_per_capture()  # (`_full`; dynamo's config costs 4 us a read)
     release = weakref.finalize(holder, _release_compiled, getattr(fresh, "__code__", None), backend)
     release.atexit = False  # the process is ending: nothing to hand back, and dynamo may be half torn down
     return compiled
@@ -143,6 +150,9 @@ def _wrapped_by_dynamo(fn: Callable) -> bool:
 # ------------------------------------------------------------------------------------ the forward
 SPENT = "new input shapes or modes after the capture budget"
 EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
+GRAPHS_PER_CAPTURE = 8  # graphs one compiled function holds (dynamo's recompile limit, when that is lower)
+FULL = (f"new input shapes or modes past the graphs one capture holds (at most {GRAPHS_PER_CAPTURE}, within dynamo's "
+        "recompile limit): its ops ran unfused, as dynamo runs a frame it does not compile")
 TRAINING_CALL = ("a call needing gradients: the original forward runs it, as by default (torch.no_grad() or "
                  "torch.inference_mode() for inference; optimize(..., train=True) trains through the fused kernels)")
 UNPROFILED = ("inputs at shapes never profiled, where no pattern matches (row and pointwise kernels serve any batch and "
@@ -150,6 +160,9 @@ UNPROFILED = ("inputs at shapes never profiled, where no pattern matches (row an
               "runs the module's own ops (optimize with these inputs to fuse them)")
 NO_BACKWARD = ("no fused backward validated (or faster than the original ops) here: calls needing gradients run the "
                "original forward")
+NESTED_INPUT = ("a nested-tensor input (PyTorch's nested-tensor fast path: nn.TransformerEncoder called in inference with a "
+                "src_key_padding_mask packs its layers' inputs): a capture cannot follow it, so the original forward ran "
+                "it, on PyTorch's fast path (enable_nested_tensor=False feeds the layers padded tensors, which run fused)")
 
 
 class GradientCalls:
@@ -376,6 +389,11 @@ class PatchedForward:
         # An outer capture switched on trains as one graph too (one forward and one backward replay for the
         # whole stack, not one per layer with the host's work between them).
         off = rewrite.patches_are_off() or not self.on()
+        if not off and _nested_input(args, kwargs):
+            # Dynamo cannot capture a (strided) nested tensor, and with the fast paths off (`_call`) PyTorch's own
+            # layers refuse one: the original forward runs it as the caller's flags have it, as unpatched.
+            self.fallbacks[NESTED_INPUT] = self.fallbacks.get(NESTED_INPUT, 0) + 1
+            return self.original()(*args, **kwargs)
         if off or (grad and not self.trains):
             if grad and not off and not _checking():
                 why = NO_BACKWARD if self.train_fused else TRAINING_CALL
@@ -458,21 +476,23 @@ class PatchedForward:
             return self._fall_back(changed, args, kwargs)
         ran, captures, unfused = graphs_run(), self._backend.captures, self._backend.unfused_graphs
         spent = self._budget is not None and self._capturing_calls >= self._budget
+        full = not spent and _full(fn, self._backend.captures)
         lead = self._target()[1]
         own = self._via is None or self._via.breaks
-        if spent and own and (_shapes_of(args, kwargs) not in self._captured_shapes
-                              or _guards_accept(fn, lead, args, kwargs) is False):
-            # Past its budget, a capture that would recompile runs the original forward, asked of the guards
-            # directly: through dynamo's eager_on_recompile stance each such call cost ~140 us of dynamo's Python
-            # per layer on the H100 (a growing KV cache makes every decode step a new shape: generate() ran
-            # 0.88x eager). An outer capture steps aside for its layers' captures: under that stance (global)
-            # they would run eager too, and find no site fused.
-            return self._fall_back(SPENT, args, kwargs)
+        if (spent or full) and own and (_shapes_of(args, kwargs) not in self._captured_shapes
+                                        or _guards_accept(fn, lead, args, kwargs) is False):
+            # Past its budget (or holding all the graphs one capture may), a capture that would recompile runs the
+            # original forward, asked of the guards directly: through dynamo's eager_on_recompile stance each such
+            # call cost ~140 us of dynamo's Python per layer on the H200 (a growing KV cache makes every decode step
+            # a new shape: generate() ran 0.88x eager). An outer capture steps aside for its layers' captures: under
+            # that stance (global) they would run eager too, and find no site fused.
+            return self._fall_back(SPENT if spent else FULL, args, kwargs)
         caller = rewrite.set_caller(id(self))
         scoped = self.enabled is not None and rewrite.enabled_keys() is None  # an `only()` block decides itself
         if scoped:
             rewrite.set_enabled(self.enabled)
         breaks = _graph_breaks() if self._owns is not None else None
+        noted: list = []
         try:
             out = _NOT_SERVED
             if self._via is not None:
@@ -481,11 +501,17 @@ class PatchedForward:
                     fn = self._found() if self._shares_class() else self._own()
                     captures, unfused = self._backend.captures, self._backend.unfused_graphs
                     breaks = _graph_breaks() if self._owns is not None else None
-            if out is _NOT_SERVED and spent:
-                with torch.compiler.set_stance("eager_on_recompile"):
+                    full = not spent and _full(fn, self._backend.captures)
+            if out is _NOT_SERVED and (spent or full):
+                # No new graph: dynamo runs the frame from a graph its guards accept, else eagerly (never reaching
+                # its own recompile limit, whose warning would be the user's to read).
+                with torch.compiler.set_stance("eager_on_recompile"), dynamo_limits_noted() as noted:
                     out = fn(*lead, *args, **kwargs)
             elif out is _NOT_SERVED:
-                out = fn(*lead, *args, **kwargs)
+                with dynamo_limits_noted() as noted:
+                    out = fn(*lead, *args, **kwargs)
+            for why in noted:
+                self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
         except Exception as e:
             if training:
                 # A training call's capture: training runs the original forward from now on, inference keeps
@@ -513,7 +539,7 @@ class PatchedForward:
             if breaks is not None and _graph_breaks() > breaks:
                 self._owns.breaks = True  # the other instances compile their own from now on
         if graphs_run() == ran:  # dynamo ran the frame without our graph (recompile limit, skipped frame)
-            why = SPENT if spent else "dynamo ran it without a captured graph"
+            why = SPENT if spent else FULL if full else "dynamo ran it without a captured graph"
             self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
         return out
 
@@ -639,6 +665,70 @@ def _guards_accept(fn: Callable, lead: tuple, args, kwargs) -> bool | None:
         return None
 
 
+def graphs_per_capture() -> int:
+    """The graphs one compiled function may hold: `GRAPHS_PER_CAPTURE`, or dynamo's recompile limit where the user
+    set that lower (read when the function is compiled)."""
+    try:
+        return max(1, min(GRAPHS_PER_CAPTURE, int(torch._dynamo.config.recompile_limit)))
+    except Exception:  # noqa: BLE001
+        return GRAPHS_PER_CAPTURE
+
+
+def _full(fn: Callable, captured: int) -> bool:
+    """Whether the compiled function `fn` (`compile_fresh`) holds as many graphs as one capture may: a call its
+    guards refuse then runs without compiling (`FULL`). Dynamo would compile up to its `recompile_limit` and then
+    print its warning block on the user's terminal. `captured`: the graphs its backend was handed (at least its
+    entries, so most calls are answered without asking dynamo)."""
+    limit = getattr(fn, "_fusion_advisor_graphs", GRAPHS_PER_CAPTURE)
+    if captured < limit:
+        return False
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return len(_debug_get_cache_entry_list(fn._fusion_advisor_fresh.__code__)) >= limit
+    except Exception:  # noqa: BLE001  (internals moved: dynamo's own limit applies)
+        return False
+
+
+_NOTED = threading.local()
+_NOTES_INSTALLED = False
+_LIMIT_MESSAGE = "torch._dynamo hit config."
+
+
+class _DynamoLimitNotes(logging.Filter):
+    """Takes dynamo's recompile-limit warning (a frame compiled `recompile_limit` times: dynamo runs it eagerly
+    from then on) when it comes from a frame of one of our captures, where it is ours to account for: noted as
+    a fallback reason of the patched forward (`dynamo_limits_noted`), not printed on the user's terminal.
+    Outside our captures (the user's own `torch.compile`) the warning passes as dynamo logs it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        notes = getattr(_NOTED, "notes", None)
+        if notes is None or not str(record.msg).startswith(_LIMIT_MESSAGE):
+            return True
+        try:
+            limit, value, where = record.args[0], record.args[1], record.args[2]
+            notes.append(f"dynamo's {limit} ({value}) reached by {where} inside the capture: dynamo runs that "
+                         "frame without compiling it from then on (its ops unfused)")
+        except Exception:  # noqa: BLE001  (the message's arguments moved)
+            notes.append("dynamo's recompile limit reached inside the capture: a frame runs without compiling")
+        return False
+
+
+@contextlib.contextmanager
+def dynamo_limits_noted():
+    """Yields a list: the recompile-limit warnings dynamo gave inside the block, in words (see `_DynamoLimitNotes`)."""
+    global _NOTES_INSTALLED
+    if not _NOTES_INSTALLED:
+        logging.getLogger("torch._dynamo.convert_frame").addFilter(_DynamoLimitNotes())
+        _NOTES_INSTALLED = True
+    outer, notes = getattr(_NOTED, "notes", None), []
+    _NOTED.notes = notes
+    try:
+        yield notes
+    finally:
+        _NOTED.notes = outer  # (a capture inside another's call, an outer capture's layer, notes its own)
+
+
 def _graph_breaks() -> int:
     from torch._dynamo.utils import counters
 
@@ -752,7 +842,8 @@ def _as_normal_tensor(t: torch.Tensor) -> torch.Tensor:
     """An inference tensor's memory as a normal tensor (outside inference mode): same storage, offset, sizes
     and strides. Left as they are: normal tensors, subclasses and layouts or bits a bare storage view
     would lose (sparse, conjugate, negative); dynamo's guards then decide whether the capture serves them."""
-    if not t.is_inference() or type(t) is not torch.Tensor or t.layout != torch.strided or t.is_conj() or t.is_neg():
+    if (not t.is_inference() or type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_conj()
+            or t.is_neg()):
         return t
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
                                                                t.stride())
@@ -785,6 +876,18 @@ def _traced(m: torch.nn.Module) -> bool:
                   "its graph holds the model's own ops, not the fused kernels; the patched model itself still runs "
                   "them", tracer, type(m).__name__)
     return True
+
+
+def _nested_input(args, kwargs) -> bool:
+    """Whether a nested tensor is among the call's arguments (PyTorch's nested-tensor fast path hands them to
+    `nn.TransformerEncoder`'s layers). Only the arguments themselves are looked at: a few hundred ns a call."""
+    for x in args:
+        if isinstance(x, torch.Tensor) and x.is_nested:
+            return True
+    for x in kwargs.values():
+        if isinstance(x, torch.Tensor) and x.is_nested:
+            return True
+    return False
 
 
 def _needs_autograd(m: torch.nn.Module, args, kwargs) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from advisor.analysis.api import analyze
 from advisor.collect.in_process import profile_calls
@@ -138,6 +139,11 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
     use_interpreter_without_gpu()
     model = under_compile(model)  # a torch.compile wrapper: the module it calls is optimised, the wrapper keeps working
     args, kwargs = split_inputs(example_inputs)
+    if any(isinstance(t, torch.Tensor) and t.is_nested for t in tree_leaves((args, kwargs))):
+        # PyTorch's execution-trace observer cannot record a nested tensor (it has no sizes): it disables itself
+        # mid-profile and the profiler's next region crashed the interpreter (SIGSEGV); nor can dynamo capture one
+        raise AdvisorError("nothing patched: the example inputs hold a nested tensor, which the profile cannot record "
+                           "and a capture cannot follow; pass the padded tensors (and their padding mask) instead")
     unpatch(model)  # profile the original (and probe it for random ops)
 
     def call():  # as most users call a model for inference (HF's docs, eval loops); a patched forward
@@ -269,7 +275,7 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
            "enabled": sorted(handle.enabled) if handle.enabled is not None else None,
            "outer": handle.outer_on,
            "skipped_targets": getattr(plan, "skipped", {}), "modes": modes, "graphs": handle.graph_keys(),
-           "cuda_graphs_not_used": handle.graphs_not_used(),
+           "cuda_graphs_not_used": handle.graphs_not_used(), "fallbacks": handle.fallbacks(),
            "host_modules": loaded_host_modules() if device == "cuda" else [],
            "decode": generate.to_json() if generate is not None else None}
     write_json(out_dir / "apply.json", out)

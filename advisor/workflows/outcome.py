@@ -67,6 +67,11 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
                                             "run the original forward unless training is fused "
                                             "(`fusion-advisor apply --train`, `advisor.optimize(model, inputs, "
                                             "train=True)`)")
+        elif not substituted and _only_nested(handle, s.key):
+            code, why = Status.NOT_CALLED, ("not patched: every call of the modules holding it had a nested-tensor input "
+                                            "(PyTorch's nested-tensor fast path, which a capture cannot follow), and "
+                                            "those run the original forward, on that fast path (build "
+                                            "nn.TransformerEncoder with enable_nested_tensor=False to fuse its layers)")
         elif not substituted and _escapes(handle, s.key):
             code, why = Status.ESCAPES, ("not patched: its ops are in the captured graphs, but "
                                          f"{_escapes(handle, s.key)[0].describe()}; the fused kernel writes only "
@@ -107,6 +112,19 @@ def _only_trained(handle) -> bool:
 
     whys = [w for per_module in handle.fallbacks().values() for w in per_module]
     return TRAINING_CALL in whys and not any(log.graphs for log in handle._logs())
+
+
+def _only_nested(handle, key: str) -> bool:
+    """Whether every (layer) module holding the pattern ran only its original forward, each call having had a
+    nested-tensor input (`forward.NESTED_INPUT`: nn.TransformerEncoder's layers behind its nested-tensor fast path),
+    never reaching its capture."""
+    from advisor.patching.forward import NESTED_INPUT
+
+    handles = getattr(getattr(handle, "session", None), "handles", None) or [handle]  # `apply`: every model's
+    forwards = [h.forwards[q] for h in handles for q, _, specs in getattr(h, "modules", ())
+                if any(x.key == key for x in specs)]
+    forwards = [f for f in forwards if not f.outer]
+    return bool(forwards) and all(NESTED_INPUT in f.fallbacks and f._backend is None for f in forwards)
 
 
 def interpreter_only(records: list[PatternResult], specs: list) -> list[PatternResult]:
