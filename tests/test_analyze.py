@@ -1,7 +1,6 @@
 """The analyzer on real torch.profiler traces recorded here, and on bad input."""
 from __future__ import annotations
 
-import gzip
 import json
 import subprocess
 import sys

@@ -6,7 +6,12 @@ moves the failure to the first call). Imports are read from the source (ast), no
 from __future__ import annotations
 
 import ast
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "advisor"
@@ -153,3 +158,12 @@ def test_the_cycle_finder():
     assert cycles({"a": {"b"}, "b": {"c"}}) == []
     assert package_graph({"advisor.x.m": {"advisor.y.n"}, "advisor.y.n": {"advisor.x.k"}}) == \
         {"advisor.x": {"advisor.y"}, "advisor.y": {"advisor.x"}}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed (the `test` extra has it)")
+def test_ruff_finds_nothing():
+    """`ruff check` over the package, the tests and the benchmarks, with pyproject.toml's rules (pyflakes,
+    pycodestyle): an unused import or variable, an undefined name, fails here."""
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "advisor", "tests", "bench"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -519,7 +519,6 @@ def program_of(graph: Graph, g: Group) -> dict:
     names: dict[int, str] = {}
     inputs = []
     for vid in reads:
-        v = graph.values[vid]
         # The widest view through which the group reads this tensor is what the kernel gets.
         use = max((u for m in g.members for u in graph.nodes[m].reads if u.value == vid), key=lambda u: u.bytes)
         names[vid] = f"in{len(inputs)}"
