@@ -10,9 +10,9 @@ from rich.console import Console
 
 from advisor.cli_options import (Device, Granularity, Replacement, calls_option, chosen_schedule, device_option,
                                  out_option, region_option, schedule_option, top_option)
-from advisor.collect.layout import TRACE_DIR, drop_stale_kernels, locate
 from advisor.errors import AdvisorError
 from advisor.jsonio import write_json
+from advisor.layout import TRACE_DIR, drop_stale_kernels, locate
 from advisor.report import render_reports
 
 app = typer.Typer(
@@ -83,9 +83,7 @@ def run(
     chosen = chosen_schedule(calls, schedule)
     script, args = _script_or_demo(script, list(ctx.args))
     _profile(script, args, out, device=device.value, region=region, schedule=chosen, totals=False)
-    from advisor.analysis.api import analyze_cli
-
-    _report_written(analyze_cli(out / TRACE_DIR, out=out, top=top))
+    _report_written(_analyze_and_report(out / TRACE_DIR, out=out, top=top))
 
 
 @app.command()
@@ -97,10 +95,8 @@ def analyze(
     top: int = top_option(),
 ):
     """Find fusion candidates in a trace and estimate what each saves; writes analysis.json and the reports."""
-    from advisor.analysis.api import analyze_cli
-
     located = locate(trace)
-    _report_written(analyze_cli(located.trace, et=et, out=out or located.out, top=top))
+    _report_written(_analyze_and_report(located.trace, et=et, out=out or located.out, top=top))
 
 
 @app.command()
@@ -234,6 +230,22 @@ def _profile(script: Path, args: List[str], out: Path, **options) -> None:
         saved = (trace / "meta.json").is_file()
         raise AdvisorError(f"interrupted; the trace recorded so far is in {trace} (complete: false)" if saved
                            else "interrupted before the trace was written", exit_code=130) from None
+
+
+def _analyze_and_report(trace, et=None, out=None, top: int = 10, console=None) -> dict:
+    """Analyse, write OUT/analysis.json, print the terminal report and write the HTML and text ones; returns
+    the paths written. OUT defaults to the run directory of TRACE (OUT for OUT/trace, see advisor.layout)."""
+    from advisor.analysis.api import analyze as run_analysis
+
+    console = console or Console()
+    with console.status("analysing trace…"):
+        result = run_analysis(trace, et)
+    out_dir = Path(out) if out else locate(trace).out
+    paths = {"analysis": result.to_json(out_dir / "analysis.json")}
+    paths.update(render_reports(out_dir, console, top=top))
+    for w in result.doc.get("warnings") or []:
+        console.print(f"[yellow]warning:[/] {w}")
+    return paths
 
 
 def _report_written(paths: dict) -> None:

@@ -14,7 +14,12 @@ cProfile. Prints `advisor.patching.timing` phases for optimize/patch, for the fi
 the first call under inference mode after it (`reuse` also prints `optimize`'s check steps). The plan
 cache's source digest is pinned so that two checkouts can reuse one stored plan (before/after timings).
 """
-import os, sys, time, json, cProfile, pstats
+import cProfile
+import json
+import os
+import sys
+import time
+
 T0 = time.perf_counter()
 phase, work = sys.argv[1], sys.argv[2]
 outer = len(sys.argv) > 3 and sys.argv[3] == "outer"
@@ -36,7 +41,8 @@ def build():
                       intermediate_size=512, vocab_size=1000, max_position_embeddings=256)
     m = LlamaForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(0)
-    mask = torch.ones(2, 128, dtype=torch.long); mask[-1, 100:] = 0
+    mask = torch.ones(2, 128, dtype=torch.long)
+    mask[-1, 100:] = 0
     return m, {"input_ids": torch.randint(0, 1000, (2, 128), generator=g), "attention_mask": mask}
 
 sys.path[:0] = [os.getcwd(), os.getcwd() + "/bench"]
@@ -59,8 +65,10 @@ if phase == "build":
         m(**inputs)
     from advisor.workflows import plan_cache
     from pathlib import Path
-    p = Path(work + "/opt/apply.json"); d = json.loads(p.read_text())
-    d["manifest"] = r.handle.manifest(); d["outer"] = True
+    p = Path(work + "/opt/apply.json")
+    d = json.loads(p.read_text())
+    d["manifest"] = r.handle.manifest()
+    d["outer"] = True
     p.write_text(json.dumps(d))
     plan_cache.store(Path(work + "/opt"), d["plan_key"])
     print("outer manifest entries", sum(1 for e in d["manifest"] if e["outer"]))
@@ -85,7 +93,8 @@ prof = cProfile.Profile() if os.environ.get("PROF") else None
 def call(mode=torch.no_grad):
     with mode():
         return m(**inputs, **({"use_cache": False} if os.environ.get("NOCACHE") else {}))
-if prof: prof.enable()
+if prof:
+    prof.enable()
 snap0 = timing.snapshot()
 t0 = time.perf_counter()
 if phase == "reuse":
@@ -112,9 +121,11 @@ print("first inference-mode call", round(t4 - t3, 3), "phases:",
       {k: round(snap4.get(k,0)-snap3.get(k,0),3) for k in sorted(snap4) if snap4.get(k,0)-snap3.get(k,0)>5e-4})
 print("phases in second call:", {k: round(snap3.get(k,0)-snap2.get(k,0),3) for k in sorted(snap3) if snap3.get(k,0)-snap2.get(k,0)>5e-4})
 if prof:
-    prof.disable(); prof.dump_stats(work + f"/{phase}-{'outer' if outer else 'layer'}.prof")
+    prof.disable()
+    prof.dump_stats(work + f"/{phase}-{'outer' if outer else 'layer'}.prof")
 print(f"{phase} {'outer' if outer else 'layer'}: optimize/patch {t1-t0:.2f} first call {t2-t1:.2f} second {t3-t2:.3f} total {t2-t0:.2f}")
-print("phases in optimize/patch:", timing.since(snap0) if False else {k: round(snap1.get(k,0)-snap0.get(k,0),3) for k in sorted(snap1) if snap1.get(k,0)-snap0.get(k,0)>5e-4})
+print("phases in optimize/patch:", timing.since(snap0) if False else
+      {k: round(snap1.get(k,0)-snap0.get(k,0),3) for k in sorted(snap1) if snap1.get(k,0)-snap0.get(k,0)>5e-4})
 print("phases in first call:", {k: round(snap2.get(k,0)-snap1.get(k,0),3) for k in sorted(snap2) if snap2.get(k,0)-snap1.get(k,0)>5e-4})
 from advisor.patching import patched_modules
 print("fallbacks", h.fallbacks(), "graphs", sum(f.log().graphs for _, f in patched_modules(m) if True) )

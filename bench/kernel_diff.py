@@ -48,9 +48,6 @@ def kernels(call, calls: int = 5, width: int | None = 90) -> dict:
 def output_errors(states: dict, eager, eager_model, model, args, kwargs, handle, run) -> dict:
     """Each state's output, and each pattern's alone, against eager and against a float32 copy of the model
     (the reference optimize's check judges by): what a rounding difference costs over the whole network."""
-    import torch
-
-    from advisor.patching import only
     from advisor.patching.verify import float32_reference
     from advisor.workflows.selection import state
 

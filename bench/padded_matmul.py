@@ -97,7 +97,7 @@ def main() -> None:
                    "launcher_validated": check.validated, "validation_reason": check.reason}
             rows.append(row)
             print(f"{head:22s} {way:34s} {ms:8.3f} ms  err {err:.1e}  {' | '.join(row['kernels'])[:150]}", flush=True)
-        del x, w, b, ref
+        x = w = b = ref = None  # not `del`: the lambdas above close over them; rebound, the tensors go all the same
         torch.cuda.empty_cache()
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     if args.out:

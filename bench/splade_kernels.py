@@ -135,7 +135,8 @@ def main(argv=None) -> int:
             print(rows[-1], flush=True)
         setattr(sh, attr, default)
 
-    doc = {"device": torch.cuda.get_device_name() if not a.smoke else "cpu (smoke)", "torch": torch.__version__, "shape": [B, L, D, V], "rows": rows}
+    doc = {"device": torch.cuda.get_device_name() if not a.smoke else "cpu (smoke)", "torch": torch.__version__,
+           "shape": [B, L, D, V], "rows": rows}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     table = ["| what | ms | peak extra MB |", "|---|---|---|"] + \

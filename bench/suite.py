@@ -469,7 +469,8 @@ def run_child_phases(c: Child, name: str, device: str | None, root: Path) -> int
     report = None
     # Time kept for what comes after: torch.compile 1.5x its first call in the table (C++ on the
     # CPU: more), then the final timing (3 configurations warmed up and timed) and the kernel counts.
-    compile_reserve = 0.0 if a.no_compile else (40.0 if device != "cuda" else 6.0 + 1.5 * workloads.ANCHORS.get(name, (0, 0, workloads.COMPILE_S))[2])
+    compile_reserve = 0.0 if a.no_compile else (
+        40.0 if device != "cuda" else 6.0 + 1.5 * workloads.ANCHORS.get(name, (0, 0, workloads.COMPILE_S))[2])
     eager_s = c.r["eager"]["prelim"]["median_ms"] / 1e3
     final_reserve = 4.0 + 3 * (1.5 + 1.5 * (a.iters + 8) * eager_s) if not a.quick else 5.0
     with c.phase("advisor") as ok, time_limit(c.left() - compile_reserve - final_reserve, "advisor.optimize",

@@ -280,7 +280,7 @@ class Mode:
             + avg.table(sort_by="self_cpu_time_total", row_limit=40))
 
     def finish(self, interleaved: bool) -> dict:
-        res, torch = self.res, self.torch
+        res = self.res
         res["step_ms"] = round(statistics.median(self.times), 3)
         res["step_ms_min"] = round(min(self.times), 3)
         if self.rounds:  # each interleaved round's median: how far the run drifted

@@ -100,11 +100,15 @@ def state(torch, models: dict) -> dict:
     out = {"torch_function_modes": torch._C._len_torch_function_stack(),
            "dispatch_modes": torch._C._len_torch_dispatch_stack(), "threads": threading.active_count(),
            "gc_objects": len(gc.get_objects()), "grad": torch.is_grad_enabled(),
-           "anomaly": torch.is_anomaly_enabled(), "saved_tensor_hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None}
+           "anomaly": torch.is_anomaly_enabled(),
+           "saved_tensor_hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None}
     for name, m in models.items():
         params = list(m.model.parameters())
-        out[name] = {"params": len(params), "params_with_hooks": sum(bool(p._backward_hooks) or bool(getattr(p, "_post_accumulate_grad_hooks", None)) for p in params),
-                     "modules_with_hooks": sum(bool(x._forward_hooks or x._forward_pre_hooks or x._backward_hooks) for x in m.model.modules()),
+        out[name] = {"params": len(params),
+                     "params_with_hooks": sum(bool(p._backward_hooks) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+                                              for p in params),
+                     "modules_with_hooks": sum(bool(x._forward_hooks or x._forward_pre_hooks or x._backward_hooks)
+                                               for x in m.model.modules()),
                      "contiguous_params": sum(p.is_contiguous() for p in params),
                      "dtypes": sorted({str(p.dtype) for p in params})}
     return out

@@ -157,7 +157,8 @@ def train_steps(models: dict, args, kwargs, device: str, steps: int = 8) -> dict
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 out = m(*args, **kwargs)
-                first = out if isinstance(out, torch.Tensor) else next(v for v in (out.values() if hasattr(out, "values") else out) if isinstance(v, torch.Tensor))
+                first = out if isinstance(out, torch.Tensor) else next(
+                    v for v in (out.values() if hasattr(out, "values") else out) if isinstance(v, torch.Tensor))
                 first.float().pow(2).mean().backward()
                 opts[k].step()
                 opts[k].zero_grad(set_to_none=True)

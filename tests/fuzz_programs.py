@@ -102,7 +102,7 @@ class FuzzProgram:
         args = ", ".join(i.name for i in self.inputs)
         body = [p for p in (i.prologue() for i in self.inputs) if p] + list(self.lines)
         ret = ", ".join(self.outputs) + ("," if len(self.outputs) == 1 else "")
-        return "\n".join([f"def f({args}):"] + [f"    {l}" for l in body] + [f"    return ({ret})"])
+        return "\n".join([f"def f({args}):"] + [f"    {line}" for line in body] + [f"    return ({ret})"])
 
     def function(self):
         ns = {"torch": torch, "F": torch.nn.functional, "math": math}

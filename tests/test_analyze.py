@@ -1,7 +1,6 @@
 """The analyzer on real torch.profiler traces recorded here, and on bad input."""
 from __future__ import annotations
 
-import gzip
 import json
 import subprocess
 import sys
@@ -243,7 +242,7 @@ def test_adamw_chain_is_one_candidate_over_parameter_shapes(adamw_trace):
 
 
 def test_fractional_occurrences_never_read_zero():
-    from advisor.report.units import fmt_count
+    from advisor.units import fmt_count
 
     assert [fmt_count(v) for v in (1 / 3, 2 / 3, 4, 2.5, 1234.0)] == ["0.33", "0.67", "4", "2.5", "1,234"]
 

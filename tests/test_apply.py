@@ -106,7 +106,7 @@ def test_patterns_right_alone_but_not_together_are_left_out_one_by_one(tmp_path,
     check leaves out the one that moves the output most and keeps the rest, instead of dropping every one.
     The comparison is replaced by one that fails whenever more than one pattern runs."""
     from advisor.analysis.api import analyze
-    from advisor.bench.compare import Comparison
+    from advisor.validate.outputs import Comparison
     from advisor.collect.in_process import profile_calls
     from advisor.patching import rewrite, verify
 
@@ -310,7 +310,7 @@ def test_optimize_with_the_kv_cache_on(tmp_path, monkeypatch):
 
 
 def test_compare_opens_objects_pytree_does_not_know():
-    from advisor.bench.compare import compare_outputs
+    from advisor.validate.outputs import compare_outputs
 
     class Cache:
         def __init__(self, k):

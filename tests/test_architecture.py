@@ -1,11 +1,17 @@
-"""The import structure of `advisor`: no cycle among its files nor among its sub-packages.
+"""The import structure of `advisor`: no cycle among its files nor among its sub-packages, and no edge the
+layering forbids (`FORBIDDEN`).
 
 Every import counts, those inside functions too (a lazy import still ties two files together: it only
 moves the failure to the first call). Imports are read from the source (ast), nothing is executed."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "advisor"
@@ -125,9 +131,39 @@ def test_stages_do_not_import_the_workflows():
     assert not wrong, f"importing advisor.workflows from below it: {wrong}"
 
 
+# Edges between sub-packages that once crept in against the layering (each stage imports only those before
+# it; the reports read analysis.json and apply.json alone), each with where its shared piece lives now.
+FORBIDDEN = {
+    ("advisor.analysis", "advisor.report"): "analysis writes analysis.json, the reports read it: formatting is "
+                                            "advisor.units, analysing and reporting in one go is the CLI's",
+    ("advisor.patching", "advisor.bench"): "a call's clock is advisor.stopwatch, comparing a whole call's outputs "
+                                           "is advisor.validate.outputs",
+    ("advisor.bench", "advisor.validate"): "the timing of whole calls needs no validation: output comparison is "
+                                           "advisor.validate.outputs",
+    ("advisor.report", "advisor.collect"): "the reports read the run folder through advisor.layout, not the collector",
+}
+
+
+def test_forbidden_edges():
+    """The edges in FORBIDDEN stay out, lazy imports included; the message names the files that import."""
+    files = file_graph()
+    wrong = [f"{m} -> {t}: {why}" for (a, b), why in FORBIDDEN.items()
+             for m in sorted(files) if room(m) == a for t in sorted(files[m]) if room(t) == b]
+    assert not wrong, "imports against the layering:\n  " + "\n  ".join(wrong)
+
+
 def test_the_cycle_finder():
     """The cycle finder itself: a two-file loop and a package loop are found, a chain is not."""
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert cycles({"a": {"b"}, "b": {"c"}}) == []
     assert package_graph({"advisor.x.m": {"advisor.y.n"}, "advisor.y.n": {"advisor.x.k"}}) == \
         {"advisor.x": {"advisor.y"}, "advisor.y": {"advisor.x"}}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed (the `test` extra has it)")
+def test_ruff_finds_nothing():
+    """`ruff check` over the package, the tests and the benchmarks, with pyproject.toml's rules (pyflakes,
+    pycodestyle): an unused import or variable, an undefined name, fails here."""
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "advisor", "tests", "bench"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -311,7 +311,7 @@ def test_cache_reuses_modules_by_pattern(tmp_path, monkeypatch):
 
 def test_module_imports_only_torch_and_triton():
     gen, _ = build(lambda x: F.gelu(x, approximate="tanh") * x.softmax(-1), torch.randn(4, 30))
-    imports = [l for l in gen.code.splitlines() if l.startswith(("import ", "from "))]
+    imports = [line for line in gen.code.splitlines() if line.startswith(("import ", "from "))]
     assert imports == ["import torch", "import triton", "import triton.language as tl"]
     assert "libdevice" not in gen.code  # the interpreter cannot run it; the helpers use core tl math
 

@@ -17,7 +17,6 @@ from rich.console import Console
 from advisor.cli import main as cli_main
 from advisor.collect import steady
 from advisor.collect.runner import profile_script
-from advisor.errors import AdvisorError
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "examples" / "seed.py"
@@ -363,8 +362,9 @@ def test_root_module_is_most_called_outermost():
 
 
 def test_region_nesting_single_iteration_and_whole_fallback():
-    ua = lambda name, ts, dur: {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur,
-                                "pid": 1, "tid": 1, "args": {}}
+    def ua(name, ts, dur):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": {}}
+
     ev = [ua("advisor.region::step", 0, 100), ua("advisor.region::step", 10, 20),  # nested: folded
           ua("advisor.region::step", 200, 100),
           {"ph": "X", "cat": "gpu_user_annotation", "name": "advisor.region::step", "ts": 5, "dur": 1}]

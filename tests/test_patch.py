@@ -236,7 +236,7 @@ def test_patched_model_survives_copy_save_to_and_modes(analyses, tmp_path):
 ], ids=["llama", "gpt2", "bert"])
 def test_generated_kernels_patch_and_match(analyses, name, structures, tmp_path):
     """The generated Triton kernels (interpreter here): patched at every occurrence, outputs within tolerance."""
-    from advisor.bench.compare import compare_outputs
+    from advisor.validate.outputs import compare_outputs
     from advisor.workflows.kernels import kernel_specs
 
     a = analyses[name]

@@ -59,13 +59,13 @@ def flat(text: str) -> str:
 def one_line_error(code: int, err: str, *needles: str) -> None:
     assert code != 0, err
     assert "Traceback" not in err, err
-    lines = [l for l in err.strip().splitlines() if l.strip()]
+    lines = [line for line in err.strip().splitlines() if line.strip()]
     text = " ".join(lines)
     assert lines and lines[0].startswith("error:"), err
     for n in needles:
         assert n in text, err
     # rich wraps one long line to the terminal width: one message, however many screen lines
-    assert sum(l.startswith("error:") for l in lines) == 1 and len(text) < 600, err
+    assert sum(line.startswith("error:") for line in lines) == 1 and len(text) < 600, err
 
 
 def doctored(src: Path, dst: Path, edit=None, et: Path | None | bool = True) -> Path:

@@ -20,7 +20,7 @@ from advisor.report import load, render_reports
 from advisor.report.dataflow import NODE_W, _layers, _place
 from advisor.report.html import render_html, write_html
 from advisor.report.terminal import render_terminal
-from advisor.report.units import fmt_bytes, fmt_bw, fmt_pct, fmt_time, module_groups, modules_summary, shorten_path
+from advisor.units import fmt_bytes, fmt_bw, fmt_pct, fmt_time, module_groups, modules_summary, shorten_path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -1,4 +1,4 @@
-"""`advisor.analyze(path) -> Analysis` and the `analyze` sub-command: trace -> graph -> candidates -> analysis.json."""
+"""`advisor.analyze(path) -> Analysis`, run by the `analyze` command: trace -> graph -> candidates -> analysis.json."""
 from __future__ import annotations
 
 from collections import Counter
@@ -24,8 +24,8 @@ from advisor.graph.nodes import Graph
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, write_json
 from advisor.ops.registry import CONV_EPILOGUE, MEMORY_BOUND, OpClass
 from advisor.records import Kind
-from advisor.report.units import fmt_time
 from advisor.trace.load import gc_paused, load_trace
+from advisor.units import fmt_time
 
 # A candidate is negligible when it saves under 1% of the best one's estimated time; or, its time under 10% of the
 # best's, when what it saves is launches alone: under 1 KiB of traffic per occurrence (a mask's `eq -> all` on 4
@@ -269,25 +269,6 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
     }
     cand_df = pd.DataFrame([{k: v for k, v in r.items() if k not in ("graph", "program")} for r in records])
     return Analysis(graph, device, kernels, cand_df, groups_by_id, doc)
-
-
-def analyze_cli(trace, et=None, out=None, top: int = 10, console=None) -> dict:
-    """Analyse, write OUT/analysis.json, print the terminal report and write the HTML and text ones; returns
-    the paths written. OUT defaults to the run directory of TRACE (OUT for OUT/trace, see collect.layout)."""
-    from rich.console import Console
-
-    from advisor.collect.layout import locate
-    from advisor.report import render_reports
-
-    console = console or Console()
-    with console.status("analysing trace…"):
-        result = analyze(trace, et)
-    out_dir = Path(out) if out else locate(trace).out
-    paths = {"analysis": result.to_json(out_dir / "analysis.json")}
-    paths.update(render_reports(out_dir, console, top=top))
-    for w in result.doc.get("warnings") or []:
-        console.print(f"[yellow]warning:[/] {w}")
-    return paths
 
 
 # ------------------------------------------------------------------------------------------ pieces
@@ -538,7 +519,6 @@ def program_of(graph: Graph, g: Group) -> dict:
     names: dict[int, str] = {}
     inputs = []
     for vid in reads:
-        v = graph.values[vid]
         # The widest view through which the group reads this tensor is what the kernel gets.
         use = max((u for m in g.members for u in graph.nodes[m].reads if u.value == vid), key=lambda u: u.bytes)
         names[vid] = f"in{len(inputs)}"

@@ -6,8 +6,9 @@ output that escapes the group (read by an op outside it, or read by nobody: a fi
 once. Time: the kernels' measured time minus a roofline guess at the fused kernel,
 max(HBM bytes / bandwidth, flops / peak, rows x a row program's time) + one launch, where an input that was written so recently that it is
 still in L2 (`l2_resident_bytes`) is not HBM traffic: the residual add + LayerNorm after a GEMM reads the GEMM's
-output from L2, and measured 1.24-1.60x the saving a roofline of every byte from HBM predicts (reports/zoo-h100-session16). A padded GEMM (`padded_cost`) is predicted at the
-padded product's roofline plus its pad copies: it saves time, not bytes. A GEMM epilogue moves the product from
+output from L2, and measured 1.24-1.60x the saving a roofline of every byte from HBM predicts
+(reports/zoo-h100-session16). A padded GEMM (`padded_cost`) is predicted at the padded product's roofline plus
+its pad copies: it saves time, not bytes. A GEMM epilogue moves the product from
 cuBLAS to our Triton GEMM, which is slower (`TRITON_GEMM_SLOWDOWN`): that cost is taken off the bytes it saves.
 """
 from __future__ import annotations

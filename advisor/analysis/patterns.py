@@ -170,7 +170,7 @@ NORMS = frozenset({Family.RMSNORM, Family.LAYERNORM, Family.GROUPNORM, Family.BA
 
 def _any(s: set, tag: str) -> bool:
     """Whether any of the op labels `s` (names without the namespace) carries the registry's `tag`."""
-    return any(tagged(f"aten::{l}", tag) for l in s)
+    return any(tagged(f"aten::{label}", tag) for label in s)
 
 
 def family_of(labels: list[str], group: Group) -> Family:
@@ -183,7 +183,7 @@ def family_of(labels: list[str], group: Group) -> Family:
         return Family.PADDED_MATMUL
     if group.anchor is not None:
         return Family.EPILOGUE
-    s = set(l.rstrip("_") for l in labels)
+    s = set(label.rstrip("_") for label in labels)
     rules = [({"mean", "rsqrt"} <= s, Family.RMSNORM), (_any(s, "layer_norm"), Family.LAYERNORM),
              (_any(s, "grouped"), Family.GROUPNORM),
              (_any(s, "softmax") or {"amax", "exp", "sum"} <= s, Family.SOFTMAX),
@@ -195,12 +195,12 @@ def family_of(labels: list[str], group: Group) -> Family:
 
 
 def _name(labels: list[str], group: Group) -> str:
-    pools = {l for l in labels if tagged(f"aten::{l}", "window")}
+    pools = {label for label in labels if tagged(f"aten::{label}", "window")}
     if pools:  # a window op ends its chain (fusion rule 11): the chain, then the pool
-        rest = [l for l in labels if l not in pools]
+        rest = [label for label in labels if label not in pools]
         return (_name(rest, group) + " + max-pool") if rest else "max-pool"
     fam = family_of(labels, group)
-    s = set(l.rstrip("_") for l in labels)
+    s = set(label.rstrip("_") for label in labels)
     prefix = "Residual add + " if labels and labels[0].rstrip("_") == "add" and group.rows else ""
     if fam is Family.EPILOGUE:
         # labels[0] is the anchor (see title); name what it absorbs the same way as a plain group.

@@ -1,9 +1,5 @@
-"""Before/after timing of a callable in this process.
-
-On a GPU each iteration is bracketed by CUDA events (device time of everything it launched, host
-overheads included when they stall the stream), after warm-up, and the median is reported. On the
-CPU generated kernels run in Triton's interpreter, so times say nothing about fusion: callers mark
-them `timing_meaningful: false` and claim no speedup.
+"""Before/after timing of a callable in this process, for the workflows: one call is timed by
+`advisor.stopwatch.time_call` (below every stage: patching times a generated backward with it too).
 
 `time_configs` compares several configurations of one call (unpatched, patched, each pattern alone):
 all are warmed up together for a fixed time first (`warm_up`: GPU clocks and the allocator settle: on
@@ -19,52 +15,12 @@ import contextlib
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-WARMUP = 5
-ITERS = 20
-
-
-@dataclass
-class Timing:
-    median_ms: float
-    iters: int
-    method: str  # "cuda_events" | "perf_counter"
-    samples_ms: list = field(default_factory=list)
-    spread_ms: float = 0.0  # max - min of the medians of interleaved rounds (time_configs)
-    rounds_ms: list = field(default_factory=list)  # the median of each interleaved round (time_configs)
-    rounds_low_ms: list = field(default_factory=list)  # the fastest call of each interleaved round (time_configs)
-
-    def as_dict(self) -> dict:
-        return {"median_ms": round(self.median_ms, 4), "iters": self.iters, "method": self.method,
-                "min_ms": round(min(self.samples_ms), 4), "max_ms": round(max(self.samples_ms), 4),
-                "spread_ms": round(self.spread_ms, 4)}
-
-
-def time_call(fn: Callable[[], object], device: str, warmup: int = WARMUP, iters: int = ITERS) -> Timing:
-    """Median time of `fn()` over `iters` calls after `warmup` calls."""
-    iters = max(1, iters)
-    for _ in range(warmup):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for start, end in pairs:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        samples = [s.elapsed_time(e) for s, e in pairs]
-        return Timing(statistics.median(samples), iters, "cuda_events", samples)
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return Timing(statistics.median(samples), iters, "perf_counter", samples)
+# timing_meaningful: the workflows ask it here, and their tests replace it here
+from advisor.stopwatch import ITERS, WARMUP, Timing, time_call, timing_meaningful  # noqa: F401
 
 
 def time_configs(call: Callable[[], object], configs: dict, device: str, iters: int = ITERS, rounds: int = 3,
@@ -112,10 +68,3 @@ def warm_up(call: Callable[[], object], configs: dict, device: str, warmup_s: fl
                     if device == "cuda":
                         torch.cuda.synchronize()
         first = False
-
-
-def timing_meaningful(device: str) -> bool:
-    """Only GPU timings of compiled Triton kernels say anything about fusion."""
-    import os
-
-    return device == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"

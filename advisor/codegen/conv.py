@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 
 from advisor.codegen.ir import Program, Sizes, Value, View, Input, Op, torch_dtype
 from advisor.codegen.matmul import ANCHOR, MATMUL_DTYPES, Anchored

@@ -431,7 +431,7 @@ def out_index(b: TileBuilder, vid: str) -> tuple:
     """The index of value `vid` at the tile's element: its reads traced back to an anchor, inverted."""
     if vid in b.tiles:
         return b.tiles[vid]
-    p, dag = b.p, b.dag
+    p = b.p
     v = p.values.get(vid)
     if v is None:
         raise Unsupported(f"output {vid} is an input of the group")
@@ -513,7 +513,8 @@ def stores_for(b: TileBuilder, mask: Node, outputs=None) -> list:
 
 # ------------------------------------------------------------------------------------------ printing
 RESERVED = {"pid", "pid_m", "pid_n", "pid_b", "rm", "rn", "m", "n", "ka", "kb", "acc", "a_tile", "b_tile", "k0",
-            "m0", "y0", "y1", "y2", "y3", "mask", "row_mask", "col_mask", "a_offs", "b_offs", "M", "N", "K", "red", "part", "i", "j", "jv", "ri", "rj", "rd", "rdv", "dq", "dk", "dv",
+            "m0", "y0", "y1", "y2", "y3", "mask", "row_mask", "col_mask", "a_offs", "b_offs", "M", "N", "K", "red",
+            "part", "i", "j", "jv", "ri", "rj", "rd", "rdv", "dq", "dk", "dv",
             "q", "kt", "v", "s", "p", "p_v", "l_i", "m_i", "m_new", "m_safe", "alpha", "scores", "out", "start_n",
             "LQ", "LK", "D", "DV", "num_pid_m", "num_pid_n", "num_pid_in_group", "first_pid_m", "group_size_m"}
 

@@ -80,7 +80,7 @@ def kernel_name(prog: Program) -> str:
 
 
 def module_source(plan: Plan) -> str:
-    p, b = plan.prog, plan.builder
+    p = plan.prog
     name = kernel_name(p)
     params, call = _params(plan)
     if plan.kind == "pointwise":

@@ -3,8 +3,8 @@
 Pointwise programs walk each output shape with a flat index (in the output's memory order, so
 stores are contiguous), unravelled into one index per dim. Programs with a row op (reductions,
 softmax, norms over the last dim) run row by row: leading indices from the row index (a program
-takes several short rows: `printer._persistent`), `cols` along the row; GroupNorm's rows are its (sample, group) pairs (`plan_group_rows`). All leave
-the rest to `Builder.value_at`.
+takes several short rows: `printer._persistent`), `cols` along the row; GroupNorm's rows are its (sample,
+group) pairs (`plan_group_rows`). All leave the rest to `Builder.value_at`.
 """
 from __future__ import annotations
 

@@ -155,7 +155,7 @@ def signature(name: str, params: list) -> str:
 # ------------------------------------------------------------------------------------- pointwise
 def pointwise_kernel(plan: Plan, name: str, params: list) -> str:
     pr = Printer(plan)
-    lines = [f"@triton.jit", signature(name, params + ["BLOCK: tl.constexpr", "BIG_INDEX: tl.constexpr"]),
+    lines = ["@triton.jit", signature(name, params + ["BLOCK: tl.constexpr", "BIG_INDEX: tl.constexpr"]),
              f"{INDENT}pid = tl.program_id(0)"] + _big_index("pid") + [
              f"{INDENT}offs = pid * BLOCK + tl.arange(0, BLOCK)"]
     for g in plan.groups:

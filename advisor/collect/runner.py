@@ -16,7 +16,6 @@ import platform
 import runpy
 import shutil
 import sys
-import threading
 import time
 import traceback
 import warnings

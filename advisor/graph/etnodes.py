@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from advisor.graph.index import KernelIndex, as_strings
+from advisor.graph.index import KernelIndex
 from advisor.ops.registry import TRANSPARENT, OpClass, is_aten, is_operator, lookup
 from advisor.trace.et import EtArgs
 from advisor.trace.load import Trace

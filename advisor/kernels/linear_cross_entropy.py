@@ -236,7 +236,8 @@ class CausalLMLossForward:
     (`LazyLogits`): as eager's, from the same hidden states, through the head, with autograd; a loop that
     never reads them never pays for them. Other calls (no labels, no grad, `return_dict=False`,
     `logits_to_keep`, positional arguments past input_ids, arguments outside `PASSED`, autocast: its head
-    would run in bf16 where the chunks' matmuls, given out= buffers, would not) run the original forward. Holds its model weakly (no reference cycle keeps a deleted model's memory)."""
+    would run in bf16 where the chunks' matmuls, given out= buffers, would not) run the original forward.
+    Holds its model weakly (no reference cycle keeps a deleted model's memory)."""
 
     def __init__(self, model: torch.nn.Module, saved=None, output_type: type | None = None):
         self._model = weakref.ref(model)

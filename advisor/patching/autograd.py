@@ -36,7 +36,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from advisor.bench.timing import time_call, timing_meaningful
 from advisor.codegen import Unsupported, generate, load_module
 from advisor.codegen.read import read_program
 from advisor.errors import exception_reason
@@ -44,6 +43,7 @@ from advisor.patching import backward
 from advisor.patching.backward import float_outputs
 from advisor.patching.program import is_scalar_slot
 from advisor.patching.rewrite import in_replayed_graph
+from advisor.stopwatch import time_call, timing_meaningful
 from advisor.validate import interpreted
 from advisor.validate.compare import TOLERANCES, compare
 from advisor.validate.inputs import draw

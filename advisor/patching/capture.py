@@ -23,7 +23,6 @@ AOTAutograd and the rewrite once. What a rewrite did is logged per plan and capt
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import json
 import os

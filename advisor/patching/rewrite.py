@@ -488,8 +488,8 @@ def _existing_view(b, spec: dict, off: int) -> Node | None:
     for _, ga in b.reads:
         n = ga
         while True:
-            l = layout(n)
-            if l is not None and l[0] == want[0] and same_strides(l[0], want[1], l[1]) and l[2] == off:
+            lay = layout(n)
+            if lay is not None and lay[0] == want[0] and same_strides(lay[0], want[1], lay[1]) and lay[2] == off:
                 return n
             if n is b.root or not is_transparent(n):
                 break
@@ -553,8 +553,8 @@ def views_accept(t: torch.Tensor, paths: tuple) -> bool:
 def output_layouts(match: Match) -> list[tuple]:
     out = []
     for o in match.outputs:
-        l = layout(o)
-        out.append((l[0], l[1], l[3]))
+        lay = layout(o)
+        out.append((lay[0], lay[1], lay[3]))
     return out
 
 

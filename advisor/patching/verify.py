@@ -5,7 +5,7 @@ differently its patterns are dropped as any that differ are. The caller's random
 
 `check(call, handle, exact)`: runs `call()` with patches off (the reference) and on, compares with
 validation's dtype tolerances (and, for low-precision models, validation's rule against a float32
-copy of the call: see `advisor.bench.compare`). On a mismatch each pattern is run alone against the reference; the
+copy of the call: see `advisor.validate.outputs`). On a mismatch each pattern is run alone against the reference; the
 ones that fail alone are dropped (if none fails alone, the combination is at fault and all are
 dropped) and the model is re-patched without them.
 """
@@ -23,7 +23,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._pytree import tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from advisor.bench.compare import Comparison, compare_outputs
+from advisor.validate.outputs import Comparison, compare_outputs
 from advisor.example_inputs import snapshot
 from advisor.ops import registry
 from advisor.patching import Patched, only, patch, patches_off, whole

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Optional, Tuple
 
-from advisor.collect.layout import locate
 from advisor.errors import AdvisorError, not_writable
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, APPLY_SCHEMA_VERSION
+from advisor.layout import locate
 
 TEXT_WIDTH = 120  # report.txt is read in editors and diffs, not in the user's terminal
 

@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 
 from advisor.records import Candidate
 from advisor.report.style import class_color, class_label
-from advisor.report.units import ellipsize, fmt_bytes, fmt_shape, fmt_time, op_short, short_dtype, short_kernel
+from advisor.units import ellipsize, fmt_bytes, fmt_shape, fmt_time, op_short, short_dtype, short_kernel
 
 NODE_W, OP_H, IO_H = 112, 44, 52
 GAP = 88            # room between columns for a two-line edge label

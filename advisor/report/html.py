@@ -14,8 +14,8 @@ from advisor.report.highlight import highlight_python
 from advisor.report.next_step import next_steps
 from advisor.report.style import candidate_color, class_color, class_label
 from advisor.report.svg import class_bars, e, timeline, timeline_legend
-from advisor.report.units import (fmt_bw, fmt_bytes, fmt_count, fmt_int, fmt_ms, fmt_pct, fmt_sci, fmt_time,
-                                  module_groups, modules_summary)
+from advisor.units import (fmt_bw, fmt_bytes, fmt_count, fmt_int, fmt_ms, fmt_pct, fmt_sci, fmt_time,
+                           module_groups, modules_summary)
 
 # The CSP makes "fetches nothing" a property the browser enforces, not just a promise of this code.
 CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"

@@ -10,7 +10,7 @@ from typing import Dict, List
 
 from advisor.report import model as M
 from advisor.report.style import class_color, class_label, ordered_classes
-from advisor.report.units import fmt_pct, fmt_time, short_kernel
+from advisor.units import fmt_pct, fmt_time, short_kernel
 
 
 def e(s) -> str:

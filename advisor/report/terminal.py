@@ -14,7 +14,7 @@ from advisor.records import Candidate
 from advisor.report import model as M
 from advisor.report.next_step import next_steps
 from advisor.report.style import class_color, class_label, ordered_classes
-from advisor.report.units import (fmt_bw, fmt_bytes, fmt_count, fmt_int, fmt_ms, fmt_pct, fmt_time, modules_summary)
+from advisor.units import (fmt_bw, fmt_bytes, fmt_count, fmt_int, fmt_ms, fmt_pct, fmt_time, modules_summary)
 
 STATUS_TEXT = {
     "patched": ("✓ patched", "green"),

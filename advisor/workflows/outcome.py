@@ -16,8 +16,9 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
                    launched: dict | None = None, selected: bool = False) -> list[PatternResult]:
     """Each result again, with whether it is patched, where, and if not why (its verdict). `doc`: the
     analysis.json document (which candidate extends which). `launched`: {pattern key: sites whose
-    launcher ran on the example inputs}; without it, sites substituted in the captured graphs count. `selected`: selection has timed the states
-    (an outer capture left off was then measured slower, not merely untried)."""
+    launcher ran on the example inputs}; without it, sites substituted in the captured graphs count.
+    `selected`: selection has timed the states (an outer capture left off was then measured slower, not merely
+    untried)."""
     by_cand = {s.candidate: s for s in specs}
     plan = getattr(handle, "plan", None)
     captured_keys = {k for t in getattr(plan, "targets", []) for k in t.keys}

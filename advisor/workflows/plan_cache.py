@@ -5,8 +5,9 @@ kernel cache's sibling `plans/<fingerprint>/`. The fingerprint covers what the p
 model's module tree (classes and qualified names), each module's plain settings and those of the
 configuration objects it holds (an HF config's `_attn_implementation` changes the forward, not the
 shapes), its parameters' and buffers' names, shapes, dtypes and devices, the inputs' shapes, dtypes,
-strides and non-tensor values, the device's name, the options, and the digest of fusion-advisor's own source. Weights' values are not in it: a plan
-is about shapes, and every reuse is checked against the unpatched model's outputs again.
+strides and non-tensor values, the device's name, the options, and the digest of fusion-advisor's own
+source. Weights' values are not in it: a plan is about shapes, and every reuse is checked against the
+unpatched model's outputs again.
 """
 from __future__ import annotations
 

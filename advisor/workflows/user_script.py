@@ -25,12 +25,12 @@ from rich.console import Console
 from rich.table import Table
 
 from advisor.analysis.api import analyze
-from advisor.bench.timing import time_configs, timing_meaningful
+from advisor.bench.timing import timing_meaningful
 from advisor.collect.region import observe_regions
 from advisor.collect.runner import profile_script, resolve_device
 from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
-from advisor.patching import build_plan, occurrence_modules, only, patches_off, triton_setup
+from advisor.patching import build_plan, occurrence_modules, triton_setup
 from advisor.patching.modules import root_class
 from advisor.records import PatternResult
 from advisor.workflows.bundle import loaded_host_modules

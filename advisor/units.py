@@ -1,4 +1,5 @@
-"""Formatting shared by the terminal and HTML reports, so both say the same number the same way.
+"""Formatting shared by the terminal and HTML reports (and an analysis's summary), so all say the same number
+the same way.
 
 Byte sizes use decimal units (1 MB = 10^6 B) to agree with bandwidths quoted in GB/s.
 """

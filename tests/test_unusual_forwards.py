@@ -1,4 +1,4 @@
-"""What a sweep of HF architectures outside the zoo found (session 21), as general cases:
+"""Forwards unlike the zoo's, as general cases of what a sweep of HF architectures outside the zoo found:
 
 - A recurrence unrolled over time (RWKV's WKV loop) profiles as one pointwise chain of hundreds of ops. Its
   search in the captured graphs backtracked across the repeated ops: `optimize` on a tiny RWKV ran for more

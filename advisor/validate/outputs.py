@@ -15,21 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten
 
-# The fallback is validation's table, kept for when the validate package cannot be imported.
-_TOL = {torch.float64: (1e-9, 1e-8), torch.float32: (1e-5, 1e-4), torch.float16: (1e-3, 4e-3),
-        torch.bfloat16: (1e-2, 3e-2)}
+from advisor.validate.compare import TOLERANCES
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    try:
-        from advisor.validate.compare import TOLERANCES
-
-        t = TOLERANCES.get(dtype)
-        if t is not None:
-            return t.rel_l2, t.max_abs
-    except Exception:  # pragma: no cover - validation not importable: same numbers from here
-        pass
-    return _TOL.get(dtype, (0.0, 0.0))
+    t = TOLERANCES.get(dtype)
+    return (t.rel_l2, t.max_abs) if t is not None else (0.0, 0.0)
 
 
 @dataclass
