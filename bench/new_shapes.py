@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from decode import MODELS, build  # noqa: E402  (same models and sizes as the decode benchmark)
+from decode import build  # noqa: E402  (same models and sizes as the decode benchmark)
 
 PROFILED = (4, 1024)
 OTHERS = ((1, 512), (2, 1500))  # two new shapes: what a patched forward may capture after optimize
