@@ -1,8 +1,8 @@
 """LLM decode on a GPU, as a user runs it: `model.generate(prompt, max_new_tokens=64, do_sample=False)`.
 
-Per (model, batch, way), in a process of its own: build the model (random weights, bf16) and an untouched
-deep copy, set the way up, and time end-to-end `generate` of both, interleaved, after warm-up, in the same
-process (CUDA events). Ways:
+Per (model, batch), in a process of its own: build the model (random weights, bf16), one deep copy per way,
+set each way up on its copy, and time end-to-end `generate` of the untouched model and every way,
+interleaved, after warm-up, in that one process (CUDA events). Ways:
 - `static`: HF's static cache (`generation_config.cache_implementation = "static"`): `generate` compiles
   the decode step with torch.compile (CUDA graphs) itself; the peer to beat;
 - `advisor`: `advisor.optimize(model, {"input_ids": prompt})`, defaults;
@@ -53,7 +53,8 @@ def agreement(a, b, prompt_len: int) -> float:
     return round(float((a[:, :n] == b[:, :n]).float().mean()), 4)
 
 
-def child(name: str, batch: int, way: str, result: Path, new_tokens: int, prompt_len: int, iters: int) -> int:
+def child(name: str, batch: int, ways: list[str], result: Path, new_tokens: int, prompt_len: int, iters: int) -> int:
+    """Every way in one process, each on a copy of the model, timed interleaved with the untouched copy."""
     import torch
 
     import advisor
@@ -62,7 +63,8 @@ def child(name: str, batch: int, way: str, result: Path, new_tokens: int, prompt
     torch.manual_seed(0)
     process_warmup("cuda")
     model, prompt = build(name, batch, prompt_len)
-    untouched = copy.deepcopy(model)
+    untouched = model
+    copies = {way: copy.deepcopy(model) for way in ways}
 
     def gen(m):
         def call():
@@ -70,38 +72,40 @@ def child(name: str, batch: int, way: str, result: Path, new_tokens: int, prompt
                 return m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         return call
 
-    res = {"model": name, "batch": batch, "way": way, "prompt": prompt_len, "new_tokens": new_tokens,
-           "dims": DIMS, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    res = {"model": name, "batch": batch, "ways": ways, "prompt": prompt_len, "new_tokens": new_tokens,
+           "dims": DIMS, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "per_way": {}}
     eager_tokens = gen(untouched)()
-    t0 = time.perf_counter()
-    report = None
-    if way == "static":
-        model.generation_config.cache_implementation = "static"
-    else:
-        report = advisor.optimize(model, {"input_ids": prompt}, decode=way == "advisor_decode")
-        res["report"] = str(report)
-    torch.cuda.synchronize()
-    res["setup_s"] = round(time.perf_counter() - t0, 2)
-    t0 = time.perf_counter()
-    before = report.handle.launches() if report is not None and report.handle is not None else {}
-    tokens = gen(model)()
-    torch.cuda.synchronize()
-    res["first_generate_s"] = round(time.perf_counter() - t0, 2)
-    if report is not None and report.handle is not None:
-        after = report.handle.launches()
-        res["fused_launches_first_generate"] = sum(n - before.get(k, 0) for k, n in after.items())
-        res["fallbacks"] = report.handle.fallbacks()
-    res["agreement_with_eager"] = agreement(tokens, eager_tokens, prompt.shape[1])
-    res["timing"] = interleaved({"eager": gen(untouched), way: gen(model)}, "cuda", iters=iters, rounds=3,
-                                warmup_s=0.0)
-    t = res["timing"]
-    res["speedup"] = round(t["eager"]["median_ms"] / t[way]["median_ms"], 3)
-    if report is not None and report.handle is not None:
-        res["fallbacks_after_timing"] = report.handle.fallbacks()
+    for way, m in copies.items():
+        row = res["per_way"][way] = {}
+        t0 = time.perf_counter()
+        report = None
+        if way == "static":
+            m.generation_config.cache_implementation = "static"
+        else:
+            report = advisor.optimize(m, {"input_ids": prompt}, decode=way == "advisor_decode")
+            row["report"] = str(report)
+        torch.cuda.synchronize()
+        row["setup_s"] = round(time.perf_counter() - t0, 2)
+        handle = report.handle if report is not None else None
+        before = handle.launches() if handle is not None else {}
+        t0 = time.perf_counter()
+        tokens = gen(m)()
+        torch.cuda.synchronize()
+        row["first_generate_s"] = round(time.perf_counter() - t0, 2)
+        if handle is not None:
+            after = handle.launches()
+            row["fused_launches_first_generate"] = sum(n - before.get(k, 0) for k, n in after.items())
+        row["agreement_with_eager"] = agreement(tokens, eager_tokens, prompt.shape[1])
+    res["timing"] = t = interleaved({"eager": gen(untouched), **{w: gen(m) for w, m in copies.items()}}, "cuda",
+                                    iters=iters, rounds=3, warmup_s=0.0)
+    res["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    for way in ways:
+        res["per_way"][way]["speedup"] = round(t["eager"]["median_ms"] / t[way]["median_ms"], 3)
+        print(f"{name} b{batch} {way}: eager {t['eager']['median_ms']:.1f} ms, {t[way]['median_ms']:.1f} ms "
+              f"({res['per_way'][way]['speedup']:.2f}x); setup {res['per_way'][way]['setup_s']} s, first generate "
+              f"{res['per_way'][way]['first_generate_s']} s, agreement {res['per_way'][way]['agreement_with_eager']}",
+              flush=True)
     result.write_text(json.dumps(res, indent=1, default=str))
-    print(f"{name} b{batch} {way}: eager {t['eager']['median_ms']:.1f} ms, {way} {t[way]['median_ms']:.1f} ms "
-          f"({res['speedup']:.2f}x); setup {res['setup_s']} s, first generate {res['first_generate_s']} s, "
-          f"agreement {res['agreement_with_eager']}", flush=True)
     return 0
 
 
@@ -115,35 +119,35 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=Path("reports/decode/decode"))
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        name, batch, way = a.child
-        return child(name, int(batch), way, a.result, a.new_tokens, a.prompt, a.iters)
+        name, batch = a.child
+        return child(name, int(batch), a.ways.split(","), a.result, a.new_tokens, a.prompt, a.iters)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     path = a.out.with_suffix(".json")
     doc = json.loads(path.read_text()) if path.exists() else {"results": {}}
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     for name in a.models.split(","):
         for batch in a.batches.split(","):
-            for way in a.ways.split(","):
-                key = f"{name} b{batch} {way}"
-                result = a.out.parent / f".decode-{name}-{batch}-{way}.json"
-                result.unlink(missing_ok=True)
-                try:
-                    proc = subprocess.run([sys.executable, __file__, "--child", name, batch, way, "--result", str(result),
-                                           "--prompt", str(a.prompt), "--new-tokens", str(a.new_tokens),
-                                           "--iters", str(a.iters)], timeout=a.timeout, capture_output=True, text=True)
-                    tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
-                except subprocess.TimeoutExpired:
-                    tail = [f"timed out after {a.timeout:.0f} s"]
-                res = json.loads(result.read_text()) if result.exists() else {"error": "\n".join(tail)}
-                result.unlink(missing_ok=True)
-                res["commit"] = rev
-                doc["results"][key] = res
-                print(tail[-1] if tail else key, flush=True)
-                path.write_text(json.dumps(doc, indent=1, default=str))
+            key = f"{name} b{batch}"
+            result = a.out.parent / f".decode-{name}-{batch}.json"
+            result.unlink(missing_ok=True)
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--child", name, batch, "--ways", a.ways,
+                                       "--result", str(result), "--prompt", str(a.prompt), "--new-tokens",
+                                       str(a.new_tokens), "--iters", str(a.iters)], timeout=a.timeout,
+                                      capture_output=True, text=True)
+                tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
+            except subprocess.TimeoutExpired:
+                tail = [f"timed out after {a.timeout:.0f} s"]
+            res = json.loads(result.read_text()) if result.exists() else {"error": "\n".join(tail)}
+            result.unlink(missing_ok=True)
+            res["commit"] = rev
+            doc["results"][key] = res
+            print("\n".join(tail[-len(a.ways.split(",")):]), flush=True)
+            path.write_text(json.dumps(doc, indent=1, default=str))
     a.out.with_suffix(".md").write_text(markdown(doc))
     print(markdown(doc))
     return 0
@@ -157,9 +161,10 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {key} | | | | | error: {r['error'].splitlines()[-1][:80] if r['error'] else ''} | | | | |")
             continue
         t = r["timing"]
-        lines.append(f"| {r['model']} | {r['batch']} | {r['way']} | {t['eager']['median_ms']:.1f} | "
-                     f"{t[r['way']]['median_ms']:.1f} | {r['speedup']:.2f}x | {r['setup_s']} | {r['first_generate_s']} | "
-                     f"{r['agreement_with_eager']} | {r.get('fused_launches_first_generate', '')} |")
+        for way, w in r["per_way"].items():
+            lines.append(f"| {r['model']} | {r['batch']} | {way} | {t['eager']['median_ms']:.1f} | "
+                         f"{t[way]['median_ms']:.1f} | {w['speedup']:.2f}x | {w['setup_s']} | {w['first_generate_s']} | "
+                         f"{w['agreement_with_eager']} | {w.get('fused_launches_first_generate', '')} |")
     return "\n".join(lines) + "\n"
 
 
