@@ -354,6 +354,12 @@ class PatchedForward:
             entry.refused += 1
         return _NOT_SERVED
 
+    def _spent_on(self, args, kwargs) -> bool:
+        """Whether this call, at shapes no capture of this forward was made at, comes past its capture budget (its
+        own capture: one shared with the class decides by its guards)."""
+        return (self._budget is not None and self._capturing_calls >= self._budget and not self.failed
+                and (self._via is None or self._via.breaks) and _shapes_of(args, kwargs) not in self._captured_shapes)
+
     def _fall_back(self, why: str, args, kwargs):
         self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
         return self.original()(*args, **kwargs)
@@ -419,6 +425,10 @@ class PatchedForward:
                         graphed.recordings.clear()  # eager's ops replayed: memory for nothing (BERT: 6 GB)
                 release_unused_pool()
             return out
+        if self._spent_on(args, kwargs):
+            # Past the budget at shapes no capture was made at: the original forward, before any of the capture's
+            # own bookkeeping (a growing KV cache makes every decode step such a call, in every layer).
+            return self._fall_back(SPENT, args, kwargs)
         if torch.is_inference_mode_enabled():
             return self._call_as_no_grad(m, args, kwargs)
         if torch.is_grad_enabled():
@@ -513,6 +523,10 @@ class PatchedForward:
             for why in noted:
                 self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
         except Exception as e:
+            if _refused_by_context(e):
+                # The caller's context refused the capture before it ran (another torch.compile region around this
+                # call, as under TORCH_CUDA_SANITIZER): this call runs the original forward, later calls capture.
+                return self._fall_back(f"{CONTEXT_REFUSED}: {exception_reason(e, named=(m,))}", args, kwargs)
             if training:
                 # A training call's capture: training runs the original forward from now on, inference keeps
                 # its capture (an outer one's whole stack, say).
@@ -621,6 +635,16 @@ def _served(fn: Callable, lead: tuple, args, kwargs):
         if str(e).startswith(_REFUSED):
             return _NOT_SERVED
         raise
+
+
+CONTEXT_REFUSED = "a call whose context refused the capture (it ran the original forward; later calls capture)"
+_CONTEXT_ERRORS = ("attempted to set_stance in a torch.compile region",)
+
+
+def _refused_by_context(e: BaseException) -> bool:
+    """Whether `e` is dynamo refusing to start (or steer) a capture where this call came from, before anything
+    ran: the call's context, not the capture, is at fault, so the module must not fall back for good."""
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _CONTEXT_ERRORS)
 
 
 def _shapes_of(args, kwargs) -> tuple:
