@@ -86,16 +86,20 @@ def test_kernels_with_sizes_fixed_inside_are_not_resized():
     assert not resize.resizable({"nodes": [{"op": "aten::mm", "args": [], "outputs": []}], "inputs": []})
 
 
-def test_rebinding_keeps_dense_layouts_dense_and_maps_views():
-    program = {"inputs": [{"id": "in0", "shape": [3, 12, 64], "strides": [768, 64, 1], "storage_offset": 0},
-                          {"id": "in1", "shape": [3, 4, 12, 16], "strides": [768, 16, 64, 1], "storage_offset": 0}],
-               "nodes": [{"op": "aten::cat", "args": [{"list": [{"ref": "in1", "shape": [3, 4, 12, 8],
-                                                                  "strides": [768, 16, 64, 1], "storage_offset": 8}]}],
-                          "outputs": [{"id": "v0", "shape": [3, 4, 12, 8], "strides": [384, 96, 8, 1]}]}]}
-    free = resize.free_sizes(program)
-    assert 64 not in free and 16 not in free and 8 not in free and {3, 12, 768} <= free
-    out = resize.rebind(program, {3: 1, 12: 9, 768: 576})
-    assert out["inputs"][0]["strides"] == [576, 64, 1]  # dense: follows the new sizes
-    assert out["inputs"][1]["strides"] == [576, 16, 64, 1]  # a transposed view: mapped
-    assert out["nodes"][0]["args"][0]["list"][0]["shape"] == [1, 4, 9, 8]
-    assert out["nodes"][0]["outputs"][0]["strides"] == [288, 72, 8, 1]  # dense, though 384 and 96 were never bound
+def test_a_size_recorded_in_two_roles_takes_each_role_s_new_value(tmp_path):
+    """Profiled at batch 4 with 4 KV heads and half a head dim of 4: the new batch rebinds the batch alone (a
+    mapping of recorded sizes would have had to send every 4 to one new size, and the rotary patterns would
+    run unfused at every new shape)."""
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=4, vocab_size=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    untouched = copy.deepcopy(model)
+    report = advisor.optimize(model, {"input_ids": torch.randint(0, 256, (4, 12))}, interpret=True, reuse=False,
+                              out=tmp_path)
+    profiled = report.runs["fused_launches_per_call"]
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        got = {}
+        assert _launches(report.handle, lambda: got.setdefault("y", model(input_ids=ids).logits)) == profiled
+        torch.testing.assert_close(got["y"], untouched(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

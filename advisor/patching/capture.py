@@ -119,7 +119,8 @@ def pattern_at(program: dict, device) -> Pattern:
     pattern = _PATTERNS.get(pkey)
     if pattern is None:
         with timing.timed("patterns"):
-            pattern = _PATTERNS[pkey] = Pattern.build(program, program_graph(program, device))
+            views: list = []
+            pattern = _PATTERNS[pkey] = Pattern.build(program, program_graph(program, device, views), views)
     return pattern
 
 
@@ -374,24 +375,24 @@ class Backend:
         return exclude
 
     def _substitute_resized(self, gm, spec: PatternSpec, device, keep: Callable[[], None], escapes: list) -> None:
-        """The pattern at the graph's own sizes: each set of sizes a loose match proposes (`resize`) is matched
-        exactly, with the kernel made at the profiled ones."""
+        """The pattern at the graph's own sizes: each place a loose match finds it (`resize`) is matched exactly,
+        by the program rewritten at that place's layouts, with the kernel made at the profiled ones."""
         loose = pattern_of(spec, 0, spec.program, device)
-        free = resize.free_sizes(spec.program)
-        seen: set = set()  # loose matches tried (each set of sizes is tried once)
+        seen: set = set()  # graph nodes of the places tried
         for _ in range(MAX_RESIZED):
             try:
                 with timing.timed("find"):
-                    m = find(loose, gm.graph, seen, sizes=free)
+                    m = find(loose, gm.graph, seen, loose=True)
             except SearchTooLong as e:
                 self.log.rejected[spec.key].append(str(e))
                 return
             if m is None:
                 return
             seen |= m.g_nodes()
-            program = resize.rebind(spec.program, m.sizes)
-            pattern = pattern_at(program, device)
-            seen |= self._substitute_all(gm, spec, program, spec.kernel_file, pattern, keep, False, escapes)
+            program = resize.rebind(spec.program, loose, m)
+            if program is not None:
+                pattern = pattern_at(program, device)
+                seen |= self._substitute_all(gm, spec, program, spec.kernel_file, pattern, keep, False, escapes)
 
 
     def _site(self, spec: PatternSpec, m, program: dict, kernel_file: str | None) -> rewrite.Site:

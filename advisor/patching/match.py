@@ -159,9 +159,13 @@ class Pattern:
     compute: list[Node]  # P's compute nodes, in search order (connected, an output first)
     outputs: list[Node]  # P's output nodes, in program output order
     input_of: dict[Node, int]  # P placeholder (a flat storage) -> program input index
+    # `program_graph(views=...)`: each input's own view of its storage (input index -> node), and the views the
+    # program's reads add (node -> the read's place in the program: node index, argument, list index or None)
+    input_views: dict = field(default_factory=dict)
+    read_views: dict = field(default_factory=dict)
 
     @classmethod
-    def build(cls, program: dict, gm: torch.fx.GraphModule) -> "Pattern":
+    def build(cls, program: dict, gm: torch.fx.GraphModule, views: list | None = None) -> "Pattern":
         g = gm.graph
         placeholders = [n for n in g.nodes if n.op == "placeholder"]
         tensor_idx = [k for k, s in enumerate(program["inputs"]) if not is_scalar_slot(s)]
@@ -172,7 +176,33 @@ class Pattern:
         order = _search_order(compute, outputs)
         if len(order) != len(compute):
             raise ValueError("program is not connected through dataflow")
-        return cls(program, g, order, outputs, input_of)
+        pattern = cls(program, g, order, outputs, input_of)
+        if views is not None:
+            pattern.input_views, pattern.read_views = _view_places(program, g, input_of, views)
+        return pattern
+
+
+def _view_places(program: dict, g: Graph, input_of: dict, views: list) -> tuple[dict, dict]:
+    """(input index -> its view node, read view node -> its read's place), or two empty dicts where the graph's
+    `as_strided` nodes do not line up with the reads recorded while tracing it."""
+    strided = [n for n in g.nodes if n.op == "call_function" and n.target is torch.ops.aten.as_strided.default]
+    inputs = {input_of[n.args[0]]: n for n in strided if n.args[0] in input_of}
+    reads = [n for n in strided if n.args[0] not in input_of]
+    places = {id(r): place for place, r in _reads_of(program)}
+    if len(reads) != len(views) or any(id(v) not in places for v in views):
+        return {}, {}
+    return inputs, {n: places[id(v)] for n, v in zip(reads, views)}
+
+
+def _reads_of(program: dict):
+    """(place, read) of every tensor read of the program's nodes: place = (node index, argument, list index)."""
+    for i, node in enumerate(program["nodes"]):
+        for j, a in enumerate(node["args"]):
+            if "ref" in a:
+                yield (i, j, None), a
+            for k, r in enumerate(a.get("list") or []):
+                if isinstance(r, dict) and "ref" in r:
+                    yield (i, j, k), r
 
 
 def _search_order(compute: list[Node], outputs: list[Node]) -> list[Node]:
@@ -220,48 +250,25 @@ class Match:
     nodes: dict[Node, Node]  # P compute node -> G node
     inputs: list[InputBinding | None]  # per program input
     outputs: list[Node]  # G nodes holding the program outputs, in order
-    sizes: dict = field(default_factory=dict)  # `find(sizes=...)`: recorded size -> the graph's
+    views: dict = field(default_factory=dict)  # `find(loose=True)`: P read view -> the G read it stands for
 
     def g_nodes(self) -> set[Node]:
         return set(self.nodes.values())
 
 
 class _State:
-    def __init__(self, pattern: Pattern, free: frozenset | None = None):
+    def __init__(self, pattern: Pattern, loose: bool = False):
         self.p2g: dict[Node, Node] = {}
         self.g2p: dict[Node, Node] = {}
         self.inputs: list[InputBinding | None] = [None] * len(pattern.program["inputs"])
-        self.free = free  # recorded sizes that may map to others (`find(sizes=...)`); None: sizes as recorded
-        self.sizes: dict[int, int] = {}  # recorded size -> the graph's, for the free ones
+        self.loose = loose  # sizes, strides and offsets not compared (`find(loose=True)`)
+        self.views: dict[Node, Node] = {}  # loose: each P read view -> the G read it stands for
 
     def copy(self) -> "_State":
         s = _State.__new__(_State)
-        s.p2g, s.g2p, s.free, s.sizes = dict(self.p2g), dict(self.g2p), self.free, dict(self.sizes)
+        s.p2g, s.g2p, s.loose, s.views = dict(self.p2g), dict(self.g2p), self.loose, dict(self.views)
         s.inputs = [None if b is None else InputBinding(b.kind, b.root, b.value, list(b.reads)) for b in self.inputs]
         return s
-
-    def same_size(self, recorded: int, found: int) -> bool:
-        """`found` stands where the program recorded `recorded`: equal, or a free size mapped consistently."""
-        if self.free is None or recorded not in self.free:
-            return recorded == found
-        if found < 1:
-            return False
-        return self.sizes.setdefault(recorded, found) == found
-
-    def suggest_strides(self, found_shape, recorded, found) -> None:
-        """An intermediate's strides (which eager's layout rules derive from the sizes): free ones not bound yet
-        are bound, nothing refused (the rebound program's exact match checks)."""
-        if self.free is not None and len(recorded) == len(found):
-            for d, a, b in zip(found_shape, recorded, found):
-                if d > 1 and a in self.free and b >= 1:
-                    self.sizes.setdefault(a, b)
-
-    def same_shape(self, recorded, found) -> bool:
-        return len(recorded) == len(found) and all(self.same_size(a, b) for a, b in zip(recorded, found))
-
-    def same_strides(self, found_shape, recorded, found) -> bool:
-        return len(recorded) == len(found) and \
-            all(d <= 1 or self.same_size(a, b) for d, a, b in zip(found_shape, recorded, found))
 
 
 @dataclass(frozen=True)
@@ -299,19 +306,20 @@ class _Budget:
 
 
 def find(pattern: Pattern, graph: Graph, exclude: set[Node] = frozenset(),
-         escapes: list[Escape] | None = None, sizes: frozenset | None = None) -> Match | None:
+         escapes: list[Escape] | None = None, loose: bool = False) -> Match | None:
     """The first match of the pattern in graph order, avoiding `exclude`; None if there is none.
     `escapes` gets an `Escape` for each complete match refused because an intermediate escapes it.
-    `sizes`: recorded sizes that may stand for others (`resize.free_sizes`): the match found there proposes
-    `Match.sizes` for `resize.rebind`, and only the rebound program's exact match may be substituted (input
-    offsets are not checked here). Raises `SearchTooLong` past `SEARCH_BUDGET`."""
+    `loose`: sizes, strides and offsets are not compared (ops, arguments, dataflow, ranks and dtypes are): the
+    match says where the pattern stands at other sizes, and which G read each P read view stands for
+    (`Match.views`), for `resize.rebind`; only the rebound program's exact match may be substituted.
+    Raises `SearchTooLong` past `SEARCH_BUDGET`."""
     anchor = pattern.compute[0]
     key = canonical(anchor)
     budget = _Budget(pattern)
     for g in list(graph.nodes):
         if g in exclude or g.op != "call_function" or canonical(g) != key:
             continue
-        st = _State(pattern, sizes)
+        st = _State(pattern, loose)
         budget.spend(st)
         if not _bind(pattern, anchor, g, st):
             continue
@@ -435,10 +443,9 @@ def _same_outputs(p: Node, g: Node, st: _State) -> bool:
     for a, b in zip(pv, gv):
         if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
             return False
-        if isinstance(a, torch.Tensor) and (a.dtype != b.dtype or not st.same_shape(tuple(a.shape), tuple(b.shape))):
+        if isinstance(a, torch.Tensor) and (a.dtype != b.dtype or (a.dim() != b.dim() if st.loose else
+                                                                     tuple(a.shape) != tuple(b.shape))):
             return False
-        if isinstance(a, torch.Tensor):
-            st.suggest_strides(tuple(b.shape), a.stride(), b.stride())
     return True
 
 
@@ -449,18 +456,18 @@ def _same_view(pa: Node, pu: Node, ga: Node, gu: Node, st: _State) -> bool:
     lp, lpu, lg, lgu = layout(pa), layout(pu), layout(ga), layout(gu)
     if lp is None or lg is None or lpu is None or lgu is None:
         return pa is pu and ga is gu
-    if st.free is not None:
-        return (st.same_shape(lp[0], lg[0]) and st.same_strides(lg[0], lp[1], lg[1]) and lp[3] == lg[3]
-                and st.same_size(lp[2] - lpu[2], lg[2] - lgu[2]))
+    if st.loose:
+        st.views[pa] = ga
+        return len(lp[0]) == len(lg[0]) and lp[3] == lg[3]
     return (lp[0] == lg[0] and same_strides(lp[0], lp[1], lg[1]) and lp[3] == lg[3]
             and lp[2] - lpu[2] == lg[2] - lgu[2])
 
 
 def _same_read(pa: Node, ga: Node, st: _State) -> bool:
-    """A loose match (`find(sizes=...)`): an input read's layout maps through the sizes (binding its strides)."""
+    """A loose match (`find(loose=True)`): an input read of the same rank and dtype, noted in `st.views`."""
     lp, lg = layout(pa), layout(ga)
-    return lp is not None and lg is not None and lp[3] == lg[3] and st.same_shape(lp[0], lg[0]) and \
-        st.same_strides(lg[0], lp[1], lg[1])
+    st.views[pa] = ga
+    return lp is not None and lg is not None and lp[3] == lg[3] and len(lp[0]) == len(lg[0])
 
 
 def _finish(pattern: Pattern, st: _State, escapes: list[Escape] | None = None) -> Match | None:
@@ -470,9 +477,9 @@ def _finish(pattern: Pattern, st: _State, escapes: list[Escape] | None = None) -
     for k, b in enumerate(st.inputs):
         if b is None:
             return None
-        if b.kind == "tensor" and st.free is None and input_offset(specs[k], b) is None:
+        if b.kind == "tensor" and not st.loose and input_offset(specs[k], b) is None:
             return None
-        if b.kind == "tensor" and st.free is not None and not all(_same_read(pa, ga, st) for pa, ga in b.reads):
+        if b.kind == "tensor" and st.loose and not all(_same_read(pa, ga, st) for pa, ga in b.reads):
             return None
     outputs = [st.p2g[o] for o in pattern.outputs]
     inside = set(st.g2p)
@@ -484,7 +491,7 @@ def _finish(pattern: Pattern, st: _State, escapes: list[Escape] | None = None) -
             if escapes is not None:
                 escapes.append(_escape(pattern, st.g2p[g], g, inside))
             return None
-    return Match(dict(st.p2g), st.inputs, outputs, dict(st.sizes))
+    return Match(dict(st.p2g), st.inputs, outputs, dict(st.views))
 
 
 def _escape(pattern: Pattern, p: Node, g: Node, inside: set[Node]) -> Escape:

@@ -109,13 +109,15 @@ def is_sentinel(v: Any, program: dict) -> int | None:
     return None
 
 
-def program_graph(program: dict, device: torch.device | str) -> torch.fx.GraphModule:
+def program_graph(program: dict, device: torch.device | str, views: list | None = None) -> torch.fx.GraphModule:
     """The program as an aten FX graph (fake tensors, no data), decomposed as a capture would be.
 
     Placeholders are one flat storage per tensor input, in input order (wrapped scalars are baked in
     as sentinels); each input is an `as_strided` view of its storage at the program's layout and
     offset, and every read is a view relative to that, so reads below the input's own offset work.
-    The graph returns the program's outputs in order.
+    The graph returns the program's outputs in order. `views`, when given, gets the recorded read (the
+    program's ref dict) of each `as_strided` a read adds, in the graph's order (a read that is its tensor's own
+    layout adds none).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -128,7 +130,13 @@ def program_graph(program: dict, device: torch.device | str) -> torch.fx.GraphMo
         for k, b in zip(tensor_idx, bases):
             s = specs[k]
             vals[k] = b.as_strided(s["shape"], s["strides"], s.get("storage_offset", 0))
-        return run_program(program, vals)
+
+        def view(t, base_spec, ref):
+            out = strided_view(t, base_spec, ref)
+            if views is not None and out is not t:
+                views.append(ref)
+            return out
+        return run_program(program, vals, view)
 
     with FakeTensorMode():
         bases = [torch.empty(storage_numel(program, k), dtype=torch_dtype(specs[k]["dtype"]), device=device)

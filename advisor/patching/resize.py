@@ -1,23 +1,31 @@
-"""A pattern at sizes never profiled: its program with the leading sizes (batch, sequence, rows) rebound.
+"""A pattern at sizes never profiled: its program rewritten at the sizes a captured graph holds.
 
 A generated row or pointwise kernel reads every size from its tensors (validation runs it at the recorded
 sizes, at odd ones and at all ones), so the kernel made for 4 x 1024 rows serves 1 x 37 rows, or a decode
 step's 4 x 1 rows. What ties a pattern to the profiled shapes is the match: a program records its tensors'
-shapes, strides and offsets. So a capture at new shapes looks for the pattern with those sizes free
-(`match.find(..., sizes=free_sizes(program))`: every recorded size that is free maps to one size of the
-graph, consistently), rewrites the program through that mapping (`rebind`) and matches the rewritten program
-exactly, as any other: the exact match, not the loose one, decides what is substituted.
+shapes, strides and offsets. So where a capture at new shapes holds no exact match, the pattern is looked for
+loosely (`match.find(..., loose=True)`: ops, arguments, dataflow, ranks and dtypes, no sizes), the program is
+rewritten with the layouts the graph holds at the places the loose match found (`rebind`), and the rewritten
+program is matched exactly, as any other: the exact match, not the loose one, decides what is substituted.
+Layouts are taken from the graph place by place, not mapped size by size: a size the program recorded in two
+roles (batch 4 beside 4 KV heads, or beside half a head dim of 4) takes each role's new value.
 
-Free: sizes of a tensor's leading dims, strides and offsets (products of sizes); never a last dim (the row a
-row kernel walks, a hidden size), never 0 or 1 (broadcasting). Only programs whose every op the generator
-lowers with sizes as arguments (`ops.lowering.serves_any_rows`): no GroupNorm (its channels per group are
-fixed in the kernel), no max-pool window, no matmul, convolution or attention (their kernels are tuned per shape).
+Only programs whose every op the generator lowers with sizes as arguments (`ops.lowering.serves_any_rows`),
+and only where each row keeps its length (the last dim of every input as recorded): no GroupNorm (its
+channels per group are fixed in the kernel), no max-pool window, no matmul, convolution or attention (their
+kernels are tuned per shape).
 """
 from __future__ import annotations
 
 import copy
 
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from advisor.graph.dtypes import torch_dtype
 from advisor.ops.lowering import serves_any_rows
+from advisor.patching.match import Match, Pattern, layout
+from advisor.patching.program import is_scalar_slot, run_program, strided_view
 
 
 def resizable(program: dict) -> bool:
@@ -26,53 +34,64 @@ def resizable(program: dict) -> bool:
     return bool(nodes) and all(serves_any_rows(n["op"]) for n in nodes)
 
 
-def free_sizes(program: dict) -> frozenset[int]:
-    """The recorded sizes a match may rebind (see the module's doc)."""
-    fixed, free = {0, 1}, set()
-    for layout in _layouts(program):
-        shape = layout.get("shape") or []
-        if shape:
-            fixed.add(shape[-1])
-            free.update(shape[:-1])
-        free.update(layout.get("strides") or [])
-        free.add(layout.get("storage_offset", 0))
-    return frozenset(free - fixed)
-
-
-def rebind(program: dict, sizes: dict[int, int]) -> dict:
-    """The program with every recorded size, stride and offset mapped through `sizes` (unmapped: as recorded)."""
+def rebind(program: dict, pattern: Pattern, m: Match) -> dict | None:
+    """The program with the layouts of the graph `m` (a loose match of `pattern`) found: each input's and each
+    read view's from the graph's read at that place, each read of a tensor's own layout from that tensor at the
+    new sizes. None where the graph does not say (an input read only through views of parts of it) or a row
+    would change its length."""
+    if not pattern.input_views and not pattern.read_views:
+        return None
     out = copy.deepcopy(program)
-    for layout in _layouts(out):
-        shape, strides = layout.get("shape"), layout.get("strides")
-        if shape is not None:
-            layout["shape"] = [sizes.get(v, v) for v in shape]
-        if strides is not None:  # a dense layout stays dense (its strides follow from the sizes, bound or not)
-            dense = shape is not None and _same_strides(shape, strides, _dense(shape))
-            layout["strides"] = _dense(layout["shape"]) if dense else [sizes.get(v, v) for v in strides]
-        if "storage_offset" in layout:
-            layout["storage_offset"] = sizes.get(layout["storage_offset"], layout["storage_offset"])
+    for k, spec in enumerate(out["inputs"]):
+        if is_scalar_slot(spec):
+            continue
+        found = m.views.get(pattern.input_views.get(k))
+        lay = layout(found) if found is not None else None
+        if lay is None or (spec["shape"] and (not lay[0] or lay[0][-1] != spec["shape"][-1])):
+            return None
+        spec["shape"], spec["strides"], spec["storage_offset"] = list(lay[0]), list(lay[1]), lay[2]
+    views = {}
+    for node, (i, j, k) in pattern.read_views.items():
+        found = m.views.get(node)
+        lay = layout(found) if found is not None else None
+        if lay is None:
+            return None
+        arg = out["nodes"][i]["args"][j]
+        views[id(arg if k is None else arg["list"][k])] = lay
+    try:
+        with unset_fake_temporarily():  # (a capture's backend runs under dynamo's fake mode: meta tensors here)
+            _follow_own_layouts(out, views)
+    except Exception:  # noqa: BLE001  (the ops refuse these sizes: no program at them)
+        return None
     return out
 
 
-def _dense(shape: list) -> list:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(n, 1)
-    return out[::-1]
+def _follow_own_layouts(program: dict, views: dict) -> None:
+    """Run the program on meta tensors at its new input layouts: a read the graph gave a layout (`views`, by the
+    read's id) takes it; a read of its tensor's own layout takes that tensor's at the new sizes; node outputs
+    are recorded as computed."""
+    inputs = []
+    for spec in program["inputs"]:
+        if is_scalar_slot(spec):
+            inputs.append(1.0 if spec["dtype"] == "float64" else 1)  # a wrapped number: its value changes no layout
+            continue
+        need = spec.get("storage_offset", 0) + _extent(spec["shape"], spec["strides"])
+        base = torch.empty(max(need, 1), dtype=torch_dtype(spec["dtype"]), device="meta")
+        inputs.append(base.as_strided(spec["shape"], spec["strides"], spec.get("storage_offset", 0)))
+
+    def view(t, base_spec, ref):
+        lay = views.get(id(ref))
+        if lay is None:  # the read of its tensor as it is
+            ref["shape"], ref["strides"] = list(t.shape), list(t.stride())
+            ref["storage_offset"] = base_spec.get("storage_offset", 0)
+            return t
+        ref["shape"], ref["strides"], ref["storage_offset"] = list(lay[0]), list(lay[1]), lay[2]
+        return strided_view(t, base_spec, ref)
+
+    run_program(program, inputs, view)
 
 
-def _same_strides(shape, a, b) -> bool:
-    return len(a) == len(b) and all(n <= 1 or x == y for n, x, y in zip(shape, a, b))
-
-
-def _layouts(program: dict):
-    """Every tensor layout the program records: inputs, each read of a node, each node output."""
-    yield from program.get("inputs") or []
-    for node in program.get("nodes") or []:
-        for a in node.get("args") or []:
-            if isinstance(a, dict) and "ref" in a:
-                yield a
-            elif isinstance(a, dict) and isinstance(a.get("list"), list):  # cat's tensors
-                yield from (r for r in a["list"] if isinstance(r, dict) and "ref" in r)
-        yield from node.get("outputs") or []
+def _extent(shape, strides) -> int:
+    if any(d == 0 for d in shape):
+        return 0
+    return 1 + sum((d - 1) * abs(s) for d, s in zip(shape, strides))
