@@ -11,7 +11,8 @@ Layouts are taken from the graph place by place, not mapped size by size: a size
 roles (batch 4 beside 4 KV heads, or beside half a head dim of 4) takes each role's new value.
 
 Only programs whose every op the generator lowers with sizes as arguments (`ops.lowering.serves_any_rows`),
-and only where each row keeps its length (the last dim of every input as recorded): no GroupNorm (its
+and only where each row keeps its length and each broadcast stays one (the last dim of every input and read as
+recorded, every dim of size 1 still 1: the kernel's index math holds them): no GroupNorm (its
 channels per group are fixed in the kernel), no max-pool window, no matmul, convolution or attention (their
 kernels are tuned per shape).
 """
@@ -47,16 +48,16 @@ def rebind(program: dict, pattern: Pattern, m: Match) -> dict | None:
             continue
         found = m.views.get(pattern.input_views.get(k))
         lay = layout(found) if found is not None else None
-        if lay is None or (spec["shape"] and (not lay[0] or lay[0][-1] != spec["shape"][-1])):
+        if lay is None or not _same_structure(spec["shape"], lay[0]):
             return None
         spec["shape"], spec["strides"], spec["storage_offset"] = list(lay[0]), list(lay[1]), lay[2]
     views = {}
     for node, (i, j, k) in pattern.read_views.items():
         found = m.views.get(node)
         lay = layout(found) if found is not None else None
-        if lay is None:
-            return None
         arg = out["nodes"][i]["args"][j]
+        if lay is None or not _same_structure((arg if k is None else arg["list"][k])["shape"], lay[0]):
+            return None
         views[id(arg if k is None else arg["list"][k])] = lay
     try:
         with unset_fake_temporarily():  # (a capture's backend runs under dynamo's fake mode: meta tensors here)
@@ -64,6 +65,13 @@ def rebind(program: dict, pattern: Pattern, m: Match) -> dict | None:
     except Exception:  # noqa: BLE001  (the ops refuse these sizes: no program at them)
         return None
     return out
+
+
+def _same_structure(recorded, found) -> bool:
+    """The kernel's view of a tensor is kept: the same rank, each row's length (the last dim), and every dim of
+    size 1 still 1 (a broadcast the kernel was generated for: a rotary table shared by the batch)."""
+    return len(recorded) == len(found) and (not recorded or recorded[-1] == found[-1]) and \
+        all(n != 1 or f == 1 for n, f in zip(recorded, found))
 
 
 def _follow_own_layouts(program: dict, views: dict) -> None:
