@@ -59,6 +59,7 @@ def child(name: str, result: Path, iters: int) -> int:
         t = interleaved({"eager": loop(untouched), "advisor": loop(model), "compile": loop(compiled)}, "cuda",
                         iters=iters, rounds=5, warmup_s=1.0)
         row["timing"] = t
+        row["graphs"] = _graph_states(report.handle)
         row["speedup"] = {k: round(t["eager"]["median_ms"] / t[k]["median_ms"], 3) for k in ("advisor", "compile")}
         res["shapes"][f"{shape[0]}x{shape[1]}"] = row
         print(f"{name} {shape}: advisor {row['speedup']['advisor']:.2f}x, compile {row['speedup']['compile']:.2f}x, "
@@ -66,6 +67,19 @@ def child(name: str, result: Path, iters: int) -> int:
     res["fallbacks"] = report.handle.fallbacks()
     result.write_text(json.dumps(res, indent=1, default=str))
     return 0
+
+
+def _graph_states(handle) -> dict:
+    """Per patched forward: its captured functions' recordings, failures and calls run op by op (and why)."""
+    out = {}
+    for q, f in handle.forwards.items():
+        backend = f._backend
+        graphs = list(getattr(backend, "inference_graphs", ()))
+        out[q or "model"] = {"on": f.on(), "captures": getattr(backend, "captures", None),
+                             "recordings": sum(len(g.recordings) for g in graphs),
+                             "failed": [g.failed for g in graphs if g.failed],
+                             "op_by_op": [dict(g.not_replayed) for g in graphs if g.not_replayed]}
+    return out
 
 
 def main(argv=None) -> int:
