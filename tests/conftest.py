@@ -48,6 +48,14 @@ def keep_traced_masks(monkeypatch):
     pattern only the whole stack fuses is HF's packed-sequence check (cat, sub, ne, cumsum over the positions),
     which feeds the causal mask HF builds while dynamo traces, and is folded away with it: tests of selection's
     bookkeeping for such patterns keep it, to have one to mark."""
+    import weakref
+
     from advisor.patching import capture
 
     monkeypatch.setattr(capture, "fold_causal_masks", lambda gm: 0)
+    # Graphs compiled with the masks folded are not served here, nor these after it: captures of one plan and
+    # code share a graph (`capture._SHARED`) while any of them is alive, and a model's earlier capture can
+    # outlive its last use until the cycle collector's next full run (dynamo's tracing leaves cycles, an
+    # AttributeError's traceback among them, whose frames reach the patched forward that compiled); after
+    # several test modules that run came later, and the whole stack ran the folded graph.
+    monkeypatch.setattr(capture, "_SHARED", weakref.WeakValueDictionary())

@@ -468,9 +468,6 @@ def test_select_keeps_only_patterns_that_save_time_alone(optimized_llama, monkey
     assert _enabled(w.model) == "unpatched"
 
 
-@pytest.mark.xfail(strict=False, reason="passes alone, in its module and after any one of the modules before it, but "
-                   "fails after several of them in one process (the outer capture then does not launch the pattern only "
-                   "it holds): some in-process state accumulating across models, not found yet; dynamo's caches are not it")
 def test_select_marks_the_patterns_only_the_whole_stack_fuses_patched_when_it_is_chosen(optimized_llama, monkeypatch,
                                                                                        keep_traced_masks):
     """The suite selects as optimize does: when the whole stack measures fastest, the patterns only its outer
