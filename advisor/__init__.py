@@ -11,11 +11,7 @@ called, so that `import advisor` stays cheap (no pandas, dynamo or triton until 
 
 from advisor.version import __version__  # noqa: F401
 
-from advisor.interpreter import use_interpreter_without_gpu as _use_interpreter
-
-_use_interpreter()  # before anything imports triton: see advisor.interpreter
-
-from advisor.collect.region import region  # noqa: E402,F401
+from advisor.collect.region import region  # noqa: F401
 
 
 def analyze(path, et=None):

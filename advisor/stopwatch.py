@@ -84,6 +84,6 @@ def time_call(fn: Callable[[], object], device: str, warmup: int = WARMUP, iters
 
 def timing_meaningful(device: str) -> bool:
     """Only GPU timings of compiled Triton kernels say anything about fusion."""
-    import os
+    from advisor.interpreter import forced
 
-    return device == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return device == "cuda" and not forced()

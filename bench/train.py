@@ -328,7 +328,7 @@ def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: 
           rounds: int = 1) -> int:
     """Each mode's steps; with rounds > 1 the modes of INTERLEAVED are built side by side and timed in
     `rounds` interleaved rounds (drift over the run hits all alike), the others after them one by one."""
-    import advisor  # noqa: F401  (first: without a GPU it sets TRITON_INTERPRET before transformers imports triton)
+    import advisor  # noqa: F401
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--train-fused", choices=["on", "off"], default="on", help="the patched model's train_fused")
     a = p.parse_args(argv)
-    import advisor  # noqa: F401 (first: sets TRITON_INTERPRET without a GPU)
+    import advisor  # noqa: F401
     import torch
 
     from train import Mode, _loss

@@ -116,8 +116,8 @@ ATTENTION_CONFIG = '''
 CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2), (128, 32, 4, 2)]
 
 
-def _config(key, launch, tune):
-    if _INTERPRET:
+def _config(key, launch, tune, interpreted):
+    if interpreted:
         return (_small(key[0]), _small(key[1]), 4, 1)
     return _tuned(key, launch, tune, CONFIGS, CONFIGS[0])
 '''
@@ -231,7 +231,7 @@ def attention_source(ctx: Anchored) -> str:
               f"    BATCH = {product_expr(p, qk.lead[:nb])}  # batch x heads: one grid row each",
               "    args = (" + _wrap(call + ["LQ", "LK", "D", "DV"], ", ", 12, first=12) + ")",
               f"    big = _int64_needed({tensors_expr(p)})",
-              f"    precision, upcast = _dot_precision({qk.a.src}.dtype), _upcast({qk.a.src}.dtype)",
+              f"    precision, upcast = _dot_precision({qk.a.src}.dtype), _upcast({qk.a.src})",
               "    BLOCK_D, BLOCK_DV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))",
               "",
               "    def launch(cfg):",
@@ -241,7 +241,7 @@ def attention_source(ctx: Anchored) -> str:
               "            DOT_PRECISION=precision, UPCAST=upcast, BIG_INDEX=big, num_warps=num_warps, num_stages=num_stages)",
               "",
               "    if LQ and BATCH:",
-              f"        launch(_config((LQ, LK, D, {qk.a.src}.dtype), launch, tune=True))"]
+              f"        launch(_config((LQ, LK, D, {qk.a.src}.dtype), launch, True, _interpreted({qk.a.src})))"]
     return assemble(plan, kernel, launch, TUNE_TEXT + ATTENTION_CONFIG, sdpa_source(p, parts))
 
 

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from advisor.codegen.helpers import reduce_helpers_in_numpy
-from advisor.interpreter import round_like_the_gpu
+from advisor.interpreter import interpret_module_on_cpu, round_like_the_gpu
 from advisor.jsonio import atomic_write  # noqa: F401  (the cache writes through it; tests import it from here)
 
 
@@ -73,8 +73,9 @@ def fetch_or_write(key: str, make, use_cache: bool = True) -> tuple[str, bool, P
 
 
 def load_module(path: Path, name: str | None = None):
-    """Import a generated module from its file (Triton's JIT needs the source on disk)."""
-    round_like_the_gpu()  # without a GPU its kernels run in the interpreter: bf16 stores as on the GPU
+    """Import a generated module from its file (Triton's JIT needs the source on disk). Its kernels launched on
+    CPU tensors run in Triton's interpreter (`advisor.interpreter.interpret_on_cpu`), on GPU tensors compiled."""
+    round_like_the_gpu()  # in the interpreter: bf16 stores as on the GPU
     reduce_helpers_in_numpy()  # ... and their tl.reduce helpers fold in numpy, not one element per Python call
     path = Path(path)
     name = name or f"fusion_advisor_kernel_{path.stem}"
@@ -82,4 +83,5 @@ def load_module(path: Path, name: str | None = None):
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
+    interpret_module_on_cpu(mod)
     return mod

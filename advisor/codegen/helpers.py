@@ -195,8 +195,8 @@ def reduce_helpers_in_numpy() -> None:
     step a Python call of the helper on two scalars: a 64 x 64 tile's column max took 0.8 s, and SPLADE's
     matmul + amax kernel (256 such tiles per validation case) 190 s of a CI run. The ufunc's reduce is the
     same fold, NaN propagating as before; the GPU still runs the helper. A function is taken for one of
-    ours only when its source is the one written here; any other keeps the interpreter's own path. A
-    no-op when not interpreting."""
+    ours only when its source is the one written here; any other keeps the interpreter's own path.
+    Applied before the first interpreted launch (`advisor.interpreter.patch_interpreter`)."""
     patch_interpreter("ReduceOps", "apply_impl", "helpers_in_numpy", _numpy_folds)
 
 

@@ -616,9 +616,14 @@ def assemble(plan: Plan, kernels: str, launch: list, config: str, extra: str = "
 
 TUNE_TEXT = '''
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TUNE = os.environ.get("FUSION_ADVISOR_TUNE", "1") != "0"  # time the configs on the first call at a shape
 _best = {}
+
+
+def _interpreted(x):
+    """Whether a launch on x runs in Triton's interpreter: on the CPU (fusion-advisor's loader makes these kernels
+    run there on CPU tensors), or everywhere where TRITON_INTERPRET=1 was set."""
+    return x.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _small(x):
@@ -651,11 +656,11 @@ def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
 
 
-def _upcast(dtype):
-    """bf16 under the interpreter, whose bf16 tl.dot is wrong and whose fp32 -> bf16 conversion truncates
+def _upcast(x):
+    """x is bf16 under the interpreter, whose bf16 tl.dot is wrong and whose fp32 -> bf16 conversion truncates
     (triton 3.9): the kernels then upcast the operands (bf16 -> fp32 is exact, so the products are the
     GPU's) and round what they convert to bf16 to nearest even themselves."""
-    return _INTERPRET and dtype == torch.bfloat16
+    return x.dtype == torch.bfloat16 and _interpreted(x)
 '''
 
 MATMUL_CONFIG = '''
@@ -664,9 +669,9 @@ CONFIGS = [(128, 256, 64, 8, 8, 3), (256, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8
            (128, 128, 32, 8, 4, 4), (64, 128, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4), (64, 64, 64, 8, 4, 3)]
 
 
-def _config(key, launch, tune):
+def _config(key, launch, tune, interpreted):
     """The launch configuration at key = (M, N, K, dtype): one small tile under the interpreter."""
-    if _INTERPRET:
+    if interpreted:
         return (_small(key[0]), _small(key[1]), _small(key[2]), 1, 4, 1)
     return _tuned(key, launch, tune, CONFIGS, CONFIGS[2])
 '''
@@ -805,7 +810,7 @@ def matmul_launch(p: Program, anc: Anchor, name: str, call: list, grid_dims: lis
                                                                          "the dims B varies along"),
              "    args = (" + _wrap(call + ["M", "N", "K"], ", ", 12, first=12) + ")",
              f"    big = _int64_needed({tensors_expr(p)})",
-             f"    precision, upcast = _dot_precision({a_in}.dtype), _upcast({a_in}.dtype)"]
+             f"    precision, upcast = _dot_precision({a_in}.dtype), _upcast({a_in})"]
     if reduce_grid:
         lines += ["",
                   "    def launch(cfg):",
@@ -815,7 +820,7 @@ def matmul_launch(p: Program, anc: Anchor, name: str, call: list, grid_dims: lis
                   "            UPCAST=upcast, BIG_INDEX=big, num_warps=num_warps, num_stages=num_stages)",
                   "",
                   "    if N and BATCH:",
-                  f"        launch(_config((M, N, K, {a_in}.dtype), launch, tune={tune}))"]
+                  f"        launch(_config((M, N, K, {a_in}.dtype), launch, {tune}, _interpreted({a_in})))"]
     else:
         lines += ["",
                   "    def launch(cfg):",
@@ -826,5 +831,5 @@ def matmul_launch(p: Program, anc: Anchor, name: str, call: list, grid_dims: lis
                   "            num_stages=num_stages)",
                   "",
                   "    if M and N and BATCH:",
-                  f"        launch(_config((M, N, K, {a_in}.dtype), launch, tune={tune}))"]
+                  f"        launch(_config((M, N, K, {a_in}.dtype), launch, {tune}, _interpreted({a_in})))"]
     return lines

@@ -29,9 +29,9 @@ CONFIGS = [(64, 128, 64, 1, 4, 3), (128, 128, 64, 1, 8, 3), (64, 256, 64, 1, 8, 
            (64, 64, 64, 1, 4, 3), (32, 128, 64, 1, 4, 4)]
 
 
-def _config(key, launch, tune):
+def _config(key, launch, tune, interpreted):
     """The launch configuration at key = (M, N, K, dtype): one small tile under the interpreter."""
-    if _INTERPRET:
+    if interpreted:
         return (_small(key[0]), _small(key[1]), _small(key[2]), 1, 4, 1)
     return _tuned(key, launch, tune, CONFIGS, CONFIGS[0])
 '''

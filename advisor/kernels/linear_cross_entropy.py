@@ -36,7 +36,6 @@ import copy
 import dataclasses
 import functools
 import inspect
-import os
 import warnings
 import weakref
 from collections import OrderedDict
@@ -46,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from advisor.interpreter import interpret_on_cpu, runs_interpreted
+
 
 
 @triton.jit
@@ -77,9 +77,12 @@ def _loss_and_grad_kernel(LOGITS, stride_row, LABELS, LOSS, SCALE, V, ignore_ind
         tl.store(ptr + rv, g.to(LOGITS.dtype.element_ty), mask=rv < V)
 
 
-def loss_config(V: int) -> dict:
+interpret_on_cpu(_loss_and_grad_kernel)  # launched on CPU tensors: in Triton's interpreter
+
+
+def loss_config(V: int, interpreted: bool = False) -> dict:
     """One row per program, BLOCK_V columns a step: 4096 fp32 per step (16 per thread at 8 warps)."""
-    if _INTERPRET:
+    if interpreted:
         return dict(BLOCK_V=min(64, triton.next_power_of_2(V)), num_warps=4)
     return dict(BLOCK_V=min(4096, triton.next_power_of_2(V)), num_warps=8 if V >= 4096 else 4)
 
@@ -123,7 +126,7 @@ def linear_cross_entropy_forward(hidden, weight, bias, labels, ignore_index: int
     dweight = torch.zeros(V, D, dtype=weight.dtype, device=dev) if grads[1] else None
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if grads[2] and bias is not None else None
     C = chunk_rows(N, V, D)
-    cfg = loss_config(V)
+    cfg = loss_config(V, runs_interpreted(dev))
     labels = labels.contiguous()
     # An unaligned vocabulary (GPT-2's 50257) is padded with zero rows of the weight to 16 bytes: cuBLAS's kernels
     # for unaligned sizes are several times slower (H100, GPT-2's head: 22 ms forward + backward in chunks, eager

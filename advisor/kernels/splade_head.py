@@ -41,13 +41,13 @@ out NaN (as amax), and its gradient is undefined either way.
 """
 from __future__ import annotations
 
-import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from advisor.interpreter import interpret_module_on_cpu, runs_interpreted
 
 
 # ------------------------------------------------------------------------------------------ forward
@@ -203,28 +203,28 @@ def _small(n: int, least: int = 16, most: int = 32) -> int:
     return max(least, min(most, triton.next_power_of_2(n)))
 
 
-def forward_config(L: int, V: int, D: int) -> dict:
+def forward_config(L: int, V: int, D: int, interpreted: bool = False) -> dict:
     """Tiles of the forward. The fp32 BLOCK_L x BLOCK_V accumulator and the chain's values on it live in
     registers: 64 x 128 with 8 warps keeps 32 fp32 of each per thread; BLOCK_D 64 bf16 keeps the two
     operand tiles at 8 + 16 KB per stage."""
-    if _INTERPRET:
+    if interpreted:
         return dict(BLOCK_L=_small(L), BLOCK_V=_small(V), BLOCK_D=_small(D), num_warps=4, num_stages=1)
     return dict(BLOCK_L=64, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=3)
 
 
-def dweight_config(V: int, D: int) -> dict:
+def dweight_config(V: int, D: int, interpreted: bool = False) -> dict:
     """A gather and multiply-add per batch row, no tensor cores: 64 columns x 128 features per program
     (fp32 accumulator: 32 per thread at 8 warps), each gathered hidden row slice 256 contiguous bytes."""
-    if _INTERPRET:
+    if interpreted:
         return dict(BLOCK_V=_small(V), BLOCK_D=_small(D), num_warps=4, num_stages=1)
     return dict(BLOCK_V=64, BLOCK_D=128, num_warps=8, num_stages=2)
 
 
-def dhidden_config(L: int, V: int, D: int) -> dict:
+def dhidden_config(L: int, V: int, D: int, interpreted: bool = False) -> dict:
     """A matmul whose left operand is built in registers: a 64 x 128 output tile (fp32 accumulator), weight
     rows read 64 at a time. Bucketed (only the columns whose winner falls in the tile) wherever the sequence
     spans more than one tile: the sort costs one B x V int32 sort, the dense walk L / BLOCK_L times the work."""
-    if _INTERPRET:  # 16-row tiles: a sequence of 17 or more is bucketed there too
+    if interpreted:  # 16-row tiles: a sequence of 17 or more is bucketed there too
         cfg = dict(BLOCK_L=_small(L, most=16), BLOCK_V=_small(V), BLOCK_D=_small(D), num_warps=4, num_stages=1)
     else:
         cfg = dict(BLOCK_L=64, BLOCK_V=64, BLOCK_D=128, num_warps=4, num_stages=3)
@@ -236,9 +236,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
 
 
-def _store_dtype(dtype: torch.dtype) -> torch.dtype:
+def _store_dtype(dtype: torch.dtype, interpreted: bool) -> torch.dtype:
     """The interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): store fp32 there, round in torch."""
-    return torch.float32 if _INTERPRET and dtype == torch.bfloat16 else dtype
+    return torch.float32 if interpreted and dtype == torch.bfloat16 else dtype
 
 
 # ------------------------------------------------------------------------------------------ launchers
@@ -256,15 +256,16 @@ def splade_head_forward(hidden, weight, bias, mask) -> tuple[torch.Tensor, torch
     if max(hidden.numel(), weight.numel(), B * V) >= 2**31:
         raise ValueError("the SPLADE head kernels index with 32-bit offsets: a tensor of 2**31 elements or more")
     mask = _mask_2d(mask, B, L)
-    out = torch.empty(B, V, dtype=_store_dtype(hidden.dtype), device=hidden.device)
+    interp = runs_interpreted(hidden.device)  # the kernels launched on CPU tensors run in Triton's interpreter
+    out = torch.empty(B, V, dtype=_store_dtype(hidden.dtype, interp), device=hidden.device)
     winner = torch.empty(B, V, dtype=torch.int32, device=hidden.device)
     slope = torch.empty(B, V, dtype=torch.float32, device=hidden.device)
-    cfg = forward_config(L, V, D)
+    cfg = forward_config(L, V, D, interp)
     grid = (B, triton.cdiv(V, cfg["BLOCK_V"]))
     _forward_kernel[grid](hidden, weight, bias if bias is not None else out, mask, out, winner, slope,
                           L, V, D, *hidden.stride(), *weight.stride(), *mask.stride(),
                           HAS_BIAS=bias is not None, DOT_PRECISION=_dot_precision(hidden.dtype),
-                          UPCAST=_INTERPRET and hidden.dtype == torch.bfloat16, **cfg)
+                          UPCAST=interp and hidden.dtype == torch.bfloat16, **cfg)
     return out.to(hidden.dtype), winner, slope
 
 
@@ -273,17 +274,18 @@ def splade_head_backward(grad_out, hidden, weight, winner, slope, needs: tuple) 
     B, L, D = hidden.shape
     V = weight.shape[0]
     dh = dw = db = None
+    interp = runs_interpreted(hidden.device)
     if needs[1] or needs[2]:
-        dw = torch.empty(V, D, dtype=_store_dtype(weight.dtype), device=weight.device)
+        dw = torch.empty(V, D, dtype=_store_dtype(weight.dtype, interp), device=weight.device)
         db = torch.empty(V, dtype=torch.float32, device=weight.device) if needs[2] else None
-        cfg = dweight_config(V, D)
+        cfg = dweight_config(V, D, interp)
         grid = (triton.cdiv(V, cfg["BLOCK_V"]), triton.cdiv(D, cfg["BLOCK_D"]))
         _dweight_kernel[grid](hidden, grad_out, winner, slope, dw, db if db is not None else dw, B, V, D,
                               *hidden.stride(), *grad_out.stride(), HAS_DBIAS=db is not None, **cfg)
         dw = dw.to(weight.dtype) if needs[1] else None
     if needs[0]:
-        dh = torch.empty(B, L, D, dtype=_store_dtype(hidden.dtype), device=hidden.device)
-        cfg = dict(dhidden_config(L, V, D))
+        dh = torch.empty(B, L, D, dtype=_store_dtype(hidden.dtype, interp), device=hidden.device)
+        cfg = dict(dhidden_config(L, V, D, interp))
         bucketed = cfg.pop("BUCKETED")
         n_l_blocks = triton.cdiv(L, cfg["BLOCK_L"])
         order = bounds = winner  # (unread unless bucketed)
@@ -300,7 +302,7 @@ def splade_head_backward(grad_out, hidden, weight, winner, slope, needs: tuple) 
         _dhidden_kernel[grid](weight, grad_out, winner, slope, dh, order, bounds, L, V, D, n_l_blocks,
                               *weight.stride(), *grad_out.stride(), BUCKETED=bucketed,
                               DOT_PRECISION=_dot_precision(weight.dtype),
-                              UPCAST=_INTERPRET and weight.dtype == torch.bfloat16, **cfg)
+                              UPCAST=interp and weight.dtype == torch.bfloat16, **cfg)
         dh = dh.to(hidden.dtype)
     return dh, dw, db
 
@@ -333,3 +335,6 @@ def splade_head_reference(hidden, weight, bias, mask):
     mask = _mask_2d(mask, hidden.shape[0], hidden.shape[1])
     logits = torch.nn.functional.linear(hidden, weight, bias)
     return torch.amax(torch.log1p(torch.relu(logits)) * mask.unsqueeze(-1), dim=1)
+
+
+interpret_module_on_cpu(sys.modules[__name__])  # launched on CPU tensors: in Triton's interpreter

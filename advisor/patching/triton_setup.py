@@ -13,17 +13,18 @@ ours, reports/cold-start-session26); `wait`, called before a recording's first l
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
+
+from advisor.interpreter import forced
 
 _THREAD: list = []  # the thread setting Triton up, once a process
 
 
 def start() -> None:
     """Start setting Triton up in a thread (once a process; not under the interpreter or without a GPU)."""
-    if _THREAD or os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+    if _THREAD or forced() or not torch.cuda.is_available():
         return
     _THREAD.append(threading.Thread(target=_set_up, name="fusion-advisor-triton-setup", daemon=True))
     _THREAD[0].start()

@@ -3,18 +3,17 @@
 For each case (`shapes.cases`: recorded, odd sizes, all ones) it draws fresh inputs, runs the
 program through PyTorch in float64 and in the native dtypes, runs the kernel on copies of the
 inputs into NaN-poisoned outputs, and compares (`compare`). Without a GPU the kernel runs in
-Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is first imported).
+Triton's interpreter (chosen per launch from the tensors' device: `advisor.interpreter`).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from advisor.interpreter import interpreter_problem
+from advisor.interpreter import forced
 from advisor.stopwatch import Stopwatch
 from advisor.validate.compare import TOLERANCES, compare, poison
 from advisor.validate import launchers
@@ -27,7 +26,9 @@ __all__ = ["validate", "Validation", "TOLERANCES", "interpreted", "compile_jobs"
 
 
 def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
+    """Whether kernels are validated on the CPU, in Triton's interpreter: without a GPU, or where the user set
+    TRITON_INTERPRET=1 (each launch on CPU tensors is interpreted: `advisor.interpreter`)."""
+    return forced() or not torch.cuda.is_available()
 
 
 @dataclass
@@ -51,8 +52,6 @@ def validate(gen, module, seed: int = 0, memo: bool | None = None, compile_at_on
     process that has nothing else to do meanwhile (a compile worker): their Python front end takes the GIL
     from whatever else this process runs."""
     interp = interpreted()
-    if interp and (problem := interpreter_problem()):
-        return Validation(False, problem)
     use_memo = (not interp) if memo is None else memo
     key = memo_key(gen, module, seed, interp) if use_memo else None
     if key and (hit := recall(key)):

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from advisor.codegen.cache import cache_dir
 from advisor.errors import AdvisorError, not_writable
+from advisor.interpreter import forced
 from advisor.jsonio import like_a_new_file
 from advisor.workflows.plan_cache import FILES, copy_plan
 
@@ -56,7 +57,7 @@ def environment() -> dict:
 
     from advisor.version import __version__
 
-    gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    gpu = torch.cuda.is_available() and not forced()
     return {"format": FORMAT, "advisor": __version__, "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(),
             "gpu": torch.cuda.get_device_name() if gpu else None,

@@ -29,7 +29,6 @@ from advisor.analysis.api import analyze
 from advisor.collect.in_process import profile_calls
 from advisor.errors import AdvisorError, exception_details, exception_reason
 from advisor.example_inputs import snapshot
-from advisor.interpreter import interpreter_problem, use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
 from advisor.patching import decode as decode_setup
@@ -136,7 +135,6 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
     if isinstance(train_memory, bool) or not isinstance(train_memory, (int, float)) or not 0 <= train_memory <= 1:
         raise AdvisorError(f"train_memory is the extra peak memory fused training may take, as a fraction from 0 to "
                            f"1 (0.05: 5%); got {train_memory!r}")
-    use_interpreter_without_gpu()
     model = under_compile(model)  # a torch.compile wrapper: the module it calls is optimised, the wrapper keeps working
     args, kwargs = split_inputs(example_inputs)
     if any(isinstance(t, torch.Tensor) and t.is_nested for t in tree_leaves((args, kwargs))):
@@ -159,9 +157,6 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
 def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity, reuse, select,
               interpret, train, modes, train_memory: float = 0.0, decode: bool = False) -> OptimizeReport:
     device = _device_of(model, args, kwargs)
-    if device != "cuda" and interpret and replacement == "kernel" and (problem := interpreter_problem()):
-        # every kernel would fail its validation for this one reason: said once, before any profiling
-        raise AdvisorError(f"nothing patched: {problem}")
     out_dir = Path(out) if out else scratch_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     phases = Stopwatch()

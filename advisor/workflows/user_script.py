@@ -28,7 +28,6 @@ from advisor.analysis.api import analyze
 from advisor.bench.timing import timing_meaningful
 from advisor.collect.region import observe_regions
 from advisor.collect.runner import profile_script, resolve_device
-from advisor.interpreter import use_interpreter_without_gpu
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
 from advisor.patching import build_plan, occurrence_modules, triton_setup
 from advisor.patching.modules import root_class
@@ -105,7 +104,6 @@ def apply_script(script: Path, args: list, out: Path, top: int | None = 5, devic
                  train: bool = False) -> dict:
     console = console or Console(highlight=False, soft_wrap=True)
     out = Path(out)
-    use_interpreter_without_gpu()
     dev = resolve_device(device)
     if dev == "cuda":  # the kernel workers start (3-4 s on the H100), and Triton is set up, while the script is profiled
         start_soon(warm_worker)

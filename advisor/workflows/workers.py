@@ -22,6 +22,8 @@ import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 
+from advisor.interpreter import forced
+
 ENV = "FUSION_ADVISOR_COMPILE_WORKERS"
 MAX_WORKERS = 8
 _pool: ProcessPoolExecutor | None = None
@@ -85,7 +87,7 @@ def start_soon(warm=None) -> None:
     later waits for it (one lock)."""
     global _let_go
     _let_go = False
-    n = wanted(0, os.environ.get("TRITON_INTERPRET") == "1")  # as advisor.validate.interpreted, before torch
+    n = wanted(0, forced())  # callers start it on a GPU: interpreted only where the user asked for it
     threading.Thread(target=_start_quietly, args=(n, warm), name="fusion-advisor-workers", daemon=True).start()
 
 
