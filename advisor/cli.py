@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from advisor.cli_options import (Device, Granularity, Replacement, calls_option, chosen_schedule, device_option,
-                                 out_option, region_option, schedule_option, top_option)
+                                 nproc_option, out_option, region_option, schedule_option, top_option)
 from advisor.errors import AdvisorError
 from advisor.jsonio import write_json
 from advisor.layout import TRACE_DIR, drop_stale_kernels, locate
@@ -57,15 +57,17 @@ def profile(
     region: Optional[str] = region_option(),
     calls: Optional[int] = calls_option(),
     schedule: Optional[str] = schedule_option(),
+    nproc_per_node: Optional[int] = nproc_option(),
 ):
     """Run SCRIPT under torch.profiler + ExecutionTraceObserver and write a trace directory.
 
-    Writes OUT/trace/kineto.json.gz, et.json.gz and meta.json. Exit codes: the script's own when it
-    fails (sys.exit(N) gives N, an exception 1; the partial trace is written), 2 bad input, 4 the script
-    did no tensor work, 130 interrupted (Ctrl-C; the trace so far is written).
+    Writes OUT/trace/kineto.json.gz, et.json.gz and meta.json (OUT/trace/rank-K/ per rank of a distributed
+    job). Exit codes: the script's own when it fails (sys.exit(N) gives N, an exception 1; the partial trace
+    is written; with --nproc-per-node the first failed rank's), 2 bad input, 4 the script did no tensor work,
+    130 interrupted (Ctrl-C; the trace so far is written).
     """
     _profile(script, list(ctx.args), out, device=device.value, region=region,
-             schedule=chosen_schedule(calls, schedule))
+             schedule=chosen_schedule(calls, schedule), nproc=nproc_per_node)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -78,11 +80,13 @@ def run(
     calls: Optional[int] = calls_option(),
     schedule: Optional[str] = schedule_option(),
     top: int = top_option(),
+    nproc_per_node: Optional[int] = nproc_option(),
 ):
     """Profile SCRIPT, then analyse the trace: `profile` and `analyze` in one go."""
     chosen = chosen_schedule(calls, schedule)
     script, args = _script_or_demo(script, list(ctx.args))
-    _profile(script, args, out, device=device.value, region=region, schedule=chosen, totals=False)
+    _profile(script, args, out, device=device.value, region=region, schedule=chosen, totals=False,
+             nproc=nproc_per_node)
     _report_written(_analyze_and_report(out / TRACE_DIR, out=out, top=top))
 
 
@@ -219,15 +223,23 @@ def _script_or_demo(script: Optional[Path], args: List[str]) -> tuple:
     return script, args
 
 
-def _profile(script: Path, args: List[str], out: Path, **options) -> None:
-    """profile_script, with Ctrl-C turned into exit 130 and a line saying where the partial trace is."""
+def _profile(script: Path, args: List[str], out: Path, nproc: Optional[int] = None, **options) -> None:
+    """profile_script (or, with `nproc`, that many ranks of it under torch.distributed.run), with Ctrl-C turned
+    into exit 130 and a line saying where the partial trace is."""
+    from advisor.collect.distributed import trace_dir_for
+    from advisor.collect.launch import launch
     from advisor.collect.runner import profile_script
+    from advisor.layout import rank_dirs
 
     try:
-        profile_script(script, args, out_dir=out, **options)
+        if nproc is not None:
+            options.pop("totals", None)
+            launch(script, args, out, nproc, **options)
+        else:
+            profile_script(script, args, out_dir=out, **options)
     except KeyboardInterrupt:
-        trace = out / TRACE_DIR
-        saved = (trace / "meta.json").is_file()
+        trace = out / TRACE_DIR if nproc is not None else trace_dir_for(out)[0]
+        saved = bool(rank_dirs(trace)) if nproc is not None else (trace / "meta.json").is_file()
         raise AdvisorError(f"interrupted; the trace recorded so far is in {trace} (complete: false)" if saved
                            else "interrupted before the trace was written", exit_code=130) from None
 
@@ -237,13 +249,22 @@ def _analyze_and_report(trace, et=None, out=None, top: int = 10, console=None) -
     the paths written. OUT defaults to the run directory of TRACE (OUT for OUT/trace, see advisor.layout)."""
     from advisor.analysis.api import analyze as run_analysis
 
+    from advisor.layout import rank_dirs
+
     console = console or Console()
-    with console.status("analysing trace…"):
-        result = run_analysis(trace, et)
     out_dir = Path(out) if out else locate(trace).out
-    paths = {"analysis": result.to_json(out_dir / "analysis.json")}
+    if et is None and rank_dirs(trace):  # a distributed run: each rank analysed, then merged
+        from advisor.analysis.ranks import analyze_ranks
+
+        with console.status(f"analysing {len(rank_dirs(trace))} ranks' traces…"):
+            doc = analyze_ranks(Path(trace), out_dir)
+        paths = {"analysis": write_json(out_dir / "analysis.json", doc)}
+    else:
+        with console.status("analysing trace…"):
+            doc = run_analysis(trace, et).doc
+        paths = {"analysis": write_json(out_dir / "analysis.json", doc)}
     paths.update(render_reports(out_dir, console, top=top))
-    for w in result.doc.get("warnings") or []:
+    for w in doc.get("warnings") or []:
         console.print(f"[yellow]warning:[/] {w}")
     return paths
 

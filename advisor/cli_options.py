@@ -84,3 +84,9 @@ def chosen_schedule(calls: Optional[int], schedule):
     if calls is not None and schedule is not None:
         raise AdvisorError("give --calls or --schedule, not both (--calls N is --schedule 0,1,N-1)")
     return Schedule.first_calls(calls) if calls is not None else schedule
+
+
+def nproc_option():
+    return typer.Option(None, "--nproc-per-node", min=1, help="Run SCRIPT as N ranks of a torch.distributed job "
+                        "on this host (torch.distributed.run, as torchrun does), each profiled: one trace per rank "
+                        "in OUT/trace/rank-K/. Inside a job torchrun started, a plain `profile` writes its rank's.")

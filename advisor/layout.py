@@ -2,6 +2,9 @@
 
     OUT/trace/     what `profile` wrote: kineto.json.gz, et.json.gz, meta.json
     OUT/           what the later stages write: analysis.json, kernels/, apply.json, report.html, report.txt
+
+A torch.distributed job (`profile --nproc-per-node N`, or `profile` inside each rank of a torchrun job) writes one
+trace per rank, OUT/trace/rank-K/, and `analyze` writes each rank's analysis to OUT/rank-K/ beside the merged one.
 """
 from __future__ import annotations
 
@@ -9,6 +12,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TRACE_DIR = "trace"
+RANK_PREFIX = "rank-"
+
+
+def rank_dir(root, rank: int) -> Path:
+    """ROOT/rank-K: a rank's trace folder under OUT/trace, or its analysis folder under OUT."""
+    return Path(root) / f"{RANK_PREFIX}{int(rank)}"
+
+
+def rank_dirs(trace) -> list:
+    """The rank-K trace folders of a distributed run under TRACE (OUT/trace), by rank; [] for one process."""
+    p = Path(trace)
+    if not p.is_dir():
+        return []
+    found = [(int(d.name[len(RANK_PREFIX):]), d) for d in p.iterdir()
+             if d.is_dir() and d.name.startswith(RANK_PREFIX) and d.name[len(RANK_PREFIX):].isdigit()
+             and (d / "meta.json").is_file()]
+    return [d for _, d in sorted(found)]
 
 
 @dataclass(frozen=True)

@@ -74,10 +74,10 @@ CANDIDATE_KEYS = ("pattern_id", "pattern", "title", "kind", "ops", "kernels", "m
                   "kernels_saved", "bytes_unfused", "bytes_fused", "bytes_saved", "est_time_saved_us",
                   "est_cpu_time_saved_us", "measured_time_us", "intermediate_bytes", "confidence", "graph",
                   "program", "variants", "not_generated", "negligible", "id", "rank", "share_of_iteration", "extends",
-                  "phase", "shared")
+                  "phase", "shared", "ranks")
 # written only when they say something (a CPU trace's CPU estimate; why the generator must refuse it; a
-# training step's part other than the forward)
-CANDIDATE_OPTIONAL = ("est_cpu_time_saved_us", "variants", "not_generated", "phase", "shared")
+# training step's part other than the forward; a distributed run's spread over its ranks)
+CANDIDATE_OPTIONAL = ("est_cpu_time_saved_us", "variants", "not_generated", "phase", "shared", "ranks")
 CANDIDATE_TUPLES = ("ops", "kernels", "modules")
 
 
@@ -118,6 +118,9 @@ class Candidate:
     # {candidate id: {"occurrences", "est_time_saved_us"}}: its occurrences whose ops that candidate's also hold
     # (per iteration, with their share of the estimate); absent when none are
     shared: dict | None = None
+    # a distributed run's merged analysis (advisor.analysis.ranks): `seen_on`, `missing_on`, the estimate per rank
+    # (`est_time_saved_us`, keyed by rank) and its `min`, `median`, `max`; absent for one process
+    ranks: dict | None = None
 
     @classmethod
     def from_json(cls, doc: dict) -> "Candidate":

@@ -375,7 +375,8 @@ def test_region_nesting_single_iteration_and_whole_fallback():
     cpu = [{"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 5, "dur": 3, "pid": 1, "tid": 1},
            {"ph": "X", "cat": "cpu_op", "name": "aten::mul", "ts": 50, "dur": 10, "pid": 1, "tid": 1}]
     st = steady.steady_state(cpu)
-    assert st == {"source": "whole", "name": None, "iterations": [[5, 60]], "warmup_dropped": 0, "found": 1}
+    assert st == {"source": "whole", "name": None, "iterations": [[5, 60]], "calls": [1], "warmup_dropped": 0,
+                  "found": 1}
 
 
 def test_run_command_profiles_the_demo_then_analyses(tmp_path):

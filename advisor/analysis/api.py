@@ -262,6 +262,7 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
         "estimate": _estimate_basis(device, gpu),
         "unknown_ops": graph.unknown_ops.assign(count=lambda d: d["count"] / graph.iterations,
                                                 time_us=lambda d: d["time_us"] / graph.iterations).to_dict("records"),
+        **({"communication": comm} if (comm := _communication(graph)) else {}),
         "low_confidence": graph.confidence == "low",
         "warnings": list(graph.warnings),  # e.g. an ET that cannot be joined (issue 8)
         "timeline": _timeline(graph, groups_by_id),
@@ -272,6 +273,20 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
 
 
 # ------------------------------------------------------------------------------------------ pieces
+def _communication(graph: Graph) -> list:
+    """Communication between ranks (class COMMUNICATION, a barrier): `name`, `count` and `time_us` per iteration,
+    most time first; absent from analysis.json when there is none (a one-process trace is unchanged)."""
+    acc: dict = {}
+    for n in graph.nodes:
+        if n.cls == OpClass.COMMUNICATION:
+            c = acc.setdefault(n.op, [0, 0.0])
+            c[0] += 1
+            c[1] += n.time_us
+    iters = max(graph.iterations, 1)
+    return sorted(({"name": k, "count": c / iters, "time_us": t / iters} for k, (c, t) in acc.items()),
+                  key=lambda r: -r["time_us"])
+
+
 def _shared(by_pattern: dict, ests: dict, iters: int) -> dict:
     """{pattern id: {other pattern id: {occurrences, est_time_saved_us}}}: of each pattern's occurrences, those
     whose ops another pattern's occurrences also hold (a conv epilogue over a BatchNorm + ReLU, a window chain over
@@ -412,8 +427,12 @@ def _totals(graph: Graph) -> dict:
     key = {c: c.value if c.value in by_class else "other" for c in OpClass}  # (Enum .value is slow)
     kernels, mem, cuda = 0, 0, graph.device_type == "cuda"
     per_iter = [0.0] * max(iters, 1)
+    comm = 0.0
     for n in graph.nodes:  # one pass; each sum in node order, as ever
         t = n.time_us
+        if n.cls is OpClass.COMMUNICATION:  # another stream's or thread's time, overlapping compute: apart
+            comm += t
+            continue
         by_class[key[n.cls]] += t
         kernels += len(n.kernels) if cuda else 1
         if n.cls in MEMORY_BOUND:
@@ -427,7 +446,8 @@ def _totals(graph: Graph) -> dict:
             "time_us_per_iteration": {"median": float(np.median(per_iter)), "min": min(per_iter),
                                       "max": max(per_iter), "iterations": len(per_iter)},
             "by_class": {k: v / iters for k, v in by_class.items()},
-            "memory_bound_share": mem / total if total else 0.0}
+            "memory_bound_share": mem / total if total else 0.0,
+            **({"communication_us": comm / iters} if comm else {})}
 
 
 def _timeline(graph: Graph, groups_by_id: dict, keep: int = 5000) -> list:

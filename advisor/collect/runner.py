@@ -273,11 +273,15 @@ def profile_script(
     check_script(script)
     dev = resolve_device(device)
     schedule = _schedule(schedule, profile_calls)
-    trace_dir = Path(out_dir) / "trace"
+    from advisor.collect.distributed import DistributedProbe, clear_rank_dirs, trace_dir_for
+
+    trace_dir, ranked = trace_dir_for(Path(out_dir))  # OUT/trace/rank-K inside a torchrun job
     try:
         trace_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise not_writable(trace_dir, e) from None
+    if ranked is None:  # one process: a distributed run's rank folders here are not this run's
+        clear_rank_dirs(trace_dir)
 
     import torch
     from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile
@@ -299,6 +303,7 @@ def profile_script(
     console.print(f"[bold]fusion-advisor[/] profiling [cyan]{script}[/] on [bold]{dev}[/] …")
     timings: Dict[str, float] = {}
     t_phase = time.perf_counter()
+    probe = DistributedProbe(ranked or {})
     with script_env(script, args, dev):
         if preimport_modules:
             with nvtx_range("fusion-advisor.preimport"), console.status("importing the script's packages …", spinner="dots"):
@@ -318,7 +323,7 @@ def profile_script(
                     window = ProfilerWindow(prof, schedule, before_stop=sync)
                     try:
                         # module_level_paths: the ops a capture of the script's modules will see
-                        with ranges_as_regions(), module_scopes(), module_level_paths(), window:
+                        with ranges_as_regions(), module_scopes(), module_level_paths(), probe, window:
                             _run_as_main(script, outcome)
                     finally:
                         try:
@@ -350,7 +355,7 @@ def profile_script(
         else:
             et_note = "the execution trace observer wrote no file"
         events = trace.get("traceEvents", []) if isinstance(trace, dict) else []
-        steady = steady_mod.steady_state(events, region, warmup=schedule.warmup)
+        steady = steady_mod.steady_state(events, region, warmup=schedule.warmup, wait=schedule.wait)
         summary = steady_mod.summarize(events, steady)
         del trace, events
     timings["export"] = time.perf_counter() - t_phase
@@ -380,7 +385,12 @@ def profile_script(
         "schedule": schedule.as_meta(),
         "module_calls": window.calls,  # calls of the outermost nn.Module the script made, profiled or not
         "collect_s": {k: round(v, 3) for k, v in timings.items()},
+        # what this process exits with: 130 interrupted, the script's code, 4 no tensor work, else 0
+        "exit_code": (130 if outcome.interrupted else outcome.exit_code if not outcome.complete
+                      else EXIT_NO_TENSOR_WORK if summary["aten_ops"] == 0 else 0),
     }
+    if ranked is not None:  # rank, world_size, local_rank, backend (torch.distributed's once its group was up)
+        meta.update(probe.info)
     if "measure_error" in measured:
         meta["measure_error"] = measured["measure_error"]
     if et_note:

@@ -127,9 +127,12 @@ def whole_trace(events: List[Dict[str, Any]]) -> List[Tuple[float, float]]:
     return [(min(b for b, _ in spans), max(en for _, en in spans))]
 
 
-def steady_state(events: List[Dict[str, Any]], region: Optional[str] = None, warmup: int = 1) -> Dict[str, Any]:
+def steady_state(events: List[Dict[str, Any]], region: Optional[str] = None, warmup: int = 1,
+                 wait: int = 0) -> Dict[str, Any]:
     """The `steady_state` block of meta.json (plus `requested_region` when --region found nothing); the first
-    `warmup` iterations are dropped, as long as one is left."""
+    `warmup` iterations are dropped, as long as one is left. `calls` numbers each iteration kept (from 1): the
+    call of the outermost module in the script (the `wait` unprofiled ones counted), or the region's occurrence
+    among those recorded: what makes the ranks of a distributed job agree (advisor.collect.distributed)."""
     source, name, windows = None, None, []
     missing_region = None
     if region:
@@ -153,6 +156,7 @@ def steady_state(events: List[Dict[str, Any]], region: Optional[str] = None, war
         "source": source,
         "name": name,
         "iterations": [[round(b, 3), round(e, 3)] for b, e in windows[dropped:]],
+        "calls": [(wait if source == "module" else 0) + k + 1 for k in range(dropped, found)],
         "warmup_dropped": dropped,
         "found": found,
     }

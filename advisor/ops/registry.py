@@ -33,6 +33,7 @@ class OpClass(str, Enum):
     COMPOSITE = "composite"  # calls other ops that do the work: see through to them
     DATA_MOVEMENT = "data_movement"  # cat, gather, index, transposing copies
     ALLOC = "alloc"  # allocation / no data touched
+    COMMUNICATION = "communication"  # collectives and point-to-point (c10d, NCCL, gloo): barriers, never fused
     OTHER = "other"  # unknown to the registry: a barrier
 
 
@@ -113,10 +114,41 @@ LOWERINGS = _Lowerings()
 
 
 def lookup(name: str) -> OpInfo | None:
-    """The registry entry for an op name ("aten::add" or "aten::add.Tensor"); None if unknown."""
+    """The registry entry for an op name ("aten::add" or "aten::add.Tensor"); None if unknown. Communication
+    (`is_communication`) has an entry of class COMMUNICATION whatever its name."""
     info = _REGISTRY.get(name)
     if info is None and "." in name.split("::", 1)[-1]:
         info = _REGISTRY.get(name.rsplit(".", 1)[0])
+    if info is None and is_communication(name):
+        return _communication(name)
+    return info
+
+
+# Communication: torch.distributed's ops (c10d's and the functional collectives'), the backends' own scopes
+# (`gloo:all_reduce`, `nccl:all_reduce`, `record_param_comms`) and NCCL's kernels (`ncclDevKernel_AllReduce_...`).
+# Each is a barrier the analyzer never fuses (class COMMUNICATION is in no fusion rule) and the reports count
+# apart (analysis.json's `communication`). Named by namespace or backend, or by a collective's name, which no
+# aten op shares ("broadcast" alone would be aten's `broadcast_tensors`).
+COMM_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::", "_c10d_functional_autograd::", "_dtensor::")
+COMM_BACKENDS = ("nccl", "gloo:", "ucc:", "mpi:", "record_param_comms")
+COMM_WORDS = ("allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter", "reducescatter", "alltoall",
+              "all_to_all", "sendrecv")
+
+
+def is_communication(name: str) -> bool:
+    """Whether NAME (an op, a record-function scope or a kernel) is communication between ranks."""
+    low = str(name).lower()
+    return low.startswith(COMM_NAMESPACES + COMM_BACKENDS) or any(w in low for w in COMM_WORDS)
+
+
+_COMM_ENTRIES: dict[str, OpInfo] = {}
+
+
+def _communication(name: str) -> OpInfo:
+    info = _COMM_ENTRIES.get(name)
+    if info is None:
+        info = _COMM_ENTRIES[name] = OpInfo(name=name, cls=OpClass.COMMUNICATION,
+                                            not_generated="communication between ranks: never fused")
     return info
 
 

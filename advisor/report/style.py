@@ -2,7 +2,7 @@
 the chart, the timeline and the dataflow diagrams."""
 from __future__ import annotations
 
-CLASS_ORDER = ["matmul", "attention", "pointwise", "reduction", "norm", "data_movement", "view", "other"]
+CLASS_ORDER = ["matmul", "attention", "pointwise", "reduction", "norm", "data_movement", "communication", "view", "other"]
 
 # Muted, colour-blind-friendly hues (Okabe-Ito inspired); compute-bound classes are blues/purples,
 # memory-bound classes warm, so the chart reads "how much is memory-bound" at a glance.
@@ -13,6 +13,7 @@ CLASS_COLORS = {
     "reduction": "#2f9e74",
     "norm": "#d1495b",
     "data_movement": "#8c6d46",
+    "communication": "#4d4d4d",
     "view": "#9aa5b1",
     "other": "#b8a631",
 }

@@ -227,4 +227,32 @@ def render_terminal(analysis: dict, apply: Optional[dict], console: Console, top
         console.print(Text("No fusion candidates found.", style="bold"))
     for line in _footnotes(analysis, apply, top):
         console.print(line)
+    if analysis.get("distributed"):
+        console.print(_ranks_table(analysis, top))
     _print_next_steps(analysis, apply, out, console)
+
+
+def _ranks_table(analysis: dict, top: int) -> Table:
+    """A distributed run: per rank its time and communication per iteration, and each listed candidate's
+    estimated saving on every rank (the merged estimate is their median)."""
+    dist = analysis["distributed"]
+    ranks = [r["rank"] for r in dist.get("ranks") or []]
+    calls = dist.get("steady_state_calls") or []
+    title = (f"{len(ranks)} of {dist.get('world_size')} ranks ({dist.get('backend') or 'backend unknown'})"
+             + (f", steady-state calls {calls[0]}-{calls[-1]} on every rank" if calls else ""))
+    t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    t.add_column("")
+    for r in ranks:
+        t.add_column(f"rank {r}", justify="right")
+    t.add_column("spread", justify="right")
+    per = dist.get("ranks") or []
+    t.add_row("time / iteration", *[fmt_time(M.num(r.get("time_us"), 0.0)) for r in per], "")
+    t.add_row("communication", *[fmt_time(M.num(r.get("communication_us"), 0.0)) for r in per], "")
+    for c in M.listed(analysis)[:top]:
+        spread = c.ranks or {}
+        by_rank = spread.get("est_time_saved_us") or {}
+        cells = [fmt_time(by_rank[str(r)]) if str(r) in by_rank else "–" for r in ranks]
+        lo, hi = spread.get("min"), spread.get("max")
+        t.add_row(f"{c.id} est. saved", *cells,
+                  f"{fmt_time(lo)} – {fmt_time(hi)}" if lo is not None and hi is not None else "")
+    return t

@@ -1,0 +1,110 @@
+"""A distributed run's analysis: each rank's trace (OUT/trace/rank-K) analysed as one process's is, each written to
+OUT/rank-K/analysis.json, then merged into one document, OUT/analysis.json, that the reports and `generate` read.
+
+Merging: one candidate per pattern id across ranks, in the lowest rank's order (its ids kept), then the patterns
+only other ranks have (new ids where theirs are taken). Each merged candidate's `est_time_saved_us` is the median
+over the ranks that have it, and `ranks` holds the spread: `seen_on`, `missing_on`, `est_time_saved_us` per rank
+(keys are ranks as strings), `min`, `median`, `max`. The rest of a candidate (program, graph, modules, bytes) is the
+lowest such rank's. The document's `distributed` says per rank what was analysed: backend, time and communication
+per iteration, candidates, and the steady-state calls every rank shares (advisor.collect.distributed.align).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from advisor.collect.distributed import align
+from advisor.jsonio import write_json
+from advisor.layout import rank_dir, rank_dirs
+
+
+def analyze_ranks(trace_root: Path, out: Path) -> dict:
+    """Analyse each rank under TRACE_ROOT (writing OUT/rank-K/analysis.json) and return the merged document."""
+    from advisor.analysis.api import analyze
+
+    summary = align(trace_root)
+    docs: List[Tuple[int, dict, dict]] = []
+    for d in rank_dirs(trace_root):
+        meta = json.loads((d / "meta.json").read_text())
+        rank = int(d.name.split("-", 1)[1])
+        doc = analyze(d).doc
+        write_json(rank_dir(out, rank) / "analysis.json", doc)
+        docs.append((rank, doc, meta))
+    return merge(docs, summary, out)
+
+
+def _spread(values: Dict[int, float]) -> dict:
+    vals = list(values.values())
+    return {"min": min(vals), "median": statistics.median(vals), "max": max(vals)}
+
+
+def merge(docs: List[Tuple[int, dict, dict]], summary: dict, out: Path = Path(".")) -> dict:
+    """One analysis document from (rank, analysis doc, meta) per rank; see the module's docstring."""
+    ranks = [r for r, _, _ in docs]
+    base = copy.deepcopy(docs[0][1])
+    per_pattern: Dict[str, Dict[int, dict]] = {}
+    for rank, doc, _ in docs:
+        for c in doc.get("candidates") or []:
+            per_pattern.setdefault(c["pattern_id"], {})[rank] = c
+    # ids: the lowest rank's kept; a pattern first seen on another rank keeps its id unless that one is taken
+    taken, merged_id = set(), {}
+    for pid, per in per_pattern.items():
+        own = per[min(per)]["id"]
+        if own in taken:
+            continue
+        taken.add(own)
+        merged_id[pid] = own
+    n = max([int(i[1:]) for i in taken if i[1:].isdigit()] or [0])
+    for pid in per_pattern:
+        if pid not in merged_id:
+            n += 1
+            merged_id[pid] = f"c{n}"
+    id_maps = {rank: {c["id"]: merged_id[c["pattern_id"]] for c in doc.get("candidates") or []} for rank, doc, _ in docs}
+
+    candidates, warnings = [], []
+    for pid, per in per_pattern.items():  # dicts keep insertion order: the lowest rank's ranking first
+        first = min(per)
+        c = copy.deepcopy(per[first])
+        ests = {r: float(per[r]["est_time_saved_us"]) for r in sorted(per)}
+        spread = _spread(ests)
+        c["id"] = merged_id[pid]
+        c["est_time_saved_us"] = spread["median"]
+        c["ranks"] = {"seen_on": sorted(per), "missing_on": [r for r in ranks if r not in per],
+                      "est_time_saved_us": {str(r): v for r, v in ests.items()}, **spread}
+        if c.get("extends"):
+            c["extends"] = id_maps[first].get(c["extends"])
+        if c.get("shared"):
+            c["shared"] = {id_maps[first][k]: v for k, v in c["shared"].items() if k in id_maps[first]}
+        if c["ranks"]["missing_on"]:
+            warnings.append(f"{c['id']} ({c.get('title', pid)}) found on rank(s) {c['ranks']['seen_on']} only")
+        candidates.append(c)
+    # The lowest rank's order, then the others'; negligible ones after all that are not (as one rank's analysis)
+    candidates.sort(key=lambda c: bool(c.get("negligible")))
+    for k, c in enumerate(candidates, 1):
+        c["rank"] = k
+    base["candidates"] = candidates
+    base["warnings"] = list(base.get("warnings") or []) + list(summary.get("warnings") or []) + warnings
+    backends = sorted({str(m.get("backend")) for _, _, m in docs if m.get("backend")})
+    base["distributed"] = {
+        "world_size": max([int(m.get("world_size") or 0) for _, _, m in docs] + [len(docs)]),
+        "backend": backends[0] if len(backends) == 1 else backends or None,
+        "ranks_analysed": ranks,
+        "steady_state_calls": summary.get("calls") or [],
+        "merged_from": f"rank {ranks[0]}: its timeline, totals and each candidate's program; estimates median over ranks",
+        "ranks": [{"rank": r, "local_rank": m.get("local_rank"), "backend": m.get("backend"),
+                   "analysis": str(rank_dir(out, r) / "analysis.json"),
+                   "iterations": doc["steady_state"]["iterations"],
+                   "time_us": doc["totals"]["time_us"],
+                   "communication_us": doc["totals"].get("communication_us", 0.0),
+                   "communication": doc.get("communication") or [],
+                   "candidates": len(doc.get("candidates") or []),
+                   "est_time_saved_us": doc["totals"].get("est_time_saved_us")}
+                  for r, doc, m in docs],
+    }
+    missing = [r for r in range(base["distributed"]["world_size"]) if r not in ranks]
+    if missing:
+        base["warnings"].append(f"no trace for rank(s) {missing} of {base['distributed']['world_size']}")
+    return base
