@@ -355,3 +355,35 @@ def test_a_replay_counts_the_fused_launches_it_replays():
     finally:
         rewrite.set_caller(old)
     assert site.callers["layer"] - before["layer"] == 3
+
+
+def test_threads_replaying_one_graph_each_get_their_own_outputs():
+    """A serving pool's threads calling one patched model replay one recording: its static input buffers are
+    shared, so replays run one at a time (each thread's output from its own input)."""
+    import threading
+    import time
+
+    class Interleaving(ReplayOnCpu):  # a replay that lets other threads run between reading and writing
+        def record(self, fn, args):
+            replay, outs = super().record(fn, args)
+
+            def slow_replay():
+                time.sleep(0)
+                replay()
+            return slow_replay, outs
+
+    g = Graphed(lambda x: [x * 2 + 1], recorder=Interleaving())
+    g(torch.zeros(64))  # recorded
+    wrong = []
+
+    def worker(k: int):
+        for i in range(50):
+            x = torch.full((64,), float(k * 1000 + i))
+            if not torch.equal(g(x)[0], x * 2 + 1):
+                wrong.append((k, i))
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong, f"{len(wrong)} of 400 calls got another thread's output"

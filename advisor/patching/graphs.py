@@ -159,6 +159,10 @@ class Graphed:
         self.failed: str | None = None
         self.failed_trace: str | None = None
         self.not_replayed: dict[str, int] = {}  # why calls ran op by op -> how many (diagnostics)
+        # One call at a time records or replays: a replay copies its inputs into the recording's static buffers,
+        # runs, and copies the outputs out, and two threads of a serving pool calling one patched model would
+        # otherwise each replay the other's inputs
+        self._lock = threading.RLock()
         _LIVE.add(self)
 
     def __call__(self, *args):
@@ -168,6 +172,10 @@ class Graphed:
         if isinstance(key, str):
             self.not_replayed[key] = self.not_replayed.get(key, 0) + 1
             return self.fn(*args)
+        with self._lock:
+            return self._call_graphed(key, args)
+
+    def _call_graphed(self, key, args):
         rec = self.recordings.get(key)
         if rec is None:
             self._make_room(args)
@@ -178,7 +186,7 @@ class Graphed:
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{_where(e)}"
                 self.failed_trace = traceback.format_exc()  # the whole of it, for a bug report
                 warnings.warn(f"fusion-advisor: CUDA graph of a patched forward not used ({self.failed})",
-                              RuntimeWarning, stacklevel=2)
+                              RuntimeWarning, stacklevel=3)
                 return self.fn(*args)
             self.recordings[key] = rec
         return self._run(rec, args)
