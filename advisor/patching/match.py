@@ -28,7 +28,8 @@ raises `SearchTooLong`: that pattern stays unpatched in that graph, said in the 
 
 Not matched yet (reported as "not found"): programs whose nodes are not connected through dataflow;
 a capture that computes the same thing with different ops (e.g. a hand-written pow/mean/rsqrt chain
-vs `aten::rms_norm`); views whose layout differs from the trace's (other shapes than profiled).
+vs `aten::rms_norm`). Other shapes than profiled: `find(loose=True)` finds where the pattern stands, and the
+program rewritten at that place's layouts (`resize`) is matched exactly.
 """
 from __future__ import annotations
 
