@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from advisor.graph.dtypes import torch_dtype
 from advisor.ops.lowering import serves_any_rows
 from advisor.patching.match import Match, Pattern, layout
-from advisor.patching.program import is_scalar_slot, run_program, strided_view
+from advisor.patching.program import is_scalar_slot, run_program, storage_numel, strided_view
 
 
 def resizable(program: dict) -> bool:
@@ -51,17 +51,19 @@ def rebind(program: dict, pattern: Pattern, m: Match) -> dict | None:
         if lay is None or not _same_structure(spec["shape"], lay[0]):
             return None
         spec["shape"], spec["strides"], spec["storage_offset"] = list(lay[0]), list(lay[1]), lay[2]
-    views = {}
+    given: set = set()  # ids of the reads whose layout the graph gave
     for node, (i, j, k) in pattern.read_views.items():
         found = m.views.get(node)
         lay = layout(found) if found is not None else None
         arg = out["nodes"][i]["args"][j]
         if lay is None or not _same_structure((arg if k is None else arg["list"][k])["shape"], lay[0]):
             return None
-        views[id(arg if k is None else arg["list"][k])] = lay
+        ref = arg if k is None else arg["list"][k]
+        ref["shape"], ref["strides"], ref["storage_offset"] = list(lay[0]), list(lay[1]), lay[2]
+        given.add(id(ref))
     try:
         with unset_fake_temporarily():  # (a capture's backend runs under dynamo's fake mode: meta tensors here)
-            _follow_own_layouts(out, views)
+            _follow_own_layouts(out, given)
     except Exception:  # noqa: BLE001  (the ops refuse these sizes: no program at them)
         return None
     return out
@@ -74,32 +76,25 @@ def _same_structure(recorded, found) -> bool:
         all(n != 1 or f == 1 for n, f in zip(recorded, found))
 
 
-def _follow_own_layouts(program: dict, views: dict) -> None:
-    """Run the program on meta tensors at its new input layouts: a read the graph gave a layout (`views`, by the
-    read's id) takes it; a read of its tensor's own layout takes that tensor's at the new sizes; node outputs
-    are recorded as computed."""
+def _follow_own_layouts(program: dict, given: set) -> None:
+    """Run the program on meta tensors at its new input layouts: a read the graph gave a layout (`given`, by the
+    read's id, already written into it) reads through it; a read of its tensor's own layout takes that tensor's
+    layout at the new sizes."""
     inputs = []
-    for spec in program["inputs"]:
+    for k, spec in enumerate(program["inputs"]):
         if is_scalar_slot(spec):
             inputs.append(1.0 if spec["dtype"] == "float64" else 1)  # a wrapped number: its value changes no layout
             continue
-        need = spec.get("storage_offset", 0) + _extent(spec["shape"], spec["strides"])
-        base = torch.empty(max(need, 1), dtype=torch_dtype(spec["dtype"]), device="meta")
+        # (its storage as large as every read of it needs: a read may lie past the input's own view)
+        base = torch.empty(max(storage_numel(program, k), 1), dtype=torch_dtype(spec["dtype"]), device="meta")
         inputs.append(base.as_strided(spec["shape"], spec["strides"], spec.get("storage_offset", 0)))
 
     def view(t, base_spec, ref):
-        lay = views.get(id(ref))
-        if lay is None:  # the read of its tensor as it is
+        if id(ref) not in given:  # the read of its tensor as it is
             ref["shape"], ref["strides"] = list(t.shape), list(t.stride())
             ref["storage_offset"] = base_spec.get("storage_offset", 0)
             return t
-        ref["shape"], ref["strides"], ref["storage_offset"] = list(lay[0]), list(lay[1]), lay[2]
         return strided_view(t, base_spec, ref)
 
     run_program(program, inputs, view)
 
-
-def _extent(shape, strides) -> int:
-    if any(d == 0 for d in shape):
-        return 0
-    return 1 + sum((d - 1) * abs(s) for d, s in zip(shape, strides))
