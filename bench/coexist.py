@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -107,10 +108,18 @@ def _user_graph(device):
     return call, call()  # its own first replay: a captured matmul may round apart from an eager one
 
 
-def child(name: str, result: Path, calls: int, peers: list[str], control: bool = False) -> int:
+def child(name: str, result: Path, calls: int, peers: list[str], control: bool = False,
+          sanitize: str | None = None) -> int:
     import torch
 
     import advisor
+
+    if sanitize == "memcheck":
+        # cudagraph trees' own debug check of its pool ("tensors in the cudagraph pool not tracked as outputs")
+        # fails under compute-sanitizer, whose allocations it does not expect: the reduce-overhead copy then
+        # failed on its own, before a single round beside it
+        import torch._inductor.config as inductor_config
+        inductor_config.triton.slow_path_cudagraph_asserts = False
 
     device, dtype = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -118,7 +127,8 @@ def child(name: str, result: Path, calls: int, peers: list[str], control: bool =
     args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
     pristine = copy.deepcopy(model)
     res = {"model": name, "shape": shape, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-           "peers": {}, "calls": 0, "mismatches": 0, "errors": [], "peer_findings": {}}
+           "peers": {}, "calls": 0, "mismatches": 0, "errors": [], "peer_findings": {}, "sanitize": sanitize,
+           "stream_sanitizer": _stream_sanitizer_on()}
 
     def run(m):
         with torch.no_grad():
@@ -131,6 +141,8 @@ def child(name: str, result: Path, calls: int, peers: list[str], control: bool =
     if report is not None:
         doc = json.loads((report.out_dir / "apply.json").read_text())
         res["selection"] = (doc.get("selection") or {}).get("decision")
+        res["cuda_graphs_not_used"] = doc.get("cuda_graphs_not_used")
+        res["fallbacks"] = doc.get("fallbacks")
     res["control"] = control
     alone = run(model)
     torch.cuda.synchronize()
@@ -162,16 +174,31 @@ def child(name: str, result: Path, calls: int, peers: list[str], control: bool =
         for peer in steps:
             res["peers"][peer] = "ok"
         for i in range(calls):
+            if sanitize == "stream-after-capture" and i == 1:
+                # Every capture (ours and the peers') was made in round 0: dynamo refuses to trace under the
+                # sanitizer's dispatch mode, so it is turned on now, over the replays and their copies
+                torch.cuda.synchronize()
+                torch.cuda._sanitizer.enable_cuda_sanitizer()
+                res["stream_sanitizer"] = _stream_sanitizer_on()
             for peer, step in steps.items():
                 try:
                     step()
                 except Exception as e:  # a peer's own failure is recorded, the run goes on without it
+                    if _is_race(e):
+                        res["peer_findings"][f"{peer}: stream sanitizer"] = str(e)[:600]
+                        continue
                     if not _is_cuda_error(e):
                         res["peers"][peer] = f"failed on its own: {type(e).__name__}: {str(e)[:200]}"
                         steps = {k: v for k, v in steps.items() if k != peer}
                         break
                     raise
-                out = run(model)
+                try:
+                    out = run(model)
+                except Exception as e:
+                    if not _is_race(e):
+                        raise
+                    res["errors"].append(f"stream sanitizer, patched call after {peer}: {str(e)[:600]}")
+                    continue
                 res["calls"] += 1
                 if not torch.equal(out, alone):
                     res["mismatches"] += 1
@@ -182,11 +209,26 @@ def child(name: str, result: Path, calls: int, peers: list[str], control: bool =
     except Exception as e:
         res["errors"].append(f"{type(e).__name__}: {str(e)[:300]}")
         res["traceback"] = traceback.format_exc()[-3000:]
+    if report is not None and getattr(report, "handle", None) is not None:
+        # what ran instead of the fused path in these calls, per module (a sanitizer's refusal shows here)
+        res["fallbacks_after"] = {str(k): v for k, v in report.handle.fallbacks().items()}
     res["ok"] = not res["errors"] and res["mismatches"] == 0 and res["calls"] > 0
     result.write_text(json.dumps(res, indent=1, default=str))
     print(f"{name}: {'ok' if res['ok'] else 'FAILED'}: {res['calls']} patched calls beside {list(steps)}, "
           f"{res['mismatches']} mismatches, errors {res['errors'][:2]}", flush=True)
     return 0 if res["ok"] else 1
+
+
+def _stream_sanitizer_on() -> bool:
+    import torch
+
+    return bool(getattr(torch.cuda._sanitizer.cuda_sanitizer, "enabled", False))
+
+
+def _is_race(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.cuda._sanitizer.CUDASanitizerErrors)
 
 
 def _is_cuda_error(e: BaseException) -> bool:
@@ -247,6 +289,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=420.0)
     p.add_argument("--micro", choices=("ours", "one-stream"))
     p.add_argument("--control", action="store_true", help="the same peers beside the model left unpatched")
+    p.add_argument("--sanitize", choices=("memcheck", "stream", "stream-after-capture"),
+                   help="memcheck: each model's process under compute-sanitizer's memcheck; stream: under PyTorch's "
+                        "stream sanitizer from the start (TORCH_CUDA_SANITIZER=1); stream-after-capture: the sanitizer "
+                        "turned on after round 0, every graph captured")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -254,7 +300,7 @@ def main(argv=None) -> int:
         return micro(a.micro)
     peers = [x for x in a.peers.split(",") if x]
     if a.child:
-        return child(a.child, a.result, a.calls, peers, a.control)
+        return child(a.child, a.result, a.calls, peers, a.control, a.sanitize)
     names = [n for n in a.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS] + [x for x in peers if x not in PEERS]
     if unknown:
@@ -269,14 +315,24 @@ def main(argv=None) -> int:
         result.unlink(missing_ok=True)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, __file__, "--child", name, "--result", str(result),
-                                   "--calls", str(a.calls), "--peers", ",".join(peers)] + ["--control"] * a.control,
-                                  timeout=a.timeout, capture_output=True, text=True)
+            cmd = [sys.executable, __file__, "--child", name, "--result", str(result), "--calls", str(a.calls),
+                   "--peers", ",".join(peers)] + ["--control"] * a.control + ["--sanitize", a.sanitize] * bool(a.sanitize)
+            env = {**os.environ, **({"TORCH_CUDA_SANITIZER": "1"} if a.sanitize == "stream" else {})}
+            if a.sanitize == "memcheck":
+                cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "97", *cmd]
+            proc = subprocess.run(cmd, timeout=a.timeout, capture_output=True, text=True, env=env)
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
         except subprocess.TimeoutExpired:
-            tail = [f"timed out after {a.timeout:.0f} s"]
+            proc, tail = None, [f"timed out after {a.timeout:.0f} s"]
         res = json.loads(result.read_text()) if result.exists() else {"model": name, "ok": False,
                                                                      "errors": ["\n".join(tail)]}
+        if a.sanitize == "memcheck" and proc is not None:
+            summary = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "ERROR SUMMARY" in ln]
+            res["memcheck"] = summary[-1].strip("= ").strip() if summary else "no summary (see the log)"
+            res["memcheck_exit"] = proc.returncode
+            if proc.returncode == 97 or not summary or " 0 errors" not in summary[-1]:
+                res["ok"] = False
+                res.setdefault("errors", []).append(f"memcheck: {res['memcheck']}")
         res["wall_s"] = round(time.perf_counter() - t0, 1)
         result.unlink(missing_ok=True)
         doc["results"][name] = res
@@ -288,13 +344,19 @@ def main(argv=None) -> int:
 
 
 def markdown(doc: dict) -> str:
-    rows = ["| model | patched calls | mismatches | peers | result | the user's own graph |", "|---|---|---|---|---|---|"]
+    rows = ["| model | patched calls | mismatches | peers | sanitizer | result | the user's own graph |",
+            "|---|---|---|---|---|---|---|"]
     for name, r in sorted(doc["results"].items()):
         peers = ", ".join(f"{k}" + ("" if v == "ok" else f" ({v})") for k, v in (r.get("peers") or {}).items())
         verdict = "ok" if r.get("ok") else "FAILED: " + "; ".join(r.get("errors") or [])[:300].replace("\n", " ")
         changed = (r.get("peer_findings") or {}).get("user-graph")
         user = "-" if "user-graph" not in (r.get("peers") or {}) else f"changed in {changed} rounds" if changed else "unchanged"
-        rows.append(f"| {name} | {r.get('calls', 0)} | {r.get('mismatches', '-')} | {peers} | {verdict} | {user} |")
+        sanitizer = r.get("memcheck") or ("stream sanitizer on" if r.get("stream_sanitizer") else r.get("sanitize") or "-")
+        found = {k: v for k, v in (r.get("peer_findings") or {}).items() if "sanitizer" in k}
+        if found:
+            sanitizer += "; peers' own races: " + ", ".join(found)
+        rows.append(f"| {name} | {r.get('calls', 0)} | {r.get('mismatches', '-')} | {peers} | {sanitizer} | {verdict} | "
+                    f"{user} |")
     return "# Patched models beside other CUDA-graph users (`bench/coexist.py`)\n\n" + "\n".join(rows) + "\n"
 
 

@@ -59,7 +59,7 @@ DEFAULT_MODELS = "hf_llama,hf_gpt2"  # ~3 min each on an H100 (two compiles, one
 # `advisor_memory`: the advisor with `train_memory=MEMORY_ALLOWED` (fused training kept up to 2% heavier than
 # the original forwards: what a user who trades memory for speed gets)
 ADVISOR_MODES = ("advisor", "advisor_autocast", "advisor_memory")
-MEMORY_ALLOWED = 0.02
+MEMORY_ALLOWED = float(os.environ.get("FUSION_BENCH_TRAIN_MEMORY", "0.02"))  # a child inherits it
 WARM_S = 3.0  # steps of every interleaved mode, in turn, before the timed rounds
 MODES = ["eager", "compile", "advisor", "lce", "liger", "eager_again", "advisor_autocast",
          "advisor_memory"]
