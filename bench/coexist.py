@@ -178,6 +178,7 @@ def child(name: str, result: Path, calls: int, peers: list[str], control: bool =
                 # Every capture (ours and the peers') was made in round 0: dynamo refuses to trace under the
                 # sanitizer's dispatch mode, so it is turned on now, over the replays and their copies
                 torch.cuda.synchronize()
+                import torch.cuda._sanitizer
                 torch.cuda._sanitizer.enable_cuda_sanitizer()
                 res["stream_sanitizer"] = _stream_sanitizer_on()
             for peer, step in steps.items():
@@ -220,13 +221,13 @@ def child(name: str, result: Path, calls: int, peers: list[str], control: bool =
 
 
 def _stream_sanitizer_on() -> bool:
-    import torch
+    import torch.cuda._sanitizer  # noqa: F401 (not imported by torch itself unless TORCH_CUDA_SANITIZER is set)
 
     return bool(getattr(torch.cuda._sanitizer.cuda_sanitizer, "enabled", False))
 
 
 def _is_race(e: BaseException) -> bool:
-    import torch
+    import torch.cuda._sanitizer  # noqa: F401
 
     return isinstance(e, torch.cuda._sanitizer.CUDASanitizerErrors)
 
