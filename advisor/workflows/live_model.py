@@ -19,6 +19,7 @@ import atexit
 import json
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,6 +126,13 @@ def describe_timing(e2e: dict) -> str:
     return f"{e2e['before_ms']:.3f} ms -> {e2e['after_ms']:.3f} ms per call ({e2e['speedup']:.2f}x)"
 
 
+# One `optimize` at a time in a process, whichever thread asks: its steps use what the process has one of (the
+# profiler and its execution-trace observer, which crashed the interpreter when two threads profiled at once;
+# module hooks registered for every module; the random state its checks rewind), and dynamo compiles one frame at a
+# time anyway. Patched models keep running in other threads meanwhile.
+_OPTIMIZING = threading.RLock()
+
+
 def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "layer", reuse: bool = True, select: bool | None = None,
@@ -135,23 +143,25 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
     if isinstance(train_memory, bool) or not isinstance(train_memory, (int, float)) or not 0 <= train_memory <= 1:
         raise AdvisorError(f"train_memory is the extra peak memory fused training may take, as a fraction from 0 to "
                            f"1 (0.05: 5%); got {train_memory!r}")
-    model = under_compile(model)  # a torch.compile wrapper: the module it calls is optimised, the wrapper keeps working
-    args, kwargs = split_inputs(example_inputs)
-    if any(isinstance(t, torch.Tensor) and t.is_nested for t in tree_leaves((args, kwargs))):
-        # PyTorch's execution-trace observer cannot record a nested tensor (it has no sizes): it disables itself
-        # mid-profile and the profiler's next region crashed the interpreter (SIGSEGV); nor can dynamo capture one
-        raise AdvisorError("nothing patched: the example inputs hold a nested tensor, which the profile cannot record "
-                           "and a capture cannot follow; pass the padded tensors (and their padding mask) instead")
-    unpatch(model)  # profile the original (and probe it for random ops)
+    with _OPTIMIZING:
+        model = under_compile(model)  # a torch.compile wrapper: its module is optimised, the wrapper keeps working
+        args, kwargs = split_inputs(example_inputs)
+        if any(isinstance(t, torch.Tensor) and t.is_nested for t in tree_leaves((args, kwargs))):
+            # PyTorch's execution-trace observer cannot record a nested tensor (it has no sizes): it disables itself
+            # mid-profile and the profiler's next region crashed the interpreter (SIGSEGV); nor can dynamo capture one
+            raise AdvisorError("nothing patched: the example inputs hold a nested tensor, which the profile cannot "
+                               "record and a capture cannot follow; pass the padded tensors (and their padding mask) "
+                               "instead")
+        unpatch(model)  # profile the original (and probe it for random ops)
 
-    def call():  # as most users call a model for inference (HF's docs, eval loops); a patched forward
-        call_args, call_kwargs = snapshot((args, kwargs))  # the user's inputs stay as they handed them over
-        with torch.no_grad():  # runs calls in inference mode through the same capture (`PatchedForward`)
-            return model(*call_args, **call_kwargs)
+        def call():  # as most users call a model for inference (HF's docs, eval loops); a patched forward
+            call_args, call_kwargs = snapshot((args, kwargs))  # the user's inputs stay as they handed them over
+            with torch.no_grad():  # runs calls in inference mode through the same capture (`PatchedForward`)
+                return model(*call_args, **call_kwargs)
 
-    with eval_if_unrepeatable(model, call) as modes:
-        return _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity,
-                         reuse, select, interpret, train, modes, train_memory, decode)
+        with eval_if_unrepeatable(model, call) as modes:
+            return _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity,
+                             reuse, select, interpret, train, modes, train_memory, decode)
 
 
 def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity, reuse, select,
