@@ -73,7 +73,7 @@ def first_capture(model: torch.nn.Module, example_inputs, options: dict) -> Prob
                                        f"({exception_reason(e)}); the first capture ran in this process")
         env = {**os.environ, IN_PROBE: "1",
                "PYTHONPATH": os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH", "")] if p)}
-        done = subprocess.run([sys.executable, "-m", "advisor.workflows.probe", str(handed)], env=env,
+        done = subprocess.run([sys.executable, "-m", "advisor.workflows.probe_child", str(handed)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=os.getcwd())
     return outcome(done.returncode, done.stderr.decode(errors="replace"))
 
@@ -96,26 +96,3 @@ def outcome(returncode: int, stderr: str) -> ProbeOutcome:
                                   "model's own code or ours: left unpatched", returncode, name, tail)
     return ProbeOutcome(True, f"nothing patched: the first capture ended a probe process with exit status "
                               f"{returncode}: left unpatched", returncode, stderr_tail=tail)
-
-
-def main(handed: str) -> int:
-    """The child: load what the parent handed over, run `optimize` on it. A Python error is not a crash (the
-    parent's own run reports it); only the process ending otherwise tells the parent anything."""
-    try:
-        doc = torch.load(handed, weights_only=False)
-    except Exception as e:  # noqa: BLE001
-        sys.stderr.write(exception_reason(e) + "\n")
-        return UNLOADABLE
-    from advisor.workflows.live_model import optimize
-
-    try:
-        optimize(doc["model"], doc["inputs"], **doc["options"], isolate=False)
-    except Exception as e:  # noqa: BLE001
-        sys.stderr.write(f"optimize raised in the probe: {exception_reason(e)}\n")
-    return 0
-
-
-if __name__ == "__main__":
-    status = main(sys.argv[1])
-    sys.stderr.flush()
-    os._exit(status)  # not the interpreter's teardown (dynamo's, Triton's): its end is not the model's to answer for
