@@ -30,7 +30,7 @@ def analyze(path, et=None):
 def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel", calls: int = 3,
              benchmark: bool = False, iters: int = 20, granularity: str = "layer", reuse: bool = True,
              select: bool | None = None, interpret: bool = False, train: bool = False, train_memory: float = 0.0,
-             decode: bool = False):
+             decode: bool = False, isolate: bool | None = None):
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
 
         report = advisor.optimize(model, (input_ids,))
@@ -55,13 +55,17 @@ def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: 
     no heavier, beyond the allocator's rounding), for a user who would trade memory for speed; decode: the
     model will `generate` (a Hugging Face generation model): its decode steps run on HF's static cache,
     which `generate` compiles with CUDA graphs over the patched model (`report.decode` says what was set;
-    `unpatch` restores the generation config).
+    `unpatch` restores the generation config); isolate: run the first optimize (profile, capture, fused calls)
+    in a child process first, so that a crash there (a native fast path or C extension in the model's own code:
+    SIGSEGV) leaves the model unpatched and working, the reason in `report.isolation` (default: off, or on where
+    $FUSION_ADVISOR_ISOLATE=1; a model that cannot be pickled is optimised in process, with a note).
     """
     from advisor.workflows.live_model import optimize as optimize_model  # torch, dynamo, triton: when called
 
     return optimize_model(model, example_inputs, top=top, out=out, replacement=replacement, calls=calls,
                           benchmark=benchmark, iters=iters, granularity=granularity, reuse=reuse, select=select,
-                          interpret=interpret, train=train, train_memory=train_memory, decode=decode)
+                          interpret=interpret, train=train, train_memory=train_memory, decode=decode,
+                          isolate=isolate)
 
 
 def patch(model, plan):

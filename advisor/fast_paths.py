@@ -16,11 +16,19 @@ observer can record (a nested tensor made it disable itself, and the profiler's 
 interpreter). A patched layer handed a nested tensor by an encoder running outside the block runs its original
 forward on the caller's flags (`forward.NESTED_INPUT`).
 
-One global flag (it is PyTorch's): set for the duration of the block, restored after it.
+One global flag (it is PyTorch's), shared by every thread: the first block entered switches it off, the last
+one left puts back what the first found. Per-block save and restore would leave it off for good when two threads'
+blocks overlap (the second saves the first's "off"), and switch it back on under a thread still inside, whose
+capture's guards (they read the flag) would then refuse it. A thread calling an unpatched module meanwhile runs
+the slow path: same numbers, PyTorch's own ops.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
+
+_LOCK = threading.Lock()
+_INSIDE = [0, True]  # blocks open now, in every thread; the flag as the first of them found it
 
 
 @contextlib.contextmanager
@@ -28,9 +36,15 @@ def module_level_paths():
     import torch
 
     mha = torch.backends.mha
-    before = mha.get_fastpath_enabled()
-    mha.set_fastpath_enabled(False)
+    with _LOCK:
+        if _INSIDE[0] == 0:
+            _INSIDE[1] = mha.get_fastpath_enabled()
+            mha.set_fastpath_enabled(False)
+        _INSIDE[0] += 1
     try:
         yield
     finally:
-        mha.set_fastpath_enabled(before)
+        with _LOCK:
+            _INSIDE[0] -= 1
+            if _INSIDE[0] == 0:
+                mha.set_fastpath_enabled(_INSIDE[1])

@@ -38,6 +38,9 @@ import torch
 
 _STATE = threading.local()
 _CACHE: dict[tuple, "Derived"] = {}
+# Threads calling one model read one entry: its values are refreshed in place, so a read while another thread
+# writes them would see half of the new weights
+_LOCK = threading.RLock()
 MAX_ENTRIES = 4096  # a model's worth of convs many times over; beyond it the oldest go (recomputed if used)
 
 
@@ -148,10 +151,10 @@ class Derived:
             return
         if self.epoch == _EPOCH[0] and (_versions(sources) if now is None else now) == self.versions:
             return
-        with torch.inference_mode(False), torch.no_grad():
+        with _LOCK, torch.inference_mode(False), torch.no_grad():
             for old, new in zip(self.values, self.fn(*sources)):
                 old.copy_(new)
-        self.versions, self.epoch = _versions(sources), _EPOCH[0]  # the copies above do not touch the sources
+            self.versions, self.epoch = _versions(sources), _EPOCH[0]  # the copies above do not touch the sources
 
 
 def derived(fn: Callable, *sources) -> tuple:
@@ -162,6 +165,15 @@ def derived(fn: Callable, *sources) -> tuple:
     if _HELD:
         _check_held()
     key = (fn, tuple(id(s) if isinstance(s, torch.Tensor) else s for s in sources))
+    with _LOCK:
+        entry = _entry(key, fn, sources, versions)
+    readers = getattr(_STATE, "readers", None)
+    if readers:
+        readers[-1].append(entry)
+    return entry.values
+
+
+def _entry(key: tuple, fn: Callable, sources: tuple, versions: tuple) -> "Derived":
     entry = _CACHE.get(key)
     held = entry.sources() if entry is not None else None
     if held is None or any(a is not b for a, b in zip(held, sources) if isinstance(b, torch.Tensor)):
@@ -171,10 +183,7 @@ def derived(fn: Callable, *sources) -> tuple:
             _CACHE.pop(next(iter(_CACHE)))
     elif not _frozen():
         entry.refresh(held, versions)
-    readers = getattr(_STATE, "readers", None)
-    if readers:
-        readers[-1].append(entry)
-    return entry.values
+    return entry
 
 
 def _frozen() -> bool:

@@ -73,10 +73,14 @@ class CaptureLog:
     def launches(self) -> dict:
         """{(Site, caller): times its launcher ran for that patched forward}: what `optimize` reads
         before and after its check call (one shared capture serves every layer: each is a caller)."""
-        return {(s, c): n for sites in self.sites.values() for s in sites for c, n in s.callers.items()}
+        return {(s, c): n for sites in list(self.sites.values()) for s in list(sites) for c, n in s.launches().items()}
 
 
 _LOGS: dict[tuple, CaptureLog] = defaultdict(CaptureLog)
+# Guards `_PATTERNS`, `_LAUNCHERS` and `_LOGS`, which every model's captures share: dynamo compiles one frame at a time,
+# but a kernel module is loaded at a site's first launch (`PendingLauncher`) and logs are read by calls, in any
+# thread; a pattern built or a module loaded twice at once would leave two objects where one is kept
+_TABLES = threading.RLock()
 
 
 def launched_sites(before: dict, after: dict) -> dict:
@@ -91,7 +95,8 @@ def launched_sites(before: dict, after: dict) -> dict:
 
 def log_for(key: tuple) -> CaptureLog:
     """The log of the captures of one function with one set of patterns: key = (function, plan digest)."""
-    return _LOGS[key]
+    with _TABLES:
+        return _LOGS[key]
 
 
 def plan_digest(specs: list[PatternSpec]) -> str:
@@ -116,11 +121,12 @@ def pattern_at(program: dict, device) -> Pattern:
     dispatcher = torch._C._dispatch_tls_local_include_set().has(torch._C.DispatchKey.PythonDispatcher)
     digest = hashlib.sha1(json.dumps(program, sort_keys=True, default=str).encode()).hexdigest()
     pkey = (digest, str(device), dispatcher)
-    pattern = _PATTERNS.get(pkey)
-    if pattern is None:
-        with timing.timed("patterns"):
-            views: list = []
-            pattern = _PATTERNS[pkey] = Pattern.build(program, program_graph(program, device, views), views)
+    with _TABLES:
+        pattern = _PATTERNS.get(pkey)
+        if pattern is None:
+            with timing.timed("patterns"):
+                views: list = []
+                pattern = _PATTERNS[pkey] = Pattern.build(program, program_graph(program, device, views), views)
     return pattern
 
 
@@ -134,9 +140,12 @@ def load_launcher(kernel_file: str) -> Callable:
     key = (path, os.path.getmtime(path))
     fn = _LAUNCHERS.get(key)
     if fn is None:
-        name = "advisor_kernel_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
-        with timing.timed("launchers"):
-            fn = _LAUNCHERS[key] = load_module(path, name).run
+        with _TABLES:
+            fn = _LAUNCHERS.get(key)
+            if fn is None:
+                name = "advisor_kernel_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+                with timing.timed("launchers"):
+                    fn = _LAUNCHERS[key] = load_module(path, name).run
     return fn
 
 
@@ -180,9 +189,10 @@ class PendingLauncher:
         self._run: Callable | None = None
 
     def __call__(self, *args):
-        if self._run is None:
-            self._run = load_launcher(self.kernel_file)
-        return self._run(*args)
+        run = self._run
+        if run is None:
+            run = self._run = load_launcher(self.kernel_file)  # (two threads at once: `load_launcher` loads it once)
+        return run(*args)
 
 
 # ------------------------------------------------------------------------------------ the backend

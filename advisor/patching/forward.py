@@ -232,6 +232,10 @@ class PatchedForward:
         self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
         self.train_fused = False  # see `trains`
         self.gradient_calls = GradientCalls(type(module).__name__)  # shared by the model's forwards (`patch`)
+        # Its bookkeeping (what it compiled, which capture serves it, its counts), as threads calling the module at
+        # once make it: a first call in two threads compiled two captures, one of them kept by nobody; the calls
+        # themselves run unlocked, as the module's own forward would
+        self._lock = threading.RLock()
 
     @property
     def module(self) -> torch.nn.Module:
@@ -294,6 +298,12 @@ class PatchedForward:
     def _compile(self) -> Callable:
         """The function this instance calls: its class's shared capture where there is one to join (or
         to own), else its own."""
+        with self._lock:
+            if self._compiled is not None:  # (another thread's first call made it meanwhile)
+                return self._compiled
+            return self._compile_now()
+
+    def _compile_now(self) -> Callable:
         self._watch = self._watch or HookWatch(self.module)
         if self._shares_class():
             joinable = self._joinable()
@@ -316,8 +326,9 @@ class PatchedForward:
     def _joinable(self, but=None) -> list:
         """The class's shared captures this instance may ask to serve it (owner alive, no graph break, not
         refusing everyone), `but` one already asked."""
-        return [e for e in _CLASS.get(self._class_key(), ()) if e is not but and e.owner() is not None
-                and not e.breaks and not e.diverges]
+        with _CLASS_LOCK:
+            entries = list(_CLASS.get(self._class_key(), ()))
+        return [e for e in entries if e is not but and e.owner() is not None and not e.breaks and not e.diverges]
 
     def _join(self, entry: "ClassCapture") -> None:
         self._via, self._backend, self._compiled = entry, entry.backend, entry.compiled
@@ -325,21 +336,23 @@ class PatchedForward:
     def _found(self) -> Callable:
         """A new shared capture of the class, owned by this instance (the class's others refuse it: another
         shape or structure, ResNet's first block of a stage), or its own where the class has `MAX_CLASS_CAPTURES`."""
-        entries = _CLASS.setdefault(self._class_key(), [])
-        if sum(e.owner() is not None for e in entries) >= MAX_CLASS_CAPTURES:
-            return self._own()
-        backend = Backend(self.specs, self.log(), self.digest, self._may_train, resize=not self.outer)
-        self._owns = ClassCapture(self._target()[0], backend, self, self._class_key())
-        entries.append(self._owns)
-        self._via, self._backend, self._compiled = None, backend, self._owns.compiled
-        return self._compiled
+        with self._lock, _CLASS_LOCK:
+            entries = _CLASS.setdefault(self._class_key(), [])
+            if sum(e.owner() is not None for e in entries) >= MAX_CLASS_CAPTURES:
+                return self._own()
+            backend = Backend(self.specs, self.log(), self.digest, self._may_train, resize=not self.outer)
+            self._owns = ClassCapture(self._target()[0], backend, self, self._class_key())
+            entries.append(self._owns)
+            self._via, self._backend, self._compiled = None, backend, self._owns.compiled
+            return self._compiled
 
     def _own(self) -> Callable:
         """This instance's own compiled function (its own dynamo cache)."""
-        self._via = None
-        self._backend = Backend(self.specs, self.log(), self.digest, self._may_train, resize=not self.outer)
-        self._compiled = compile_fresh(self._target()[0], self._backend, holder=self)
-        return self._compiled
+        with self._lock:
+            self._via = None
+            self._backend = Backend(self.specs, self.log(), self.digest, self._may_train, resize=not self.outer)
+            self._compiled = compile_fresh(self._target()[0], self._backend, holder=self)
+            return self._compiled
 
     def _served_by_class(self, lead, args, kwargs):
         """The call served by the capture it joined, else by another of the class's it may join (which it joins
@@ -361,8 +374,13 @@ class PatchedForward:
                 and (self._via is None or self._via.breaks) and _shapes_of(args, kwargs) not in self._captured_shapes)
 
     def _fall_back(self, why: str, args, kwargs):
-        self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+        self._note(why)
         return self.original()(*args, **kwargs)
+
+    def _note(self, why: str) -> None:
+        """One more call that ran the original forward because of `why`."""
+        with self._lock:
+            self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
 
     @property
     def refused(self) -> str | None:
@@ -398,18 +416,18 @@ class PatchedForward:
         if not off and _nested_input(args, kwargs):
             # Dynamo cannot capture a (strided) nested tensor, and with the fast paths off (`_call`) PyTorch's own
             # layers refuse one: the original forward runs it as the caller's flags have it, as unpatched.
-            self.fallbacks[NESTED_INPUT] = self.fallbacks.get(NESTED_INPUT, 0) + 1
+            self._note(NESTED_INPUT)
             return self.original()(*args, **kwargs)
         if off or (grad and not self.trains):
             if grad and not off and not _checking():
                 why = NO_BACKWARD if self.train_fused else TRAINING_CALL
-                self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+                self._note(why)
                 self.gradient_calls.say(why)
             return self.original()(*args, **kwargs)
         if grad:
             if getattr(self._backend, "trains_nothing", False):  # a module sharing this capture found no site fused
                 self._may_train = False
-                self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
+                self._note(NO_BACKWARD)
                 self.gradient_calls.say(NO_BACKWARD)
                 return self.original()(*args, **kwargs)
             fused = rewrite.fused_runs()
@@ -418,7 +436,7 @@ class PatchedForward:
                 # No site here has a validated backward for these inputs: the capture would only replay
                 # eager's ops op by op, so training calls run the original forward from now on.
                 self._may_train = False
-                self.fallbacks[NO_BACKWARD] = self.fallbacks.get(NO_BACKWARD, 0) + 1
+                self._note(NO_BACKWARD)
                 if self._backend is not None:
                     self._backend.trains_nothing = True  # the layers sharing it need not record to find out
                     for graphed in self._backend.train_graphs:
@@ -521,7 +539,7 @@ class PatchedForward:
                 with dynamo_limits_noted() as noted:
                     out = fn(*lead, *args, **kwargs)
             for why in noted:
-                self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+                self._note(why)
         except Exception as e:
             if _refused_by_context(e):
                 # The caller's context refused the capture before it ran (another torch.compile region around this
@@ -546,15 +564,16 @@ class PatchedForward:
             if scoped:
                 rewrite.set_enabled(None)
         if self._backend.captures > captures:
-            self._capturing_calls += 1
-            self._captured_shapes.add(_shapes_of(args, kwargs))
+            with self._lock:
+                self._capturing_calls += 1
+                self._captured_shapes.add(_shapes_of(args, kwargs))
             if self._backend.unfused_graphs > unfused:
-                self.fallbacks[UNPROFILED] = self.fallbacks.get(UNPROFILED, 0) + 1
+                self._note(UNPROFILED)
             if breaks is not None and _graph_breaks() > breaks:
                 self._owns.breaks = True  # the other instances compile their own from now on
         if graphs_run() == ran:  # dynamo ran the frame without our graph (recompile limit, skipped frame)
             why = SPENT if spent else FULL if full else "dynamo ran it without a captured graph"
-            self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+            self._note(why)
         return out
 
     def __deepcopy__(self, memo):
@@ -580,6 +599,7 @@ class PatchedForward:
 
 
 _CLASS: dict = {}  # (captured function, plan digest) -> [ClassCapture]: the class's shared captures
+_CLASS_LOCK = threading.RLock()  # `_CLASS` is every model's: instances in any thread found and forget captures
 MAX_CLASS_CAPTURES = 16  # shared captures per class and plan (a stage's first block, its others, per stage)
 _NOT_SERVED = object()
 _REFUSED = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
@@ -613,11 +633,12 @@ def _forget_capture(key: tuple, entry: weakref.ref, _owner) -> None:
     classes = _CLASS  # None once the interpreter is shutting down (its modules' globals cleared): nothing to do
     if classes is None or entry() is None:
         return
-    entries = classes.get(key) or []
-    if entry() in entries:
-        entries.remove(entry())
-    if not entries:
-        classes.pop(key, None)
+    with _CLASS_LOCK:
+        entries = classes.get(key) or []
+        if entry() in entries:
+            entries.remove(entry())
+        if not entries:
+            classes.pop(key, None)
 
 
 def _served(fn: Callable, lead: tuple, args, kwargs):

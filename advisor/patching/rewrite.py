@@ -71,8 +71,12 @@ def credit(sites) -> None:
     """A replay ran these sites' kernels: counted as their launches, for the patched forward running now."""
     caller = getattr(_RUNTIME, "caller", None)
     for site in sites:
-        site.stats["launched"] += 1
-        site.callers[caller] = site.callers.get(caller, 0) + 1
+        site.count("launched", caller)
+
+
+# Sites' counters: one site serves every thread calling its model (and every layer sharing its capture), and a
+# count read while another thread adds a caller would fail (a dict changing size while iterated) or lose one
+_COUNTS = threading.Lock()
 
 
 def outer_override() -> bool | None:
@@ -181,18 +185,16 @@ class Site:
         if self.broken is None and (keys is None or self.key in keys) and self._guard(xs):
             grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
             if grad and self.trainable is None:
-                self.stats["fell_back"] += 1
+                self.count("fell_back")
                 return self.fallback(*xs)  # autograd differentiates the original ops
             try:
                 outs = self.trainable(xs) if grad else self._check(self.launcher(*self._launch_args(xs)))
                 if outs is None:  # no validated backward for these inputs
-                    self.stats["fell_back"] += 1
+                    self.count("fell_back")
                     return self.fallback(*xs)
                 if grad:
                     count_fused_runs(1)
-                self.stats["launched"] += 1
-                caller = getattr(_RUNTIME, "caller", None)
-                self.callers[caller] = self.callers.get(caller, 0) + 1
+                self.count("launched", getattr(_RUNTIME, "caller", None))
                 recorded = getattr(_RUNTIME, "recorded", None)
                 if recorded is not None:  # (its warm-up and its capture both list it: one site each)
                     recorded[self] = None
@@ -203,8 +205,20 @@ class Site:
                 self.broken = exception_reason(e)
                 warnings.warn(f"fusion-advisor: {self.label}: launcher failed ({self.broken}); "
                               "running the original ops from now on", RuntimeWarning, stacklevel=2)
-        self.stats["fell_back"] += 1
+        self.count("fell_back")
         return self.fallback(*xs)
+
+    def count(self, what: str, caller=None) -> None:
+        """One more `what` ("launched": for `caller` too, the patched forward running it; "fell_back")."""
+        with _COUNTS:
+            self.stats[what] += 1
+            if what == "launched":
+                self.callers[caller] = self.callers.get(caller, 0) + 1
+
+    def launches(self) -> dict:
+        """{caller: launches} as counted now."""
+        with _COUNTS:
+            return dict(self.callers)
 
     def _launch_args(self, xs) -> list:
         """Launchers take every program input as a tensor: wrapped scalars become cached 0-dim tensors."""

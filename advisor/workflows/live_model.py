@@ -19,6 +19,7 @@ import atexit
 import json
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from advisor.patching.verify import check, eval_if_unrepeatable, float32_referen
 from advisor.records import PatternResult
 from advisor.stopwatch import Stopwatch
 from advisor.bench import timing as bench_timing  # read at call time: tests replace it
-from advisor.workflows import counted, early_capture, plan_cache
+from advisor.workflows import counted, early_capture, plan_cache, probe
 from advisor.workflows.bundle import loaded_host_modules
 from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
@@ -65,6 +66,7 @@ class OptimizeReport:
     modes: str | None = None  # set where optimize ran a model handed over in training mode in eval mode
     runs: dict | None = None  # fused launches counted on one call after the checks (`counted`)
     decode: str | None = None  # what `generate` does with the patched model (`patching.decode`)
+    isolation: str | None = None  # with isolate=True: how the first capture in a probe process went (`probe`)
 
     @property
     def patterns(self) -> list[dict]:
@@ -102,6 +104,8 @@ class OptimizeReport:
             lines.append(f"  training: {self.training['lm_loss']['decision']}")
         if self.modes:
             lines.append(f"  {self.modes}")
+        if self.isolation:
+            lines.append(f"  isolation: {self.isolation}")
         if self.decode:
             lines.append(f"  {self.decode}")
         if self.end_to_end:
@@ -125,37 +129,56 @@ def describe_timing(e2e: dict) -> str:
     return f"{e2e['before_ms']:.3f} ms -> {e2e['after_ms']:.3f} ms per call ({e2e['speedup']:.2f}x)"
 
 
+# One `optimize` at a time in a process, whichever thread asks: its steps use what the process has one of (the
+# profiler and its execution-trace observer, which crashed the interpreter when two threads profiled at once;
+# module hooks registered for every module; the random state its checks rewind), and dynamo compiles one frame at a
+# time anyway. Patched models keep running in other threads meanwhile.
+_OPTIMIZING = threading.RLock()
+
+
 def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "layer", reuse: bool = True, select: bool | None = None,
              interpret: bool = False, train: bool = False, train_memory: float = 0.0,
-             decode: bool = False) -> OptimizeReport:
+             decode: bool = False, isolate: bool | None = None) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
     if isinstance(train_memory, bool) or not isinstance(train_memory, (int, float)) or not 0 <= train_memory <= 1:
         raise AdvisorError(f"train_memory is the extra peak memory fused training may take, as a fraction from 0 to "
                            f"1 (0.05: 5%); got {train_memory!r}")
-    model = under_compile(model)  # a torch.compile wrapper: the module it calls is optimised, the wrapper keeps working
-    args, kwargs = split_inputs(example_inputs)
-    if any(isinstance(t, torch.Tensor) and t.is_nested for t in tree_leaves((args, kwargs))):
-        # PyTorch's execution-trace observer cannot record a nested tensor (it has no sizes): it disables itself
-        # mid-profile and the profiler's next region crashed the interpreter (SIGSEGV); nor can dynamo capture one
-        raise AdvisorError("nothing patched: the example inputs hold a nested tensor, which the profile cannot record "
-                           "and a capture cannot follow; pass the padded tensors (and their padding mask) instead")
-    unpatch(model)  # profile the original (and probe it for random ops)
+    with _OPTIMIZING:
+        model = under_compile(model)  # a torch.compile wrapper: its module is optimised, the wrapper keeps working
+        args, kwargs = split_inputs(example_inputs)
+        if any(isinstance(t, torch.Tensor) and t.is_nested for t in tree_leaves((args, kwargs))):
+            # PyTorch's execution-trace observer cannot record a nested tensor (it has no sizes): it disables itself
+            # mid-profile and the profiler's next region crashed the interpreter (SIGSEGV); nor can dynamo capture one
+            raise AdvisorError("nothing patched: the example inputs hold a nested tensor, which the profile cannot "
+                               "record and a capture cannot follow; pass the padded tensors (and their padding mask) "
+                               "instead")
+        unpatch(model)  # profile the original (and probe it for random ops)
+        isolation = None
+        if probe.wanted(isolate):  # the first capture in a child process first: a crash there costs the user nothing
+            isolation = probe.first_capture(model, snapshot(example_inputs), {
+                "top": top, "replacement": replacement, "calls": calls, "iters": iters, "granularity": granularity,
+                "reuse": reuse, "select": select, "interpret": interpret, "train": train,
+                "train_memory": train_memory, "decode": decode})
+            if isolation.crashed:
+                return left_unpatched(out, replacement, _device_of(model, args, kwargs), isolation)
 
-    def call():  # as most users call a model for inference (HF's docs, eval loops); a patched forward
-        call_args, call_kwargs = snapshot((args, kwargs))  # the user's inputs stay as they handed them over
-        with torch.no_grad():  # runs calls in inference mode through the same capture (`PatchedForward`)
-            return model(*call_args, **call_kwargs)
+        def call():  # as most users call a model for inference (HF's docs, eval loops); a patched forward
+            call_args, call_kwargs = snapshot((args, kwargs))  # the user's inputs stay as they handed them over
+            with torch.no_grad():  # runs calls in inference mode through the same capture (`PatchedForward`)
+                return model(*call_args, **call_kwargs)
 
-    with eval_if_unrepeatable(model, call) as modes:
-        return _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity,
-                         reuse, select, interpret, train, modes, train_memory, decode)
+        with eval_if_unrepeatable(model, call) as modes:
+            report = _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters,
+                               granularity, reuse, select, interpret, train, modes, train_memory, decode, isolation)
+        return report
 
 
 def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity, reuse, select,
-              interpret, train, modes, train_memory: float = 0.0, decode: bool = False) -> OptimizeReport:
+              interpret, train, modes, train_memory: float = 0.0, decode: bool = False,
+              isolation: probe.ProbeOutcome | None = None) -> OptimizeReport:
     device = _device_of(model, args, kwargs)
     out_dir = Path(out) if out else scratch_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -202,9 +225,11 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
                "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
            "plan_key_parts": key_parts,
                "selection": {"decision": "nothing patched: no GPU (interpret=True patches anyway, for checks)",
-                             "kept": []}, "modes": modes}
+                             "kept": []}, "modes": modes,
+               "isolation": isolation.to_json() if isolation is not None else None}
         write_json(out_dir / "apply.json", out)
-        return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds, out["selection"], modes=modes)
+        return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds, out["selection"], modes=modes,
+                              isolation=isolation.decision if isolation is not None else None)
     handle.train_fused(train)
     before = handle.launches()
     with phases("check"):  # the first patched call captures the modules (dynamo) and runs the kernels
@@ -272,13 +297,27 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
            "skipped_targets": getattr(plan, "skipped", {}), "modes": modes, "graphs": handle.graph_keys(),
            "cuda_graphs_not_used": handle.graphs_not_used(), "fallbacks": handle.fallbacks(),
            "host_modules": loaded_host_modules() if device == "cuda" else [],
-           "decode": generate.to_json() if generate is not None else None}
+           "decode": generate.to_json() if generate is not None else None,
+           "isolation": isolation.to_json() if isolation is not None else None}
     write_json(out_dir / "apply.json", out)
     if key and not reused and out["manifest"]:
         plan_cache.store(out_dir, key)
     return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds, selection,
                           training, modes, runs,
-                          generate.decision if generate is not None else decode_setup.hint(model))
+                          generate.decision if generate is not None else decode_setup.hint(model),
+                          isolation.decision if isolation is not None else None)
+
+
+def left_unpatched(out, replacement: str, device: str, isolation: probe.ProbeOutcome) -> OptimizeReport:
+    """The report of an `optimize` whose probe process crashed: the model untouched, the reason stored."""
+    out_dir = Path(out) if out else scratch_out_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    selection = {"decision": isolation.decision, "kept": []}
+    write_json(out_dir / "apply.json", {
+        "schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device, "patterns": [],
+        "manifest": [], "check": None, "end_to_end": None, "phases_s": {}, "plan_reused": False,
+        "selection": selection, "isolation": isolation.to_json()})
+    return OptimizeReport(out_dir, [], [], {}, None, None, {}, selection, isolation=isolation.decision)
 
 
 def _count_training(training: dict, model, handle, args, kwargs, device, labels) -> None:
