@@ -21,6 +21,7 @@ largest relative difference of a mode's per-step losses from eager's under the s
 seed: FSDP2 trains fused with eager's losses where it is small).
 
 Writes OUT/distributed.json (every number, every rank) and OUT/distributed.md (a table), printing the table.
+Run so far only as the CPU smoke run (gloo, `--tiny`: every wrapper and mode ran); not yet on two GPUs.
 """
 from __future__ import annotations
 
@@ -201,8 +202,12 @@ def table(doc: dict) -> str:
             rows.append(f"| {wrapper} | {mode} | failed: {s['error'][:120]} ||||||")
             continue
         rows.append(f"| {wrapper} | {mode} | {s['step_ms']} | {s['step_ms_per_rank']} | {s.get('x_eager', '—')} | "
-                    f"{s['peak_gb_per_rank']} | {s.get('loss_rel', 0):.2e} | {s['fused_site_runs']} |")
+                    f"{s['peak_gb_per_rank']} | {_sci(s.get('loss_rel'))} | {s['fused_site_runs']} |")
     return "\n".join(rows)
+
+
+def _sci(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2e}"
 
 
 def markdown(doc: dict) -> str:
