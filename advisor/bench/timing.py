@@ -8,6 +8,9 @@ rounds, in reversed order every other round, so drift hits all alike. Each confi
 round medians (`rounds_ms`) and fastest calls (`rounds_low_ms`): two configurations are compared round by
 round (paired: a host stall or a clock change in one round hits both), and `spread_ms` (max - min of a
 configuration's round medians) says how much one drifted.
+
+In a torch.distributed job every rank times, in step (the calls of a sharded model are collectives), and the
+timings are rank 0's on every rank (`advisor.agreement`): the warm-up's end too, so every rank makes as many calls.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from advisor.agreement import agreed
 # timing_meaningful: the workflows ask it here, and their tests replace it here
 from advisor.stopwatch import ITERS, WARMUP, Timing, time_call, timing_meaningful  # noqa: F401
 
@@ -41,8 +45,8 @@ def time_configs(call: Callable[[], object], configs: dict, device: str, iters: 
             medians[name].append(t.median_ms)
             lows[name].append(min(t.samples_ms))
     method = "cuda_events" if device == "cuda" else "perf_counter"
-    return {k: Timing(statistics.median(samples[k]), len(samples[k]), method, samples[k],
-                      max(medians[k]) - min(medians[k]), medians[k], lows[k]) for k in configs}
+    return agreed({k: Timing(statistics.median(samples[k]), len(samples[k]), method, samples[k],
+                      max(medians[k]) - min(medians[k]), medians[k], lows[k]) for k in configs}, "timings")
 
 
 def round_order(names: list, r: int) -> list:
@@ -60,7 +64,7 @@ def warm_up(call: Callable[[], object], configs: dict, device: str, warmup_s: fl
     of selection on the H100 (eight configurations timed, then five)."""
     t0 = time.perf_counter()
     first = True
-    while first or time.perf_counter() - t0 < warmup_s:
+    while first or agreed(time.perf_counter() - t0 < warmup_s, "warm-up rounds"):
         for ctx in configs.values():
             with ctx():
                 for _ in range(WARMUP if first else 1):

@@ -26,7 +26,7 @@ from advisor.kernels.linear_cross_entropy import CausalLMLossForward
 from advisor.patching import decode, rewrite, triton_setup
 from advisor.patching.forward import GradientCalls, PatchedForward
 from advisor.patching.graphs import clear_recordings
-from advisor.patching.modules import called_ancestor, contains, outermost, qualified, resolve, under_compile
+from advisor.patching.modules import called_ancestor, contains, outermost, qualified, resolve, underneath
 from advisor.patching.plan import Plan, PatternSpec, Target, build_plan, load_plan, manifest_entry, \
     occurrence_modules, spec_from_candidate
 
@@ -150,8 +150,8 @@ class Patched:
 
 def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
     """Patch `model` in place with a plan (or the plan in an `apply`/`optimize` output directory); a
-    `torch.compile` wrapper's module underneath (`under_compile`)."""
-    model = under_compile(model)
+    `torch.compile` wrapper's module underneath (`underneath`)."""
+    model = underneath(model)
     derived.stale_all()  # the model may have trained unpatched since its folds were made (BatchNorm statistics)
     if isinstance(plan, (str, Path)):
         plan = load_plan(Path(plan))

@@ -36,6 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from advisor.agreement import agreed
 from advisor.codegen import Unsupported, generate, load_module
 from advisor.codegen.read import read_program
 from advisor.errors import exception_reason
@@ -166,10 +167,16 @@ class Trainable:
                     bw.label = self.label
                     if bw.validated and self.original is not None and timing_meaningful(device.type):
                         try:
-                            bw.fused_ms, bw.eager_ms = time_both(self.forward, self.original, bw, xs, key[1][0])
-                            bw.faster = bw.fused_ms < bw.eager_ms
+                            timed = time_both(self.forward, self.original, bw, xs, key[1][0])
                         except Exception as e:  # timing must never break the site: it keeps its original ops
-                            bw.faster, bw.reason = False, f"not timed: {exception_reason(e)}"
+                            timed = f"not timed: {exception_reason(e)}"
+                        # in a torch.distributed job every rank's site runs the backward rank 0 timed faster
+                        timed = agreed(timed, "backward timings")
+                        if isinstance(timed, str):
+                            bw.faster, bw.reason = False, timed
+                        else:
+                            bw.fused_ms, bw.eager_ms = timed
+                            bw.faster = bw.fused_ms < bw.eager_ms
                     _BACKWARDS[key] = bw
         return bw
 

@@ -20,23 +20,50 @@ _INSTANCE = re.compile(r"^(?P<cls>[A-Za-z_]\w*?)_(?P<n>\d+)$")
 log = logging.getLogger(__name__)
 
 
-def under_compile(model: torch.nn.Module) -> torch.nn.Module:
-    """The module a `torch.compile` wrapper (`OptimizedModule`) calls, else `model` itself. The wrapper's own
-    `forward` is dynamo's frame, which cannot be profiled or captured again (our module hooks, traced by the
-    user's dynamo, failed an assertion in its side-effect tracking); the module underneath can. The wrapper keeps
-    working over it: a patched forward is transparent while dynamo traces, so the wrapper compiles (or keeps)
-    the original forwards and its outputs stay eager's; the fused kernels run when the module itself is called."""
+def underneath(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a wrapper calls (through nested wrappers), else `model` itself; the wrapper keeps working over it.
+
+    - `torch.compile`'s `OptimizedModule`: its own `forward` is dynamo's frame, which cannot be profiled or captured
+      again (our module hooks, traced by the user's dynamo, failed an assertion in its side-effect tracking). A
+      patched forward is transparent while dynamo traces, so the wrapper compiles (or keeps) the original forwards
+      and its outputs stay eager's; the fused kernels run when the module itself is called.
+    - `DistributedDataParallel`: its forward prepares the gradient all-reduce (buckets, autograd hooks) and may
+      broadcast buffers, collectives every rank must make alike; the module underneath (`.module`) is profiled,
+      checked and patched without them, and the wrapper's forward then calls it patched, its hooks and bucketing
+      in place. (FSDP2's `fully_shard` wraps nothing: it hooks the module itself, which is patched as it is.)"""
+    while True:
+        inner = _wrapped(model)
+        if inner is None:
+            return model
+        log.info("fusion-advisor: the model is a %s wrapper: patching the %s underneath", type(model).__name__,
+                 type(inner).__name__)
+        model = inner
+
+
+def _wrapped(model: torch.nn.Module) -> torch.nn.Module | None:
     try:
         from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # another torch's internals: hand the model on as it is
-        return model
-    if not isinstance(model, OptimizedModule):
-        return model
-    inner = model._orig_mod
-    log.info("fusion-advisor: the model is a torch.compile wrapper: patching the %s underneath (`._orig_mod`); "
-             "calls through the wrapper run torch.compile's graph of the original forwards, calls of `._orig_mod` "
-             "run the fused kernels", type(inner).__name__)
-    return inner
+    except ImportError:  # another torch's internals: no compile wrapper to see through
+        OptimizedModule = ()
+    if OptimizedModule and isinstance(model, OptimizedModule):
+        return model._orig_mod
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else None
+
+
+def at_rest(model: torch.nn.Module) -> None:
+    """Every `fully_shard`-ed (FSDP2) module under `model` resharded, as `fully_shard` left it: its sharded
+    parameters registered again. A forward leaves the root unsharded (it keeps its gathered parameters for the
+    backward); `model.parameters()` would then be the gathered copies, not the sharded ones an optimizer steps and
+    FSDP2's reduce-scatter writes gradients into."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2: nothing is sharded
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def is_instance_chain(path: str) -> bool:

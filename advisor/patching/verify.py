@@ -23,6 +23,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.utils._pytree import tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from advisor.agreement import agreed
 from advisor.validate.outputs import Comparison, compare_outputs
 from advisor.example_inputs import snapshot
 from advisor.ops import registry
@@ -132,6 +133,12 @@ def _same_draws():
             restore(after[0])
 
 
+def agreed_comparison(ref, out, exact=None) -> Comparison:
+    """`compare_outputs` as rank 0 found it, in a torch.distributed job (`advisor.agreement`): each rank checks its
+    own outputs, and what is dropped, and which calls the check makes next, is decided once."""
+    return agreed(compare_outputs(ref, out, exact), "output checks")
+
+
 def check(call: Callable[[], object], handle: Patched, exact: Callable[[], object] | None = None) -> Check:
     """`exact()`, when given, computes the same call in float32 (see `float32_reference`); it is only run
     when the patched output is not within the dtype tolerance of the unpatched one."""
@@ -146,21 +153,21 @@ def _check(call: Callable[[], object], handle: Patched, exact: Callable[[], obje
     with clock("first patched call"):
         out = call()
     with clock("compare"):
-        cmp = compare_outputs(ref, out)
+        cmp = agreed_comparison(ref, out)
     exact_out = None
     if not cmp.ok and exact is not None:
         with clock("float32 reference"):
             exact_out = exact()
         if exact_out is not None:
             with clock("compare"):
-                cmp = compare_outputs(ref, out, exact_out)
+                cmp = agreed_comparison(ref, out, exact_out)
     if random_ops.seen:  # said beside the verdict: these outputs agree (or not) at one random state
         cmp = dataclasses.replace(cmp, reason=f"{cmp.reason or 'outputs as unpatched'} (at the same random "
                                   f"draws: the call draws random numbers, {random_ops.seen})")
     if cmp.ok:
         return Check(cmp, {}, handle, out, clock.seconds)
     with only(set()):  # the captures with no kernel: what the module computes when captured
-        bare = compare_outputs(ref, call(), exact_out)
+        bare = agreed_comparison(ref, call(), exact_out)
     if not bare.ok:
         # No kernel is to blame: the captured code itself computes otherwise than the eager forward (an eager-only
         # path dynamo does not take: nn.TransformerEncoder's nested-tensor fast path leaves its padded positions
@@ -174,7 +181,7 @@ def _check(call: Callable[[], object], handle: Patched, exact: Callable[[], obje
     dropped, error = {}, {}
     for key in live:
         with only({key}):
-            alone = compare_outputs(ref, call(), exact_out)
+            alone = agreed_comparison(ref, call(), exact_out)
         error[key] = alone.rel_l2
         if not alone.ok:
             dropped[key] = f"outputs differ from the unpatched model with this pattern alone: {alone.reason}"
@@ -186,7 +193,7 @@ def _check(call: Callable[[], object], handle: Patched, exact: Callable[[], obje
             gone = rest.pop()
             dropped[gone] = f"outputs differ with all patterns applied together: {cmp.reason}"
             with only(set(rest)):
-                if rest and compare_outputs(ref, call(), exact_out).ok:
+                if rest and agreed_comparison(ref, call(), exact_out).ok:
                     break
         else:
             dropped = {k: f"outputs differ with all patterns applied together: {cmp.reason}" for k in live}
@@ -236,9 +243,9 @@ def check_outer(call: Callable[[], object], handle: Patched, exact: Callable[[],
     with whole(True):
         out = call()
     after = handle.launches()
-    cmp = compare_outputs(ref, out)
+    cmp = agreed_comparison(ref, out)
     if not cmp.ok and exact is not None and (exact_out := exact()) is not None:
-        cmp = compare_outputs(ref, out, exact_out)
+        cmp = agreed_comparison(ref, out, exact_out)
     if not cmp.ok:
         for f in live:
             f.rejected = f"outer capture: outputs differ from the unpatched model ({cmp.reason})"

@@ -26,14 +26,17 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_leaves
 
+from advisor import agreement
+
 from advisor.analysis.api import analyze
 from advisor.collect.in_process import profile_calls
 from advisor.errors import AdvisorError, exception_details, exception_reason
 from advisor.example_inputs import snapshot
 from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
+from advisor.layout import rank_dir
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
 from advisor.patching import decode as decode_setup
-from advisor.patching.modules import under_compile
+from advisor.patching.modules import at_rest, underneath
 from advisor.patching.capture import launched_sites
 from advisor.patching.forward import checking
 from advisor.patching.graphs import clear_recordings
@@ -147,7 +150,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
         raise AdvisorError(f"train_memory is the extra peak memory fused training may take, as a fraction from 0 to "
                            f"1 (0.05: 5%); got {train_memory!r}")
     with _OPTIMIZING:
-        model = under_compile(model)  # a torch.compile wrapper: its module is optimised, the wrapper keeps working
+        model = underneath(model)  # a wrapper (torch.compile, DDP): the module it calls is optimised, the wrapper works on
         args, kwargs = split_inputs(example_inputs)
         if any(isinstance(t, torch.Tensor) and t.is_nested for t in tree_leaves((args, kwargs))):
             # PyTorch's execution-trace observer cannot record a nested tensor (it has no sizes): it disables itself
@@ -170,17 +173,22 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
             with torch.no_grad():  # runs calls in inference mode through the same capture (`PatchedForward`)
                 return model(*call_args, **call_kwargs)
 
-        with eval_if_unrepeatable(model, call) as modes:
-            report = _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters,
-                               granularity, reuse, select, interpret, train, modes, train_memory, decode, isolation)
-        return report
+        try:
+            with eval_if_unrepeatable(model, call) as modes, agreement.recorded() as agreed_so_far:
+                return _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters,
+                                 granularity, reuse, select, interpret, train, modes, train_memory, decode, isolation,
+                                 agreed_so_far)
+        finally:
+            at_rest(model)  # FSDP2's modules as `fully_shard` left them: an optimizer made now steps the sharded ones
 
 
 def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity, reuse, select,
               interpret, train, modes, train_memory: float = 0.0, decode: bool = False,
-              isolation: probe.ProbeOutcome | None = None) -> OptimizeReport:
+              isolation: probe.ProbeOutcome | None = None, agreed_so_far=lambda: None) -> OptimizeReport:
     device = _device_of(model, args, kwargs)
-    out_dir = Path(out) if out else scratch_out_dir()
+    job = agreement.job()
+    # each rank of a job writes its own folder (its trace, its apply.json), rank-K under the one it was given
+    out_dir = (rank_dir(out, job.rank) if job else Path(out)) if out else scratch_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     phases = Stopwatch()
     if device == "cuda" and replacement == "kernel":
@@ -188,8 +196,8 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     options = {"top": top, "replacement": replacement, "granularity": granularity, "select": select is not False}
     key_parts: dict = {}
     key = plan_cache.fingerprint(model, args, kwargs, device, options, key_parts) if reuse else None
-    with phases("reuse"):
-        reused = bool(key) and plan_cache.fetch(key, out_dir)
+    with phases("reuse"):  # (in a job, only where every rank has the plan stored)
+        reused = agreement.everywhere(bool(key) and plan_cache.fetch(key, out_dir), "stored plan")
     if reused:  # the same model and inputs were optimised before: its plan, re-checked below
         doc = json.loads((out_dir / "analysis.json").read_text())
         records = [PatternResult.from_json(p) for p in json.loads((out_dir / "apply.json").read_text())["patterns"]]
@@ -204,18 +212,19 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
             trace_dir = profile_calls(call, out_dir, device, calls)
         with phases("analyze"):
             analysis = analyze(trace_dir)
-            analysis.to_json(out_dir / "analysis.json")
-            doc = analysis.doc
+            # in a job, rank 0's analysis is every rank's plan: a rank's profile may group its ops otherwise
+            doc, occurrences = agreement.agreed((analysis.doc, occurrence_modules(analysis)), "plan")
+            write_json(out_dir / "analysis.json", doc)
         if replacement == "kernel" and (device == "cuda" or interpret) and early_capture.enabled():
             # captured while the kernels compile: dynamo's and AOTAutograd's seconds off the cold start's path
             specs, records, plan, handle = early_capture.patch_while_generating(
-                model, call, doc, occurrence_modules(analysis), top, out_dir, device, granularity, phases,
+                model, call, doc, occurrences, top, out_dir, device, granularity, phases,
                 outer=select is not False and bench_timing.timing_meaningful(device))
         else:
             with phases("generate"):
                 specs, records = kernel_specs(doc, top, replacement, out_dir, device)
             with phases("patch"):
-                plan = build_plan(specs, doc, occurrence_modules(analysis), granularity)
+                plan = build_plan(specs, doc, occurrences, granularity)
                 handle = patch(model, plan)
     if device != "cuda" and not interpret:  # kernels would run in Triton's interpreter: never a speedup
         unpatch(model)
@@ -298,9 +307,10 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
            "cuda_graphs_not_used": handle.graphs_not_used(), "fallbacks": handle.fallbacks(),
            "host_modules": loaded_host_modules() if device == "cuda" else [],
            "decode": generate.to_json() if generate is not None else None,
-           "isolation": isolation.to_json() if isolation is not None else None}
+           "isolation": isolation.to_json() if isolation is not None else None,
+           "distributed": _agreement_json(agreed_so_far())}
     write_json(out_dir / "apply.json", out)
-    if key and not reused and out["manifest"]:
+    if key and not reused and out["manifest"] and (job is None or job.rank == agreement.DECIDING_RANK):
         plan_cache.store(out_dir, key)
     return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds, selection,
                           training, modes, runs,
@@ -324,7 +334,7 @@ def _count_training(training: dict, model, handle, args, kwargs, device, labels)
     """`training` (kept fused) as one real training step runs it: its fused site runs counted, and where there are
     none, training handed back to the original forwards and said so (it had been "kept as asked" on a model
     whose layers could not train fused)."""
-    n = counted.training(model, handle, args, kwargs, device, labels)
+    n = agreement.agreed(counted.training(model, handle, args, kwargs, device, labels), "training count")
     training["fused_per_step"] = n
     if n == 0:
         handle.train_fused(False)
@@ -348,3 +358,11 @@ def _device_of(model, args, kwargs) -> str:
     for t in list(model.parameters())[:1] + [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]:
         return "cuda" if t.device.type == "cuda" else "cpu"
     return "cpu"
+
+
+def _agreement_json(agreed: agreement.Agreement | None) -> dict | None:
+    """apply.json `distributed`: in a torch.distributed job, this rank and what rank 0 decided for every rank."""
+    if agreed is None:
+        return None
+    return agreed.to_json() | {"note": f"the plan, the output checks and the timings selection chose by are rank "
+                                       f"{agreed.decided_by}'s, broadcast: every rank keeps the same state"}

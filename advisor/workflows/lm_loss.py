@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from advisor.agreement import agreed
 from advisor.bench import timing  # read at call time: tests replace its clocks
 from advisor.errors import exception_details, exception_reason
 from advisor.example_inputs import snapshot
@@ -69,12 +70,13 @@ def _checked_and_timed(model, head, args: tuple, kwargs: dict, device: str, iter
     meaningful = timing.timing_meaningful(device)
     tol = TOLERANCE.get(head.weight.dtype, 2e-2)
     own, output_type = _against_the_models_loss(model, args, kwargs)
+    own = agreed(own, "LM loss checks")  # each rank's own data; the choice is made once, as selection's are
     out["model_loss_rel_error"] = round(own, 8)
     if not own <= tol:  # the model's loss is not cross-entropy over base model -> head (a head transform, a rescale)
         return out | {"decision": f"eager's LM loss: the fused loss differs from the model's own on the example "
                                   f"(relative error {own:.2e} > {tol:g})", "kept": False}
     operands = _operands(head, out["tokens"] if meaningful else min(out["tokens"], CPU_ROWS))
-    error = out["rel_error"] = round(_error(operands), 8)
+    error = out["rel_error"] = round(agreed(_error(operands), "LM loss checks"), 8)
     if not error <= tol:
         return out | {"decision": f"eager's LM loss: the fused loss's gradients differ from eager's (relative "
                                   f"error {error:.2e} > {tol:g})", "kept": False}

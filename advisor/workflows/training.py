@@ -27,10 +27,12 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
+from advisor.agreement import agreed
 from advisor.bench import timing  # read at call time: tests replace its clocks
 from advisor.errors import exception_details, exception_reason
 from advisor.example_inputs import snapshot
 from advisor.patching.forward import TRAINING_CALL
+from advisor.patching.modules import at_rest
 from advisor.patching.train_graphs import drop_training_recordings
 from advisor.workflows.selection import ROUNDS, Option, margin_ms, shown_faster
 
@@ -72,6 +74,7 @@ def keep_faster_training(model: torch.nn.Module, handle, args: tuple, kwargs: di
             out = {"decision": f"training runs the original forwards (its comparison failed: "
                                f"{exception_reason(e, named=(model,))}; apply.json's training.traceback has the "
                                "full error)", "kept": False, **exception_details(e)}
+    out = agreed(out, "training decision")  # decided once: a rank whose check failed alone trains as rank 0 does
     handle.train_fused(out["kept"])
     if not out["kept"]:
         drop_training_recordings(_addresses(model))
@@ -250,7 +253,7 @@ def peak_bytes(step: Callable[[], None], device: str) -> int | None:
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    return agreed(torch.cuda.max_memory_allocated(), "peak memory")  # a rank's peak steers as its timings do
 
 
 def _gb(n: int | None) -> float | None:
@@ -260,7 +263,9 @@ def _gb(n: int | None) -> float | None:
 @contextlib.contextmanager
 def left_as_found(model: torch.nn.Module, input_leaves: list, device: str):
     """The comparison runs in training mode; afterwards modes, gradients (the parameters' and the inputs'),
-    buffers and RNG are as before."""
+    buffers and RNG are as before. FSDP2's modules are at rest on either side (`at_rest`): the parameters whose
+    gradients are kept are the sharded ones its reduce-scatter writes, not the gathered copies a forward leaves."""
+    at_rest(model)
     modes = {m: m.training for m in model.modules()}
     trainable = {p: p.requires_grad for p in model.parameters()}
     grads = {t: t.grad for t in [*model.parameters(), *input_leaves]}
@@ -273,6 +278,7 @@ def left_as_found(model: torch.nn.Module, input_leaves: list, device: str):
         try:
             yield
         finally:
+            at_rest(model)
             for m, training in modes.items():
                 m.training = training
             for p, flag in trainable.items():
