@@ -39,6 +39,8 @@ class Choice:
     inplace: list  # bool per node
     charged_owner: np.ndarray  # per op that charges kernels (in id order): index of its node in the lists above
     charged_ext: np.ndarray  # ... and its External id
+    allocation_ids: np.ndarray  # ET id of each tensor made by an op outside every node (`_allocations`), in id order
+    allocated: np.ndarray  # ... and its storage id
 
 
 def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
@@ -78,6 +80,7 @@ def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
         node[level] = mine
         owner[level] = np.where(inherited >= 0, inherited, np.where(mine, level, -1))
     chosen = np.flatnonzero(node)
+    made_at, made = _allocations(owner < 0, tpl, t0, trace.et)
     charged = np.flatnonzero((owner >= 0) & (row >= 0))  # a node's own op and every op it swallowed
     cls = [(i.cls if i.cls not in TRANSPARENT else OpClass.DATA_MOVEMENT) if i else OpClass.OTHER for i in infos]
     c = code[chosen]
@@ -86,7 +89,7 @@ def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
     return Choice(ids[chosen], en["rf_id"].to_numpy()[order[chosen]], row[chosen],
                   [cats[i] for i in c], schemas.tolist(), tpl[chosen], t0[chosen], [cls[i] for i in c],
                   [bool(infos[i] and infos[i].inplace) for i in c], np.searchsorted(chosen, owner[charged]),
-                  ext[charged])
+                  ext[charged], ids[made_at], made)
 
 
 def _verdict(name: str, info) -> int:
@@ -135,6 +138,40 @@ def _levels(pidx: np.ndarray) -> list[np.ndarray]:
     order = np.argsort(depth, kind="stable")
     bounds = np.searchsorted(depth[order], np.arange(depth.max() + 2 if len(depth) else 1))
     return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _allocations(outside: np.ndarray, tpl: np.ndarray, t0: np.ndarray, et: EtArgs) -> tuple[np.ndarray, np.ndarray]:
+    """(op index, storage id) of each tensor an op outside every node returned on a storage none of its
+    inputs is on (an `aten::empty` in a scope, an unknown composite's output, a tensor the script made between
+    calls), sorted by op index. Such a storage holds a new tensor whose writer is not in the graph: a read of it
+    must not bind to a node that wrote the same storage id before. Storage ids are addresses, so whether a new
+    tensor reuses a freed one's depends on the process heap (what other threads, the profiler and the script
+    allocated, and when), not on the model: bound to the old writer, one call of a deterministic model got an
+    edge across layers or calls that another call did not. Checked per argument template, for all its ops at
+    once."""
+    at_parts, sid_parts = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+    check = np.flatnonzero(outside)
+    for t in np.unique(tpl[check]):
+        rows = [r for r in et.templates[t] if (r.slot >= 0 or r.storage_id >= 0) and r.shape is not None]
+        outs = [r for r in rows if r.io == "o" and r.itemsize > 0]  # (an undefined tensor has no storage)
+        if not outs:
+            continue
+        these = check[tpl[check] == t]
+
+        def sids(r):
+            return et.storage_ids[t0[these] + r.slot] if r.slot >= 0 else np.full(len(these), r.storage_id)
+
+        ins = [sids(r) for r in rows if r.io == "i"]
+        for o in outs:
+            out = sids(o)
+            new = out >= 0
+            for i in ins:
+                new &= i != out
+            at_parts.append(these[new])
+            sid_parts.append(out[new])
+    at, sid = np.concatenate(at_parts), np.concatenate(sid_parts)
+    order = np.argsort(at, kind="stable")
+    return at[order], sid[order]
 
 
 def _aliases(cand, verdict, code, infos, tpl, t0, et: EtArgs) -> np.ndarray:
