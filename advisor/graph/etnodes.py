@@ -50,6 +50,7 @@ def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
     code = en["name"].cat.codes.to_numpy()[order]
     cats = [str(c) for c in en["name"].cat.categories]
     row = _op_rows(trace.ops["rf_id"].to_numpy(), en["rf_id"].to_numpy()[order])
+    parents = _callers(ids, parents, row, trace.ops)
     ext = np.where(row >= 0, trace.ops["ext_id"].to_numpy()[np.maximum(row, 0)], -1)
     direct = kernels.count(ext) > 0 if trace.has_gpu else np.zeros(len(ids), dtype=bool)
     # A parent counts only if the id-order walk met it first (a smaller id): the root is its own parent.
@@ -90,6 +91,40 @@ def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
                   [cats[i] for i in c], schemas.tolist(), tpl[chosen], t0[chosen], [cls[i] for i in c],
                   [bool(infos[i] and infos[i].inplace) for i in c], np.searchsorted(chosen, owner[charged]),
                   ext[charged], ids[made_at], made)
+
+
+def _callers(ids: np.ndarray, parents: np.ndarray, row: np.ndarray, ops) -> np.ndarray:
+    """The parent id of each op (ids in id order): for an op with a Kineto op, the innermost op whose Kineto
+    op encloses it on its thread (none: -1, unless its ET parent has no Kineto op, a thread's root); the ET's
+    link otherwise. The two agree wherever every record function begins and ends on one thread. An
+    asynchronous collective's does not (`gloo:all_reduce`, begun for the main thread, ended by the worker that
+    ran it): it stays open on the main thread's ET stack until the worker ends it, and that end pops whatever
+    is on top, so the ET made the ops the main thread ran meanwhile its children (the next call's forward,
+    which the collective, a barrier node, then swallowed) or an op's grandparent its parent (an addmm a node
+    beside its own linear); how far that reached depended on when the worker finished. Per thread, sorted as
+    calls open (start, then the longer first, then id), an op's caller is the nearest earlier op that ends no
+    sooner: found for all ops at once by jumping from the previous op to its own guess, one level a step."""
+    have = np.flatnonzero(row >= 0)
+    if not len(have):
+        return parents
+    r = row[have]
+    ts, end, tid = ops["ts"].to_numpy()[r], ops["end"].to_numpy()[r], ops["tid"].to_numpy()[r]
+    order = np.lexsort((ids[have], -end, ts, tid))
+    end, tid = end[order], tid[order]
+    caller = np.arange(len(order)) - 1
+    caller[np.flatnonzero(np.r_[True, tid[1:] != tid[:-1]])] = -1
+    while True:
+        c = np.maximum(caller, 0)
+        up = (caller >= 0) & (end[c] < end)
+        if not up.any():
+            break
+        caller[up] = caller[c[up]]
+    out = parents.copy()
+    mine = have[order]
+    joined_ids = ids[have]
+    et_parent_joined = np.isin(parents[mine], joined_ids)
+    out[mine] = np.where(caller >= 0, ids[mine[np.maximum(caller, 0)]], np.where(et_parent_joined, -1, parents[mine]))
+    return out
 
 
 def _verdict(name: str, info) -> int:
