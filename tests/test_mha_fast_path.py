@@ -52,6 +52,30 @@ def attention():
     return nn.Sequential(Block(), Block())
 
 
+class VitEncoderBlock(nn.Module):
+    """torchvision's `vision_transformer.EncoderBlock`, as it is written there (torchvision stays out of CI):
+    pre-norm nn.MultiheadAttention and MLP, each with its residual add."""
+
+    def __init__(self, hidden=64, heads=4, mlp=128):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(hidden, eps=1e-6)
+        self.self_attention = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.dropout = nn.Dropout(0.0)
+        self.ln_2 = nn.LayerNorm(hidden, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(hidden, mlp), nn.GELU(), nn.Dropout(0.0), nn.Linear(mlp, hidden),
+                                 nn.Dropout(0.0))
+
+    def forward(self, input):
+        x = self.ln_1(input)
+        x, _ = self.self_attention(x, x, x, need_weights=False)
+        x = self.dropout(x) + input
+        return x + self.mlp(self.ln_2(x))
+
+
+def vit_blocks():
+    return nn.Sequential(VitEncoderBlock(), VitEncoderBlock())
+
+
 def encoder():
     return nn.Sequential(*[nn.TransformerEncoderLayer(64, 4, 128, activation="gelu", batch_first=True,
                                                       norm_first=True) for _ in range(2)])
@@ -61,6 +85,7 @@ CASES = {
     "encoder": (encoder, lambda: (torch.randn(2, 8, 64),)),
     "decoder": (Decoder, lambda: (torch.randn(2, 8, 64), torch.randn(2, 6, 64))),
     "attention": (attention, lambda: (torch.randn(2, 8, 64),)),
+    "torchvision_vit_block": (vit_blocks, lambda: (torch.randn(2, 8, 64),)),
 }
 
 
