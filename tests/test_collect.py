@@ -361,6 +361,22 @@ def test_root_module_is_most_called_outermost():
     assert st["iterations"] == [[300, 450], [500, 650]]
 
 
+def test_root_modules_called_as_often_are_told_apart_by_their_ops_not_their_time():
+    """A model and its loss module, each called once a step: the model's calls ran more ops, and stay the iteration
+    when a loaded machine makes the loss's calls take longer (by time, the iteration was the loss)."""
+    def op(ts):
+        return {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": ts, "dur": 1, "pid": 1, "tid": 1}
+
+    ev, pid = [_py(1, None, "script.py(1): <module>", 0, 10_000)], 10
+    for i in range(3):
+        t = 100 + i * 2000
+        ev += [_py(pid, 1, "nn.Module: Model_0", t, 100), *(op(t + 10 * k) for k in range(1, 6)),
+               _py(pid + 1, 1, "nn.Module: Loss_0", t + 200, 1500), op(t + 300)]
+        pid += 10
+    st = steady.steady_state(ev)
+    assert (st["name"], st["found"], st["iterations"]) == ("Model_0", 3, [[2100, 2200], [4100, 4200]])
+
+
 def test_region_nesting_single_iteration_and_whole_fallback():
     def ua(name, ts, dur):
         return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": {}}

@@ -52,6 +52,30 @@ def attention():
     return nn.Sequential(Block(), Block())
 
 
+class VitEncoderBlock(nn.Module):
+    """torchvision's `vision_transformer.EncoderBlock`, as it is written there (torchvision stays out of CI):
+    pre-norm nn.MultiheadAttention and MLP, each with its residual add."""
+
+    def __init__(self, hidden=64, heads=4, mlp=128):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(hidden, eps=1e-6)
+        self.self_attention = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.dropout = nn.Dropout(0.0)
+        self.ln_2 = nn.LayerNorm(hidden, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(hidden, mlp), nn.GELU(), nn.Dropout(0.0), nn.Linear(mlp, hidden),
+                                 nn.Dropout(0.0))
+
+    def forward(self, input):
+        x = self.ln_1(input)
+        x, _ = self.self_attention(x, x, x, need_weights=False)
+        x = self.dropout(x) + input
+        return x + self.mlp(self.ln_2(x))
+
+
+def vit_blocks():
+    return nn.Sequential(VitEncoderBlock(), VitEncoderBlock())
+
+
 def encoder():
     return nn.Sequential(*[nn.TransformerEncoderLayer(64, 4, 128, activation="gelu", batch_first=True,
                                                       norm_first=True) for _ in range(2)])
@@ -61,6 +85,7 @@ CASES = {
     "encoder": (encoder, lambda: (torch.randn(2, 8, 64),)),
     "decoder": (Decoder, lambda: (torch.randn(2, 8, 64), torch.randn(2, 6, 64))),
     "attention": (attention, lambda: (torch.randn(2, 8, 64),)),
+    "torchvision_vit_block": (vit_blocks, lambda: (torch.randn(2, 8, 64),)),
 }
 
 
@@ -85,7 +110,8 @@ def test_layernorm_candidates_of_torch_transformer_layers_are_patched(name, tmp_
 
 
 def test_apply_patches_the_encoder_layers_layernorms(tmp_path):
-    """The issue's script, through the CLI: `apply` ranks residual + LayerNorm and patches it."""
+    """The issue's script, through the CLI: `apply` ranks residual + LayerNorm, patches it, and the patched
+    outputs match; `analyze` gives the patterns the ids `apply` gave them."""
     script = tmp_path / "enc.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.nn as nn
@@ -102,6 +128,18 @@ def test_apply_patches_the_encoder_layers_layernorms(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads((out / "analysis.json").read_text())
-    records = json.loads((out / "apply.json").read_text())["patterns"]
+    applied = json.loads((out / "apply.json").read_text())
+    records = applied["patterns"]
     norms = [r for r, c in zip(records, candidates_of(records, doc)) if RESIDUAL_LAYERNORM.matches(c)]
     assert norms and all(r["patched"] for r in norms), [(r["title"], r["status"]) for r in records]
+    # the patched model's outputs match the unpatched model's: the last check, of what stays patched, passed
+    assert applied["checks"] and applied["checks"][-1]["ok"], applied["checks"]
+    # `analyze` of a profile of its own names the same patterns by the same ids as `apply` did (its profile)
+    analysed = tmp_path / "A"
+    for cmd in (["profile", str(script), "--out", str(analysed)], ["analyze", str(analysed)]):
+        r = subprocess.run([sys.executable, "-m", "advisor", *cmd], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ids = [{c["id"]: c["pattern_id"] for c in json.loads((d / "analysis.json").read_text())["candidates"]}
+           for d in (out, analysed)]
+    assert ids[0] == ids[1]

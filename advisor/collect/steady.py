@@ -7,7 +7,7 @@ Sources, in order:
              (a plain `torch.profiler.record_function(NAME)`).
   module  -- the calls of the outermost nn.Module: `python_function` events `nn.Module: Class_N` with
              no nn.Module ancestor along `Python parent id` -> `Python id`; the most-called such module
-             (ties: the one with more total time) is the iteration.
+             (ties: the one whose calls ran more cpu ops) is the iteration.
   whole   -- one iteration spanning every duration event of the trace.
 A training loop (autograd's backward or an optimizer step after the module's calls) makes each module
 call's window reach to the last backward or optimizer event before the next call: an iteration is then
@@ -89,13 +89,19 @@ def root_module_calls(events: List[Dict[str, Any]]) -> Tuple[Optional[str], List
             roots[name].append(e)
     if not roots:
         return None, []
+    op_starts = sorted(float(e["ts"]) for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X")
 
-    def score(item):
-        name, evs = item
-        return (len(_outermost(evs)), sum(float(e.get("dur", 0) or 0) for e in evs))
+    def ops_inside(windows: List[Tuple[float, float]]) -> int:
+        return sum(bisect.bisect_right(op_starts, en) - bisect.bisect_left(op_starts, b) for b, en in windows)
 
-    name, evs = max(roots.items(), key=score)
-    return name[len(MODULE_PREFIX):], _outermost(evs)
+    # Ties on calls (a model and its loss module, each called once a step) go to the one whose calls ran more
+    # ops: a count the workload fixes. Their durations would not: on a loaded machine the lighter module's calls
+    # can take longer, and the iteration, and everything analysed within it, would change from run to run.
+    calls = {name: _outermost(evs) for name, evs in roots.items()}
+    most = max(len(w) for w in calls.values())
+    tied = [name for name, w in calls.items() if len(w) == most]
+    name = max(tied, key=lambda n: (ops_inside(calls[n]), -calls[n][0][0])) if len(tied) > 1 else tied[0]
+    return name[len(MODULE_PREFIX):], calls[name]
 
 
 # Events that mark a training step's work after the forward (the backward's nodes, the optimizer's step)

@@ -7,8 +7,11 @@ through; an unknown aten op becomes a barrier node. Kernels are charged to the n
 cpu op that launched them.
 
 Tensors are resolved by storage id with the last-writer rule: a read of storage S (through any
-view) depends on the last node that wrote S before it. That one rule handles views, in-place ops
-and ids reused after a free — except for a tensor allocated by no recorded op (the dispatcher's
+view) depends on the last node that wrote S before it, unless an op outside the graph gave S a new
+tensor since (an allocation in a scope, an unknown composite's output): storage ids are addresses,
+reused whenever the heap hands a freed block out again, so the rule must not see through a new
+allocation, or the edges would depend on the heap instead of the model. That handles views, in-place
+ops and ids reused after a free — except for a tensor allocated by no recorded op (the dispatcher's
 wrapped scalars) at a freed address: a read binds to the last writer only if it fits what was
 written (same dtype, inside the written range), otherwise it is a new outside tensor.
 
@@ -148,8 +151,15 @@ def _nodes_from_et(trace: Trace, ops: pd.DataFrame, modules: np.ndarray, kernels
     values: list[Value] = []
     last_writer: dict[int, int] = {}
     ends: list[int] = []  # per value: offset + extent of what its producer wrote (what a later read must fit in)
+    # Storages given a new tensor by an op outside the graph, in id order: from there on a read starts a new
+    # outside value instead of binding to the node that wrote that storage id before (etnodes._allocations).
+    made_at, made = c.allocation_ids.tolist(), c.allocated.tolist()
+    next_made = 0
     for idx, (et_id, rf, op, cls, schema, inplace, tpl, (names, k_ts, k_dur)) in enumerate(zip(
             c.ids.tolist(), c.rf.tolist(), c.names, c.cls, c.schemas, c.inplace, c.tpl.tolist(), spans)):
+        while next_made < len(made_at) and made_at[next_made] < et_id:
+            last_writer.pop(made[next_made], None)
+            next_made += 1
         node = Node(idx, et_id, rf, op, cls, schema, ts[idx], dur[idx], it[idx], mods[idx], phs[idx], inplace=inplace,
                     template=template_of.setdefault((op, schema, tpl), len(template_of)))
         if names:

@@ -39,6 +39,8 @@ class Choice:
     inplace: list  # bool per node
     charged_owner: np.ndarray  # per op that charges kernels (in id order): index of its node in the lists above
     charged_ext: np.ndarray  # ... and its External id
+    allocation_ids: np.ndarray  # ET id of each tensor made by an op outside every node (`_allocations`), in id order
+    allocated: np.ndarray  # ... and its storage id
 
 
 def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
@@ -48,6 +50,7 @@ def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
     code = en["name"].cat.codes.to_numpy()[order]
     cats = [str(c) for c in en["name"].cat.categories]
     row = _op_rows(trace.ops["rf_id"].to_numpy(), en["rf_id"].to_numpy()[order])
+    parents = _callers(ids, parents, row, trace.ops)
     ext = np.where(row >= 0, trace.ops["ext_id"].to_numpy()[np.maximum(row, 0)], -1)
     direct = kernels.count(ext) > 0 if trace.has_gpu else np.zeros(len(ids), dtype=bool)
     # A parent counts only if the id-order walk met it first (a smaller id): the root is its own parent.
@@ -78,6 +81,7 @@ def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
         node[level] = mine
         owner[level] = np.where(inherited >= 0, inherited, np.where(mine, level, -1))
     chosen = np.flatnonzero(node)
+    made_at, made = _allocations(owner < 0, tpl, t0, trace.et)
     charged = np.flatnonzero((owner >= 0) & (row >= 0))  # a node's own op and every op it swallowed
     cls = [(i.cls if i.cls not in TRANSPARENT else OpClass.DATA_MOVEMENT) if i else OpClass.OTHER for i in infos]
     c = code[chosen]
@@ -86,7 +90,41 @@ def choose(trace: Trace, iteration: np.ndarray, kernels: KernelIndex) -> Choice:
     return Choice(ids[chosen], en["rf_id"].to_numpy()[order[chosen]], row[chosen],
                   [cats[i] for i in c], schemas.tolist(), tpl[chosen], t0[chosen], [cls[i] for i in c],
                   [bool(infos[i] and infos[i].inplace) for i in c], np.searchsorted(chosen, owner[charged]),
-                  ext[charged])
+                  ext[charged], ids[made_at], made)
+
+
+def _callers(ids: np.ndarray, parents: np.ndarray, row: np.ndarray, ops) -> np.ndarray:
+    """The parent id of each op (ids in id order): for an op with a Kineto op, the innermost op whose Kineto
+    op encloses it on its thread (none: -1, unless its ET parent has no Kineto op, a thread's root); the ET's
+    link otherwise. The two agree wherever every record function begins and ends on one thread. An
+    asynchronous collective's does not (`gloo:all_reduce`, begun for the main thread, ended by the worker that
+    ran it): it stays open on the main thread's ET stack until the worker ends it, and that end pops whatever
+    is on top, so the ET made the ops the main thread ran meanwhile its children (the next call's forward,
+    which the collective, a barrier node, then swallowed) or an op's grandparent its parent (an addmm a node
+    beside its own linear); how far that reached depended on when the worker finished. Per thread, sorted as
+    calls open (start, then the longer first, then id), an op's caller is the nearest earlier op that ends no
+    sooner: found for all ops at once by jumping from the previous op to its own guess, one level a step."""
+    have = np.flatnonzero(row >= 0)
+    if not len(have):
+        return parents
+    r = row[have]
+    ts, end, tid = ops["ts"].to_numpy()[r], ops["end"].to_numpy()[r], ops["tid"].to_numpy()[r]
+    order = np.lexsort((ids[have], -end, ts, tid))
+    end, tid = end[order], tid[order]
+    caller = np.arange(len(order)) - 1
+    caller[np.flatnonzero(np.r_[True, tid[1:] != tid[:-1]])] = -1
+    while True:
+        c = np.maximum(caller, 0)
+        up = (caller >= 0) & (end[c] < end)
+        if not up.any():
+            break
+        caller[up] = caller[c[up]]
+    out = parents.copy()
+    mine = have[order]
+    joined_ids = ids[have]
+    et_parent_joined = np.isin(parents[mine], joined_ids)
+    out[mine] = np.where(caller >= 0, ids[mine[np.maximum(caller, 0)]], np.where(et_parent_joined, -1, parents[mine]))
+    return out
 
 
 def _verdict(name: str, info) -> int:
@@ -135,6 +173,40 @@ def _levels(pidx: np.ndarray) -> list[np.ndarray]:
     order = np.argsort(depth, kind="stable")
     bounds = np.searchsorted(depth[order], np.arange(depth.max() + 2 if len(depth) else 1))
     return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _allocations(outside: np.ndarray, tpl: np.ndarray, t0: np.ndarray, et: EtArgs) -> tuple[np.ndarray, np.ndarray]:
+    """(op index, storage id) of each tensor an op outside every node returned on a storage none of its
+    inputs is on (an `aten::empty` in a scope, an unknown composite's output, a tensor the script made between
+    calls), sorted by op index. Such a storage holds a new tensor whose writer is not in the graph: a read of it
+    must not bind to a node that wrote the same storage id before. Storage ids are addresses, so whether a new
+    tensor reuses a freed one's depends on the process heap (what other threads, the profiler and the script
+    allocated, and when), not on the model: bound to the old writer, one call of a deterministic model got an
+    edge across layers or calls that another call did not. Checked per argument template, for all its ops at
+    once."""
+    at_parts, sid_parts = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+    check = np.flatnonzero(outside)
+    for t in np.unique(tpl[check]):
+        rows = [r for r in et.templates[t] if (r.slot >= 0 or r.storage_id >= 0) and r.shape is not None]
+        outs = [r for r in rows if r.io == "o" and r.itemsize > 0]  # (an undefined tensor has no storage)
+        if not outs:
+            continue
+        these = check[tpl[check] == t]
+
+        def sids(r):
+            return et.storage_ids[t0[these] + r.slot] if r.slot >= 0 else np.full(len(these), r.storage_id)
+
+        ins = [sids(r) for r in rows if r.io == "i"]
+        for o in outs:
+            out = sids(o)
+            new = out >= 0
+            for i in ins:
+                new &= i != out
+            at_parts.append(these[new])
+            sid_parts.append(out[new])
+    at, sid = np.concatenate(at_parts), np.concatenate(sid_parts)
+    order = np.argsort(at, kind="stable")
+    return at[order], sid[order]
 
 
 def _aliases(cand, verdict, code, infos, tpl, t0, et: EtArgs) -> np.ndarray:
