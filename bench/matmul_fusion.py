@@ -1,6 +1,6 @@
 """GPU benchmark of matmul-anchored kernels (issue 10): GEMM epilogues, eager attention, the SPLADE head.
 
-    python -m bench.matmul_fusion --out reports/matmul_fusion_h100   # writes .md and .json; ~4 min on an H100
+    python -m bench.matmul_fusion --out reports/matmul-fusion/matmul_fusion   # writes .md and .json; ~4 min on an H100
     python -m bench.matmul_fusion --out /tmp/smoke --smoke           # tiny shapes in Triton's interpreter (CPU)
 
 Every kernel is made by the generator (`advisor.codegen.anchored.generate_anchored`) from the program a

@@ -1,6 +1,6 @@
 """Collector overhead: the Llama sample workload run plainly and under `fusion-advisor profile`.
 
-    python -m bench.profile_overhead                 # --iters 3 and 50, 3 runs each, writes reports/scale.md
+    python -m bench.profile_overhead                 # --iters 3 and 50, 3 runs each, writes reports/scale/README.md
     python -m bench.profile_overhead --iters 3 --runs 1 --no-report
 
 Both runs are whole processes (`python3 examples/hf_llama.py --device cpu --iters N` against
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, nargs="+", default=[3, 50])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--report", type=Path, default=ROOT / "reports" / "scale.md")
+    ap.add_argument("--report", type=Path, default=ROOT / "reports" / "scale" / "README.md")
     ap.add_argument("--no-report", action="store_true")
     a = ap.parse_args(argv)
     rows = [measure(i, a.runs) for i in a.iters]

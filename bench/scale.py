@@ -1,6 +1,6 @@
 """Analyzer scale benchmark: wall time and peak memory at 100k, 300k and 1M kernels, against json.load.
 
-    python -m bench.scale                       # sizes 100000 300000 1000000, report to reports/scale.md
+    python -m bench.scale                       # sizes 100000 300000 1000000, report to reports/scale/README.md
     python -m bench.scale --sizes 100000 --dir /tmp/fa_scale --no-report
 
 Each size is a synthetic trace (bench/synth_trace.py, cached in --dir) analysed by `advisor.analyze` in
@@ -268,7 +268,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-json-load", action="store_true")
     ap.add_argument("--reuse-json-load", action="store_true",
                     help="take json.load's figures from the last run's scale.json where the files are the same")
-    ap.add_argument("--report", type=Path, default=ROOT / "reports" / "scale.md")
+    ap.add_argument("--report", type=Path, default=ROOT / "reports" / "scale" / "README.md")
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--render", action="store_true", help="only re-render the report from the last scale.json")
     a = ap.parse_args(argv)

@@ -478,7 +478,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, of {', '.join(MODES)}")
-    p.add_argument("--out", type=Path, default=Path("reports/train-h100"))
+    p.add_argument("--out", type=Path, default=Path("reports/train/train"))
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--autocast", action="store_true", help="fp32 weights, steps under torch.autocast (bf16)")
     p.add_argument("--lora", action="store_true", help="causal LMs: every mode trains LoRA adapters (needs peft)")

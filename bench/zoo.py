@@ -8,7 +8,7 @@ Also: cold seconds (optimize; compile's first call), kernels per call of each, o
 selection numbers beside the loop's (the state returned must be the state measured), and estimated
 against measured saving of each kept pattern.
 
-    python -m bench.zoo --models qwen2,t5,mobilenet_v3 --out reports/zoo-h100   # on the GPU machine
+    python -m bench.zoo --models qwen2,t5,mobilenet_v3 --out reports/zoo/zoo   # on the GPU machine
     python -m bench.zoo --list
 
 Writes OUT.json (merged with what is there: one call per few models fits a device lease) and OUT.md.
@@ -253,7 +253,7 @@ def child(name: str, result: Path, iters: int, train: bool = False, top: int | N
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--out", type=Path, default=Path("reports/zoo-h100"))
+    p.add_argument("--out", type=Path, default=Path("reports/zoo/zoo"))
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per model")
     p.add_argument("--train", action="store_true", help="also time a training step, eager vs the patched model")
