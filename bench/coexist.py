@@ -12,8 +12,8 @@ with split-K matmuls recorded as our recorder records it (`ours`) or warmed up a
 (`one-stream`, the recipe before `graph_pools`), then cuBLAS's workspaces emptied and the cache handed back
 (what a reduce-overhead model does), then replayed over fresh allocations.
 
-    python3 bench/coexist.py --models qwen2,gemma,convnext_tiny --out reports/coexist/coexist   # GPU machine
-    python3 bench/coexist.py --micro ours      # and: --micro one-stream (may crash its process)
+    python -m bench.coexist --models qwen2,gemma,convnext_tiny --out reports/coexist/coexist   # GPU machine
+    python -m bench.coexist --micro ours      # and: --micro one-stream (may crash its process)
 
 Writes OUT.json (merged) and OUT.md.
 """
@@ -22,18 +22,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-from zoo import MODELS as ZOO, _hf, _suite, _vision  # noqa: E402
+from bench.common import child_command, child_env, load_results, write_report
+from bench.zoo import MODELS as ZOO, _hf, _suite, _vision
 
 def _siglip(device, dtype):
     import torch
@@ -307,18 +303,16 @@ def main(argv=None) -> int:
     if unknown:
         print(f"coexist: unknown model(s) or peer(s): {', '.join(unknown)}", file=sys.stderr)
         return 2
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    path = a.out.with_suffix(".json")
-    doc = json.loads(path.read_text()) if path.exists() else {"results": {}}
+    doc = load_results(a.out)
     failed = 0
     for name in names:
         result = a.out.parent / f".coexist-{name}.json"
         result.unlink(missing_ok=True)
         t0 = time.perf_counter()
         try:
-            cmd = [sys.executable, __file__, "--child", name, "--result", str(result), "--calls", str(a.calls),
-                   "--peers", ",".join(peers)] + ["--control"] * a.control + ["--sanitize", a.sanitize] * bool(a.sanitize)
-            env = {**os.environ, **({"TORCH_CUDA_SANITIZER": "1"} if a.sanitize == "stream" else {})}
+            cmd = child_command("bench.coexist", "--child", name, "--result", str(result), "--calls", str(a.calls),
+                                "--peers", ",".join(peers)) + ["--control"] * a.control + ["--sanitize", a.sanitize] * bool(a.sanitize)
+            env = {**child_env(), **({"TORCH_CUDA_SANITIZER": "1"} if a.sanitize == "stream" else {})}
             if a.sanitize == "memcheck":
                 cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "97", *cmd]
             proc = subprocess.run(cmd, timeout=a.timeout, capture_output=True, text=True, env=env)
@@ -339,8 +333,8 @@ def main(argv=None) -> int:
         doc["results"][name] = res
         failed += not res.get("ok")
         print(tail[-1] if tail else name, flush=True)
-        path.write_text(json.dumps(doc, indent=1, default=str))
-    a.out.with_suffix(".md").write_text(markdown(doc))
+        write_report(a.out, doc)
+    write_report(a.out, doc, markdown(doc))
     return 1 if failed else 0
 
 

@@ -2,9 +2,9 @@
 """Cold start per model and phase: fusion-advisor with empty caches, warm caches and from a bundle,
 beside torch.compile's first call with empty and warm caches; Triton compiles counted in each.
 
-    PYTHONPATH=$PWD python3 bench/cold_start.py --out $OUT/cold_start                 # GPU, default models
-    PYTHONPATH=$PWD python3 bench/cold_start.py --models hf_llama,deit_small --out /tmp/cs
-    PYTHONPATH=$PWD python3 bench/cold_start.py --smoke --out /tmp/cs                 # CPU, a tiny model, seconds
+    python -m bench.cold_start --out $OUT/cold_start                 # GPU, default models
+    python -m bench.cold_start --models hf_llama,deit_small --out /tmp/cs
+    python -m bench.cold_start --smoke --out /tmp/cs                 # CPU, a tiny model, seconds
 
 Models: bench/workloads.py names (`hf_llama`, `seed`, ...) or bench/zoo.py's (`deit_small`, `qwen2`, ...).
 Every run is its own child process, one after another (as a user's first and second run would be);
@@ -47,7 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import child_command, child_env
+
 RUNS = ("advisor-empty", "advisor-warm", "advisor-bundle", "advisor-empty-serial", "compile-empty", "compile-warm")
 CACHES = ("FUSION_ADVISOR_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 SMOKE_MODEL = "seed"  # bench/workloads.py's log(relu(x + b)), at its quick size: one kernel
@@ -103,12 +104,11 @@ def caches(out: Path, model: str, run: str) -> dict:
 
 
 def spawn(a, model: str, run: str, timeout: float) -> dict:
-    env = {**os.environ, **caches(a.out, model, run), "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {**child_env(), **caches(a.out, model, run)}
     if run == "advisor-empty-serial":
         env["FUSION_ADVISOR_EARLY_CAPTURE"] = "0"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", model, run, "--out", str(a.out),
-           "--top", str(a.top), *(["--smoke"] if a.smoke else []), *(["--profile"] if a.profile else [])]
+    cmd = child_command("bench.cold_start", "--child", model, run, "--out", a.out, "--top", a.top,
+                        *(["--smoke"] if a.smoke else []), *(["--profile"] if a.profile else []))
     log, result = a.out / f"{model}-{run}.log", a.out / f"{model}-{run}.json"
     result.unlink(missing_ok=True)
     t0 = time.time()
@@ -149,11 +149,10 @@ def profiled(path: Path | None):
 
 
 def child(a, model: str, run: str) -> int:
-    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
     import torch
 
     import advisor  # noqa: F401  (before triton: the interpreter where there is no GPU)
-    from bench.suite import process_warmup
+    from bench.common import process_warmup
 
     device = "cpu" if a.smoke else ("cuda" if torch.cuda.is_available() else "cpu")
     process_warmup(device)
@@ -230,12 +229,12 @@ def build(name: str, device: str, quick: bool):
     """(model, inputs) of a bench/workloads.py or bench/zoo.py model."""
     import torch
 
-    import workloads
+    from bench import workloads
 
     if name in workloads.NAMES:
         w = workloads.build(name, device, quick)
         return w.model, w.inputs
-    import zoo
+    from bench import zoo
 
     if name not in zoo.MODELS:
         raise SystemExit(f"unknown model {name!r}: one of {', '.join(workloads.NAMES + list(zoo.MODELS))}")

@@ -10,7 +10,7 @@ interleaved, after warm-up, in that one process (CUDA events). Ways:
 Also: setup seconds (optimize), first `generate` seconds, greedy tokens' agreement with the untouched copy's
 (share of generated positions equal), fused launches in one `generate` (advisor ways).
 
-    python3 bench/decode.py --models llama,qwen2,mistral --batches 1,4 --out reports/decode/decode
+    python -m bench.decode --models llama,qwen2,mistral --batches 1,4 --out reports/decode/decode
 """
 from __future__ import annotations
 
@@ -22,9 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+from bench.common import child_command, child_env, git_rev, load_results, write_report
 
 DIMS = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
             num_key_value_heads=4, vocab_size=32000)
@@ -58,7 +56,7 @@ def child(name: str, batch: int, ways: list[str], result: Path, new_tokens: int,
     import torch
 
     import advisor
-    from suite import interleaved, process_warmup
+    from bench.common import interleaved, process_warmup
 
     torch.manual_seed(0)
     process_warmup("cuda")
@@ -125,20 +123,18 @@ def main(argv=None) -> int:
     if a.child:
         name, batch = a.child
         return child(name, int(batch), a.ways.split(","), a.result, a.new_tokens, a.prompt, a.iters)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    path = a.out.with_suffix(".json")
-    doc = json.loads(path.read_text()) if path.exists() else {"results": {}}
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    doc = load_results(a.out)
+    rev = git_rev()
     for name in a.models.split(","):
         for batch in a.batches.split(","):
             key = f"{name} b{batch}"
             result = a.out.parent / f".decode-{name}-{batch}.json"
             result.unlink(missing_ok=True)
             try:
-                proc = subprocess.run([sys.executable, __file__, "--child", name, batch, "--ways", a.ways,
-                                       "--result", str(result), "--prompt", str(a.prompt), "--new-tokens",
-                                       str(a.new_tokens), "--iters", str(a.iters)], timeout=a.timeout,
-                                      capture_output=True, text=True)
+                proc = subprocess.run(child_command("bench.decode", "--child", name, batch, "--ways", a.ways,
+                                                     "--result", result, "--prompt", a.prompt, "--new-tokens",
+                                                     a.new_tokens, "--iters", a.iters), timeout=a.timeout,
+                                      capture_output=True, text=True, env=child_env())
                 tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
             except subprocess.TimeoutExpired:
                 tail = [f"timed out after {a.timeout:.0f} s"]
@@ -147,8 +143,8 @@ def main(argv=None) -> int:
             res["commit"] = rev
             doc["results"][key] = res
             print("\n".join(tail[-len(a.ways.split(",")):]), flush=True)
-            path.write_text(json.dumps(doc, indent=1, default=str))
-    a.out.with_suffix(".md").write_text(markdown(doc))
+            write_report(a.out, doc)
+    write_report(a.out, doc, markdown(doc))
     print(markdown(doc))
     return 0
 

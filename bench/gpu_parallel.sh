@@ -41,13 +41,13 @@ for q in ZOO0 ZOO1 ZOO2 SUITE0 SUITE1; do
     cpus="$((gpu * per))-$((gpu * per + per - 1))"
     i=${q: -1}
     if [[ $q == ZOO* ]]; then
-        cmd=(python3 bench/zoo.py --models "$list" --timeout "$ZOO_TIMEOUT" --out "$RUN/zoo$i")
+        cmd=(python3 -m bench.zoo --models "$list" --timeout "$ZOO_TIMEOUT" --out "$RUN/zoo$i")
     else
-        cmd=(python3 bench/suite.py --workloads "$list" --budget "$SUITE_BUDGET" --out "$RUN/suite$i"
+        cmd=(python3 -m bench.suite --workloads "$list" --budget "$SUITE_BUDGET" --out "$RUN/suite$i"
              --logs "$RUN/suite$i/logs")
     fi
     if [ "$q" = "$lastq" ] && [ -n "${TRAIN:-}" ]; then  # the last queue: training steps after it, same GPU
-        train=(python3 bench/train.py --models "$TRAIN" --modes "${TRAIN_MODES:-eager,compile,advisor}"
+        train=(python3 -m bench.train --models "$TRAIN" --modes "${TRAIN_MODES:-eager,compile,advisor}"
                --steps 15 --rounds 5 --out "$RUN/train")
         log "TRAIN after $q on GPU $gpu: ${train[*]}"
         cmd=(bash -c "$(printf '%q ' "${cmd[@]}"); $(printf '%q ' "${train[@]}") >$(printf '%q' "$RUN/train.log") 2>&1"

@@ -1,6 +1,6 @@
 """GPU benchmark of generated kernels against eager and torch.compile (issue 4's performance targets).
 
-    python bench/kernels.py --out reports/kernels_h100      # writes kernels_h100.md and kernels_h100.json
+    python -m bench.kernels --out reports/kernels/kernels      # writes kernels_h100.md and kernels_h100.json
 
 Every kernel is built by the generator from a recorded program (nothing here is hand-written Triton),
 validated (advisor.validate) and checked against eager at the benchmark size before it is timed. Times
@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 import triton.testing  # noqa: E402

@@ -1,7 +1,7 @@
 """GPU benchmark of matmul-anchored kernels (issue 10): GEMM epilogues, eager attention, the SPLADE head.
 
-    python bench/matmul_fusion.py --out reports/matmul_fusion_h100   # writes .md and .json; ~4 min on an H100
-    python bench/matmul_fusion.py --out /tmp/smoke --smoke           # tiny shapes in Triton's interpreter (CPU)
+    python -m bench.matmul_fusion --out reports/matmul-fusion/matmul_fusion   # writes .md and .json; ~4 min on an H100
+    python -m bench.matmul_fusion --out /tmp/smoke --smoke           # tiny shapes in Triton's interpreter (CPU)
 
 Every kernel is made by the generator (`advisor.codegen.anchored.generate_anchored`) from the program a
 profiler trace of the model gives the advisor (top-level `aten::linear` / `addmm` / `matmul`, then the
@@ -36,8 +36,6 @@ if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
 import triton.testing  # noqa: E402

@@ -3,7 +3,7 @@ loop (`with torch.no_grad(): model(input_ids=ids)`) at others, against the untou
 `torch.compile` (default mode, which turns a recompiled dimension dynamic), each timed in the same process,
 interleaved, after warm-up (CUDA events). Fused launches are counted per call at every shape.
 
-    python3 bench/new_shapes.py --models llama,qwen2 --out reports/new-shapes/new_shapes
+    python -m bench.new_shapes --models llama,qwen2 --out reports/new-shapes/new_shapes
 """
 from __future__ import annotations
 
@@ -15,11 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-from decode import build  # noqa: E402  (same models and sizes as the decode benchmark)
+from bench.common import child_command, child_env, git_rev, load_results, write_report
+from bench.decode import build  # same models and sizes as the decode benchmark
 
 PROFILED = (4, 1024)
 OTHERS = ((1, 512), (2, 1500))  # two new shapes: what a patched forward may capture after optimize
@@ -29,7 +26,7 @@ def child(name: str, result: Path, iters: int) -> int:
     import torch
 
     import advisor
-    from suite import interleaved, process_warmup
+    from bench.common import interleaved, process_warmup
 
     torch.manual_seed(0)
     process_warmup("cuda")
@@ -92,26 +89,24 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.child:
         return child(a.child, a.result, a.iters)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    path = a.out.with_suffix(".json")
-    doc = json.loads(path.read_text()) if path.exists() else {"results": {}}
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    doc = load_results(a.out)
+    rev = git_rev()
     for name in a.models.split(","):
         result = a.out.parent / f".new-shapes-{name}.json"
-        proc = subprocess.run([sys.executable, __file__, "--child", name, "--result", str(result), "--iters",
-                               str(a.iters)], capture_output=True, text=True, timeout=400)
+        proc = subprocess.run(child_command("bench.new_shapes", "--child", name, "--result", result, "--iters", a.iters),
+                              capture_output=True, text=True, timeout=400, env=child_env())
         print((proc.stdout + proc.stderr).strip()[-1500:], flush=True)
         res = json.loads(result.read_text()) if result.exists() else {"error": (proc.stdout + proc.stderr)[-3000:]}
         result.unlink(missing_ok=True)
         res["commit"] = rev
         doc["results"][name] = res
-        path.write_text(json.dumps(doc, indent=1, default=str))
+        write_report(a.out, doc)
     lines = ["| model | shape | advisor | compile | fused launches |", "|---|---|---|---|---|"]
     for name, r in doc["results"].items():
         for shape, row in (r.get("shapes") or {}).items():
             lines.append(f"| {name} | {shape} | {row['speedup']['advisor']:.2f}x | {row['speedup']['compile']:.2f}x | "
                          f"{row['fused_launches']} |")
-    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_report(a.out, doc, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

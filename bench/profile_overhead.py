@@ -1,7 +1,7 @@
 """Collector overhead: the Llama sample workload run plainly and under `fusion-advisor profile`.
 
-    python3 bench/profile_overhead.py                 # --iters 3 and 50, 3 runs each, writes reports/scale.md
-    python3 bench/profile_overhead.py --iters 3 --runs 1 --no-report
+    python -m bench.profile_overhead                 # --iters 3 and 50, 3 runs each, writes reports/scale/README.md
+    python -m bench.profile_overhead --iters 3 --runs 1 --no-report
 
 Both runs are whole processes (`python3 examples/hf_llama.py --device cpu --iters N` against
 `python3 -m advisor profile examples/hf_llama.py --out TMP -- --device cpu --iters N`), timed from the
@@ -79,16 +79,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, nargs="+", default=[3, 50])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--report", type=Path, default=ROOT / "reports" / "scale.md")
+    ap.add_argument("--report", type=Path, default=ROOT / "reports" / "scale" / "README.md")
     ap.add_argument("--no-report", action="store_true")
     a = ap.parse_args(argv)
     rows = [measure(i, a.runs) for i in a.iters]
-    body = (f"Measured {time.strftime('%Y-%m-%d %H:%M')} by `python3 bench/profile_overhead.py` "
+    body = (f"Measured {time.strftime('%Y-%m-%d %H:%M')} by `python -m bench.profile_overhead` "
             f"(examples/hf_llama.py --device cpu, whole processes, median of {a.runs}).\n\n{report(rows)}\n")
     print(body)
     if not a.no_report:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from scale import write_section
+        from bench.scale import write_section
 
         write_section(a.report, "collector", body)
 

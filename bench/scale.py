@@ -1,7 +1,7 @@
 """Analyzer scale benchmark: wall time and peak memory at 100k, 300k and 1M kernels, against json.load.
 
-    python3 bench/scale.py                       # sizes 100000 300000 1000000, report to reports/scale.md
-    python3 bench/scale.py --sizes 100000 --dir /tmp/fa_scale --no-report
+    python -m bench.scale                       # sizes 100000 300000 1000000, report to reports/scale/README.md
+    python -m bench.scale --sizes 100000 --dir /tmp/fa_scale --no-report
 
 Each size is a synthetic trace (bench/synth_trace.py, cached in --dir) analysed by `advisor.analyze` in
 a child process of its own, so each measurement starts cold. Peak memory is reported two ways: the
@@ -23,9 +23,9 @@ import threading
 import time
 from pathlib import Path
 
+from bench import synth_trace
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import synth_trace  # noqa: E402
 
 TARGET_S, TARGET_GB, TARGET_LINEAR = 60.0, 4.0, 1.5
 
@@ -268,7 +268,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-json-load", action="store_true")
     ap.add_argument("--reuse-json-load", action="store_true",
                     help="take json.load's figures from the last run's scale.json where the files are the same")
-    ap.add_argument("--report", type=Path, default=ROOT / "reports" / "scale.md")
+    ap.add_argument("--report", type=Path, default=ROOT / "reports" / "scale" / "README.md")
     ap.add_argument("--no-report", action="store_true")
     ap.add_argument("--render", action="store_true", help="only re-render the report from the last scale.json")
     a = ap.parse_args(argv)
@@ -279,7 +279,7 @@ def main(argv=None) -> None:
         for r in rows:
             r["measured"] = time.strftime("%Y-%m-%d %H:%M")
     when = rows[-1].get("measured", "?") if rows else "?"
-    body = (f"Measured {when} by `python3 bench/scale.py` on {machine()}.\n"
+    body = (f"Measured {when} by `python -m bench.scale` on {machine()}.\n"
             f"Synthetic traces: the H100 hf_llama sample's steady iteration repeated (bench/synth_trace.py), "
             f"gzipped at level 6 like the collector writes them.\n\n{report(rows, a.report)}\n")
     print(body)

@@ -4,23 +4,19 @@ shape, its defaults) and `torch.compile(dynamic=True)`, one process. A warm-up p
 recompiles, our captures), then a timed pass: per request, each way once in turn (CUDA events). Total and p99
 latency per way, and the advisor's calls that ran unfused (its fallbacks counted over the timed pass).
 
-    python3 bench/serving.py --out reports/serving/serving
+    python -m bench.serving --out reports/serving/serving
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import random
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-from decode import build  # noqa: E402  (the decode benchmark's models and sizes)
+from bench.common import write_report
+from bench.decode import build  # the decode benchmark's models and sizes
 
 
 def requests(n: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -38,7 +34,7 @@ def main(argv=None) -> int:
     import torch
 
     import advisor
-    from suite import process_warmup
+    from bench.common import process_warmup
 
     torch.manual_seed(0)
     process_warmup("cuda")
@@ -83,12 +79,11 @@ def main(argv=None) -> int:
         s = sorted(ts)
         res["per_way"][name] = {"total_ms": round(sum(ts), 1), "p50_ms": round(s[len(s) // 2], 2),
                                 "p99_ms": round(s[min(len(s) - 1, int(0.99 * len(s)))], 2)}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
     lines = ["| way | total ms | p50 ms | p99 ms | warm-up pass s |", "|---|---|---|---|---|"]
     for name, r in res["per_way"].items():
         lines.append(f"| {name} | {r['total_ms']} | {r['p50_ms']} | {r['p99_ms']} | {warm[name]} |")
-    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    write_report(a.out, res, "\n".join(lines) + "\n")
     print("\n".join(lines))
     print("advisor fallbacks in the timed pass:", unfused)
     return 0

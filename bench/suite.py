@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """GPU benchmark suite (issue 7): fusion-advisor against eager PyTorch and torch.compile, in one run.
 
-    python bench/suite.py                                  # all seven, within --budget (540 s) on an H100
-    python bench/suite.py --workloads hf_llama,hf_gpt2     # a subset
-    python bench/suite.py --quick --device cpu             # tiny shapes on the CPU (what the tests run)
+    python -m bench.suite                                  # all seven, within --budget (540 s) on an H100
+    python -m bench.suite --workloads hf_llama,hf_gpt2     # a subset
+    python -m bench.suite --quick --device cpu             # tiny shapes on the CPU (what the tests run)
 
 For each workload (bf16 inference, random weights, nothing downloaded; shapes in bench/workloads.py)
 one child process (a crash or OOM loses one workload, not the run) measures, in one process:
@@ -36,7 +36,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,32 +43,17 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.common import (  # noqa: F401  (the timing protocol: suite.interleaved etc. stay importable)
+    ROOT, child_command, errors_vs, interleaved, kernel_count, process_warmup, write_json)
 
 SCHEMA_VERSION = 1
 
 
 def _workloads():
-    """bench/workloads.py (by path if some other `bench` package shadows this directory)."""
-    mine = Path(__file__).resolve().with_name("workloads.py")
-    try:
-        from bench import workloads as mod
+    """bench/workloads.py, imported when first needed."""
+    from bench import workloads
 
-        if Path(mod.__file__).resolve() == mine:
-            return mod
-    except ImportError:
-        pass
-    import importlib.util
-
-    name = "fusion_advisor_suite_workloads"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, mine)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return workloads
 
 DEFAULT_BUDGET_S = 540.0  # all workloads; leaves room inside a 10-minute command limit (start-up, overruns)
 NOT_MEANINGFUL = "CPU run: generated kernels run in Triton's interpreter, times say nothing about fusion"
@@ -204,7 +188,7 @@ def parent_main(a) -> int:
     budget = a.budget if a.budget is not None else DEFAULT_BUDGET_S
     meaningful = device == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     doc = {"schema_version": SCHEMA_VERSION, "generated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": " ".join([Path(sys.executable).name, *sys.argv]), "host": host, "device": device,
+           "command": " ".join([Path(sys.executable).name, "-m", "bench.suite", *sys.argv[1:]]), "host": host, "device": device,
            "quick": a.quick, "timing_meaningful": meaningful, "budget_s": budget, "top": a.top, "iters": a.iters,
            "workloads": [], "summary": {}}
     print(f"suite: {len(a.names)} workload(s) on {host['device_name']} ({device}{', quick shapes' if a.quick else ''}), "
@@ -278,9 +262,9 @@ def run_workload(a, name: str, device: str, share: float, logs: Path) -> dict:
 
 
 def run_child(a, name, device, root: Path, result: Path, timeout: float, log: Path, warm: bool) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--device", device, "--root", str(root),
-           "--result", str(result), "--top", str(a.top), "--iters", str(a.iters),
-           "--deadline", f"{time.time() + timeout:.1f}"]
+    cmd = child_command("bench.suite", "--child", name, "--device", device, "--root", str(root),
+                        "--result", str(result), "--top", str(a.top), "--iters", str(a.iters),
+                        "--deadline", f"{time.time() + timeout:.1f}")
     cmd += ["--quick"] * a.quick + ["--no-compile"] * a.no_compile + ["--warm"] * warm
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -749,33 +733,6 @@ def _key_parts(out_dir: Path) -> dict | None:
 
 
 # ------------------------------------------------------------------------------------ measuring
-def process_warmup(device: str) -> None:
-    """One-time process costs, paid before anything is timed so neither cold start carries them: the
-    advisor's and Inductor's imports, CUDA/cuBLAS, Triton's driver, dynamo + AOTAutograd first use."""
-    import torch
-
-    import advisor.analysis.api  # noqa: F401
-    import advisor.workflows.live_model  # noqa: F401
-    import advisor.patching  # noqa: F401
-    import advisor.patching.verify  # noqa: F401
-    try:
-        import torch._inductor.compile_fx  # noqa: F401  (also in the warm-cache process: same start for both)
-    except Exception:
-        pass
-    if device == "cuda":
-        x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
-        (x @ x).sum().item()
-        try:
-            from triton.runtime.driver import driver
-            driver.active.get_current_device()
-            driver.active.utils  # noqa: B018  (builds/loads Triton's launcher utilities)
-        except Exception:
-            pass
-    f = torch.compile(lambda t: torch.relu(t) + 1, backend="aot_eager")
-    f(torch.randn(8, device=device))
-    torch._dynamo.reset()
-
-
 def _time(fn, device: str, warmup: int, iters: int) -> dict:
     from advisor.bench.timing import time_call
 
@@ -784,99 +741,8 @@ def _time(fn, device: str, warmup: int, iters: int) -> dict:
             "min_ms": round(min(t.samples_ms), 4), "max_ms": round(max(t.samples_ms), 4)}
 
 
-def interleaved(fns: dict, device: str, iters: int, rounds: int, warmup_s: float) -> dict:
-    """Each callable warmed up (>= 3 calls and `warmup_s`), then timed in `rounds` interleaved rounds, in
-    reversed order every other round (`advisor.bench.timing.time_call`: CUDA events on a GPU): median over
-    all samples; spread = max - min of the round medians."""
-    import torch
-
-    from advisor.bench.timing import round_order, time_call
-
-    for fn in fns.values():
-        t0, n = time.perf_counter(), 0
-        while n < (3 if warmup_s else 1) or time.perf_counter() - t0 < warmup_s:
-            fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            n += 1
-    rounds = max(1, min(rounds, iters))
-    per = math.ceil(iters / rounds)
-    samples = {k: [] for k in fns}
-    medians = {k: [] for k in fns}
-    for r in range(rounds):
-        for k in round_order(list(fns), r):
-            t = time_call(fns[k], device, warmup=1, iters=per)
-            samples[k] += t.samples_ms
-            medians[k].append(t.median_ms)
-    out = {}
-    for k in fns:
-        s = sorted(samples[k])
-        out[k] = {"median_ms": round(statistics.median(s), 4), "spread_ms": round(max(medians[k]) - min(medians[k]), 4),
-                  "min_ms": round(s[0], 4), "max_ms": round(s[-1], 4),
-                  "p10_ms": round(s[int(0.1 * (len(s) - 1))], 4), "p90_ms": round(s[int(0.9 * (len(s) - 1))], 4),
-                  "round_medians_ms": [round(m, 4) for m in medians[k]], "iters": len(s), "rounds": rounds,
-                  "method": "cuda_events" if device == "cuda" else "perf_counter"}
-    return out
-
-
-def kernel_count(fn, device: str, root: Path) -> dict | None:
-    """GPU kernels (and memcpy/memset) one call launches: torch.profiler's `kernel` events."""
-    if device != "cuda":
-        return None
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    fd, name = tempfile.mkstemp(dir=root, suffix=".json")
-    os.close(fd)
-    path = Path(name)
-    try:
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    finally:
-        path.unlink(missing_ok=True)
-    cats = [e.get("cat") for e in events if isinstance(e, dict)]
-    return {"kernels": cats.count("kernel"), "memcpy": cats.count("gpu_memcpy"), "memset": cats.count("gpu_memset")}
-
-
-def errors_vs(ref, out) -> dict:
-    """Max error of `out` against the eager output, relative to max |eager| (finite elements), rel_l2,
-    and how many elements are non-finite in one but not (identically) the other."""
-    import torch
-
-    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
-        what = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        return {"max_rel_err": None, "rel_l2": None, "error_note": f"output {what}, eager {tuple(ref.shape)}"}
-    r, o = ref.detach(), out.detach()
-    fr, fo = torch.isfinite(r), torch.isfinite(o)
-    both = fr & fo
-    same_nonfinite = (~fr & ~fo) & ((r == o) | (torch.isnan(r) & torch.isnan(o)))
-    mismatch = int((~both & ~same_nonfinite).sum())
-    del fr, fo, same_nonfinite
-    d = (o.float() - r.float()).masked_fill_(~both, 0).abs_()
-    rb = r.float().masked_fill(~both, 0)  # (not in place: .float() of a float32 tensor is that tensor)
-    scale = float(rb.abs().max()) if rb.numel() else 0.0
-    max_abs = float(d.max()) if d.numel() else 0.0
-    nr = float(torch.linalg.vector_norm(rb, dtype=torch.float64)) if rb.numel() else 0.0
-    nd = float(torch.linalg.vector_norm(d, dtype=torch.float64)) if d.numel() else 0.0
-    rel_l2 = nd / nr if nr else (0.0 if max_abs == 0 else float("inf"))
-    return {"max_abs_err": max_abs, "max_rel_err": max_abs / scale if scale else max_abs, "rel_l2": rel_l2,
-            "nonfinite_mismatch": mismatch, "bit_identical": bool(torch.equal(ref, out))}
-
-
 def count_files(d: Path) -> int:
     return sum(1 for p in d.rglob("*") if p.is_file()) if d.exists() else 0
-
-
-def write_json(path: Path, doc: dict) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
-    tmp.replace(path)
 
 
 # ===================================================================================== summary

@@ -10,8 +10,8 @@ front, so the analyzer still has to cut the steady window out; meta.json gets on
 The text is the source's own event text with only those numbers changed, so the layout (indentation,
 field order, spacing) is exactly what torch wrote.
 
-    python3 bench/synth_trace.py OUT_DIR --kernels 1000000   # OUT_DIR/trace/{kineto,et}.json.gz + meta.json
-    python3 bench/synth_trace.py OUT_DIR --copies 3 --plain  # uncompressed kineto.json / et.json
+    python -m bench.synth_trace OUT_DIR --kernels 1000000   # OUT_DIR/trace/{kineto,et}.json.gz + meta.json
+    python -m bench.synth_trace OUT_DIR --copies 3 --plain  # uncompressed kineto.json / et.json
 """
 from __future__ import annotations
 

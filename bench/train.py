@@ -1,9 +1,9 @@
 """Training steps (issue 19): eager / torch.compile / fusion-advisor (/ Liger-Kernel where installed), one
 process per model.
 
-    PYTHONPATH=$PWD python3 bench/train.py --out $OUT/train            # GPU: the suite's full shapes, bf16
-    PYTHONPATH=$PWD python3 bench/train.py --quick --modes eager,advisor --out /tmp/train   # CPU smoke run
-    PYTHONPATH=$PWD python3 bench/train.py --models splade --modes eager,compile,advisor --out $OUT/train-splade
+    python -m bench.train --out $OUT/train            # GPU: the suite's full shapes, bf16
+    python -m bench.train --quick --modes eager,advisor --out /tmp/train   # CPU smoke run
+    python -m bench.train --models splade --modes eager,compile,advisor --out $OUT/train-splade
 
 Eager, torch.compile and the advisor are built side by side in the model's process and their timed steps
 run in `--rounds` interleaved rounds (drift over the run, a GPU clock or a noisy neighbour, hits all alike;
@@ -51,7 +51,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.common import child_command, child_env, git_rev, write_report
 
 MODELS = ["hf_llama", "hf_gpt2", "hf_bert", "timm_vit", "splade"]
 DEFAULT_MODELS = "hf_llama,hf_gpt2"  # ~3 min each on an H100 (two compiles, one optimize): the 8-minute budget
@@ -89,7 +89,7 @@ def lora(model):
 
 
 def _loss(model, inputs, labels, name: str = ""):
-    from workloads import main_output
+    from bench.workloads import main_output
 
     args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), dict(inputs))
     if labels is not None:
@@ -161,7 +161,7 @@ class Mode:
     def __init__(self, name: str, mode: str, device: str, quick: bool, out_dir: Path):
         import torch
 
-        from workloads import build
+        from bench.workloads import build
 
         self.name, self.mode, self.device, self.torch = name, mode, device, torch
         self.resident_from = torch.cuda.memory_allocated() if device == "cuda" else 0
@@ -334,7 +334,7 @@ def child(name: str, modes: list, quick: bool, warmup: int, steps: int, result: 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     doc = {"model": name, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "torch": torch.__version__, "modes": {}}
-    from workloads import TITLES
+    from bench.workloads import TITLES
 
     doc["title"] = TITLES.get(name, name)
 
@@ -478,7 +478,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, of {', '.join(MODES)}")
-    p.add_argument("--out", type=Path, default=Path("reports/train-h100"))
+    p.add_argument("--out", type=Path, default=Path("reports/train/train"))
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--autocast", action="store_true", help="fp32 weights, steps under torch.autocast (bf16)")
     p.add_argument("--lora", action="store_true", help="causal LMs: every mode trains LoRA adapters (needs peft)")
@@ -504,18 +504,17 @@ def main(argv=None) -> int:
     if a.child:
         return child(a.child, modes, a.quick, a.warmup, a.steps, a.result, a.profile, a.rounds)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"results": {}, "form": a.form, "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                    text=True).stdout.strip()}
+    doc = {"results": {}, "form": a.form, "commit": git_rev()}
     for name in names:
         result = a.out.parent / f".train-{name}.json"
         result.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "--child", name, "--result", str(result), "--modes", ",".join(modes),
-               "--warmup", str(a.warmup), "--steps", str(a.steps), "--rounds", str(a.rounds)] \
+        cmd = child_command("bench.train", "--child", name, "--result", result, "--modes", ",".join(modes),
+                            "--warmup", a.warmup, "--steps", a.steps, "--rounds", a.rounds) \
             + (["--quick"] if a.quick else []) + (["--profile"] if a.profile else [])
         try:
             proc = subprocess.run(cmd, timeout=a.timeout, capture_output=True, text=True,
-                                  env={**os.environ, **({"FUSION_BENCH_AUTOCAST": "1"} if a.autocast else {}),
+                                  env={**child_env(), **({"FUSION_BENCH_AUTOCAST": "1"} if a.autocast else {}),
                                        **({"FUSION_BENCH_LORA": "1"} if a.lora else {}), "FUSION_BENCH_FORM": a.form})
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
         except subprocess.TimeoutExpired as e:
@@ -528,8 +527,8 @@ def main(argv=None) -> int:
         result.unlink(missing_ok=True)
         doc["results"][name] = res
         print("\n".join(t for t in tail if t.startswith(name) or "Error" in t)[-3000:], flush=True)
-        a.out.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
-    a.out.with_suffix(".md").write_text(markdown(doc))
+        write_report(a.out, doc)
+    write_report(a.out, doc, markdown(doc))
     print(table(doc))
     return 0
 

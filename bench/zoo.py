@@ -8,8 +8,8 @@ Also: cold seconds (optimize; compile's first call), kernels per call of each, o
 selection numbers beside the loop's (the state returned must be the state measured), and estimated
 against measured saving of each kept pattern.
 
-    python3 bench/zoo.py --models qwen2,t5,mobilenet_v3 --out reports/zoo-h100   # on the GPU machine
-    python3 bench/zoo.py --list
+    python -m bench.zoo --models qwen2,t5,mobilenet_v3 --out reports/zoo/zoo   # on the GPU machine
+    python -m bench.zoo --list
 
 Writes OUT.json (merged with what is there: one call per few models fits a device lease) and OUT.md.
 transformers, timm and torchvision are imported only by the models that need them.
@@ -25,9 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+from bench.common import child_command, child_env, git_rev, load_results, write_report
 
 
 # ----------------------------------------------------------------------------------------- models
@@ -72,7 +70,7 @@ def _unet(batch: int, channels: int, side: int, groups: int = 32, temb: int = 12
     """bench/workloads.py's UNetBlocks: GroupNorm + SiLU around convs and a spatial attention (diffusers' shapes)."""
     def build(device, dtype):
         import torch
-        from workloads import UNetBlocks
+        from bench.workloads import UNetBlocks
 
         with torch.device(device):
             model = UNetBlocks(channels, groups, temb).to(dtype).eval()
@@ -85,7 +83,7 @@ def _unet(batch: int, channels: int, side: int, groups: int = 32, temb: int = 12
 def _suite(name: str):
     """A suite workload called as the suite calls it, but timed in the user's loop."""
     def build(device, dtype):
-        from workloads import build as build_workload
+        from bench.workloads import build as build_workload
 
         w = build_workload(name, device)
         return w.model, w.inputs, f"suite {name}: {w.shape}"
@@ -178,8 +176,8 @@ def child(name: str, result: Path, iters: int, train: bool = False, top: int | N
 
     import advisor
     from bench.retime import retime_unresolved
-    from suite import errors_vs, interleaved, kernel_count, process_warmup
-    from workloads import main_output
+    from bench.common import errors_vs, interleaved, kernel_count, process_warmup
+    from bench.workloads import main_output
 
     device, dtype = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -255,7 +253,7 @@ def child(name: str, result: Path, iters: int, train: bool = False, top: int | N
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--out", type=Path, default=Path("reports/zoo-h100"))
+    p.add_argument("--out", type=Path, default=Path("reports/zoo/zoo"))
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per model")
     p.add_argument("--train", action="store_true", help="also time a training step, eager vs the patched model")
@@ -274,19 +272,17 @@ def main(argv=None) -> int:
     if unknown:
         print(f"zoo: unknown model(s) {', '.join(unknown)} (--list shows them)", file=sys.stderr)
         return 2
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    path = a.out.with_suffix(".json")
-    doc = json.loads(path.read_text()) if path.exists() else {"results": {}}
-    rev = os.environ.get("ZOO_COMMIT") or \
-        subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    doc = load_results(a.out)
+    rev = os.environ.get("ZOO_COMMIT") or git_rev()
     for name in names:
         result = a.out.parent / f".zoo-{name}.json"
         result.unlink(missing_ok=True)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, __file__, "--child", name, "--result", str(result),
-                                   "--iters", str(a.iters)] + (["--train"] if a.train else [])
-                                  + (["--top", str(a.top)] if a.top else []), timeout=a.timeout, capture_output=True, text=True)
+            proc = subprocess.run(child_command("bench.zoo", "--child", name, "--result", str(result),
+                                                 "--iters", str(a.iters)) + (["--train"] if a.train else [])
+                                  + (["--top", str(a.top)] if a.top else []), timeout=a.timeout, capture_output=True, text=True,
+                                  env=child_env())
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
         except subprocess.TimeoutExpired:
             tail = [f"timed out after {a.timeout:.0f} s"]
@@ -295,8 +291,8 @@ def main(argv=None) -> int:
         result.unlink(missing_ok=True)
         doc["results"][name] = res
         print("\n".join(tail[-3:]) if "error" in res else "", flush=True)
-        path.write_text(json.dumps(doc, indent=1, default=str))
-    a.out.with_suffix(".md").write_text(markdown(doc))
+        write_report(a.out, doc)
+    write_report(a.out, doc, markdown(doc))
     print(table(doc))
     return 0
 
@@ -314,7 +310,7 @@ def _us(x) -> str:
 def estimates(doc: dict) -> str:
     """How many kept patterns' measured saving lies within ±25% of the analyzer's estimate for their sites."""
     from bench.retime import measured
-    from suite import estimate_resolution, resolves_quarter, within_quarter
+    from bench.suite import estimate_resolution, resolves_quarter, within_quarter
 
     pairs = []  # (within, resolved, retimed)
     for r in doc["results"].values():

@@ -141,7 +141,7 @@ def test_aligned_vocab_has_no_padded_candidate(tmp_path):
 def test_h100_gpt2_trace_lm_head_is_the_top_candidate():
     """The committed H100 trace of GPT-2 (bf16, batch 8 x 1024): its LM head ran cuBLAS's align1 kernel for
     8.8 ms; padded, it is predicted at its roofline plus the weight's pad copy, about 1.3 ms (measured on the
-    H100: 1.25 ms, reports/padded_matmul_h100.json)."""
+    H100: 1.25 ms, docs/EXPERIMENTS.md: padded_matmul)."""
     doc = analyze(ROOT / "sample_traces" / "hf_gpt2").doc
     [cand] = _padded(doc)
     assert cand["rank"] == 1 and cand["title"].startswith("GEMM with unaligned N=50257 → 50264, padded (lm_head)")

@@ -3,7 +3,7 @@
 A patched module and its PatchedForward refer to each other, so a deep copy of a patched model is freed only
 by a full garbage collection, which a process holding few Python objects but gigabytes of GPU memory may not
 run for a long time: on the H100 BERT-base's float32 twin (420 MB) was still allocated after `optimize`
-returned, through the user's training steps (bench/train_memory.py). A PatchedForward holds its module weakly.
+returned, through the user's training steps (train_memory, docs/EXPERIMENTS.md). A PatchedForward holds its module weakly.
 """
 from __future__ import annotations
 

@@ -377,7 +377,7 @@ def test_the_estimate_for_sites_left_by_a_pattern_that_took_the_others():
     """ResNet-50 on the H100: the conv epilogue over conv -> BatchNorm -> ReLU occurs 17 times; the window chain
     (BatchNorm + ReLU + max-pool) holds the stem's, the widest. Patched beside it, the window chain takes that
     one: the epilogue's 16 sites save its estimate less the stem's own, not 16/17 of it (measured 677 µs where
-    16/17 said 968: reports/suite-h100-session19)."""
+    16/17 said 968: reports/suite/shared-sites-estimate)."""
     from advisor.records import PatternResult
     from advisor.workflows.selection import estimate_for_sites
 
@@ -423,7 +423,7 @@ def test_a_row_kernel_of_many_short_rows_is_bound_by_its_programs():
 def test_short_unaligned_rows_cost_by_the_tensors_each_row_moves(tmp_path):
     """Swin's shifted-window softmax (scores + per-head bias + per-window mask, rows of 49: 98 bytes in bf16, 196
     in fp32, no multiple of 16) loads and stores one element at a time: on the H100 a packed program of it took
-    3.4 ns where a plain softmax over the same rows took 2.2 (reports/row-index-h100/). Its four row streams
+    3.4 ns where a plain softmax over the same rows took 2.2 (docs/EXPERIMENTS.md: row_index_math). Its four row streams
     (scores, bias and mask in, probabilities out) predict that; rows of 64 stay at the aligned packed cost."""
     from dataclasses import replace
 

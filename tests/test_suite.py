@@ -35,7 +35,7 @@ COLUMNS = ["workload", "shape", "eager ms", "torch.compile ms", "compile s", "fu
 def _run(tmp, *args, timeout=420):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("FUSION_ADVISOR_CACHE", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "suite.py"), "--quick", "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "bench.suite", "--quick", "--device", "cpu",
                            "--out", str(tmp), "--logs", str(tmp / "logs"), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=str(tmp))
     return proc
@@ -254,7 +254,7 @@ def test_summary_and_markdown_on_gpu_like_results():
     detail = suite.summarise(results, True)["targets"][5]["detail"]
     assert "1 of 2 kept within" in detail and "for 1 of them, 1 of those within" in detail
     doc = {"host": {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11"}, "summary": s, "timing_meaningful": True,
-           "workloads": results, "quick": False, "generated": "now", "command": "python bench/suite.py",
+           "workloads": results, "quick": False, "generated": "now", "command": "python -m bench.suite",
            "budget_s": 560, "top": 8, "iters": 30, "wall_s": 500}
     md = suite.markdown(doc)
     assert "**geometric mean** (3 workloads)" in md and f"**{expect:.2f}×**" in md

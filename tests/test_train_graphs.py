@@ -3,7 +3,7 @@
 CUDA graphs need a GPU; here a recorder with the same contract stands in for them: its "replays" run
 the function again on the recording's static buffers and write the static outputs and gradients in
 place, so a replay that would read overwritten memory on the GPU reads overwritten memory here too.
-The GPU's own recordings run in bench/train.py (reports/train-h100.md)."""
+The GPU's own recordings run in bench/train.py (reports/train/host-bound-step.md)."""
 import pytest
 import torch
 import torch.nn.functional as F

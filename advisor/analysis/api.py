@@ -292,7 +292,7 @@ def _shared(by_pattern: dict, ests: dict, iters: int) -> dict:
     whose ops another pattern's occurrences also hold (a conv epilogue over a BatchNorm + ReLU, a window chain over
     a conv epilogue's last ops), per iteration, with their estimate. Where the other pattern is patched it takes
     them: the sites left are not an even share of the estimate (MobileNetV3's BatchNorm + ReLU kept its 6 cheaper
-    occurrences of 11, the conv epilogue the 5 wide ones: reports/estimates-h100-session20)."""
+    occurrences of 11, the conv epilogue the 5 wide ones: docs/EXPERIMENTS.md: estimate_check)."""
     owners: dict[int, set] = {}
     for pid, pat in by_pattern.items():
         for g in pat.groups:

@@ -7,7 +7,7 @@ once. Time: the kernels' measured time minus a roofline guess at the fused kerne
 max(HBM bytes / bandwidth, flops / peak, rows x a row program's time) + one launch, where an input that was written so recently that it is
 still in L2 (`l2_resident_bytes`) is not HBM traffic: the residual add + LayerNorm after a GEMM reads the GEMM's
 output from L2, and measured 1.24-1.60x the saving a roofline of every byte from HBM predicts
-(reports/zoo-h100-session16). A padded GEMM (`padded_cost`) is predicted at the padded product's roofline plus
+(reports/zoo/l2-resident-epilogues). A padded GEMM (`padded_cost`) is predicted at the padded product's roofline plus
 its pad copies: it saves time, not bytes. A GEMM epilogue moves the product from
 cuBLAS to our Triton GEMM, which is slower (`TRITON_GEMM_SLOWDOWN`): that cost is taken off the bytes it saves.
 """
@@ -24,7 +24,7 @@ from advisor.ops.registry import CONV_EPILOGUE, OpClass, lookup
 
 # When meta.json has no measured figures: sustained copy bandwidth (read + write) and launch cost.
 # `unaligned_matmul_flops`: what cuBLAS's unaligned (align1) GEMM kernels reach, for CPU traces' padded-matmul
-# estimates: GPT-2's bf16 LM head on the H100, 843 GFLOP in 8.7 ms (reports/kernels-suite_gpt2-h100.md).
+# estimates: GPT-2's bf16 LM head on the H100, 843 GFLOP in 8.7 ms (docs/EXPERIMENTS.md: kernel_diff).
 DEFAULT_DEVICE = {
     "cuda": {"bandwidth_Bps": 3.0e12, "launch_us": 2.5, "flops": 50e12, "matmul_flops": 700e12,
              "unaligned_matmul_flops": 97e12},
@@ -34,7 +34,7 @@ DEFAULT_DEVICE = {
 
 # Our Triton GEMM (codegen/matmul.py, its tiles tuned at the shape) against cuBLAS on the same bf16 product, by K:
 # the time cuBLAS + one fused epilogue kernel would take, less the epilogue's bytes, over cuBLAS's time
-# (reports/matmul-calibration-h100/: the zoo's and suite's fc1 + GELU and SwiGLU gates on the H100). Under
+# (reports/matmul-fusion/: the zoo's and suite's fc1 + GELU and SwiGLU gates on the H100). Under
 # K = 1024 our tiles run the product 1.6-2x slower, more than the output's round trip saves: BERT-base fc1 + GELU
 # measured 2 µs a site slower fused, DeiT-S's 5, ConvNeXt-T's first stage 16 faster (a small K, a wide output).
 TRITON_GEMM_SLOWDOWN = ((96, 1.72), (192, 1.82), (384, 2.0), (768, 1.64), (1024, 1.5), (2048, 1.38), (4096, 1.18),
@@ -43,7 +43,7 @@ TRITON_GEMM_SLOWDOWN = ((96, 1.72), (192, 1.82), (384, 2.0), (768, 1.64), (1024,
 
 # A row kernel (codegen/printer.py) is bound by its programs as well as its bytes. One program per row ran 0.62-0.69
 # ns a row whatever the width (H100 softmax on rows of 49-256: 301056 rows of 49 in 186 µs, 4x eager's kernel,
-# reports/kernels-calibration-h100/); rows shorter than ROW_PACK_ELEMENTS are now packed that many elements to a
+# reports/kernels/); rows shorter than ROW_PACK_ELEMENTS are now packed that many elements to a
 # one-warp program (codegen/module.py's `_row_config`), 2.2 ns a program at rows of 49 (41 µs, eager's 45).
 ROW_PROGRAM_S = 0.62e-9  # a program of one row
 PACKED_PROGRAM_S = 2.0e-9  # a program of several short rows, ROW_PACK_ELEMENTS in one warp
@@ -51,7 +51,7 @@ ROW_PACK_ELEMENTS = 1024
 # Short rows whose width is no multiple of 16 bytes (Swin's windows of 49) are loaded and stored one element at a
 # time, so there a packed program's time grows with the tensors it reads and writes row by row (`row_streams`).
 # H100, bf16 rows of 49, 16 to a program: softmax (one tensor in, one out) 2.2 ns a program; the shifted-window
-# softmax (scores, bias and mask in, one out) 3.4 ns (reports/row-index-h100/).
+# softmax (scores, bias and mask in, one out) 3.4 ns (docs/EXPERIMENTS.md: row_index_math).
 UNALIGNED_PROGRAM_S = 0.9e-9
 UNALIGNED_STREAM_S = 0.64e-9
 
@@ -197,7 +197,7 @@ def l2_resident_bytes(graph: Graph, members: list[int], reads: dict[int, int], d
     value, the part written last stays until the traffic since (the nodes between its writer and the fused kernel,
     less the group's own, which no longer run) has filled the rest, so a value read a little late is partly there
     (SwiGLU's gate behind the up projection: its fused kernel measured 8.5 µs a site on Mistral, between the 6.1
-    of both inputs in L2 and the 9.75 of one, reports/estimates-h100-session20). Parameters and graph inputs (no
+    of both inputs in L2 and the 9.75 of one, docs/EXPERIMENTS.md: estimate_check). Parameters and graph inputs (no
     writer) and anything on a GPU whose L2 is unknown count as HBM reads."""
     if device.l2_bytes <= 0:
         return 0.0
@@ -274,8 +274,8 @@ def timeline_us(node, device: DeviceModel) -> float:
     """What the node's kernels take of the GPU's timeline: each at least one launch (`launch_us` is measured as
     the cost of one tiny kernel in a CUDA graph of them: a 1 µs kernel still holds the stream that long). Their
     durations alone had put chains of tiny kernels at about half of what fusing them measured (T5's position
-    buckets 23 vs 39 µs, RoBERTa's position ids 7 vs 18, reports/zoo-h100-session18); with the floor they still
-    measured 1.3-2.3x the estimate in reports/zoo-h100-session19, within those rounds' spread."""
+    buckets 23 vs 39 µs, RoBERTa's position ids 7 vs 18, reports/zoo/tiny-kernel-chains-without-floor); with the floor they still
+    measured 1.3-2.3x the estimate in reports/zoo/tiny-kernel-chains-with-floor, within those rounds' spread."""
     if device.type != "cuda" or not node.kernel_spans:
         return node.time_us
     return sum(max(span[2], device.launch_us) for span in node.kernel_spans)

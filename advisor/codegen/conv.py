@@ -4,8 +4,8 @@ No Triton kernel. An eval BatchNorm is a per-channel affine map, so it folds int
 w' = w * g / sqrt(var + eps) per output channel, b' = (b - mean) * g / sqrt(var + eps) + beta. cuDNN then runs
 conv + bias + ReLU (`torch.cudnn_convolution_relu`), or conv + bias + residual + ReLU
 (`torch.cudnn_convolution_add_relu`), in the conv's own kernel: the conv output never goes to memory and back.
-Measured on the H100 (ResNet-50's shapes, bf16 channels_last, batch 128, bench/conv_bn_paths.py,
-reports/conv-bn-h100/): 0.053-0.224 ms per conv block against 0.097-0.634 ms eager (conv, BatchNorm, ReLU, add:
+Measured on the H100 (ResNet-50's shapes, bf16 channels_last, batch 128, docs/EXPERIMENTS.md: conv_bn_paths,
+docs/EXPERIMENTS.md: conv_bn_paths): 0.053-0.224 ms per conv block against 0.097-0.634 ms eager (conv, BatchNorm, ReLU, add:
 5-7 kernels) and 0.115-0.303 ms for conv + one fused pointwise kernel (Inductor's default, and this project's
 BatchNorm + ReLU kernel). Folding alone (conv2d with the folded bias, then the ReLU) measured no faster than
 eager, so activations other than ReLU (hardswish, SiLU: cuDNN's fused conv has none) are not generated here:

@@ -47,7 +47,7 @@ MAX_PERSISTENT_N = 16384  # wider rows do not fit in registers: stream them thro
 # Columns per step of the looped kernel. Its rows are wide and often few (a UNet's GroupNorm: 4 x 32 groups of
 # 40960 on 132 SMs), so each program needs many loads in flight: on the H100, GroupNorm + SiLU over
 # 4x320x64x64 took 35 us with 2048 a step, 25 with 4096 (eager 67); 2x320x96x96 70 -> 48 us (eager 111);
-# 8192 gained at most 4 us more (reports/kernels-calibration-h100/groupnorm-loop.json).
+# 8192 gained at most 4 us more (reports/kernels/groupnorm-loop.json).
 LOOP_BLOCK_N = 4096
 LOOP_WARPS = 16  # wide rows: more loads in flight per program (H100: 89% vs 84% with 8 on 128K-column rows)
 

@@ -14,7 +14,7 @@ the slice is the output gradient zero-padded, of the pads a slice). What Inducto
 What it returns: the padded product's first N columns as they lie, a strided view (row stride N_padded),
 as Inductor's `pad_mm` does: torch.compile hands GPT-2's logits back the same way. Copying them out into
 eager's layout cost a second pass over the output (GPT-2's logits on the H100: 2.19 ms for the launcher
-with the copy against 1.25 ms without it, reports/padded_matmul_h100.json; a Triton GEMM writing eager's
+with the copy against 1.25 ms without it, docs/EXPERIMENTS.md: padded_matmul; a Triton GEMM writing eager's
 layout directly measured 1.87 ms). Values and shape are eager's; what differs is `is_contiguous()` and the
 views that need it: `logits.view(-1, V)` (loss code's flattening of batch and sequence) works, because
 those dims stay uniformly strided; a view that merges N with another dim (`.view(-1)`) fails, as it does

@@ -2,7 +2,7 @@
 
 Why: an eval BatchNorm folded into the conv before it (`codegen/conv.py`) is a few small kernels on the weights.
 Run on every call they cost more than the fused conv saves: ResNet-50 handed back 6.76 ms against 6.11 ms
-without the conv epilogue on the H100 (758 kernels per call against 120, reports/conv-bn-h100/). Cached without
+without the conv epilogue on the H100 (758 kernels per call against 120, docs/EXPERIMENTS.md: conv_bn_paths). Cached without
 a check, they would go stale when the user loads new weights, fine-tunes or updates BatchNorm statistics.
 
 So `derived(fn, *sources)` keeps `fn(*sources)` per set of source tensors (by identity) with what says whether a

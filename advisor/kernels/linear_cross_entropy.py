@@ -89,7 +89,7 @@ def loss_config(V: int, interpreted: bool = False) -> dict:
 
 # Rows per chunk at least: each chunk adds its share to the weight gradient (V x D, read and written: 4·V·D
 # bytes in bf16), so few large chunks keep that traffic small beside the chunk's three matmuls (6·C·D·V
-# flops). H100, forward + backward of the head's loss (bench/lce_chunks.py, reports/lce-chunks-h100.json):
+# flops). H100, forward + backward of the head's loss (docs/EXPERIMENTS.md: lce_chunks):
 # Llama's 4096 x 2048 x 32000 took 5.04 ms in chunks of 256 rows (eager 4.41), 2.86 ms in chunks of 2048;
 # a Llama-3 vocabulary (128256) 18.3 ms in chunks of 256 (eager 17.5), 11.0 in chunks of 2048.
 MIN_CHUNK_ROWS = 2048

@@ -407,7 +407,7 @@ def is_conv(name: str) -> bool:
 def conv_epilogue_fits(ops: list[str]) -> bool:
     """Whether `ops` (the conv first) are an epilogue cuDNN's fused conv runs: conv [norm] [add] relu, each once.
     Any other conv epilogue (BatchNorm + hardswish or SiLU, an add without a ReLU) would be a conv then a pointwise
-    kernel, which the pointwise group alone already is: measured no faster (reports/conv-bn-h100/)."""
+    kernel, which the pointwise group alone already is: measured no faster (docs/EXPERIMENTS.md: conv_bn_paths)."""
     roles = [CONV_EPILOGUE.get(o) for o in ops]
     if not roles or None in roles or roles[0] != "conv" or roles[-1] != "relu":
         return False

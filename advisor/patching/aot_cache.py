@@ -4,7 +4,7 @@ A warm-cache `optimize` (its plan reused in a new process), a bundle's `patch` o
 the model again: dynamo traces it, AOTAutograd lowers dynamo's graph to functional aten ops, and we rewrite
 that. What AOTAutograd hands the inference compiler depends on dynamo's graph (its code), the inputs' layouts,
 grad mode and torch alone, and lowering it was 1.2-2.1 s of Llama's 3.6-6.2 s warm start on the H200
-(reports/cold-start-h200-session25). So a plain inference graph (no input it writes, every output a fresh
+(reports/cold-start/aot-cache). So a plain inference graph (no input it writes, every output a fresh
 tensor: AOTAutograd's runtime wrappers then pass arguments and outputs through untouched) is written to
 FUSION_ADVISOR_CACHE/graphs/ as plain data (each node's op, target, arguments and its value's layout), and
 a later capture of the same dynamo graph (`lookup`) rebuilds it, with fake values for the rewrite, instead of

@@ -6,7 +6,7 @@ FlashAttention's fast causal kernels), but while dynamo traces it cannot look at
 mask from `arange`s (HF's `masking_utils`: `is_torchdynamo_compiling()`), and the attention runs with a
 B x 1 x L x S mask tensor. On the H100 the suite's Llama with its whole decoder stack captured ran its
 attention in 3.4 ms a training step with that mask against 1.4 ms causal (torch.compile's 3.4 ms too:
-reports/train-h100-session24).
+reports/train).
 
 A mask is folded only when nothing it is computed from comes from outside the graph (no placeholder: no
 input, no parameter or buffer, no padding mask from the caller's `attention_mask`) and nothing draws random

@@ -248,7 +248,7 @@ class PatchedForward:
     def trains(self) -> bool:
         """Calls that need gradients go through the capture (sites with a generated backward) when asked
         (`Patched.train_fused`) and a pattern may have one; else they run the original forward, at eager's
-        cost (the default: measured slower than eager on the H100's Llama, see reports/train-h100.md)."""
+        cost (the default: measured slower than eager on the H100's Llama, see reports/train/host-bound-step.md)."""
         return self.train_fused and self._may_train
 
     @functools.cached_property
@@ -464,7 +464,7 @@ class PatchedForward:
         """A call needing gradients: this capture's inference recordings (each layer's static inputs and outputs,
         the whole stack's) are dropped, and their pool handed back once no model keeps any, so that training
         holds no more memory than eager does (BERT trained after `optimize` peaked 0.8 GB above eager on the
-        H100, its training running the original forwards: reports/train-h100.md). Only the recordings that read
+        H100, its training running the original forwards: reports/train/host-bound-step.md). Only the recordings that read
         this module's weights: another model sharing the capture (an EMA teacher) keeps its own. The next
         inference call records again."""
         kept = self._backend.inference_graphs if self._backend is not None else ()

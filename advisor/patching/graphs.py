@@ -2,7 +2,7 @@
 
 Why: a captured layer runs its aten ops and Triton launchers one at a time from Python. On the H100's
 host that cost 1.3 ms per GPT-2 layer call, more than the 0.9 ms the GPU needs for the layer, so the
-GPU idled and the kernels' savings never reached the wall clock (`python bench/host_overhead.py`:
+GPU idled and the kernels' savings never reached the wall clock (docs/EXPERIMENTS.md, host_overhead:
 GELU fused, device busy 19.0 -> 14.6 ms, call 25.8 -> 25.3 ms). A CUDA graph replays them all at once.
 
 The contract of a CUDA graph is fixed addresses, so:

@@ -3,7 +3,7 @@
 In eager, `nn.Dropout` in eval mode returns its input: no kernel. AOTAutograd decomposes it to
 `aten.clone`, so every dropout of a captured layer becomes a full copy of an activation: timm's ViT-B
 at batch 128 ran three 38.7 MB copies per layer (1.9 ms of a 13 ms call on the H100, `Memcpy DtoD`
-in `bench/kernel_diff.py --model suite_vit`), BERT and GPT-2 three per layer as well. A clone is
+in kernel_diff of suite_vit, docs/EXPERIMENTS.md), BERT and GPT-2 three per layer as well. A clone is
 dropped, its users reading its source instead, only when that changes nothing anyone can observe:
 - it keeps the layout (same shape and strides: a clone that makes a tensor contiguous is real work);
 - neither it nor its source is written by any op of the graph (after functionalization the only

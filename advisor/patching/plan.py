@@ -197,7 +197,7 @@ def patch_order(specs: list[PatternSpec], by_cand: dict) -> list[PatternSpec]:
     pointwise chain (`extends`) where the extension only saves more:
     - a conv epilogue goes before the chain it extends: cuDNN runs the chain inside the conv's own kernel
       (`codegen.conv`), so at every site it saves all the chain's kernels save fused, and more (0.053-0.224 vs
-      0.115-0.303 ms per ResNet-50 block on the H100, reports/conv-bn-h100/);
+      0.115-0.303 ms per ResNet-50 block on the H100, docs/EXPERIMENTS.md: conv_bn_paths);
     - a chain ending in a window op (BatchNorm + ReLU + max-pool) goes before both the chain and its conv
       epilogues: at the site they share it fuses the pool as well, which eager runs alone (ResNet-50's stem:
       430 us for the NHWC max-pool, 165 us for the whole window kernel on the H100), where the conv epilogue

@@ -3,7 +3,7 @@
 Why: under autograd a captured layer runs its aten ops, Triton launchers and autograd nodes one at a
 time from Python, forward and backward. On the H100 the suite's Llama trained with its fused
 backwards kept the GPU busy 31.7 ms per step against eager's 38.3 ms, yet stepped in 46.8 ms against
-eager's 41.7: the host was the bottleneck (reports/train-h100.md). Recorded once per layer, a step's
+eager's 41.7: the host was the bottleneck (reports/train/host-bound-step.md). Recorded once per layer, a step's
 forward and backward each cost one launch per layer.
 
 The contract is `graphs.Graphed`'s (parameters read in place, every other input copied into a static

@@ -2,14 +2,14 @@
 
 Two costs come with a process's first Triton kernel, cached or not:
 - its own source hash (`triton_key`: its compiler's sources and its library, hundreds of MB): 0.45 s (under
-  cProfile) of a warm-cache Llama's first patched call on the H100 (reports/cold-start-h100-session23);
+  cProfile) of a warm-cache Llama's first patched call on the H100 (reports/cold-start/first-call-profile);
 - its CUDA driver, whose C utilities gcc builds into Triton's cache the first time any process uses that
-  cache (0.3-0.5 s; a compile worker's first validation paid it, reports/cold-start-session26).
+  cache (0.3-0.5 s; a compile worker's first validation paid it, reports/cold-start/triton-setup).
 Reading, hashing and gcc release the GIL, so `start` runs both while the model is profiled or captured (in
 `optimize`, `patch`, and each compile worker's start-up while the parent profiles). Where the capture is
 short (a UNet's blocks: dynamo 0.4 s), the first launch came while the thread was still hashing, and Triton
 computed the same hash again beside it (both under cProfile: 0.56 s in the launching thread, 0.29 s in
-ours, reports/cold-start-session26); `wait`, called before a recording's first launches, waits instead.
+ours, reports/cold-start/triton-setup); `wait`, called before a recording's first launches, waits instead.
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ class Validation:
     # Wall seconds per step (signatures: finding what the cases will compile; inputs, reference, `kernel <case>`:
     # a case's first launch, which waits for its Triton compile, compare), summed over the cases: a row kernel's
     # validation took 4-5 s in its H100 worker, and compiling its cases ahead as jobs of their own did not shorten
-    # it (reports/cold-start-h100-session15/cases-ahead.md); these say which step does.
+    # it (reports/cold-start/validation-cases-ahead/); these say which step does.
     steps: dict = field(default_factory=dict)
 
 

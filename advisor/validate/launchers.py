@@ -5,7 +5,7 @@ Up to Triton 3.6, the first launch of a kernel signature (its arguments' names a
 made constants) in a process has gcc build a C launcher for it into Triton's on-disk cache, 0.3-0.4 s each
 on the H100's host. A validation launches two (its recorded and odd shapes share one; the all-ones shape's
 sizes of 1 make another), each on its compile job's path: with the driver's utilities and Triton's hash,
-most of a row kernel's first case (1.1 of its job's 2.2 s: reports/cold-start-session26).
+most of a row kernel's first case (1.1 of its job's 2.2 s: reports/cold-start/triton-setup).
 
 Which signatures a validation launches is known before anything compiles: the kernel's own launch code,
 run on meta tensors of each case (`inputs.meta_inputs`), reaches Triton's JIT, which hands its cache hook
@@ -20,7 +20,7 @@ the references and comparing). `compiling` starts every one of them at the valid
 (Triton's `AsyncCompileMode`), while the first case draws its inputs and runs its references; each launch
 then waits for its own compile only. ptxas and part of the passes run outside the GIL, the front end does
 not: the kernel steps shrink by 60-85% and the job's other steps slow meanwhile; jobs came out 0-35%
-shorter on the H100 (reports/cold-start-session28). So only a compile worker's jobs do it
+shorter on the H100 (reports/cold-start). So only a compile worker's jobs do it
 (`validate(compile_at_once=True)`): in `optimize`'s own process they would slow the model's capture.
 """
 from __future__ import annotations

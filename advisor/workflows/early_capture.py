@@ -3,7 +3,7 @@
 `optimize` on empty caches used to wait for the compile workers (their start-up, then each kernel's
 Triton compiles and validation: 6.4 s of Llama's 17.3 s on the H100, this process idle), and only then
 capture the patched model (dynamo's trace, AOTAutograd, the rewrite: 4.2 s more for Llama's layers and
-whole stack, reports/cold-start-h100-session23). Neither needs the other: the patterns to substitute
+whole stack, reports/cold-start/first-call-profile). Neither needs the other: the patterns to substitute
 are known from the analysis, and where each kernel module will be written is fixed
 (`generate.kernel_path`). So `patch_while_generating` generates in a thread (the workers do the work)
 and meanwhile patches the model with the specs the generation is expected to end with, every kernel

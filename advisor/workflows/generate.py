@@ -241,7 +241,7 @@ def _top_forward(candidates: list[Candidate], top: int | None) -> list[Candidate
 # Jobs worth the compile workers. Their start is their import of torch and a CUDA context: 2.7-4.3 s after the
 # analysis on the H100's host, whatever the jobs. A kernel's job in this process, where Triton is set up and its
 # launchers built ahead, took 0.5-0.7 s: distilbert's two jobs in process 1.1-1.3 s against 2.1-4.7 s through
-# the workers, its first call 6.3 and 7.5 s against 8.4 and 12.9 s (reports/cold-start-session27/h100-in-process).
+# the workers, its first call 6.3 and 7.5 s against 8.4 and 12.9 s (reports/cold-start/in-process-workers/h100-in-process.md).
 WORKERS_START_S = 3.0
 JOB_S = 1.0  # a job in this process, rounded up: its kernel generated, compiled at three shapes and compared
 
@@ -346,7 +346,7 @@ def pattern_record(c: Candidate, **fields) -> PatternResult:
 # Whether this process is a compile worker (`warm_worker` ran): its jobs compile their validation's kernels in
 # threads (`validate(compile_at_once=True)`). Jobs done in `optimize`'s own process do not: there they run while
 # the model is captured, whose dynamo trace the compiles' Python front end would slow (distilbert on the H100:
-# its capture 3.1-3.7 -> 4.0-4.5 s, its two jobs no shorter; reports/cold-start-session28).
+# its capture 3.1-3.7 -> 4.0-4.5 s, its two jobs no shorter; reports/cold-start).
 _IN_WORKER = [False]
 
 

@@ -4,7 +4,7 @@ Eager's LM loss makes the head's logits (N tokens x V vocabulary, bf16), upcasts
 cross-entropy and keeps the softmax's gradient as large: on the suite's Llama (4096 tokens, 32000 words)
 1.5 GB and 4.4 ms of the step for the head's forward and backward. The fused loss
 (`kernels.linear_cross_entropy`) goes through the rows in chunks and never holds them (0.4 GB, 2.9 ms on
-the H100: reports/lce-chunks-h100.json). It is used only where it computes the model's own loss: on the
+the H100: docs/EXPERIMENTS.md: lce_chunks). It is used only where it computes the model's own loss: on the
 example (its labels, else its input_ids as labels; dropout off) the fused loss against the model's forward
 with labels (which tells apart heads that do more than the projection, BERT's LM transform, or rescale the
 logits); then, like a generated kernel, on the example's token count its loss and gradients (hidden states,

@@ -80,7 +80,7 @@ def choose(before_ms: float, before_rounds, options: list[Option], shown: frozen
     it: then the one of those running fewest. A kernel is patched into the user's model for a saving the
     timings show, not for one inside their noise (the zoo's single-site chains of 3-25 µs measured 4-46 µs
     "saved" on 4 ms calls whose kernels' summed time moved by 30-45 µs between two timings of one state:
-    reports/estimates-h100-session20); a pattern shown alone is not dropped because two whole states'
+    docs/EXPERIMENTS.md: estimate_check); a pattern shown alone is not dropped because two whole states'
     rounds moved more than it saves (T5's 0.6 ms residual add + RMSNorm, its rounds moving by 5 ms). None:
     leave the model unpatched."""
     faster = [o for o in options if shown_faster(before_ms, before_rounds, o)]

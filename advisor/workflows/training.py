@@ -143,7 +143,7 @@ def training_call(model: torch.nn.Module, args: tuple, kwargs: dict,
     computed in float32 (HF's causal LMs upcast the logits before cross-entropy), and those float32 copies,
     made while every activation is alive, are where eager's step peaks. Without them the check saw Llama's
     fused training 0.19 GB heavier (its recordings' saved tensors resident to the end of the backward) where
-    the training loop measured it 0.59 GB lighter than eager (reports/train-h100-session22/).
+    the training loop measured it 0.59 GB lighter than eager (reports/train/fused-training-lighter-than-eager/).
 
     Where the model computes its own loss, the step is that loss's backward, as a training loop's is: from the
     labels among the caller's inputs, else from `labels` (a causal LM's input_ids, `workflows.lm_loss`: the
