@@ -1,8 +1,8 @@
 """Distributed training steps (issue 50): an HF Llama under DDP and FSDP2, eager / fusion-advisor / torch.compile,
 one process per GPU.
 
-    PYTHONPATH=$PWD torchrun --nproc-per-node 2 bench/distributed.py --out $OUT/distributed   # two GPUs, NCCL
-    PYTHONPATH=$PWD python3 bench/distributed.py --device cpu --tiny --out /tmp/dist            # CPU smoke (gloo)
+    PYTHONPATH=$PWD torchrun --nproc-per-node 2 -m bench.distributed --out $OUT/distributed   # two GPUs, NCCL
+    PYTHONPATH=$PWD python3 -m bench.distributed --device cpu --tiny --out /tmp/dist            # CPU smoke (gloo)
 
 Run without torchrun it starts its own ranks (`--nproc-per-node`, 2 by default) through torchrun's launcher.
 
@@ -36,9 +36,8 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train import Clock  # noqa: E402  (bench/train.py's step clock)
+from bench.train import Clock  # bench/train.py's step clock
 
 WRAPPERS = ("single", "ddp", "fsdp2")
 MODES = ("eager", "advisor", "compile")
