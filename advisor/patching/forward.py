@@ -150,6 +150,7 @@ def _wrapped_by_dynamo(fn: Callable) -> bool:
 # ------------------------------------------------------------------------------------ the forward
 SPENT = "new input shapes or modes after the capture budget"
 EXTRA_CAPTURES = 2  # graphs a forward may still capture after `optimize` checked it (see `settle`)
+REFUSALS_TO_STOP = 4  # guard refusals in a row after which a captured shape's calls run the original forward unasked
 GRAPHS_PER_CAPTURE = 8  # graphs one compiled function holds (dynamo's recompile limit, when that is lower)
 FULL = (f"new input shapes or modes past the graphs one capture holds (at most {GRAPHS_PER_CAPTURE}, within dynamo's "
         "recompile limit): its ops ran unfused, as dynamo runs a frame it does not compile")
@@ -229,6 +230,7 @@ class PatchedForward:
         self._capturing_calls = 0  # calls that made dynamo capture at least one graph
         self._captured_shapes: set = set()  # `_shapes_of` the calls that captured: past the budget, any other
         # call's shapes are refused by the guards (dynamic=False), so it runs the original forward unasked
+        self._refusals: dict = {}  # captured shapes -> calls in a row the guards refused at them (`_may_serve`)
         self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
         self.train_fused = False  # see `trains`
         self.gradient_calls = GradientCalls(type(module).__name__)  # shared by the model's forwards (`patch`)
@@ -370,8 +372,29 @@ class PatchedForward:
     def _spent_on(self, args, kwargs) -> bool:
         """Whether this call, at shapes no capture of this forward was made at, comes past its capture budget (its
         own capture: one shared with the class decides by its guards)."""
-        return (self._budget is not None and self._capturing_calls >= self._budget and not self.failed
-                and (self._via is None or self._via.breaks) and _shapes_of(args, kwargs) not in self._captured_shapes)
+        if self._budget is None or self._capturing_calls < self._budget or self.failed or \
+                (self._via is not None and not self._via.breaks):
+            return False
+        shapes = _shapes_of(args, kwargs)
+        return shapes not in self._captured_shapes or self._refusals.get(shapes, 0) >= REFUSALS_TO_STOP
+
+    def _may_serve(self, fn: Callable, lead: tuple, args, kwargs) -> bool:
+        """Whether a graph `fn` holds may take this call (asked where no new one is made): its shapes are among those
+        captured and dynamo's guards accept it. Guards that refused a call's shapes `REFUSALS_TO_STOP` times in a row
+        are not asked again for them: asking cost ~100 us per layer call on the H200 (every entry's guards, and the
+        call's arguments bound to the frame's), paid by every decode step of `generate`, whose top-level shapes
+        repeat while the KV cache inside grows (generate() ran 0.90x eager on it)."""
+        shapes = _shapes_of(args, kwargs)
+        if shapes not in self._captured_shapes or self._refusals.get(shapes, 0) >= REFUSALS_TO_STOP:
+            return False
+        if _guards_accept(fn, lead, args, kwargs) is False:
+            with self._lock:
+                self._refusals[shapes] = self._refusals.get(shapes, 0) + 1
+            return False
+        if shapes in self._refusals:
+            with self._lock:
+                self._refusals.pop(shapes, None)
+        return True
 
     def _fall_back(self, why: str, args, kwargs):
         self._note(why)
@@ -507,8 +530,7 @@ class PatchedForward:
         full = not spent and _full(fn, self._backend.captures)
         lead = self._target()[1]
         own = self._via is None or self._via.breaks
-        if (spent or full) and own and (_shapes_of(args, kwargs) not in self._captured_shapes
-                                        or _guards_accept(fn, lead, args, kwargs) is False):
+        if (spent or full) and own and not self._may_serve(fn, lead, args, kwargs):
             # Past its budget (or holding all the graphs one capture may), a capture that would recompile runs the
             # original forward, asked of the guards directly: through dynamo's eager_on_recompile stance each such
             # call cost ~140 us of dynamo's Python per layer on the H200 (a growing KV cache makes every decode step
@@ -567,6 +589,7 @@ class PatchedForward:
             with self._lock:
                 self._capturing_calls += 1
                 self._captured_shapes.add(_shapes_of(args, kwargs))
+                self._refusals.pop(_shapes_of(args, kwargs), None)
             if self._backend.unfused_graphs > unfused:
                 self._note(UNPROFILED)
             if breaks is not None and _graph_breaks() > breaks:
