@@ -160,3 +160,36 @@ def test_decode_steps_past_the_budget_stop_asking_the_guards(tmp_path, monkeypat
     assert torch.equal(got, want)
     assert first <= layers * (forward.REFUSALS_TO_STOP + 1), f"guards asked {first} times over {steps} steps"
     assert len(asked) - first <= layers, "a second generate asked the guards again past its prompt"
+
+
+def test_a_whole_stack_at_a_new_shape_keeps_each_read_where_the_kernel_reads_it(tmp_path):
+    """ModernBERT rotates the query and the key of a packed QKV alike, so a loose match at a new shape may bind the
+    program's query to the graph's key: every read then moves by the 64 elements between them, while the kernel,
+    made at the profiled sizes, keeps its own distances (its key read landed on the values: outputs 0.6 off). Such
+    a rebinding is refused; the whole stack's capture at a new shape gives the unpatched outputs."""
+    cfg = transformers.ModernBertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=64, pad_token_id=0,
+                                        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                                        global_attn_every_n_layers=2, local_attention=8)
+    torch.manual_seed(0)
+    model = transformers.ModernBertModel(cfg).eval()
+    untouched = copy.deepcopy(model)
+
+    def text(batch, seq):
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[1, -3:] = 0
+        return {"input_ids": torch.randint(3, 128, (batch, seq)), "attention_mask": mask}
+
+    report = advisor.optimize(model, text(2, 16), interpret=True, reuse=False, out=tmp_path)
+    handle = report.handle
+    assert handle.outer, "the plan has no whole-stack capture to check"
+    other = text(3, 11)
+    handle.set_outer(True)
+    try:
+        with torch.no_grad():
+            got = model(**other).last_hidden_state
+    finally:
+        handle.set_outer(False)
+    with torch.no_grad():
+        want = untouched(**other).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -199,13 +199,8 @@ class PendingLauncher:
 class Backend:
     """Dynamo's backend for one patched module instance: AOTAutograd, then `rewrite` on inference graphs."""
 
-    def __init__(self, specs: list[PatternSpec], log: CaptureLog, digest: str, trains: bool = False,
-                 resize: bool = True):
+    def __init__(self, specs: list[PatternSpec], log: CaptureLog, digest: str, trains: bool = False):
         self.specs = specs
-        # Patterns at sizes never profiled (`resize`): not in a whole stack's capture, where a resized rotary
-        # pattern (table and application fused, ModernBERT's two tables) gave wrong outputs at a new shape (a
-        # zoo test, 5e-4 against eager; the cause is not found)
-        self.resize = resize
         self.log = log
         self.digest = digest
         self.captures = 0  # graphs dynamo handed us for this instance (first captures and recompiles)
@@ -357,7 +352,7 @@ class Backend:
         for shape, (program, kernel_file) in enumerate(spec.shapes()):
             self._substitute_all(gm, spec, program, kernel_file, pattern_of(spec, shape, program, device), keep,
                                  training, escapes)
-        if self.resize and not training and self.log.count(spec.key) == before and resize.resizable(spec.program):
+        if not training and self.log.count(spec.key) == before and resize.resizable(spec.program):
             self._substitute_resized(gm, spec, device, keep, escapes)
         logged = self.log.escapes[spec.key]
         logged.extend(e for e in dict.fromkeys(escapes) if e not in logged)  # each find meets them again

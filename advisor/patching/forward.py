@@ -342,7 +342,7 @@ class PatchedForward:
             entries = _CLASS.setdefault(self._class_key(), [])
             if sum(e.owner() is not None for e in entries) >= MAX_CLASS_CAPTURES:
                 return self._own()
-            backend = Backend(self.specs, self.log(), self.digest, self._may_train, resize=not self.outer)
+            backend = Backend(self.specs, self.log(), self.digest, self._may_train)
             self._owns = ClassCapture(self._target()[0], backend, self, self._class_key())
             entries.append(self._owns)
             self._via, self._backend, self._compiled = None, backend, self._owns.compiled
@@ -352,7 +352,7 @@ class PatchedForward:
         """This instance's own compiled function (its own dynamo cache)."""
         with self._lock:
             self._via = None
-            self._backend = Backend(self.specs, self.log(), self.digest, self._may_train, resize=not self.outer)
+            self._backend = Backend(self.specs, self.log(), self.digest, self._may_train)
             self._compiled = compile_fresh(self._target()[0], self._backend, holder=self)
             return self._compiled
 

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from advisor.graph.dtypes import torch_dtype
 from advisor.ops.lowering import serves_any_rows
 from advisor.patching.match import Match, Pattern, layout
-from advisor.patching.program import is_scalar_slot, run_program, storage_numel, strided_view
+from advisor.patching.program import is_scalar_slot, run_program, storage_numel, strided_view, tensor_reads
 
 
 def resizable(program: dict) -> bool:
@@ -66,7 +66,25 @@ def rebind(program: dict, pattern: Pattern, m: Match) -> dict | None:
             _follow_own_layouts(out, given)
     except Exception:  # noqa: BLE001  (the ops refuse these sizes: no program at them)
         return None
-    return out
+    return out if _offsets_kept(program, out) else None
+
+
+def _offsets_kept(recorded: dict, rebound: dict) -> bool:
+    """Whether every read still starts where the kernel looks for it: at its recorded distance from the start of
+    the tensor it reads (the kernel, made at the profiled sizes, holds that distance). A loose match may take one
+    of two places that compute alike for the other: ModernBERT's rotary over a packed QKV rotates the query and
+    the key alike, and a match that bound the program's query input to the graph's key moved every read by the
+    64 elements between them, so the kernel's key read landed on the values (outputs 0.6 off at a new shape)."""
+    def starts(p: dict) -> dict:
+        return {s["id"]: s.get("storage_offset", 0) for s in p["inputs"] if not is_scalar_slot(s)}
+
+    was, now = starts(recorded), starts(rebound)
+    for a, b in zip(recorded["nodes"], rebound["nodes"]):
+        for x, y in zip(a["args"], b["args"]):
+            for ra, rb in zip(tensor_reads(x), tensor_reads(y)):
+                if ra.get("storage_offset", 0) - was.get(ra["ref"], 0) != rb.get("storage_offset", 0) - now.get(rb["ref"], 0):
+                    return False
+    return True
 
 
 def _same_structure(recorded, found) -> bool:
