@@ -11,7 +11,7 @@ from rich.console import Console
 from advisor.cli_options import (Device, Granularity, Replacement, calls_option, chosen_schedule, device_option,
                                  nproc_option, out_option, region_option, schedule_option, top_option)
 from advisor.errors import AdvisorError
-from advisor.jsonio import write_json
+from advisor.documents import ANALYSIS_FILE, APPLY_FILE, AnalysisDoc, write_analysis
 from advisor.layout import TRACE_DIR, drop_stale_kernels, locate
 from advisor.report import render_reports
 
@@ -120,18 +120,18 @@ def generate(
     source = Path(source)
     if not source.exists():
         raise AdvisorError(f"{source} does not exist")
-    located = locate(source.parent if source.name == "analysis.json" else source)
+    located = locate(source.parent if source.name == ANALYSIS_FILE else source)
     out_dir = Path(out or located.out)
     if located.analysis.is_file():
         doc = json.loads(located.analysis.read_text())
         if located.analysis.parent != out_dir:  # the report reads it beside apply.json
-            write_json(out_dir / "analysis.json", doc)
+            write_analysis(out_dir, AnalysisDoc.from_json(doc))
     else:
         from advisor.analysis.api import analyze as run_analysis
 
         with console.status("analysing trace…"):
             result = run_analysis(located.trace)
-        result.to_json(out_dir / "analysis.json")
+        write_analysis(out_dir, result.document)
         doc = result.doc
     table = Table(title=f"generated kernels ({out_dir / 'kernels'})")
     for col in ("#", "pattern", "result", "rel_l2", "file"):
@@ -150,7 +150,7 @@ def generate(
     drop_stale_kernels(out_dir)
     console.print(table)
     n_ok = sum(r.validated for r in shown)
-    console.print(f"{n_ok} of {len(shown)} patterns validated; results in [bold]{Path(out_dir) / 'apply.json'}[/]")
+    console.print(f"{n_ok} of {len(shown)} patterns validated; results in [bold]{Path(out_dir) / APPLY_FILE}[/]")
     _report_written(render_reports(out_dir, console, top=top, terminal=False))
 
 
@@ -257,14 +257,13 @@ def _analyze_and_report(trace, et=None, out=None, top: int = 10, console=None) -
         from advisor.analysis.ranks import analyze_ranks
 
         with console.status(f"analysing {len(rank_dirs(trace))} ranks' traces…"):
-            doc = analyze_ranks(Path(trace), out_dir)
-        paths = {"analysis": write_json(out_dir / "analysis.json", doc)}
+            document = analyze_ranks(Path(trace), out_dir)
     else:
         with console.status("analysing trace…"):
-            doc = run_analysis(trace, et).doc
-        paths = {"analysis": write_json(out_dir / "analysis.json", doc)}
+            document = run_analysis(trace, et).document
+    paths = {"analysis": write_analysis(out_dir, document)}
     paths.update(render_reports(out_dir, console, top=top))
-    for w in doc.get("warnings") or []:
+    for w in document.warnings or ():
         console.print(f"[yellow]warning:[/] {w}")
     return paths
 

@@ -21,6 +21,7 @@ from advisor.analysis.patterns import NORMS, family, group_family, op_label, pat
 from advisor.graph.dataflow import build_graph
 from advisor.graph.dtypes import torch_dtype_name
 from advisor.graph.nodes import Graph
+from advisor.documents import AnalysisDoc
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, write_json
 from advisor.ops.registry import CONV_EPILOGUE, MEMORY_BOUND, OpClass
 from advisor.records import Kind
@@ -96,8 +97,15 @@ class Analysis:
             lines.append(f"  and {len(cands) - len(listed)} negligible (in `doc['candidates']`, ranked last)")
         return "\n".join(lines)
 
+    @cached_property
+    def document(self) -> AnalysisDoc:
+        """`doc` as the typed record the run folder's writer takes (`advisor.documents.write_analysis`)."""
+        return AnalysisDoc.from_json(self.doc)
+
     def to_json(self, path: Path) -> Path:
-        return write_json(Path(path), self.doc)
+        """The analysis as JSON at `path` (a notebook's copy; a run folder's analysis.json is written by
+        `advisor.documents.write_analysis`)."""
+        return write_json(Path(path), self.document.to_json())
 
 
 def analyze(path, et=None) -> Analysis:

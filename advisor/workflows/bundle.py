@@ -38,6 +38,7 @@ import zipfile
 from pathlib import Path
 
 from advisor.codegen.cache import cache_dir
+from advisor.documents import APPLY_FILE
 from advisor.errors import AdvisorError, not_writable
 from advisor.interpreter import forced
 from advisor.jsonio import like_a_new_file
@@ -116,7 +117,7 @@ def host_module_entries(folder: Path, root: Path | None = None) -> list[Path]:
     this process has, still in Triton's cache."""
     root = root or triton_cache_root()
     try:
-        named = json.loads((folder / "apply.json").read_text()).get("host_modules") or []
+        named = json.loads((folder / APPLY_FILE).read_text()).get("host_modules") or []
     except (OSError, json.JSONDecodeError):
         named = []
     names = {n for n in named if isinstance(n, str) and Path(n).name == n} | set(loaded_host_modules(root))
@@ -170,7 +171,7 @@ def save(plan, path) -> Path:
 def graph_files(folder: Path) -> list[Path]:
     """The lowered inference graphs the plan's captures used (apply.json `graphs`, `aot_cache`) still in the cache."""
     try:
-        keys = json.loads((folder / "apply.json").read_text()).get("graphs") or []
+        keys = json.loads((folder / APPLY_FILE).read_text()).get("graphs") or []
     except (OSError, json.JSONDecodeError):
         return []
     return [f for f in (graphs_folder() / f"{k}.pkl" for k in keys) if f.is_file()]
