@@ -40,10 +40,25 @@ def _show_version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _verbose(value: bool) -> None:
+    """The package's decisions on stderr: what the fusion rules refused and why, each stage's choices
+    (the `advisor` loggers at debug level; without -v only their warnings show)."""
+    if value:
+        import logging
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger = logging.getLogger("advisor")
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+
+
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
                                  help="Print the version and exit."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", callback=_verbose, is_eager=True,
+                                 help="Log the advisor's decisions (what was not fused, and why) on stderr."),
 ):
     """Profiler-driven kernel-fusion advisor for PyTorch."""
 

@@ -36,7 +36,8 @@ class Refusal:
     rule: str  # a short name of the rule (`advisor.analysis.fusion`)
     why: str  # the sentence for people
     ops: tuple = ()  # the aten ops of the group, in order
-    module: str | None = optional()  # the module the group's first op ran in
+    occurrences: float = 0  # per steady-state iteration
+    module: str | None = optional()  # the module the first one's first op ran in
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,10 +29,10 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -47,6 +47,8 @@ from advisor.workflows.plan_cache import FILES, copy_plan
 FORMAT = 1
 MATCH = ("torch", "triton", "gpu", "capability")  # what a compiled binary depends on
 _JIT_NAME = re.compile(r"^@triton\.jit\s*\ndef\s+(\w+)\s*\(", re.M)
+
+log = logging.getLogger(__name__)
 
 
 def environment() -> dict:
@@ -211,8 +213,8 @@ def load(path, dest: Path | None = None) -> Path:
                 here = environment()
                 differ = [f"{k} {header.get(k)} (here {here.get(k)})" for k in MATCH if header.get(k) != here.get(k)]
                 if differ:
-                    print(f"fusion-advisor: {path.name} was built with {', '.join(differ)}: "
-                          f"its kernels compile on first use instead", file=sys.stderr)
+                    log.warning("fusion-advisor: %s was built with %s: its kernels compile on first use instead",
+                                path.name, ", ".join(differ))
                 else:
                     install(z, header["binaries"] + list(header.get("host_modules") or []))
     return dest

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import re
-import sys
 import threading
 import types
 from pathlib import Path
@@ -35,6 +35,8 @@ from advisor.validate.shapes import cases
 
 MATMUL_REASON = "contains a matmul anchor: see issue 10"
 NO_PROGRAM = "the analysis recorded no program for this candidate"
+
+log = logging.getLogger(__name__)
 
 
 # Where in a training step a candidate runs decides whether a kernel is generated for it at all: patches
@@ -272,8 +274,8 @@ def _in_workers(chosen: list, out_dir: Path) -> list | None:
         with timing.timed("jobs"):
             return _pooled(pool, chosen, out_dir, ahead) if pool else None
     except (BrokenProcessPool, OSError, RuntimeError) as e:
-        print(f"fusion-advisor: compile workers unavailable ({type(e).__name__}: {e}); "
-              f"generating {len(chosen)} kernels in this process", file=sys.stderr)
+        log.warning("fusion-advisor: compile workers unavailable (%s: %s); generating %d kernels in this process",
+                    type(e).__name__, e, len(chosen))
         return None
     finally:  # each worker holds a CUDA context (~0.5 GB of GPU memory): not kept past the stage
         workers.discard()
