@@ -288,12 +288,13 @@ def _summary(t: dict, device: str) -> dict:
 
 def final_status(records, specs, handle, dropped, doc, launched, selection) -> list:
     """Statuses once selection chose between the layer captures and the outer ones (patterns fused only
-    across layers are patched, or not kept, by that choice). `launched`: the chosen state's launched sites
-    (the outer capture's `outer_sites` where it was chosen)."""
+    across layers are patched, or not kept, by that choice), for `optimize` and `apply` alike. `launched`:
+    the chosen state's launched sites (the outer capture's `outer_sites` where it was chosen); the patterns
+    kept running are the selection's `enabled` (None: every one). Sets `selection["kept"]`."""
     records = pattern_status(records, specs, handle, dropped, doc, launched, selected=True)
-    key_of = {s.candidate: s.key for s in handle.plan.patterns}
-    enabled = handle.enabled if handle.enabled is not None else frozenset(key_of.values())
-    records = mark_kept(records, key_of, enabled, True)
+    key_of = {s.candidate: s.key for s in specs}
+    enabled = selection.get("enabled")
+    records = mark_kept(records, key_of, frozenset(key_of.values() if enabled is None else enabled), True)
     selection["kept"] = [r.candidate for r in records if r.kept]
     return records
 

@@ -37,7 +37,7 @@ from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.outcome import pattern_status
 from advisor.workflows.script_session import Session, intercept_roots, run_script
-from advisor.workflows.selection import Option, choose, compare_states, mark_kept, time_patterns
+from advisor.workflows.selection import Option, choose, compare_states, final_status, mark_kept, time_patterns
 from advisor.workflows.workers import start_soon
 
 class Handles:
@@ -135,12 +135,8 @@ def apply_script(script: Path, args: list, out: Path, top: int | None = 5, devic
             e2e, records = _benchmark(script, args, dev, steady, session, handles, records, iters, train, recorded)
             selection, records = select(records, e2e, recorded, dev, iters, session.plan, handles)
         if selection.get("outer"):  # the whole stack kept: statuses as it runs the patterns
-            records = pattern_status(records, specs, handles, session.dropped, analysis.doc, selection["outer_sites"],
-                                     selected=True)
-            key_of = {sp.candidate: sp.key for sp in specs}
-            enabled = selection.get("enabled")
-            records = mark_kept(records, key_of, frozenset(key_of.values() if enabled is None else enabled), True)
-            selection["kept"] = [r.candidate for r in records if r.kept]
+            records = final_status(records, specs, handles, session.dropped, analysis.doc, selection["outer_sites"],
+                                   selection)
         # A state chosen (the captures alone included): every captured module, `enabled` saying which
         # patterns run there, as `optimize` stores it; nothing chosen: an empty manifest, which patches nothing.
         chosen = selection.get("state") is not None or bool(selection["kept"])
