@@ -155,6 +155,11 @@ class ApplyDoc:
 
     @classmethod
     def from_json(cls, doc: dict) -> "ApplyDoc":
+        if isinstance(doc, dict) and "check" in doc and "checks" not in doc:
+            # `optimize` wrote its one comparison as `check` before it was `checks` (plans in bundles and the
+            # plan cache outlive that): read as a list of one
+            old = doc["check"]
+            doc = {**{k: v for k, v in doc.items() if k != "check"}, **({"checks": [old]} if old is not None else {})}
         return codec.from_json(cls, doc, APPLY_FILE)
 
     def to_json(self) -> dict:

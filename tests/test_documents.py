@@ -90,6 +90,15 @@ def test_an_optimize_apply_json_round_trips(tmp_path):
     assert json.dumps(AnalysisDoc.from_json(json.loads(analysis)).to_json(), indent=1) == analysis
 
 
+def test_an_apply_json_written_with_check_reads_as_checks():
+    """Bundles and stored plans written before the comparison was named `checks` still load."""
+    old = {"schema_version": 1, "patterns": [], "check": {"ok": True}, "end_to_end": None}
+    assert ApplyDoc.from_json(old).to_json() == {"schema_version": 1, "patterns": [], "checks": [{"ok": True}]}
+    assert "checks" not in ApplyDoc.from_json({"patterns": [], "check": None}).to_json()
+    with pytest.raises(RecordError, match=r"keys this version does not know: 'colour'"):
+        ApplyDoc.from_json({"patterns": [], "colour": "red"})
+
+
 def test_selection_states_are_the_enum():
     assert set(DESCRIBE) == set(SelectionState)
     s = Selection.from_json({"decision": "kept every patched pattern", "state": "whole_kept", "kept": ["c1"]})
