@@ -11,7 +11,7 @@ from rich.console import Console
 from advisor.cli_options import (Device, Granularity, Replacement, calls_option, chosen_schedule, device_option,
                                  nproc_option, out_option, region_option, schedule_option, top_option)
 from advisor.errors import AdvisorError
-from advisor.jsonio import write_json
+from advisor.documents import ANALYSIS_FILE, APPLY_FILE, AnalysisDoc, write_analysis
 from advisor.layout import TRACE_DIR, drop_stale_kernels, locate
 from advisor.report import render_reports
 
@@ -40,10 +40,25 @@ def _show_version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _verbose(value: bool) -> None:
+    """The package's decisions on stderr: what the fusion rules refused and why, each stage's choices
+    (the `advisor` loggers at debug level; without -v only their warnings show)."""
+    if value:
+        import logging
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger = logging.getLogger("advisor")
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+
+
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
                                  help="Print the version and exit."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", callback=_verbose, is_eager=True,
+                                 help="Log the advisor's decisions (what was not fused, and why) on stderr."),
 ):
     """Profiler-driven kernel-fusion advisor for PyTorch."""
 
@@ -120,18 +135,18 @@ def generate(
     source = Path(source)
     if not source.exists():
         raise AdvisorError(f"{source} does not exist")
-    located = locate(source.parent if source.name == "analysis.json" else source)
+    located = locate(source.parent if source.name == ANALYSIS_FILE else source)
     out_dir = Path(out or located.out)
     if located.analysis.is_file():
         doc = json.loads(located.analysis.read_text())
         if located.analysis.parent != out_dir:  # the report reads it beside apply.json
-            write_json(out_dir / "analysis.json", doc)
+            write_analysis(out_dir, AnalysisDoc.from_json(doc))
     else:
         from advisor.analysis.api import analyze as run_analysis
 
         with console.status("analysing trace…"):
             result = run_analysis(located.trace)
-        result.to_json(out_dir / "analysis.json")
+        write_analysis(out_dir, result.document)
         doc = result.doc
     table = Table(title=f"generated kernels ({out_dir / 'kernels'})")
     for col in ("#", "pattern", "result", "rel_l2", "file"):
@@ -150,7 +165,7 @@ def generate(
     drop_stale_kernels(out_dir)
     console.print(table)
     n_ok = sum(r.validated for r in shown)
-    console.print(f"{n_ok} of {len(shown)} patterns validated; results in [bold]{Path(out_dir) / 'apply.json'}[/]")
+    console.print(f"{n_ok} of {len(shown)} patterns validated; results in [bold]{Path(out_dir) / APPLY_FILE}[/]")
     _report_written(render_reports(out_dir, console, top=top, terminal=False))
 
 
@@ -257,14 +272,13 @@ def _analyze_and_report(trace, et=None, out=None, top: int = 10, console=None) -
         from advisor.analysis.ranks import analyze_ranks
 
         with console.status(f"analysing {len(rank_dirs(trace))} ranks' traces…"):
-            doc = analyze_ranks(Path(trace), out_dir)
-        paths = {"analysis": write_json(out_dir / "analysis.json", doc)}
+            document = analyze_ranks(Path(trace), out_dir)
     else:
         with console.status("analysing trace…"):
-            doc = run_analysis(trace, et).doc
-        paths = {"analysis": write_json(out_dir / "analysis.json", doc)}
+            document = run_analysis(trace, et).document
+    paths = {"analysis": write_analysis(out_dir, document)}
     paths.update(render_reports(out_dir, console, top=top))
-    for w in doc.get("warnings") or []:
+    for w in document.warnings or ():
         console.print(f"[yellow]warning:[/] {w}")
     return paths
 

@@ -8,10 +8,11 @@ Device: --device, else $FUSION_ADVISOR_DEVICE, else cuda if available. bf16 on c
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 from torch import nn
+
+from advisor import config
 
 
 class MLPBlock(nn.Module):
@@ -48,7 +49,7 @@ class DemoModel(nn.Module):
 
 
 def main(argv=None) -> None:
-    default_device = os.environ.get("FUSION_ADVISOR_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    default_device = config.current().device or ("cuda" if torch.cuda.is_available() else "cpu")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=default_device, choices=["cuda", "cpu"])
     ap.add_argument("--iters", type=int, default=3)

@@ -2,9 +2,8 @@
 file. A reader that finds another version refuses the file (`advisor.report.load`) instead of misreading
 it; bump a file's version when a key changes meaning or goes away, not when one is added.
 
-    analysis.json  what `analyze` found (advisor.analysis.api); the report reads it
-    apply.json     what was generated, patched and kept: written by `generate` (workflows.generate, its
-                   `patterns`), `optimize` (workflows.live_model) and `apply` (workflows.user_script)
+    analysis.json  what `analyze` found; typed as `advisor.documents.AnalysisDoc`, written by its one writer
+    apply.json     what was generated, patched and kept; `advisor.documents.ApplyDoc`, one writer
     meta.json      how the trace was collected (collect.runner, collect.in_process); the analyzer reads it
 """
 from __future__ import annotations

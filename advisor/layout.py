@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from advisor.documents import ANALYSIS_FILE, APPLY_FILE
+
 TRACE_DIR = "trace"
 RANK_PREFIX = "rank-"
 
@@ -40,9 +42,9 @@ class RunDir:
     def analysis(self) -> Path:
         """analysis.json: in OUT; a trace directory that holds one itself (older layouts) is read too."""
         for d in (self.out, self.trace):
-            if (d / "analysis.json").is_file():
-                return d / "analysis.json"
-        return self.out / "analysis.json"
+            if (d / ANALYSIS_FILE).is_file():
+                return d / ANALYSIS_FILE
+        return self.out / ANALYSIS_FILE
 
 
 def locate(path) -> RunDir:
@@ -63,7 +65,7 @@ def drop_stale_kernels(out) -> list:
 
     out = Path(out)
     try:
-        doc = json.loads((out / "apply.json").read_text())
+        doc = json.loads((out / APPLY_FILE).read_text())
     except (OSError, ValueError):
         return []  # no plan to compare with: leave everything
     named = {Path(str(e["kernel_file"])).name for key in ("patterns", "manifest") for e in doc.get(key) or []

@@ -54,7 +54,7 @@ def test_optimize_patches_llama_and_writes_a_plan(optimized):
     entries = doc["manifest"]
     assert entries and {"module", "class", "pattern", "kernel_file", "guard"} <= set(entries[0])
     assert all(Path(e["kernel_file"]).is_file() and str(report.out_dir) in e["kernel_file"] for e in entries)
-    assert doc["end_to_end"] is None  # no benchmark asked for
+    assert doc.get("end_to_end") is None  # no benchmark asked for: not written
     assert "timing not meaningful" in doc["selection"]["decision"]  # on a GPU: only what is faster is kept
     assert "patched" in str(report)
 

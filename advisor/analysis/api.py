@@ -9,6 +9,7 @@ from operator import itemgetter
 from pathlib import Path
 
 import json
+import logging
 import textwrap
 
 import numpy as np
@@ -21,11 +22,15 @@ from advisor.analysis.patterns import NORMS, family, group_family, op_label, pat
 from advisor.graph.dataflow import build_graph
 from advisor.graph.dtypes import torch_dtype_name
 from advisor.graph.nodes import Graph
+from advisor import codec
+from advisor.documents import AnalysisDoc, Refusal
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, write_json
 from advisor.ops.registry import CONV_EPILOGUE, MEMORY_BOUND, OpClass
 from advisor.records import Kind
 from advisor.trace.load import gc_paused, load_trace
 from advisor.units import fmt_time
+
+log = logging.getLogger(__name__)
 
 # A candidate is negligible when it saves under 1% of the best one's estimated time; or, its time under 10% of the
 # best's, when what it saves is launches alone: under 1 KiB of traffic per occurrence (a mask's `eq -> all` on 4
@@ -35,6 +40,8 @@ NEGLIGIBLE_SHARE = 0.01
 NEGLIGIBLE_LAUNCHES_SHARE = 0.10
 NEGLIGIBLE_BYTES_SHARE = 0.001
 NEGLIGIBLE_BYTES = 1024
+
+REFUSALS_KEPT = 50  # analysis.json's `refused`: the most frequent; a large model's rarer ones are in the debug log
 
 CLASS_ORDER = ["matmul", "attention", "pointwise", "reduction", "norm", "data_movement", "view", "other"]
 
@@ -96,8 +103,15 @@ class Analysis:
             lines.append(f"  and {len(cands) - len(listed)} negligible (in `doc['candidates']`, ranked last)")
         return "\n".join(lines)
 
+    @cached_property
+    def document(self) -> AnalysisDoc:
+        """`doc` as the typed record the run folder's writer takes (`advisor.documents.write_analysis`)."""
+        return AnalysisDoc.from_json(self.doc)
+
     def to_json(self, path: Path) -> Path:
-        return write_json(Path(path), self.doc)
+        """The analysis as JSON at `path` (a notebook's copy; a run folder's analysis.json is written by
+        `advisor.documents.write_analysis`)."""
+        return write_json(Path(path), self.document.to_json())
 
 
 def analyze(path, et=None) -> Analysis:
@@ -157,7 +171,8 @@ class _Pattern:
 
 
 def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.DataFrame) -> Analysis:
-    groups = find_groups(graph)
+    not_fused: list = []  # what the fusion rules refused (`fusion.Refused`)
+    groups = find_groups(graph, not_fused)
     sigs = list(signatures(graph, groups))
     groups, sigs, iters, odd = _whole_iterations(graph, groups, sigs)
     if odd:
@@ -267,12 +282,28 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
         "warnings": list(graph.warnings),  # e.g. an ET that cannot be joined (issue 8)
         "timeline": _timeline(graph, groups_by_id),
         "candidates": [{k: v for k, v in r.items() if k != "extends_pattern"} for r in records],
+        **({"refused": refusals} if (refusals := _refusals(graph, not_fused, iters)) else {}),
     }
     cand_df = pd.DataFrame([{k: v for k, v in r.items() if k not in ("graph", "program")} for r in records])
     return Analysis(graph, device, kernels, cand_df, groups_by_id, doc)
 
 
 # ------------------------------------------------------------------------------------------ pieces
+def _refusals(graph: Graph, refused: list, iters: int, keep: int = REFUSALS_KEPT) -> list[dict]:
+    """analysis.json's `refused`: what the fusion rules found and refused, one entry per rule, reason and ops,
+    the most frequent first (the first `keep`; every one is logged at debug level)."""
+    counts: dict[tuple, list] = {}
+    for r in refused:
+        key = (r.rule, r.why, tuple(graph.nodes[m].op for m in r.members))
+        counts.setdefault(key, [0, r.members[0]])[0] += 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    for (rule, why, ops), (n, _) in ranked:
+        log.debug("not fused (%s, %dx): %s: %s", rule, n, " -> ".join(ops), why)
+    return [codec.to_json(Refusal(rule=rule, why=why, ops=ops, occurrences=_per_iter(n, iters),
+                    module=graph.nodes[first].module or None))
+            for (rule, why, ops), (n, first) in ranked[:keep]]
+
+
 def _communication(graph: Graph) -> list:
     """Communication between ranks (class COMMUNICATION, a barrier): `name`, `count` and `time_us` per iteration,
     most time first; absent from analysis.json when there is none (a one-process trace is unchanged)."""

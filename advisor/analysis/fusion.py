@@ -32,6 +32,11 @@ Matmuls and convolutions are anchors; more rules build on them:
    group is computed at each tap of each window (again where windows overlap: cheap arithmetic, the
    loads hit the cache) and its output is never written: ResNet's stem, BatchNorm + ReLU + max-pool.
 Everything else is a barrier.
+
+Where a rule found a structure it could fuse and refused it (domains that disagree, a cycle, an anchor's
+output read elsewhere, ...), it says so: a `Refused` record (the rule, why, the ops) in the list handed to
+`find_groups`, which the analyzer counts into analysis.json's `refused`. A node a rule does not apply to
+(not a matmul, not a reduction) is not a refusal.
 """
 from __future__ import annotations
 
@@ -44,6 +49,26 @@ from advisor.graph.nodes import Graph, Node, per_template
 from advisor.ops.args import bind, group_count, reduced_dims
 from advisor.ops.lowering import why_not_generated
 from advisor.ops.registry import OpClass, OpInfo, conv_epilogue_fits, is_conv, lookup
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A group a fusion rule found and refused: the rule, the reason, the nodes (graph indices) involved."""
+
+    rule: str
+    why: str
+    members: tuple[int, ...]
+
+
+class _Refusals:
+    """Where the rules record what they refuse; a no-op when nobody asked."""
+
+    def __init__(self, into: list | None):
+        self.into = into
+
+    def __call__(self, rule: str, why: str, *members: int) -> None:
+        if self.into is not None:
+            self.into.append(Refused(rule, why, tuple(sorted(set(members)))))
 
 
 @dataclass(frozen=True)
@@ -107,7 +132,9 @@ def node_domain(graph: Graph, n: Node) -> Domain | None:
     return None
 
 
-def find_groups(graph: Graph) -> list[Group]:
+def find_groups(graph: Graph, refused: list | None = None) -> list[Group]:
+    """The fusion groups of `graph`; what the rules refused is appended to `refused` (`Refused` records)."""
+    refuse = _Refusals(refused)
     domain_of = per_template(lambda n: node_domain(graph, n))
     nodes, values = graph.nodes, graph.values
     domains = list(map(domain_of, nodes))
@@ -123,12 +150,17 @@ def find_groups(graph: Graph) -> list[Group]:
             if g is None or g in cands or nodes[p].iteration != n.iteration or _apart(nodes[p], n):
                 continue
             if any(values[u.value].producer == p and shared[u.value] for u in n.reads):
+                refuse("shared tensor", "reads a tensor sibling modules share (rule 5): it is written anyway", p, n.idx)
                 continue
             cands.append(g)
         merged = Group([n.idx], d.numel, d.rows)
         for g in cands:
             trial = _join(g, merged)
-            if trial is not None and not _has_cycle(graph, producers, trial.members):
+            if trial is None:
+                refuse("domains", "their iteration spaces disagree (rules 1-3)", *g.members, *merged.members)
+            elif _has_cycle(graph, producers, trial.members):
+                refuse("cycle", "the group would reach itself through an op outside it (rule 4)", *trial.members)
+            else:
                 merged = trial
         for m in merged.members:
             group_of[m] = merged
@@ -136,9 +168,17 @@ def find_groups(graph: Graph) -> list[Group]:
     fused = [g for g in unique.values() if len(g.members) >= 2]
     for g in fused:
         g.members.sort()
-    groups = (fused + _epilogues(graph, domains, group_of) + _attention(graph, fused, group_of)
-              + _matmul_reductions(graph, domains, group_of) + _padded_matmuls(graph) + _windows(graph, domains, group_of))
-    return [g for g in groups if not any(_apart(nodes[g.members[0]], nodes[m]) for m in g.members)]  # rule 6
+    groups = (fused + _epilogues(graph, domains, group_of, refuse) + _attention(graph, fused, group_of, refuse)
+              + _matmul_reductions(graph, domains, group_of, refuse) + _padded_matmuls(graph)
+              + _windows(graph, domains, group_of, refuse))
+    kept = []
+    for g in groups:
+        if any(_apart(nodes[g.members[0]], nodes[m]) for m in g.members):
+            refuse("apart", "its ops run in different parts of a training step, or inside and outside the "
+                   "model's modules (rule 6)", *g.members)
+        else:
+            kept.append(g)
+    return kept
 
 
 class _SharedValues:
@@ -199,7 +239,7 @@ def _has_cycle(graph: Graph, producers: list[list[int]], members: list[int]) -> 
     return False
 
 
-def _epilogues(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[Group]:
+def _epilogues(graph: Graph, domains: list, group_of: dict[int, Group], refuse=_Refusals(None)) -> list[Group]:
     """An anchor whose output is read only by one pure pointwise group (or one fusible op), elementwise."""
     out = []
     for n in graph.nodes:
@@ -214,21 +254,28 @@ def _epilogues(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[
         if base is not None and len(base.members) < 2:
             base = None
         if len(consumers) > 1 and (base is None or len(groups) != 1):
+            refuse("epilogue", "the anchor's output is read by more than one group (rule 7)", n.idx, *consumers)
             continue
         if base is not None and base.rows is not None:
-            continue  # a row reduction cannot sit in a matmul tile's epilogue unless N fits a tile
+            # a row reduction cannot sit in a matmul tile's epilogue unless N fits a tile
+            refuse("epilogue", "the group after the anchor reduces rows (rule 7)", n.idx, *base.members)
+            continue
         c = graph.nodes[consumers[0]]
         d = domains[c.idx]
         if d is None or d.rows is not None or d.numel != _numel(v.shape):
+            if d is not None:
+                refuse("epilogue", "the op after the anchor is not elementwise on its output (rule 7)", n.idx, c.idx)
             continue
         members = sorted({n.idx, *(base.members if base else [c.idx])})
         if is_conv(n.op) and not conv_epilogue_fits([graph.nodes[m].op for m in members]):
-            continue  # no conv kernel runs it: conv + the pointwise group is all there is (rule 7's conv clause)
+            # no conv kernel runs it: conv + the pointwise group is all there is (rule 7's conv clause)
+            refuse("epilogue", "no fused conv kernel runs this chain (rule 7's conv clause)", *members)
+            continue
         out.append(Group(members, d.numel, None, anchor=n.idx, extends=base, kind="epilogue"))
     return out
 
 
-def _attention(graph: Graph, groups: list[Group], group_of: dict[int, Group]) -> list[Group]:
+def _attention(graph: Graph, groups: list[Group], group_of: dict[int, Group], refuse=_Refusals(None)) -> list[Group]:
     out = []
     for g in groups:
         if not g.rows or not any(_is_softmax(graph.nodes[m]) for m in g.members):
@@ -241,18 +288,20 @@ def _attention(graph: Graph, groups: list[Group], group_of: dict[int, Group]) ->
         escapes = [u.value for m in g.members for u in graph.nodes[m].writes
                    if any(c not in inside for c in graph.values[u.value].consumers)]
         if len(scores) != 1 or len(escapes) != 1:
+            refuse("attention", "the softmax chain is not fed by one score matmul read only by it, or writes more "
+                   "than one output (rule 8)", *g.members)
             continue
         readers = set(graph.values[escapes[0]].consumers) - inside
-        if len(readers) != 1:
-            continue
-        pv = graph.nodes[readers.pop()]
-        if pv.cls != OpClass.MATMUL:
+        pv = graph.nodes[next(iter(readers))] if len(readers) == 1 else None
+        if pv is None or pv.cls != OpClass.MATMUL:
+            refuse("attention", "the probabilities are not read by one matmul alone (rule 8)", *g.members)
             continue
         out.append(Group(sorted({scores[0], *g.members, pv.idx}), g.numel, g.rows, extends=g, kind="attention"))
     return out
 
 
-def _matmul_reductions(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[Group]:
+def _matmul_reductions(graph: Graph, domains: list, group_of: dict[int, Group],
+                       refuse=_Refusals(None)) -> list[Group]:
     out = []
     for r in graph.nodes:
         if r.cls != OpClass.REDUCTION or domains[r.idx] is not None or len(r.reads) < 1:
@@ -273,15 +322,19 @@ def _matmul_reductions(graph: Graph, domains: list, group_of: dict[int, Group]) 
             anchors, members, inside = [src], [], set()
         anchors = list(dict.fromkeys(anchors))
         if len(anchors) != 1 or not _only_read_by(graph, anchors[0], inside | {r.idx}):
+            if anchors:
+                refuse("matmul reduction", "the matmul's output is needed elsewhere, or more than one matmul feeds "
+                       "the chain (rule 9)", *anchors, *members, r.idx)
             continue
         if members and not _only_read_by(graph, members[-1], {r.idx}):
+            refuse("matmul reduction", "the chain's output is needed elsewhere (rule 9)", *anchors, *members, r.idx)
             continue
         out.append(Group(sorted({anchors[0], *members, r.idx}), _numel(r.reads[0].shape), None,
                          kind="matmul_reduction"))
     return out
 
 
-def _windows(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[Group]:
+def _windows(graph: Graph, domains: list, group_of: dict[int, Group], refuse=_Refusals(None)) -> list[Group]:
     """Rule 11: each max-pool after a pointwise group (or one fusible op) that only it reads, with that group."""
     out = []
     for n in graph.nodes:
@@ -289,7 +342,9 @@ def _windows(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[Gr
         if info is None or "window" not in info.tags or not n.reads or not n.writes:
             continue
         if any(graph.values[w.value].consumers for w in n.writes[1:]):
-            continue  # its indices are read (max_unpool, a backward): the kernel computes only the maxima
+            # the kernel computes only the maxima
+            refuse("window", "the pool's indices are read (max_unpool, a backward) (rule 11)", n.idx)
+            continue
         src = graph.values[n.reads[0].value].producer
         if src < 0 or domains[src] is None or domains[src].rows is not None or graph.nodes[src].iteration != n.iteration:
             continue
@@ -297,7 +352,9 @@ def _windows(graph: Graph, domains: list, group_of: dict[int, Group]) -> list[Gr
         members = list(chain.members) if chain is not None and len(chain.members) >= 2 and chain.rows is None else [src]
         inside = set(members) | {n.idx}
         if not all(_only_read_by(graph, m, inside) for m in members):
-            continue  # the chain's output is needed elsewhere too: it is written anyway
+            refuse("window", "the chain before the pool is read elsewhere too: it is written anyway (rule 11)",
+                   *members, n.idx)
+            continue
         out.append(Group(sorted(inside), _numel(n.writes[0].shape), None, extends=chain))
     return out
 

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from advisor.collect.distributed import align
-from advisor.jsonio import write_json
+from advisor.documents import ANALYSIS_FILE, AnalysisDoc, write_analysis
 from advisor.layout import rank_dir, rank_dirs
 
 
-def analyze_ranks(trace_root: Path, out: Path) -> dict:
+def analyze_ranks(trace_root: Path, out: Path) -> AnalysisDoc:
     """Analyse each rank under TRACE_ROOT (writing OUT/rank-K/analysis.json) and return the merged document."""
     from advisor.analysis.api import analyze
 
@@ -30,10 +30,10 @@ def analyze_ranks(trace_root: Path, out: Path) -> dict:
     for d in rank_dirs(trace_root):
         meta = json.loads((d / "meta.json").read_text())
         rank = int(d.name.split("-", 1)[1])
-        doc = analyze(d).doc
-        write_json(rank_dir(out, rank) / "analysis.json", doc)
-        docs.append((rank, doc, meta))
-    return merge(docs, summary, out)
+        analysis = analyze(d)
+        write_analysis(rank_dir(out, rank), analysis.document)
+        docs.append((rank, analysis.doc, meta))
+    return AnalysisDoc.from_json(merge(docs, summary, out))
 
 
 def _spread(values: Dict[int, float]) -> dict:
@@ -95,7 +95,7 @@ def merge(docs: List[Tuple[int, dict, dict]], summary: dict, out: Path = Path(".
         "steady_state_calls": summary.get("calls") or [],
         "merged_from": f"rank {ranks[0]}: its timeline, totals and each candidate's program; estimates median over ranks",
         "ranks": [{"rank": r, "local_rank": m.get("local_rank"), "backend": m.get("backend"),
-                   "analysis": str(rank_dir(out, r) / "analysis.json"),
+                   "analysis": str(rank_dir(out, r) / ANALYSIS_FILE),
                    "iterations": doc["steady_state"]["iterations"],
                    "time_us": doc["totals"]["time_us"],
                    "communication_us": doc["totals"].get("communication_us", 0.0),

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from advisor import config
 from advisor.codegen.helpers import reduce_helpers_in_numpy
 from advisor.interpreter import interpret_module_on_cpu, round_like_the_gpu
 from advisor.jsonio import atomic_write  # noqa: F401  (the cache writes through it; tests import it from here)
@@ -28,9 +29,7 @@ def with_first_line(code: str) -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("FUSION_ADVISOR_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "fusion-advisor"
-    d = base / "kernels"
+    d = config.current().cache_root / "kernels"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

@@ -22,13 +22,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from advisor import config
 from advisor.collect.native_log import stop_execution_trace
 from advisor.collect.schedule import ProfilerWindow, Schedule
 from advisor.errors import AdvisorError, not_writable
 from advisor.jsonio import META_SCHEMA_VERSION, write_json
 
-DEVICE_ENV = "FUSION_ADVISOR_DEVICE"
-PROFILE_CALLS_ENV = "FUSION_ADVISOR_PROFILE_CALLS"  # as --calls N, where no command line reaches (tests, tools)
+DEVICE_ENV = config.DEVICE
 EXIT_SCRIPT_FAILED = 1
 EXIT_NO_TENSOR_WORK = 4
 
@@ -209,11 +209,8 @@ def _schedule(schedule: Optional[Schedule], profile_calls: Optional[int]) -> Sch
     when neither is given), else `Schedule.default()`: the first call as warm-up and a few steady ones."""
     if schedule is not None:
         return schedule
-    if profile_calls is None and os.environ.get(PROFILE_CALLS_ENV, "").strip():
-        try:
-            profile_calls = int(os.environ[PROFILE_CALLS_ENV])
-        except ValueError:
-            raise AdvisorError(f"{PROFILE_CALLS_ENV} must be a whole number (got {os.environ[PROFILE_CALLS_ENV]!r})")
+    if profile_calls is None:
+        profile_calls = config.current().profile_calls
     return Schedule.first_calls(profile_calls) if profile_calls else Schedule.default()
 
 

@@ -29,7 +29,6 @@ and a function whose recording failed (said once).
 """
 from __future__ import annotations
 
-import os
 import threading
 import traceback
 import warnings
@@ -41,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from advisor import config
 from advisor.kernels import derived
 from advisor.patching import graph_pools, rewrite, timing, triton_setup
 
@@ -54,7 +54,7 @@ _LIVE: "weakref.WeakSet[Graphed]" = weakref.WeakSet()
 
 def replay_enabled() -> bool:
     on = getattr(_STATE, "on", None)
-    return os.environ.get("FUSION_ADVISOR_CUDA_GRAPHS", "1") != "0" if on is None else on
+    return config.current().cuda_graphs if on is None else on
 
 
 def replay_off():

@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from advisor.documents import ANALYSIS_FILE, APPLY_FILE
 from advisor.errors import AdvisorError
 from advisor.ops.registry import conv_epilogue_fits, tagged
 from advisor.patching.modules import contains, lca, root_path
@@ -277,8 +278,8 @@ def manifest_entry(spec: PatternSpec, module: str, cls: str, sites: int | None =
 def load_plan(out_dir: Path) -> Plan:
     """The plan written by `apply`/`optimize`: apply.json's manifest, programs from analysis.json."""
     out_dir = Path(out_dir)
-    analysis_p = _find(out_dir, "analysis.json")
-    apply_p = _find(out_dir, "apply.json")
+    analysis_p = _find(out_dir, ANALYSIS_FILE)
+    apply_p = _find(out_dir, APPLY_FILE)
     doc = json.loads(analysis_p.read_text())
     applied = json.loads(apply_p.read_text())
     by_pid = {c["pattern_id"]: c for c in doc["candidates"]}

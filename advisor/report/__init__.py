@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from advisor.errors import AdvisorError, not_writable
+from advisor.documents import APPLY_FILE
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, APPLY_SCHEMA_VERSION
 from advisor.layout import locate
 
@@ -40,7 +41,7 @@ def load(directory) -> Tuple[dict, Optional[dict]]:
     analysis = _load(a_path, "an analysis", ANALYSIS_SCHEMA_VERSION)
     if not isinstance(analysis.get("candidates", []), list):
         raise AdvisorError(f"{a_path}: 'candidates' must be a list")
-    p_path = d / "apply.json"
+    p_path = d / APPLY_FILE
     apply = _load(p_path, "apply results", APPLY_SCHEMA_VERSION) if p_path.is_file() else None
     return analysis, apply
 

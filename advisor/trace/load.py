@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from advisor import config
 from advisor.errors import AdvisorError
 from advisor.trace import et as et_mod
 from advisor.trace import kineto
@@ -195,7 +196,7 @@ ET_WORKER_BYTES = 8 << 20  # an ET file at least this big (on disk) is parsed in
 
 def _start_et_worker(path: Path | None) -> subprocess.Popen | None:
     """Parse a big ET in another process while this one parses the Kineto trace: two cores, not one."""
-    if path is None or os.environ.get("FUSION_ADVISOR_ONE_PROCESS"):
+    if path is None or config.current().one_process:
         return None
     try:
         if path.stat().st_size < ET_WORKER_BYTES:

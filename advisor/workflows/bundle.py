@@ -29,15 +29,16 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
 from advisor.codegen.cache import cache_dir
+from advisor.documents import APPLY_FILE
 from advisor.errors import AdvisorError, not_writable
 from advisor.interpreter import forced
 from advisor.jsonio import like_a_new_file
@@ -46,6 +47,8 @@ from advisor.workflows.plan_cache import FILES, copy_plan
 FORMAT = 1
 MATCH = ("torch", "triton", "gpu", "capability")  # what a compiled binary depends on
 _JIT_NAME = re.compile(r"^@triton\.jit\s*\ndef\s+(\w+)\s*\(", re.M)
+
+log = logging.getLogger(__name__)
 
 
 def environment() -> dict:
@@ -116,7 +119,7 @@ def host_module_entries(folder: Path, root: Path | None = None) -> list[Path]:
     this process has, still in Triton's cache."""
     root = root or triton_cache_root()
     try:
-        named = json.loads((folder / "apply.json").read_text()).get("host_modules") or []
+        named = json.loads((folder / APPLY_FILE).read_text()).get("host_modules") or []
     except (OSError, json.JSONDecodeError):
         named = []
     names = {n for n in named if isinstance(n, str) and Path(n).name == n} | set(loaded_host_modules(root))
@@ -170,7 +173,7 @@ def save(plan, path) -> Path:
 def graph_files(folder: Path) -> list[Path]:
     """The lowered inference graphs the plan's captures used (apply.json `graphs`, `aot_cache`) still in the cache."""
     try:
-        keys = json.loads((folder / "apply.json").read_text()).get("graphs") or []
+        keys = json.loads((folder / APPLY_FILE).read_text()).get("graphs") or []
     except (OSError, json.JSONDecodeError):
         return []
     return [f for f in (graphs_folder() / f"{k}.pkl" for k in keys) if f.is_file()]
@@ -210,8 +213,8 @@ def load(path, dest: Path | None = None) -> Path:
                 here = environment()
                 differ = [f"{k} {header.get(k)} (here {here.get(k)})" for k in MATCH if header.get(k) != here.get(k)]
                 if differ:
-                    print(f"fusion-advisor: {path.name} was built with {', '.join(differ)}: "
-                          f"its kernels compile on first use instead", file=sys.stderr)
+                    log.warning("fusion-advisor: %s was built with %s: its kernels compile on first use instead",
+                                path.name, ", ".join(differ))
                 else:
                     install(z, header["binaries"] + list(header.get("host_modules") or []))
     return dest

@@ -22,23 +22,23 @@ benchmark's comparison).
 """
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
+from advisor import config
 from advisor.patching import Patched, build_plan, only, patch, unpatch, whole
 from advisor.patching.capture import pending_kernels, plan_digest
 from advisor.patching.graphs import replay_off
 from advisor.workflows.kernels import expected_specs, kernel_specs
 
-ENV = "FUSION_ADVISOR_EARLY_CAPTURE"
+ENV = config.EARLY_CAPTURE
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    return config.current().early_capture
 
 
 def patch_while_generating(model: torch.nn.Module, call: Callable[[], object], doc: dict, occurrences: dict,

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
+import logging
 import re
-import sys
 import threading
 import types
 from pathlib import Path
@@ -23,7 +22,8 @@ import torch
 from advisor.codegen import GENERATOR_VERSION, Unsupported, generate
 from advisor.codegen.anchored import AnchoredGenerated, generate_anchored
 from advisor.codegen.cache import FIRST_LINE, load_module
-from advisor.jsonio import APPLY_SCHEMA_VERSION, atomic_write, write_json
+from advisor.documents import ApplyDoc, read_apply, write_apply
+from advisor.jsonio import atomic_write
 from advisor.patching import timing, triton_setup  # timing: where a cold start's seconds go (bench/cold_start.py)
 from advisor.ops.registry import OpClass, op_class, tagged
 from advisor.records import Candidate, Kind, PatternResult, candidates_of
@@ -35,6 +35,8 @@ from advisor.validate.shapes import cases
 
 MATMUL_REASON = "contains a matmul anchor: see issue 10"
 NO_PROGRAM = "the analysis recorded no program for this candidate"
+
+log = logging.getLogger(__name__)
 
 
 # Where in a training step a candidate runs decides whether a kernel is generated for it at all: patches
@@ -73,7 +75,7 @@ def generate_candidates(doc: dict, out_dir: Path, top: int | None = None, on_res
     start: said in one line). Kernels with validated alternatives (attention's SDPA) are then timed
     here, one at a time, alone on the GPU, and the faster one becomes the module's `run`
     (`choose_launcher`)."""
-    return write_apply(out_dir, [r.to_json() for r in generate_results(candidates_of(doc), out_dir, top, on_result)])
+    return record_patterns(out_dir, generate_results(candidates_of(doc), out_dir, top, on_result))
 
 
 def generate_results(candidates: list[Candidate], out_dir: Path, top: int | None = None,
@@ -272,8 +274,8 @@ def _in_workers(chosen: list, out_dir: Path) -> list | None:
         with timing.timed("jobs"):
             return _pooled(pool, chosen, out_dir, ahead) if pool else None
     except (BrokenProcessPool, OSError, RuntimeError) as e:
-        print(f"fusion-advisor: compile workers unavailable ({type(e).__name__}: {e}); "
-              f"generating {len(chosen)} kernels in this process", file=sys.stderr)
+        log.warning("fusion-advisor: compile workers unavailable (%s: %s); generating %d kernels in this process",
+                    type(e).__name__, e, len(chosen))
         return None
     finally:  # each worker holds a CUDA context (~0.5 GB of GPU memory): not kept past the stage
         workers.discard()
@@ -395,18 +397,11 @@ def _job(c: Candidate, out_dir: Path) -> PatternResult:
     return entry
 
 
-def write_apply(out_dir: Path, patterns: list) -> dict:
-    """apply.json: this run's patterns; other stages' keys in an existing file are kept."""
-    path = Path(out_dir) / "apply.json"
-    doc = {}
-    if path.exists():
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            doc = {}
-    doc.update({"schema_version": APPLY_SCHEMA_VERSION, "generator": GENERATOR_VERSION, "patterns": patterns})
-    write_json(path, doc)
-    return doc
+def record_patterns(out_dir: Path, results: list[PatternResult]) -> dict:
+    """apply.json with this run's patterns (other stages' fields in an existing one kept); returns it as JSON."""
+    doc = (read_apply(out_dir) or ApplyDoc()).replace(generator=GENERATOR_VERSION, patterns=tuple(results))
+    write_apply(out_dir, doc)
+    return doc.to_json()
 
 
 def slug(title: str) -> str:

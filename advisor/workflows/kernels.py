@@ -18,7 +18,7 @@ from advisor.records import Candidate, Kind, PatternResult, Verdict, candidates_
 from advisor.status import Status
 from advisor.validate import interpreted
 from advisor.workflows.generate import expected_kernels, generate_results, kernel_path, pattern_record, \
-    shape_candidates, write_apply
+    shape_candidates, record_patterns
 
 
 MIN_SHARE = 0.005  # of the best candidate's estimated saving
@@ -37,7 +37,7 @@ def kernel_specs(doc: dict, top: int | None, replacement: str, out_dir: Path, de
     top_candidates, chosen, negligible = _chosen(doc, top, device_type)
     if replacement == "kernel":
         results = generate_results(chosen, Path(out_dir), every=candidates_of(doc), gpu_free=gpu_free)
-        write_apply(out_dir, [r.to_json() for r in results])
+        record_patterns(out_dir, results)
     else:
         results = [pattern_record(c, validated=True, errors={}, source="",
                                   reason=f"stand-in replacement ({replacement}), not a generated kernel")

@@ -32,7 +32,8 @@ from advisor.analysis.api import analyze
 from advisor.collect.in_process import profile_calls
 from advisor.errors import AdvisorError, exception_details, exception_reason
 from advisor.example_inputs import snapshot
-from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
+from advisor.documents import ANALYSIS_FILE, APPLY_FILE, AnalysisDoc, ApplyDoc, Selection, SelectionState, \
+    write_analysis, write_apply
 from advisor.layout import rank_dir
 from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
 from advisor.patching import decode as decode_setup
@@ -199,8 +200,8 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     with phases("reuse"):  # (in a job, only where every rank has the plan stored)
         reused = agreement.everywhere(bool(key) and plan_cache.fetch(key, out_dir), "stored plan")
     if reused:  # the same model and inputs were optimised before: its plan, re-checked below
-        doc = json.loads((out_dir / "analysis.json").read_text())
-        records = [PatternResult.from_json(p) for p in json.loads((out_dir / "apply.json").read_text())["patterns"]]
+        doc = json.loads((out_dir / ANALYSIS_FILE).read_text())
+        records = [PatternResult.from_json(p) for p in json.loads((out_dir / APPLY_FILE).read_text())["patterns"]]
         with phases("patch"):
             plan = load_plan(out_dir)
             specs = plan.patterns
@@ -214,7 +215,7 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
             analysis = analyze(trace_dir)
             # in a job, rank 0's analysis is every rank's plan: a rank's profile may group its ops otherwise
             doc, occurrences = agreement.agreed((analysis.doc, occurrence_modules(analysis)), "plan")
-            write_json(out_dir / "analysis.json", doc)
+            write_analysis(out_dir, AnalysisDoc.from_json(doc))
         if replacement == "kernel" and (device == "cuda" or interpret) and early_capture.enabled():
             # captured while the kernels compile: dynamo's and AOTAutograd's seconds off the cold start's path
             specs, records, plan, handle = early_capture.patch_while_generating(
@@ -229,15 +230,12 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     if device != "cuda" and not interpret:  # kernels would run in Triton's interpreter: never a speedup
         unpatch(model)
         records = interpreter_only(records, specs)
-        out = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device,
-               "patterns": [r.to_json() for r in records], "manifest": [], "check": None, "end_to_end": None,
-               "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
-           "plan_key_parts": key_parts,
-               "selection": {"decision": "nothing patched: no GPU (interpret=True patches anyway, for checks)",
-                             "kept": []}, "modes": modes,
-               "isolation": isolation.to_json() if isolation is not None else None}
-        write_json(out_dir / "apply.json", out)
-        return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds, out["selection"], modes=modes,
+        selection = {"decision": "nothing patched: no GPU (interpret=True patches anyway, for checks)", "kept": []}
+        write_apply(out_dir, ApplyDoc(
+            replacement=replacement, device=device, patterns=tuple(records), manifest=[], phases_s=phases.seconds,
+            plan_reused=reused, plan_key=key, plan_key_parts=key_parts, selection=Selection.from_json(selection),
+            modes=modes, isolation=isolation.to_json() if isolation is not None else None))
+        return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds, selection, modes=modes,
                               isolation=isolation.decision if isolation is not None else None)
     handle.train_fused(train)
     before = handle.launches()
@@ -258,7 +256,7 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
             records = final_status(records, specs, selected, chk.dropped, doc,
                                     selection["outer_sites"] if selection.get("outer") else launched, selection)
         timed = selection.pop("timing", None)
-        if selected is not handle or selection.get("state") not in (None, "all"):
+        if selected is not handle or selection.get("state") not in (None, SelectionState.ALL):
             timed, handle = None, selected  # what runs now is not the all-patched state timed first
     e2e = None
     if benchmark:
@@ -296,23 +294,21 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     runs = {"fused_launches_per_call": sum(ran.values()), "sites": ran}
     handle.settle()  # the checks' own captures (training calls, their modes) are not the user's loop's budget
     generate = decode_setup.prepare(model) if decode else None  # what `model.generate` will do now
-    out = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device,
-           "patterns": [r.to_json() for r in records], "manifest": handle.manifest(), "check": chk.as_dict(),
-           "end_to_end": e2e,
-           "phases_s": phases.seconds, "plan_reused": reused, "plan_key": key,
-           "plan_key_parts": key_parts, "selection": selection, "training": training, "runs": runs,
-           "enabled": sorted(handle.enabled) if handle.enabled is not None else None,
-           "outer": handle.outer_on,
-           "skipped_targets": getattr(plan, "skipped", {}), "modes": modes, "graphs": handle.graph_keys(),
-           "cuda_graphs_not_used": handle.graphs_not_used(), "fallbacks": handle.fallbacks(),
-           "host_modules": loaded_host_modules() if device == "cuda" else [],
-           "decode": generate.to_json() if generate is not None else None,
-           "isolation": isolation.to_json() if isolation is not None else None,
-           "distributed": _agreement_json(agreed_so_far())}
-    write_json(out_dir / "apply.json", out)
-    if key and not reused and out["manifest"] and (job is None or job.rank == agreement.DECIDING_RANK):
+    manifest, checked = handle.manifest(), chk.as_dict()
+    write_apply(out_dir, ApplyDoc(
+        replacement=replacement, device=device, patterns=tuple(records), manifest=manifest, checks=[checked],
+        end_to_end=e2e, phases_s=phases.seconds, plan_reused=reused, plan_key=key, plan_key_parts=key_parts,
+        selection=Selection.from_json(selection) if selection is not None else None, training=training, runs=runs,
+        enabled=tuple(sorted(handle.enabled)) if handle.enabled is not None else None, outer=handle.outer_on,
+        skipped_targets=getattr(plan, "skipped", {}), modes=modes, graphs=handle.graph_keys(),
+        cuda_graphs_not_used=handle.graphs_not_used(), fallbacks=handle.fallbacks(),
+        host_modules=loaded_host_modules() if device == "cuda" else [],
+        decode=generate.to_json() if generate is not None else None,
+        isolation=isolation.to_json() if isolation is not None else None,
+        distributed=_agreement_json(agreed_so_far())))
+    if key and not reused and manifest and (job is None or job.rank == agreement.DECIDING_RANK):
         plan_cache.store(out_dir, key)
-    return OptimizeReport(out_dir, records, out["manifest"], out["check"], e2e, handle, phases.seconds, selection,
+    return OptimizeReport(out_dir, records, manifest, checked, e2e, handle, phases.seconds, selection,
                           training, modes, runs,
                           generate.decision if generate is not None else decode_setup.hint(model),
                           isolation.decision if isolation is not None else None)
@@ -323,10 +319,8 @@ def left_unpatched(out, replacement: str, device: str, isolation: probe.ProbeOut
     out_dir = Path(out) if out else scratch_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     selection = {"decision": isolation.decision, "kept": []}
-    write_json(out_dir / "apply.json", {
-        "schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": device, "patterns": [],
-        "manifest": [], "check": None, "end_to_end": None, "phases_s": {}, "plan_reused": False,
-        "selection": selection, "isolation": isolation.to_json()})
+    write_apply(out_dir, ApplyDoc(replacement=replacement, device=device, manifest=[], phases_s={}, plan_reused=False,
+                                  selection=Selection.from_json(selection), isolation=isolation.to_json()))
     return OptimizeReport(out_dir, [], [], {}, None, None, {}, selection, isolation=isolation.decision)
 
 

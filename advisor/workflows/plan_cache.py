@@ -20,9 +20,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from advisor.codegen.cache import cache_dir
-from advisor.jsonio import write_json
+from advisor.documents import ANALYSIS_FILE, APPLY_FILE, AnalysisDoc, ApplyDoc, write_analysis, write_apply
 
-FILES = ("analysis.json", "apply.json")
+FILES = (ANALYSIS_FILE, APPLY_FILE)
+WRITE = {ANALYSIS_FILE: lambda d, doc: write_analysis(d, AnalysisDoc.from_json(doc)),
+         APPLY_FILE: lambda d, doc: write_apply(d, ApplyDoc.from_json(doc))}
 _SOURCE = None
 
 
@@ -123,7 +125,7 @@ def copy_plan(src: Path, dst: Path) -> Path:
     for name in FILES:
         text = (src / name).read_text()
         if '"kernel_file"' in text:
-            write_json(tmp / name, _rebase(json.loads(text), set(kernels), new))
+            WRITE[name](tmp, _rebase(json.loads(text), set(kernels), new))
         else:  # nothing to point at the copy (analysis.json): copied as it is, not parsed and written again
             (tmp / name).write_text(text)
     for name in ("kernels", *FILES):  # into place: a concurrent reader sees the old plan or the new one

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 
+from advisor import config
 from advisor.errors import exception_reason
 
-ENV = "FUSION_ADVISOR_ISOLATE"
-IN_PROBE = "FUSION_ADVISOR_PROBE"  # set in the child's environment: a model's code can tell it runs there
+ENV = config.ISOLATE
+IN_PROBE = config.PROBE  # set in the child's environment: a model's code can tell it runs there
 UNLOADABLE = 86  # the child's exit status when it could not load what it was handed
 
 
@@ -53,12 +54,12 @@ def wanted(isolate: bool | None) -> bool:
     """Whether this `optimize` probes first: as asked, else as $FUSION_ADVISOR_ISOLATE says (off when unset)."""
     if isolate is not None:
         return bool(isolate)
-    return os.environ.get(ENV, "").strip() not in ("", "0")
+    return config.current().isolate
 
 
 def in_probe() -> bool:
     """Whether this process is an isolated first capture's child."""
-    return bool(os.environ.get(IN_PROBE))
+    return config.current().in_probe
 
 
 def first_capture(model: torch.nn.Module, example_inputs, options: dict) -> ProbeOutcome:

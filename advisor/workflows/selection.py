@@ -19,6 +19,7 @@ from advisor.bench import timing  # read at call time: tests replace its clocks
 from advisor.patching import only, patch, patches_off, whole
 from advisor.patching import timing as timing_phases  # where a cold start's seconds go (bench/cold_start.py)
 from advisor.patching.verify import check_outer
+from advisor.documents import SelectionState as S
 from advisor.records import PatternResult
 from advisor.workflows.outcome import pattern_status
 from advisor.status import Status
@@ -30,19 +31,18 @@ ROUNDS = 5  # interleaved rounds of the final comparison: pairs enough for `marg
 class Option:
     """One state the model can be handed back in, and what it measured."""
 
-    name: str  # "all" | "kept" | "captured" (captures replayed, every site on its original ops) | "whole*"
-    # (the same with the whole stack as one capture: "whole", "whole_kept", "whole_captured")
+    name: str  # a model's state (`SelectionState`), or a check's own label ("fused", "eager")
     enabled: frozenset | None  # pattern keys whose launchers run (None: every one)
     ms: float  # median over every timed call
     outer: bool = False  # the outer capture (the whole stack as one graph) instead of the layer captures
     rounds_ms: tuple = ()  # the median of each interleaved round, paired with the unpatched model's rounds
 
 
-DESCRIBE = {"all": "every patched pattern", "kept": "the {n} patterns shown to save time alone",
-            "captured": "the captured layers replayed as CUDA graphs, every site on its original ops",
-            "whole": "the whole stack captured as one graph (fusing across layers), every pattern",
-            "whole_kept": "the whole stack captured as one graph, with the {n} patterns shown to save time alone",
-            "whole_captured": "the whole stack captured as one graph and replayed as one CUDA graph, every site on "
+DESCRIBE = {S.ALL: "every patched pattern", S.KEPT: "the {n} patterns shown to save time alone",
+            S.CAPTURED: "the captured layers replayed as CUDA graphs, every site on its original ops",
+            S.WHOLE: "the whole stack captured as one graph (fusing across layers), every pattern",
+            S.WHOLE_KEPT: "the whole stack captured as one graph, with the {n} patterns shown to save time alone",
+            S.WHOLE_CAPTURED: "the whole stack captured as one graph and replayed as one CUDA graph, every site on "
                               "its original ops"}
 
 
@@ -152,16 +152,16 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
         grown = _reserved(device) - reserved
         out["outer_check"] = next((f.refused for f in handle.outer if f.refused), "outputs as unpatched")
     outer = any(not f.refused for f in handle.outer)
-    states = {"all": (None, False), "captured": (frozenset(), False)}
+    states = {S.ALL: (None, False), S.CAPTURED: (frozenset(), False)}
     if outer:
-        states |= {"whole": (None, True), "whole_captured": (frozenset(), True)}
+        states |= {S.WHOLE: (None, True), S.WHOLE_CAPTURED: (frozenset(), True)}
     in_whole = outer and _fits(device, (len(patched) + 2) * grown)
     if outer and not in_whole:
         out["alone_in_layers"] = (f"each pattern alone timed in the layer captures: a whole-stack recording took "
                                   f"{grown / 2**20:.0f} MB, too many for the GPU's free memory")
     alone = alone_states(records, key_of, in_whole)
     t = _time_states(call, device, iters, {**states, **alone})
-    base = t["whole_captured" if in_whole else "captured"]
+    base = t[S.WHOLE_CAPTURED if in_whole else S.CAPTURED]
     whole_sites = out.get("outer_sites") if in_whole else None
     taking = launching(records, key_of, whole_sites)
     records = [_timed_alone(r, t[r.candidate], base,
@@ -179,9 +179,9 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
         # they do not save time, and leaving them out made the kept state lose to every pattern on, the
         # ones measured slower alone included (Swin-T's padded GEMM, ConvNeXt-T's GELU epilogue).
         kept = shown | (frozenset(key_of.values()) - every)
-        second = {lead.name: (lead.enabled, lead.outer), "kept": (kept, False)}
+        second = {lead.name: (lead.enabled, lead.outer), S.KEPT: (kept, False)}
         if outer:
-            second["whole_kept"] = (kept, True)
+            second[S.WHOLE_KEPT] = (kept, True)
         t = _time_states(call, device, iters, second)
         before = t["before"]
         options = [Option(k, e, t[k].median_ms, o, tuple(t[k].rounds_ms)) for k, (e, o) in second.items()]
@@ -196,7 +196,8 @@ def compare_states(call, handle, device: str, records: list[PatternResult], iter
         enabled = frozenset()
     else:
         enabled = every if best.enabled is None else best.enabled
-        what = DESCRIBE[best.name].format(n=len(enabled & shown) if "kept" in best.name else len(enabled))
+        what = DESCRIBE[best.name].format(n=len(enabled & shown) if best.name in (S.KEPT, S.WHOLE_KEPT)
+                                          else len(enabled))
         out["decision"] = (f"kept {what}: {before.median_ms:.3f} -> {best.ms:.3f} ms end to end "
                            f"(noise {margins[best.name]:.3f} ms)")
         out["state"] = best.name
@@ -274,7 +275,7 @@ def _timed_alone(r: PatternResult, a, base, whole_sites: int | None, patched: fr
 
 def _summary(t: dict, device: str) -> dict:
     """The end-to-end timing (`end_to_end` in apply.json): unpatched, every pattern on, the captures alone."""
-    before, after, cap = t["before"], t["all"], t["captured"]
+    before, after, cap = t["before"], t[S.ALL], t[S.CAPTURED]
     return {"timing_meaningful": True, "device": device, "method": before.method, "iters": before.iters,
             "before_ms": round(before.median_ms, 4), "after_ms": round(after.median_ms, 4),
             "captured_only_ms": round(cap.median_ms, 4),
@@ -287,12 +288,13 @@ def _summary(t: dict, device: str) -> dict:
 
 def final_status(records, specs, handle, dropped, doc, launched, selection) -> list:
     """Statuses once selection chose between the layer captures and the outer ones (patterns fused only
-    across layers are patched, or not kept, by that choice). `launched`: the chosen state's launched sites
-    (the outer capture's `outer_sites` where it was chosen)."""
+    across layers are patched, or not kept, by that choice), for `optimize` and `apply` alike. `launched`:
+    the chosen state's launched sites (the outer capture's `outer_sites` where it was chosen); the patterns
+    kept running are the selection's `enabled` (None: every one). Sets `selection["kept"]`."""
     records = pattern_status(records, specs, handle, dropped, doc, launched, selected=True)
-    key_of = {s.candidate: s.key for s in handle.plan.patterns}
-    enabled = handle.enabled if handle.enabled is not None else frozenset(key_of.values())
-    records = mark_kept(records, key_of, enabled, True)
+    key_of = {s.candidate: s.key for s in specs}
+    enabled = selection.get("enabled")
+    records = mark_kept(records, key_of, frozenset(key_of.values() if enabled is None else enabled), True)
     selection["kept"] = [r.candidate for r in records if r.kept]
     return records
 
@@ -326,9 +328,9 @@ def time_patterns(call, handle, device: str, iters: int, records: list[PatternRe
                 "reason": "kernels run in Triton's interpreter on the CPU; no speedup is claimed"}, records
     key_of = {s.candidate: s.key for s in handle.plan.patterns}
     alone = alone_states(records, key_of, False)
-    t = _time_states(call, device, iters, {"all": (None, False), "captured": (frozenset(), False), **alone})
+    t = _time_states(call, device, iters, {S.ALL: (None, False), S.CAPTURED: (frozenset(), False), **alone})
     taking = launching(records, key_of, None)
-    records = [_timed_alone(r, t[r.candidate], t["captured"], None, taking) if r.candidate in alone else r
+    records = [_timed_alone(r, t[r.candidate], t[S.CAPTURED], None, taking) if r.candidate in alone else r
                for r in records]
     return _summary(t, device), records
 

@@ -28,7 +28,7 @@ from advisor.analysis.api import analyze
 from advisor.bench.timing import timing_meaningful
 from advisor.collect.region import observe_regions
 from advisor.collect.runner import profile_script, resolve_device
-from advisor.jsonio import APPLY_SCHEMA_VERSION, write_json
+from advisor.documents import APPLY_FILE, ApplyDoc, Selection, SelectionState, write_analysis, write_apply
 from advisor.patching import build_plan, occurrence_modules, triton_setup
 from advisor.patching.modules import root_class
 from advisor.records import PatternResult
@@ -37,7 +37,7 @@ from advisor.workflows.generate import warm_worker
 from advisor.workflows.kernels import kernel_specs
 from advisor.workflows.outcome import pattern_status
 from advisor.workflows.script_session import Session, intercept_roots, run_script
-from advisor.workflows.selection import Option, choose, compare_states, mark_kept, time_patterns
+from advisor.workflows.selection import Option, choose, compare_states, final_status, mark_kept, time_patterns
 from advisor.workflows.workers import start_soon
 
 class Handles:
@@ -111,7 +111,7 @@ def apply_script(script: Path, args: list, out: Path, top: int | None = 5, devic
     meta = profile_script(script, args, out_dir=out, device=device, region=region, console=console)
     with console.status("analysing the trace …"):
         analysis = analyze(out / "trace")
-        analysis.to_json(out / "analysis.json")
+        write_analysis(out, analysis.document)
     with console.status("generating and validating kernels for " + (f"the top {top} candidates …" if top else
                                                                      "every candidate worth one …")):
         specs, records = kernel_specs(analysis.doc, top, replacement, out, dev)
@@ -135,28 +135,26 @@ def apply_script(script: Path, args: list, out: Path, top: int | None = 5, devic
             e2e, records = _benchmark(script, args, dev, steady, session, handles, records, iters, train, recorded)
             selection, records = select(records, e2e, recorded, dev, iters, session.plan, handles)
         if selection.get("outer"):  # the whole stack kept: statuses as it runs the patterns
-            records = pattern_status(records, specs, handles, session.dropped, analysis.doc, selection["outer_sites"],
-                                     selected=True)
-            key_of = {sp.candidate: sp.key for sp in specs}
-            enabled = selection.get("enabled")
-            records = mark_kept(records, key_of, frozenset(key_of.values() if enabled is None else enabled), True)
-            selection["kept"] = [r.candidate for r in records if r.kept]
+            records = final_status(records, specs, handles, session.dropped, analysis.doc, selection["outer_sites"],
+                                   selection)
         # A state chosen (the captures alone included): every captured module, `enabled` saying which
         # patterns run there, as `optimize` stores it; nothing chosen: an empty manifest, which patches nothing.
         chosen = selection.get("state") is not None or bool(selection["kept"])
-        doc = {"schema_version": APPLY_SCHEMA_VERSION, "replacement": replacement, "device": dev,
-               "script": str(script), "args": args, "patterns": [r.to_json() for r in records],
-               "manifest": handles.manifest() if chosen else [], "enabled": selection.get("enabled"),
-               "selection": selection, "outer": bool(selection.get("outer")),
-               "checks": session.checks, "errors": session.errors, "end_to_end": e2e,
-               "skipped_targets": plan.skipped, "train": train,
-               "host_modules": loaded_host_modules() if dev == "cuda" else []}
+        errors = list(session.errors)
         if not session.handles:
-            doc["errors"] = doc["errors"] + [f"no instance of {', '.join(sorted(session.roots)) or 'a planned module'} "
-                                             "was called while the script ran: nothing was patched"]
+            errors.append(f"no instance of {', '.join(sorted(session.roots)) or 'a planned module'} "
+                          "was called while the script ran: nothing was patched")
+        enabled = selection.get("enabled")
+        document = ApplyDoc(
+            replacement=replacement, device=dev, script=str(script), args=tuple(args), patterns=tuple(records),
+            manifest=handles.manifest() if chosen else [], checks=session.checks, errors=errors, end_to_end=e2e,
+            selection=Selection.from_json(selection), enabled=None if enabled is None else tuple(enabled),
+            outer=bool(selection.get("outer")), skipped_targets=plan.skipped, train=train,
+            host_modules=loaded_host_modules() if dev == "cuda" else [])
     finally:
         session.close()
-    write_json(out / "apply.json", doc)
+    write_apply(out, document)
+    doc = document.to_json()
     print_summary(console, doc, out)
     return doc
 
@@ -205,7 +203,7 @@ def select(records: list[PatternResult], e2e: dict, recorded, dev: str, iters: i
         return out, records
     before = e2e["before_ms"]
     rounds = [before, before]  # whole runs: no paired rounds, the margin is the policy's 1%
-    best = choose(before, rounds, [Option("all", None, e2e["after_ms"], rounds_ms=(e2e["after_ms"],) * 2)])
+    best = choose(before, rounds, [Option(SelectionState.ALL, None, e2e["after_ms"], rounds_ms=(e2e["after_ms"],) * 2)])
     key_of = {s.candidate: s.key for s in plan.patterns}
     records = mark_kept(records, key_of, frozenset(key_of.values()) if best else frozenset(), best is not None)
     kept = [r.candidate for r in records if r.kept]
@@ -350,6 +348,6 @@ def print_summary(console, doc: dict, out: Path) -> None:
         console.print(f"timing not meaningful: {e2e.get('reason')}")
     if doc.get("selection"):
         console.print(f"selection: {doc['selection']['decision']}")
-    console.print(f"apply results written to [bold]{out / 'apply.json'}[/]")
+    console.print(f"apply results written to [bold]{out / APPLY_FILE}[/]")
     for line in check_lines(doc.get("checks") or [], doc.get("patterns") or []):  # the verdict, last
         console.print(line, soft_wrap=True)

@@ -22,9 +22,10 @@ import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 
+from advisor import config
 from advisor.interpreter import forced
 
-ENV = "FUSION_ADVISOR_COMPILE_WORKERS"
+ENV = config.COMPILE_WORKERS
 MAX_WORKERS = 8
 _pool: ProcessPoolExecutor | None = None
 _size = 0
@@ -34,11 +35,9 @@ _let_go = False  # `discard_soon` was asked since the last `start_soon`: the poo
 
 def wanted(jobs: int, interpreted: bool) -> int:
     """Worker processes for `jobs` independent jobs; 0 = work in process."""
-    if chosen_by_user():
-        try:
-            n = int(os.environ[ENV])
-        except ValueError:
-            n = 0
+    asked = config.current().compile_workers
+    if asked is not None:
+        n = asked
     else:
         n = 0 if interpreted else min(MAX_WORKERS, _cpus())
     n = min(n, jobs) if jobs else n
@@ -47,7 +46,7 @@ def wanted(jobs: int, interpreted: bool) -> int:
 
 def chosen_by_user() -> bool:
     """Whether $FUSION_ADVISOR_COMPILE_WORKERS says how many: then `generate` uses that many, however few its jobs."""
-    return bool(os.environ.get(ENV, "").strip())
+    return config.current().compile_workers is not None
 
 
 def _cpus() -> int:
