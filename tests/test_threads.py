@@ -58,7 +58,7 @@ def optimized(model, tmp_path, name: str):
 
 
 def test_threads_calling_one_patched_model_get_what_sequential_calls_get(tmp_path):
-    """8 threads x 50 calls, each thread its own inputs: every output bitwise the sequential call's, every call's
+    """8 threads x 50 calls, each thread its own inputs: every output the sequential call's (`same`), every call's
     fused launches counted, no call falling back, and PyTorch's fast-path flag as it was (the capture switches it
     off around each call: restored per call, two threads' overlapping calls had left it off for good)."""
     model = llama()
@@ -77,7 +77,7 @@ def test_threads_calling_one_patched_model_get_what_sequential_calls_get(tmp_pat
         try:
             start.wait()
             for j in range(CALLS):
-                if not torch.equal(logits(model, inputs[k]), expected[k]):
+                if not same(logits(model, inputs[k]), expected[k]):
                     wrong.append((k, j))
         except Exception as e:  # noqa: BLE001  (reported by the assertion below)
             errors.append(repr(e))
@@ -123,6 +123,14 @@ def test_overlapping_blocks_restore_the_fast_path_flag_once_the_last_one_ends():
     assert torch.backends.mha.get_fastpath_enabled() == before
 
 
+def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal up to the order of a reduction: ATen's CPU kernels split their loops by the threads free when called,
+    so a call made while another thread computes may round apart from a sequential one in the last bits (seen in
+    a loaded full-suite run: the same patterns and launches, logits equal to 1e-7). Another thread's output, or a
+    half-written one, is far off."""
+    return torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def summary(report) -> tuple:
     return ([(p["candidate"], p["status"], p["sites"]) for p in report.applied],
             report.runs["fused_launches_per_call"], report.handle.fallbacks())
@@ -156,4 +164,4 @@ def test_two_models_optimised_in_two_threads_end_as_each_alone(tmp_path):
     assert not errors, errors
     for name in models:
         assert got[name][0] == expected[name][0], name
-        assert torch.equal(got[name][1], expected[name][1]), name
+        assert same(got[name][1], expected[name][1]), name
