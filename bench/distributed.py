@@ -1,4 +1,4 @@
-"""Distributed training steps (issue 50): an HF Llama under DDP and FSDP2, eager / fusion-advisor / torch.compile,
+"""Distributed training steps: an HF Llama under DDP and FSDP2, eager / fusion-advisor / torch.compile,
 one process per GPU.
 
     PYTHONPATH=$PWD torchrun --nproc-per-node 2 -m bench.distributed --out $OUT/distributed   # two GPUs, NCCL
@@ -211,7 +211,7 @@ def _sci(x: float | None) -> str:
 
 def markdown(doc: dict) -> str:
     sh = doc["shape"]
-    out = ["# Distributed training steps (bench/distributed.py, issue 50)", "",
+    out = ["# Distributed training steps (bench/distributed.py)", "",
            f"{doc['world_size']} ranks ({doc['backend']}, {doc['device']}); HF Llama hidden {sh['hidden_size']}, "
            f"{sh['num_hidden_layers']} layers, {sh['num_attention_heads']}/{sh['num_key_value_heads']} heads; "
            f"{sh['batch']} x {sh['seq']} tokens per rank. Step = forward with labels, backward, AdamW, zero_grad; "

@@ -279,7 +279,7 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
                                                 time_us=lambda d: d["time_us"] / graph.iterations).to_dict("records"),
         **({"communication": comm} if (comm := _communication(graph)) else {}),
         "low_confidence": graph.confidence == "low",
-        "warnings": list(graph.warnings),  # e.g. an ET that cannot be joined (issue 8)
+        "warnings": list(graph.warnings),  # e.g. an ET that cannot be joined
         "timeline": _timeline(graph, groups_by_id),
         "candidates": [{k: v for k, v in r.items() if k != "extends_pattern"} for r in records],
         **({"refused": refusals} if (refusals := _refusals(graph, not_fused, iters)) else {}),

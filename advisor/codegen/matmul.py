@@ -1,4 +1,4 @@
-"""Matmul-anchored kernels (issue 10): a tiled Triton matmul whose epilogue is the candidate's chain.
+"""Matmul-anchored kernels: a tiled Triton matmul whose epilogue is the candidate's chain.
 
     gen = generate_anchored(candidate["program"], candidate["kind"])  # epilogue | attention | matmul_reduction
     mod = load_module(gen.path)                                       # mod.run(*inputs) -> outputs

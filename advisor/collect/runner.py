@@ -195,7 +195,7 @@ def _run_as_main(script: Path, outcome: _Outcome) -> None:
 def _all_threads() -> Dict[str, Any]:
     """Kineto records cpu ops of the profiling thread only, while the ET observer records every thread: a
     script that runs its model in worker threads left the analyzer ET ops without Kineto ops, and so no
-    candidates (issue 8, tests/test_reliability.py). Recent torch can profile all threads."""
+    candidates (tests/test_reliability.py). Recent torch can profile all threads."""
     try:
         from torch._C._profiler import _ExperimentalConfig
 

@@ -85,7 +85,7 @@ def build_graph(trace: Trace) -> Graph:
 
 
 def check_joins(trace: Trace, kernels: KernelIndex) -> list[str]:
-    """The joins the analysis rests on, checked before anything is built on them (issue 8: a trace whose parts
+    """The joins the analysis rests on, checked before anything is built on them (a trace whose parts
     do not fit together must say so, not silently yield nothing, or another workload's candidates).
 
     Raises AdvisorError when nothing can be analysed: GPU kernels but no cpu ops, or kernels none of which

@@ -298,7 +298,7 @@ def load_plan(out_dir: Path) -> Plan:
             rec = records.get(e["pattern_id"])
             if e.get("replacement", "kernel") == "kernel" and rec is not None and not rec.get("validated"):
                 # Never patch a kernel that failed validation, even one a hand-edited manifest names
-                # (issue 8, tests/test_reliability.py).
+                # (tests/test_reliability.py).
                 raise AdvisorError(f"{apply_p}: the manifest names pattern {e['pattern_id']}, whose kernel was not "
                                    f"validated ({rec.get('reason') or 'no reason recorded'}): refusing to patch it")
             s = spec_from_candidate(c, e.get("replacement", "kernel"), e.get("kernel_file"),

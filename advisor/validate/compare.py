@@ -30,7 +30,7 @@ TOLERANCES = {
     torch.bfloat16: Tol(1e-2, 3e-2),
 }
 EXACT = Tol(0.0, 0.0)
-# Programs with a matmul anchor (issue 10: epilogues, attention, matmul + reduction) in bf16/fp16: a dot
+# Programs with a matmul anchor (epilogues, attention, matmul + reduction) in bf16/fp16: a dot
 # product rounds its operands (attention's probabilities) and its result, and where a K-term sum cancels
 # the result is small next to its terms; eager's own bf16 error then reaches ~1.5e-2 on small outputs
 # (one query, head dim 1). Twice the elementwise tolerances; fp32 keeps its own (exact fp32 products,

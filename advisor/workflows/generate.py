@@ -3,7 +3,7 @@
 Every candidate ends with a kernel that validated or a stated reason: ops without a lowering and
 unsupported views say which, a kernel that fails to compile or to match PyTorch says how. One failure
 never stops the run. Matmul-anchored candidates (`Kind.anchored`: epilogue, attention, matmul_reduction) go
-to `advisor.codegen.anchored.generate_anchored` (issue 10); their entries add `memory_saved_bytes` and
+to `advisor.codegen.anchored.generate_anchored`; their entries add `memory_saved_bytes` and
 `alternatives` (e.g. attention's `run_sdpa`, validated the same way). Candidates come in as
 `advisor.records.Candidate`s, each one's fate goes out as a `PatternResult` (apply.json's `patterns`).
 """
@@ -33,7 +33,7 @@ from advisor.validate import compile_ahead, compile_jobs, interpreted, launch_si
 from advisor.validate.inputs import draw
 from advisor.validate.shapes import cases
 
-MATMUL_REASON = "contains a matmul anchor: see issue 10"
+MATMUL_REASON = "contains a matmul anchor (a GEMM epilogue or matmul + reduction kernel: the matmul-anchored generator)"
 NO_PROGRAM = "the analysis recorded no program for this candidate"
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def skip_reason(c: Candidate) -> str | None:
     if OpClass.MATMUL in classes:
         return MATMUL_REASON
     if OpClass.ATTENTION in classes:
-        return "contains an attention op (a fused attention kernel is a barrier): see issue 10"
+        return "contains an attention op (a fused attention kernel is a barrier)"
     if not c.has_program:
         return NO_PROGRAM
     return None

@@ -25,7 +25,7 @@ MIN_SHARE = 0.005  # of the best candidate's estimated saving
 # Of a call's GPU time (the trace's kernels per iteration): a saving under it is below what timing the model
 # resolves (the zoo's whole-stack CUDA graphs: one state's summed kernel time moved by ~1% between two profiles,
 # docs/EXPERIMENTS.md: estimate_check), so selection could never show it, and each pattern costs compiles at
-# `optimize` (issue 17) and a timed state in selection.
+# `optimize` and a timed state in selection.
 MIN_CALL_SHARE = 0.005
 
 
