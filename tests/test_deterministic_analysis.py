@@ -76,3 +76,24 @@ def test_a_churned_heap_and_jittered_calls_give_the_same_analysis(tmp_path):
         runs = list(pool.map(lambda seed: profile_and_analyze(script, tmp_path / f"s{seed}", str(seed)), (1, 2)))
     assert runs[0] and all(isinstance(n, int) for _, _, n, _ in runs[0]), runs[0]
     assert runs[0] == runs[1], runs
+
+
+def test_one_trace_analysed_in_processes_of_other_hash_seeds_gives_one_analysis_json():
+    """Sets and dicts of strings iterate in an order the process's hash seed decides: an analysis of one trace must
+    not show it (the candidates' `shared` overlaps came out in another order from run to run)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import json, advisor; d = advisor.analyze('sample_traces/hf_llama').doc; "
+            "print(json.dumps(d['candidates']))")
+    outs = set()
+    for seed in ("1", "2", "3", "4"):
+        env = {**__import__("os").environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(root)}
+        done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outs.add(done.stdout)
+    assert len(outs) == 1, [json.loads(o)[0].get("shared") for o in outs]

@@ -261,7 +261,9 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
     for r in records:
         r["extends"] = id_of.get(r["extends_pattern"])
         if shared.get(r["pattern_id"]):  # absent otherwise: analysis.json of a model without overlaps is unchanged
-            r["shared"] = {id_of[q]: v for q, v in shared[r["pattern_id"]].items()}
+            # in id order: the overlaps are found in a set's order, which varies by process (hash seeds)
+            r["shared"] = dict(sorted(((id_of[q], v) for q, v in shared[r["pattern_id"]].items()),
+                                      key=lambda kv: int(kv[0][1:])))
     groups_by_id = {r["id"]: group_map[r["pattern_id"]] for r in records}
     doc = {
         "schema_version": ANALYSIS_SCHEMA_VERSION,
