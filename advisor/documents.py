@@ -41,6 +41,76 @@ class Refusal:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CommunicationTime:
+    """One rank's communication against its compute, per steady-state iteration (analysis.json's
+    `communication_time`; measured by `advisor.analysis.overlap`, whose docstring states the rule)."""
+
+    rule: str  # which rule measured it: "gpu_kernels" or "cpu_calling_thread" (`advisor.analysis.overlap`)
+    iteration_us: float  # an iteration's wall time: its steady-state window
+    communication_us: float  # wall time with a collective in flight
+    exposed_us: float  # of that, the time no compute ran beside it: the rank waiting on other ranks
+    overlapped_us: float  # of that, the time compute ran beside it
+    collectives: float  # collectives started (CPU: calls on the calling thread; GPU: communication kernels)
+
+    @property
+    def own_time_us(self) -> float:
+        """The iteration less its exposed communication: the rank's own work, which the other ranks wait on."""
+        return self.iteration_us - self.exposed_us
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSummary:
+    """One rank of a merged analysis (`DistributedSummary.ranks`): what its own analysis.json holds."""
+
+    rank: int
+    local_rank: int | None = None
+    backend: str | None = None
+    analysis: str  # the rank's own analysis.json
+    iterations: int
+    time_us: float  # op or kernel time per iteration, communication left out (its totals' `time_us`)
+    communication_us: float = 0.0  # summed durations of its communication ops per iteration (totals)
+    communication: tuple = ()  # its analysis.json's `communication`: per collective name, count and time
+    communication_time: CommunicationTime | None = optional()
+    candidates: int = 0
+    est_time_saved_us: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Straggler:
+    """The rank the others wait on: its own time per iteration (`CommunicationTime.own_time_us`) more than
+    `margin` above the median of the other ranks' (`advisor.analysis.ranks.straggler`)."""
+
+    rank: int
+    own_time_us: float
+    others_median_us: float
+    excess: float  # own_time_us / others_median_us - 1
+    margin: float  # the excess above which a rank is named
+    others_us: dict  # {rank as a string: its own time per iteration}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedSummary:
+    """A merged analysis's `distributed`: the job, each rank's analysis, and the straggler where there is one
+    (written by `advisor.analysis.ranks.merge`)."""
+
+    world_size: int
+    backend: str | list | None = None  # one backend, or the list where ranks disagree
+    ranks_analysed: tuple[int, ...] = ()
+    steady_state_calls: tuple = ()  # the steady-state calls every rank shares
+    merged_from: str | None = optional()
+    ranks: tuple[RankSummary, ...] = ()
+    straggler: Straggler | None = optional()  # absent where the ranks agree
+    straggler_rule: str | None = optional()  # what was compared, where communication was measured
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "DistributedSummary":
+        return codec.from_json(cls, doc, "distributed")
+
+    def to_json(self) -> dict:
+        return codec.to_json(self)
+
+
+@dataclass(frozen=True, kw_only=True)
 class AnalysisDoc:
     """analysis.json: the device and steady state the analysis assumed, where the time goes, and the
     candidates, ranked (written by `advisor.analysis.api`, merged over ranks by `advisor.analysis.ranks`)."""
@@ -53,13 +123,14 @@ class AnalysisDoc:
     estimate: dict | None = optional()  # what the estimates are made on (basis, device model)
     unknown_ops: list | None = optional()
     communication: list | None = optional()  # collectives per iteration (a distributed job's trace)
+    communication_time: CommunicationTime | None = optional()  # communication against compute, per iteration
     low_confidence: bool | None = optional()  # dataflow guessed from shapes and order (no execution trace)
     warnings: tuple[str, ...] | None = optional()
     timeline: list | None = optional()
     candidates: tuple[Candidate, ...] = ()
     # what the fusion rules found and refused; absent where they refused nothing
     refused: tuple[Refusal, ...] | None = optional()
-    distributed: dict | None = optional()  # a merged analysis: what each rank's held (`advisor.analysis.ranks`)
+    distributed: DistributedSummary | None = optional()  # a merged analysis: each rank's (`advisor.analysis.ranks`)
 
     @classmethod
     def from_json(cls, doc: dict) -> "AnalysisDoc":

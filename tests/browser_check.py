@@ -4,7 +4,8 @@ Drives Chromium over the DevTools protocol with a small stdlib WebSocket client 
 - records console errors, uncaught exceptions, CSP violations and log errors while loading;
 - records every network request; anything other than the file itself (or data:) is a failure;
 - measures #summary-chart, #candidates-table, #timeline and every `.dataflow svg` (non-zero
-  rendered size, not display:none / visibility:hidden), one dataflow per candidate row;
+  rendered size, not display:none / visibility:hidden), one dataflow per candidate row; and a distributed
+  run's #ranks-table, where there is one, with every rank's row;
 - clicks a numeric header of the candidates table and checks the rows come back sorted;
 - checks the page does not overflow horizontally at 1366 px;
 - saves a PNG screenshot (the 1366x900 viewport, the top --height px, or the full page).
@@ -159,6 +160,10 @@ PAGE_PROBE = r"""
   out.summary_chart = box(document.querySelector('#summary-chart'));
   out.candidates_table = box(document.querySelector('#candidates-table'));
   out.timeline = box(document.querySelector('#timeline'));
+  out.ranks_table = box(document.querySelector('#ranks-table'));  // a distributed run's only
+  out.rank_rows = Array.prototype.map.call(document.querySelectorAll('#ranks-table tbody tr'), function (r) {
+    return {text: r.cells[0].textContent, straggler: r.classList.contains('straggler'), box: box(r)};
+  });
   out.dataflows = Array.prototype.map.call(document.querySelectorAll('.dataflow svg'), box);
   var table = document.querySelector('#candidates-table');
   out.candidate_rows = table ? table.tBodies[0].rows.length : 0;
@@ -318,6 +323,11 @@ def check(html_path, screenshot_path=None, full_page=False, chromium=None, timeo
     for key, sel in (("summary_chart", "#summary-chart"), ("candidates_table", "#candidates-table"), ("timeline", "#timeline")):
         if not _visible(probe.get(key)):
             failures.append(f"{sel} missing or not visible: {probe.get(key)}")
+    if probe.get("ranks_table") is not None:
+        if not _visible(probe["ranks_table"]):
+            failures.append(f"#ranks-table not visible: {probe['ranks_table']}")
+        failures += [f"#ranks-table row {r['text']!r} not visible" for r in probe.get("rank_rows") or []
+                     if not _visible(r["box"])]
     flows = probe.get("dataflows") or []
     if not flows:
         failures.append("no .dataflow svg")

@@ -68,10 +68,13 @@ def test_analyze_merges_the_ranks_and_keeps_communication_out(job):
         rank_doc = json.loads((out / f"rank-{k}" / "analysis.json").read_text())
         assert any("all_reduce" in x["name"] or "allreduce" in x["name"] for x in rank_doc["communication"])
         assert rank_doc["totals"]["communication_us"] > 0
+        c = rank_doc["communication_time"]  # the all-reduce against the step's compute
+        assert 0 < c["exposed_us"] <= c["communication_us"] < c["iteration_us"]
         comm = [t for t in rank_doc["timeline"] if t["class"] == "communication"]
         assert comm and all(t["candidate"] is None for t in comm)
         assert not [u for u in rank_doc["unknown_ops"] if is_communication(u["name"])]
-    assert "2 of 2 ranks (gloo)" in a.stdout and "c1 est. saved" in a.stdout
+    assert "2 of 2 ranks (gloo)" in a.stdout and "c1 est. saved" in a.stdout and "exposed" in a.stdout
+    assert "straggler" in a.stdout.lower()  # named, or said to be none
 
 
 def test_an_asynchronous_collective_leaves_the_calls_it_overlaps_alone():

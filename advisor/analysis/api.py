@@ -19,11 +19,12 @@ from advisor.analysis.cost import (DeviceModel, GroupCost, bytes_model_saved_us,
                                  group_costs, padding_pays)
 from advisor.analysis.fusion import Group, find_groups, not_generated
 from advisor.analysis.patterns import NORMS, family, group_family, op_label, pattern_id, signature, signatures, title
-from advisor.graph.dataflow import build_graph
+from advisor.graph.dataflow import build_graph, steady_windows
 from advisor.graph.dtypes import torch_dtype_name
 from advisor.graph.nodes import Graph
 from advisor import codec
-from advisor.documents import AnalysisDoc, Refusal
+from advisor.analysis.overlap import communication_time
+from advisor.documents import AnalysisDoc, CommunicationTime, Refusal
 from advisor.jsonio import ANALYSIS_SCHEMA_VERSION, write_json
 from advisor.ops.registry import CONV_EPILOGUE, MEMORY_BOUND, OpClass
 from advisor.records import Kind
@@ -121,10 +122,11 @@ def analyze(path, et=None) -> Analysis:
     trace = load_trace(_tensorboard_trace(Path(path)), Path(et) if et else None)
     graph = build_graph(trace)
     device = DeviceModel.from_meta(trace.meta, graph.device_type)
+    comm_time = communication_time(trace, steady_windows(trace))  # from the trace: every thread and stream
     files, meta, kernels = trace.files, trace.meta, trace.kernels
     del trace  # the graph has what the rest needs: let the op and ET frames go before it runs
     with gc_paused():  # millions of small objects, no cycles: see gc_paused
-        return _analysis(graph, device, files, meta, kernels)
+        return _analysis(graph, device, files, meta, kernels, comm_time)
 
 
 def _tensorboard_trace(path: Path) -> Path:
@@ -170,7 +172,8 @@ class _Pattern:
         self.intermediate_bytes += c.intermediate_bytes
 
 
-def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.DataFrame) -> Analysis:
+def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.DataFrame,
+              comm_time: CommunicationTime | None = None) -> Analysis:
     not_fused: list = []  # what the fusion rules refused (`fusion.Refused`)
     groups = find_groups(graph, not_fused)
     sigs = list(signatures(graph, groups))
@@ -280,6 +283,7 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
         "unknown_ops": graph.unknown_ops.assign(count=lambda d: d["count"] / graph.iterations,
                                                 time_us=lambda d: d["time_us"] / graph.iterations).to_dict("records"),
         **({"communication": comm} if (comm := _communication(graph)) else {}),
+        **({"communication_time": codec.to_json(comm_time)} if comm_time else {}),
         "low_confidence": graph.confidence == "low",
         "warnings": list(graph.warnings),  # e.g. an ET that cannot be joined
         "timeline": _timeline(graph, groups_by_id),

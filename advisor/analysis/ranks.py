@@ -5,8 +5,17 @@ Merging: one candidate per pattern id across ranks, in the lowest rank's order (
 only other ranks have (new ids where theirs are taken). Each merged candidate's `est_time_saved_us` is the median
 over the ranks that have it, and `ranks` holds the spread: `seen_on`, `missing_on`, `est_time_saved_us` per rank
 (keys are ranks as strings), `min`, `median`, `max`. The rest of a candidate (program, graph, modules, bytes) is the
-lowest such rank's. The document's `distributed` says per rank what was analysed: backend, time and communication
-per iteration, candidates, and the steady-state calls every rank shares (advisor.collect.distributed.align).
+lowest such rank's. The document's `distributed` (`advisor.documents.DistributedSummary`) says per rank what was
+analysed: backend, time and communication per iteration (with how much of it is exposed: `advisor.analysis.overlap`),
+candidates, the steady-state calls every rank shares (advisor.collect.distributed.align), and the straggler.
+
+The straggler is the rank the others wait on. Synchronous collectives make every rank's wall time per iteration
+the same, up to the last collective's: the slow rank shows in its own time, the iteration less its exposed
+communication, the time the others spend waiting for it. A rank is named when its own time is more than
+`STRAGGLER_MARGIN` above the median of the other ranks' (the others', not all ranks': at two ranks the median of
+all would hold the straggler itself and halve its excess); 5% is above the step-to-step noise of equal ranks.
+Without communication measured (a trace without collectives), the ranks' op or kernel time per iteration is
+compared instead.
 """
 from __future__ import annotations
 
@@ -14,11 +23,15 @@ import copy
 import json
 import statistics
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
+from advisor import codec
 from advisor.collect.distributed import align
-from advisor.documents import ANALYSIS_FILE, AnalysisDoc, write_analysis
+from advisor.documents import (ANALYSIS_FILE, AnalysisDoc, CommunicationTime, DistributedSummary, RankSummary,
+                               Straggler, write_analysis)
 from advisor.layout import rank_dir, rank_dirs
+
+STRAGGLER_MARGIN = 0.05
 
 
 def analyze_ranks(trace_root: Path, out: Path) -> AnalysisDoc:
@@ -88,23 +101,53 @@ def merge(docs: List[Tuple[int, dict, dict]], summary: dict, out: Path = Path(".
     base["candidates"] = candidates
     base["warnings"] = list(base.get("warnings") or []) + list(summary.get("warnings") or []) + warnings
     backends = sorted({str(m.get("backend")) for _, _, m in docs if m.get("backend")})
-    base["distributed"] = {
-        "world_size": max([int(m.get("world_size") or 0) for _, _, m in docs] + [len(docs)]),
-        "backend": backends[0] if len(backends) == 1 else backends or None,
-        "ranks_analysed": ranks,
-        "steady_state_calls": summary.get("calls") or [],
-        "merged_from": f"rank {ranks[0]}: its timeline, totals and each candidate's program; estimates median over ranks",
-        "ranks": [{"rank": r, "local_rank": m.get("local_rank"), "backend": m.get("backend"),
-                   "analysis": str(rank_dir(out, r) / ANALYSIS_FILE),
-                   "iterations": doc["steady_state"]["iterations"],
-                   "time_us": doc["totals"]["time_us"],
-                   "communication_us": doc["totals"].get("communication_us", 0.0),
-                   "communication": doc.get("communication") or [],
-                   "candidates": len(doc.get("candidates") or []),
-                   "est_time_saved_us": doc["totals"].get("est_time_saved_us")}
-                  for r, doc, m in docs],
-    }
-    missing = [r for r in range(base["distributed"]["world_size"]) if r not in ranks]
+    world_size = max([int(m.get("world_size") or 0) for _, _, m in docs] + [len(docs)])
+    per_rank = tuple(_rank_summary(r, doc, m, out) for r, doc, m in docs)
+    found, rule = straggler(per_rank)
+    base["distributed"] = DistributedSummary(
+        world_size=world_size,
+        backend=backends[0] if len(backends) == 1 else backends or None,
+        ranks_analysed=tuple(ranks),
+        steady_state_calls=tuple(summary.get("calls") or []),
+        merged_from=f"rank {ranks[0]}: its timeline, totals and each candidate's program; estimates median over ranks",
+        ranks=per_rank, straggler=found, straggler_rule=rule).to_json()
+    missing = [r for r in range(world_size) if r not in ranks]
     if missing:
-        base["warnings"].append(f"no trace for rank(s) {missing} of {base['distributed']['world_size']}")
+        base["warnings"].append(f"no trace for rank(s) {missing} of {world_size}")
     return base
+
+
+def _rank_summary(rank: int, doc: dict, meta: dict, out: Path) -> RankSummary:
+    comm_time = doc.get("communication_time")
+    if isinstance(comm_time, dict):
+        comm_time = codec.from_json(CommunicationTime, comm_time, "communication_time")
+    return RankSummary(rank=rank, local_rank=meta.get("local_rank"), backend=meta.get("backend"),
+                       analysis=str(rank_dir(out, rank) / ANALYSIS_FILE),
+                       iterations=doc["steady_state"]["iterations"], time_us=doc["totals"]["time_us"],
+                       communication_us=doc["totals"].get("communication_us", 0.0),
+                       communication=tuple(doc.get("communication") or ()), communication_time=comm_time,
+                       candidates=len(doc.get("candidates") or []),
+                       est_time_saved_us=doc["totals"].get("est_time_saved_us"))
+
+
+def straggler(per_rank: Sequence[RankSummary], margin: float = STRAGGLER_MARGIN) -> Tuple[Straggler | None, str]:
+    """The rank whose own time per iteration is more than MARGIN above the median of the other ranks' (see the
+    module's docstring), or None where the ranks agree; and the sentence saying what was compared."""
+    measured = all(r.communication_time is not None for r in per_rank)
+    if measured:
+        own = {r.rank: r.communication_time.own_time_us for r in per_rank}
+        rule = "own time per iteration (wall time less exposed communication)"
+    else:
+        own = {r.rank: float(r.time_us) for r in per_rank}
+        rule = "op or kernel time per iteration (no communication measured)"
+    rule += f" more than {margin:.0%} above the median of the other ranks'"
+    if len(own) < 2:
+        return None, rule
+    slowest = max(own, key=lambda r: (own[r], -r))
+    others = {r: v for r, v in own.items() if r != slowest}
+    median = statistics.median(others.values())
+    excess = own[slowest] / median - 1 if median > 0 else 0.0
+    if excess <= margin:
+        return None, rule
+    return Straggler(rank=slowest, own_time_us=own[slowest], others_median_us=median, excess=excess, margin=margin,
+                     others_us={str(r): v for r, v in sorted(others.items())}), rule

@@ -36,6 +36,8 @@ header.top .sub { color: var(--muted); margin-top: 4px; overflow-wrap: anywhere;
 .badge.unpatched { background: #fff1d6; color: var(--warn); }
 .badge.failed { background: #fbe6e6; color: var(--bad); }
 .badge.skipped { background: #fff1d6; color: var(--warn); }
+.badge.straggler { background: #fbe6e6; color: var(--bad); margin-left: 6px; }
+#ranks tr.straggler td { font-weight: 600; }
 .summary { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1.05fr); gap: 28px; }
 .tiles { display: grid; grid-template-columns: repeat(3, minmax(0, 1fr)); gap: 10px; margin-bottom: 14px; }
 .tile { border: 1px solid var(--line); border-radius: 8px; padding: 10px 12px; }

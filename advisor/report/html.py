@@ -246,6 +246,41 @@ def _candidate(a: dict, c: Candidate, p: Optional[PatternResult], color: str) ->
             f'{_validation(c, p)}</article>')
 
 
+def _ranks(a: dict) -> str:
+    """A distributed run's ranks: per rank its wall time, communication and exposed communication per iteration,
+    its own time (what the others wait on), and the straggler marked; empty for one process's analysis."""
+    dist = M.distributed(a)
+    if dist is None:
+        return ""
+    late = dist.straggler.rank if dist.straggler else None
+
+    def cell(v, text=None):
+        return f'<td class="num" data-v="{v:.6g}">{e(text or fmt_time(v))}</td>' if v is not None else "<td>–</td>"
+
+    rows = []
+    for r in dist.ranks:
+        c = r.communication_time
+        exposed = f"{fmt_time(c.exposed_us)} ({fmt_pct(c.exposed_us / c.iteration_us)})" if c and c.iteration_us else None
+        mark = ' <span class="badge straggler">straggler</span>' if r.rank == late else ""
+        row_class = ' class="straggler"' if r.rank == late else ""
+        rows.append(f'<tr{row_class}><td>rank {r.rank}{mark}</td>'
+                    + cell(c.iteration_us if c else None) + cell(M.num(r.time_us))
+                    + cell(c.communication_us if c else M.num(r.communication_us))
+                    + cell(c.exposed_us if c else None, exposed) + cell(c.own_time_us if c else None) + "</tr>")
+    calls = list(dist.steady_state_calls)
+    sub = (f"{len(dist.ranks)} of {dist.world_size} ranks, backend {dist.backend or 'unknown'}"
+           + (f", steady-state calls {calls[0]}–{calls[-1]} on every rank" if calls else ""))
+    note = ("Exposed communication: a collective in flight with no compute beside it on the rank's device (GPU: "
+            "communication kernels against compute kernels on any stream; CPU: the calling thread in a collective "
+            "or idle while gloo's threads work). Own time: the iteration less its exposed communication.")
+    return (f'<section class="card" id="ranks"><h2>Ranks</h2><p class="muted">{e(sub)}</p>'
+            f'<p class="{"warn" if dist.straggler else "muted"}">{e(M.straggler_words(dist))}</p>'
+            '<div class="tablewrap"><table id="ranks-table"><thead><tr><th>Rank</th>'
+            '<th>Wall time / iteration</th><th>Op time / iteration</th><th>Communication</th><th>Exposed</th>'
+            f'<th>Own time</th></tr></thead><tbody>{"".join(rows)}</tbody></table></div>'
+            f'<p class="muted">{e(note)}</p></section>')
+
+
 def _after_apply(apply: dict) -> str:
     e2e, man = apply.get("end_to_end"), [m for m in apply.get("manifest") or [] if isinstance(m, dict)]
     if not isinstance(e2e, dict) and not man:
@@ -293,7 +328,7 @@ def render_html(analysis: dict, apply: Optional[dict] = None, out=None) -> str:
         f'<section class="card"><h2>One steady-state iteration ({M.work_noun(a)} over time)</h2>'
         f'{timeline(a, colors, titles)}'
         f'{timeline_legend(a, colors, titles)}</section>',
-        _table(a, apply, colors),
+        _table(a, apply, colors), _ranks(a),
     ]
     if isinstance(apply, dict):
         sections.append(_after_apply(apply))

@@ -9,8 +9,10 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Optional
 
+from advisor.documents import DistributedSummary
 from advisor.records import Candidate, Kind, PatternResult
 from advisor.status import Status
+from advisor.units import fmt_time
 
 TRAINING_STEP = " (training steps: forward, backward and optimizer)"  # after "N iterations, found by SOURCE"
 
@@ -37,6 +39,22 @@ def saved_label(analysis: dict) -> str:
 def candidates(analysis: dict) -> List[Candidate]:
     cs = [Candidate.from_json(c) for c in analysis.get("candidates") or [] if isinstance(c, dict)]
     return sorted(cs, key=lambda c: (num(c.rank, 1e9), c.id))
+
+
+def distributed(analysis: dict) -> Optional[DistributedSummary]:
+    """A merged analysis's per-rank summary (`distributed`) as its record; None for one process's analysis."""
+    d = analysis.get("distributed")
+    return DistributedSummary.from_json(d) if isinstance(d, dict) else None
+
+
+def straggler_words(dist: DistributedSummary) -> str:
+    """One sentence for the straggler, its own time against the others'; or that the ranks agree."""
+    s = dist.straggler
+    if s is None:
+        return f"No straggler: no rank's {dist.straggler_rule or 'time'}."
+    others = ", ".join(f"rank {r} {fmt_time(v)}" for r, v in s.others_us.items())
+    return (f"Straggler: rank {s.rank}, {fmt_time(s.own_time_us)} of its own per iteration, {s.excess:.0%} above the "
+            f"other ranks' median {fmt_time(s.others_median_us)} ({others}): the others wait on it.")
 
 
 def listed(analysis: dict) -> List[Candidate]:

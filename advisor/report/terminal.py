@@ -232,22 +232,33 @@ def render_terminal(analysis: dict, apply: Optional[dict], console: Console, top
     _print_next_steps(analysis, apply, out, console)
 
 
-def _ranks_table(analysis: dict, top: int) -> Table:
-    """A distributed run: per rank its time and communication per iteration, and each listed candidate's
-    estimated saving on every rank (the merged estimate is their median)."""
-    dist = analysis["distributed"]
-    ranks = [r["rank"] for r in dist.get("ranks") or []]
-    calls = dist.get("steady_state_calls") or []
-    title = (f"{len(ranks)} of {dist.get('world_size')} ranks ({dist.get('backend') or 'backend unknown'})"
+def _ranks_table(analysis: dict, top: int) -> Group:
+    """A distributed run: per rank its time and communication per iteration (exposed: waiting on the other
+    ranks), the straggler, and each listed candidate's estimated saving on every rank (the merged estimate is
+    their median)."""
+    dist = M.distributed(analysis)
+    ranks = [r.rank for r in dist.ranks]
+    calls = list(dist.steady_state_calls)
+    title = (f"{len(ranks)} of {dist.world_size} ranks ({dist.backend or 'backend unknown'})"
              + (f", steady-state calls {calls[0]}-{calls[-1]} on every rank" if calls else ""))
     t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
     t.add_column("")
+    late = dist.straggler.rank if dist.straggler else None
     for r in ranks:
-        t.add_column(f"rank {r}", justify="right")
+        t.add_column(f"rank {r}" + (" (straggler)" if r == late else ""), justify="right",
+                     style="bold yellow" if r == late else None)
     t.add_column("spread", justify="right")
-    per = dist.get("ranks") or []
-    t.add_row("time / iteration", *[fmt_time(M.num(r.get("time_us"), 0.0)) for r in per], "")
-    t.add_row("communication", *[fmt_time(M.num(r.get("communication_us"), 0.0)) for r in per], "")
+    per = dist.ranks
+    t.add_row("op time / iteration", *[fmt_time(M.num(r.time_us, 0.0)) for r in per], "")
+    timed = [r.communication_time for r in per]
+    if all(timed):
+        t.add_row("wall time / iteration", *[fmt_time(c.iteration_us) for c in timed], "")
+        t.add_row("communication", *[fmt_time(c.communication_us) for c in timed], "")
+        t.add_row("  exposed", *[f"{fmt_time(c.exposed_us)} ({c.exposed_us / c.iteration_us:.0%})" if c.iteration_us
+                                 else fmt_time(c.exposed_us) for c in timed], "")
+        t.add_row("own time", *[fmt_time(c.own_time_us) for c in timed], "")
+    else:
+        t.add_row("communication", *[fmt_time(M.num(r.communication_us, 0.0)) for r in per], "")
     for c in M.listed(analysis)[:top]:
         spread = c.ranks or {}
         by_rank = spread.get("est_time_saved_us") or {}
@@ -255,4 +266,4 @@ def _ranks_table(analysis: dict, top: int) -> Table:
         lo, hi = spread.get("min"), spread.get("max")
         t.add_row(f"{c.id} est. saved", *cells,
                   f"{fmt_time(lo)} – {fmt_time(hi)}" if lo is not None and hi is not None else "")
-    return t
+    return Group(t, Text(M.straggler_words(dist), style="bold yellow" if dist.straggler else "dim"))
