@@ -211,17 +211,17 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
 
 def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolation: probe.ProbeOutcome | None = None,
               agreed_so_far=lambda: None) -> OptimizeReport:
-    o = options
     device = _device_of(model, args, kwargs)
     job = agreement.job()
     # each rank of a job writes its own folder (its trace, its apply.json), rank-K under the one it was given
-    out_dir = (rank_dir(o.out, job.rank) if job else Path(o.out)) if o.out else scratch_out_dir()
+    out_dir = (rank_dir(options.out, job.rank) if job else Path(options.out)) if options.out else scratch_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     phases = Stopwatch()
-    pipeline.start_triton(device, o.replacement)  # every way on launches Triton kernels: hashed meanwhile
-    key_options = {"top": o.top, "replacement": o.replacement, "granularity": o.granularity, "select": o.selecting}
+    pipeline.start_triton(device, options.replacement)  # every way on launches Triton kernels: hashed meanwhile
+    key_options = {"top": options.top, "replacement": options.replacement, "granularity": options.granularity,
+                   "select": options.selecting}
     key_parts: dict = {}
-    key = plan_cache.fingerprint(model, args, kwargs, device, key_options, key_parts) if o.reuse else None
+    key = plan_cache.fingerprint(model, args, kwargs, device, key_options, key_parts) if options.reuse else None
     with phases("reuse"):  # (in a job, only where every rank has the plan stored)
         reused = agreement.everywhere(bool(key) and plan_cache.fetch(key, out_dir), "stored plan")
     if reused:  # the same model and inputs were optimised before: its plan, re-checked below
@@ -234,31 +234,32 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
     else:
         pipeline.start_workers(device)
         with phases("profile"):
-            trace_dir = profile_calls(call, out_dir, device, o.calls)
+            trace_dir = profile_calls(call, out_dir, device, options.calls)
         with phases("analyze"):
             analysed = pipeline.analyse(trace_dir, out_dir)
         doc = analysed.doc
-        if o.replacement == "kernel" and (device == "cuda" or o.interpret) and early_capture.enabled():
+        if options.replacement == "kernel" and (device == "cuda" or options.interpret) and early_capture.enabled():
             # captured while the kernels compile: dynamo's and AOTAutograd's seconds off the cold start's path
             specs, records, plan, handle = early_capture.patch_while_generating(
-                model, call, doc, analysed.occurrences, o.top, out_dir, device, o.granularity, phases,
-                outer=o.selecting and bench_timing.timing_meaningful(device))
+                model, call, doc, analysed.occurrences, options.top, out_dir, device, options.granularity, phases,
+                outer=options.selecting and bench_timing.timing_meaningful(device))
         else:
-            specs, records, plan = pipeline.make_kernels(analysed, o.top, o.replacement, out_dir, device,
-                                                         o.granularity, phases)
+            specs, records, plan = pipeline.make_kernels(analysed, options.top, options.replacement, out_dir, device,
+                                                         options.granularity, phases)
             with phases("patch"):
                 handle = patch(model, plan)
-    if device != "cuda" and not o.interpret:  # kernels would run in Triton's interpreter: never a speedup
+    if device != "cuda" and not options.interpret:  # kernels would run in Triton's interpreter: never a speedup
         unpatch(model)
         records = interpreter_only(records, specs)
         selection = {"decision": "nothing patched: no GPU (interpret=True patches anyway, for checks)", "kept": []}
         write_apply(out_dir, ApplyDoc(
-            replacement=o.replacement, device=device, patterns=tuple(records), manifest=[], phases_s=phases.seconds,
-            plan_reused=reused, plan_key=key, plan_key_parts=key_parts, selection=Selection.from_json(selection),
-            modes=modes, isolation=isolation.to_json() if isolation is not None else None))
+            replacement=options.replacement, device=device, patterns=tuple(records), manifest=[],
+            phases_s=phases.seconds, plan_reused=reused, plan_key=key, plan_key_parts=key_parts,
+            selection=Selection.from_json(selection), modes=modes,
+            isolation=isolation.to_json() if isolation is not None else None))
         return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds, selection, modes=modes,
                               isolation=isolation.decision if isolation is not None else None)
-    handle.train_fused(o.train)
+    handle.train_fused(options.train)
     before = handle.launches()
     with phases("check"):  # the first patched call captures the modules (dynamo) and runs the kernels
         chk = check(call, handle, float32_reference(model, args, kwargs))
@@ -268,33 +269,33 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
     launched = launched_sites(before, handle.launches())
     records = pipeline.checked_status(records, specs, handle, chk.dropped, doc, launched)
     selection = timed = None
-    if o.selecting and not reused:  # a reused plan was selected when it was stored
+    if options.selecting and not reused:  # a reused plan was selected when it was stored
         with phases("select"):
-            selected, selection, records = keep_faster(call, handle, device, records, o.iters,
+            selected, selection, records = keep_faster(call, handle, device, records, options.iters,
                                                        float32_reference(model, args, kwargs))
         records = pipeline.selected_status(records, specs, selected, chk.dropped, doc, selection, launched)
         timed = selection.pop("timing", None)
         if selected is not handle or selection.get("state") not in (None, SelectionState.ALL):
             timed, handle = None, selected  # what runs now is not the all-patched state timed first
     e2e = None
-    if o.benchmark:
+    if options.benchmark:
         e2e = timed
         if not e2e:
-            e2e, records = time_patterns(call, handle, device, o.iters, records)
+            e2e, records = time_patterns(call, handle, device, options.iters, records)
     if selection is not None or e2e is not None:
         clear_recordings()  # graphs recorded for the states timed above (each pattern alone, ...)
-    handle.train_fused(o.train)  # (selection may have handed back a new handle)
+    handle.train_fused(options.train)  # (selection may have handed back a new handle)
     training = None
-    if o.train and o.selecting:  # kept only where a whole training call measures faster, no heavier
+    if options.train and options.selecting:  # kept only where a whole training call measures faster, no heavier
         with phases("train_check"), checking():  # its calls through the original forwards are not the user's
             # The LM loss first: the training check then steps as the user's loop will (its loss included), held
             # to the memory of the user's model (its loss as before)
             lm_loss = None
             try:
-                lm_loss = keep_faster_lm_loss(model, args, kwargs, device, o.iters)
+                lm_loss = keep_faster_lm_loss(model, args, kwargs, device, options.iters)
                 labels, baseline = causal_lm_step(model, args, kwargs, lm_loss)
-                training = keep_faster_training(model, handle, args, kwargs, device, o.iters, o.train_memory, labels,
-                                                baseline)
+                training = keep_faster_training(model, handle, args, kwargs, device, options.iters,
+                                                options.train_memory, labels, baseline)
                 if training.get("kept"):  # stated as a real step runs it
                     _count_training(training, model, handle, args, kwargs, device, labels)
             except Exception as e:  # each check catches its own failures; one outside them must not cost the
@@ -311,10 +312,10 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
     records = counted.agree(records, specs, ran)
     runs = {"fused_launches_per_call": sum(ran.values()), "sites": ran}
     handle.settle()  # the checks' own captures (training calls, their modes) are not the user's loop's budget
-    generate = decode_setup.prepare(model) if o.decode else None  # what `model.generate` will do now
+    generate = decode_setup.prepare(model) if options.decode else None  # what `model.generate` will do now
     manifest, checked = handle.manifest(), chk.as_dict()
     write_apply(out_dir, pipeline.apply_doc(
-        replacement=o.replacement, device=device, records=records, manifest=manifest, checks=[checked],
+        replacement=options.replacement, device=device, records=records, manifest=manifest, checks=[checked],
         end_to_end=e2e, selection=selection, enabled=sorted(handle.enabled) if handle.enabled is not None else None,
         outer=handle.outer_on, plan=plan,
         phases_s=phases.seconds, plan_reused=reused, plan_key=key, plan_key_parts=key_parts, training=training,
