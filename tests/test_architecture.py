@@ -152,6 +152,27 @@ def test_forbidden_edges():
     assert not wrong, "imports against the layering:\n  " + "\n  ".join(wrong)
 
 
+# The steps after analysis that `optimize` and `apply` share live in `advisor.workflows.pipeline`; a driver that
+# called one of these itself would be the step written twice again.
+PIPELINE_STEPS = {"analyze", "write_analysis", "occurrence_modules", "kernel_specs", "build_plan", "pattern_status",
+                  "final_status", "warm_worker", "start_soon", "triton_setup", "loaded_host_modules"}
+DRIVERS = ("advisor/workflows/live_model.py", "advisor/workflows/user_script.py")
+
+
+def test_drivers_take_the_shared_steps_from_the_pipeline():
+    """Neither driver names a step the pipeline holds: each exists once, in `workflows/pipeline.py`."""
+    named = {}
+    for driver in DRIVERS:
+        tree = ast.parse((ROOT / driver).read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+                {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        named[driver] = sorted(names & PIPELINE_STEPS)
+    assert not any(named.values()), f"steps of workflows/pipeline.py called from a driver directly: {named}"
+    pipeline = {n.id for n in ast.walk(ast.parse((PACKAGE / "workflows" / "pipeline.py").read_text()))
+                if isinstance(n, ast.Name)}
+    assert PIPELINE_STEPS <= pipeline, PIPELINE_STEPS - pipeline
+
+
 def test_the_cycle_finder():
     """The cycle finder itself: a two-file loop and a package loop are found, a chain is not."""
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]

@@ -651,7 +651,7 @@ def test_apply_starts_the_compile_workers_before_profiling(tmp_path, monkeypatch
     """`fusion-advisor apply` on a GPU starts the kernel workers (3-4 s of imports on the H100) before the
     script is profiled, as `optimize` does, so that they are up when the kernels are generated; on the CPU
     (kernels in the interpreter, generated in process) it starts none."""
-    from advisor.workflows import user_script
+    from advisor.workflows import pipeline, user_script
 
     events = []
 
@@ -663,7 +663,7 @@ def test_apply_starts_the_compile_workers_before_profiling(tmp_path, monkeypatch
         raise Stop
 
     monkeypatch.setattr(user_script, "resolve_device", lambda d: device)
-    monkeypatch.setattr(user_script, "start_soon", lambda warm: events.append(("workers", warm)))
+    monkeypatch.setattr(pipeline, "start_soon", lambda warm: events.append(("workers", warm)))
     monkeypatch.setattr(user_script, "profile_script", profile)
     with pytest.raises(Stop):
         user_script.apply_script(tmp_path / "train.py", [], tmp_path / "out")

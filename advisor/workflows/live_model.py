@@ -27,15 +27,12 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from advisor import agreement
-
-from advisor.analysis.api import analyze
 from advisor.collect.in_process import profile_calls
 from advisor.errors import AdvisorError, exception_details, exception_reason
 from advisor.example_inputs import snapshot
-from advisor.documents import ANALYSIS_FILE, APPLY_FILE, AnalysisDoc, ApplyDoc, Selection, SelectionState, \
-    write_analysis, write_apply
+from advisor.documents import ANALYSIS_FILE, APPLY_FILE, ApplyDoc, Selection, SelectionState, write_apply
 from advisor.layout import rank_dir
-from advisor.patching import build_plan, load_plan, occurrence_modules, patch, triton_setup, unpatch
+from advisor.patching import load_plan, patch, unpatch
 from advisor.patching import decode as decode_setup
 from advisor.patching.modules import at_rest, underneath
 from advisor.patching.capture import launched_sites
@@ -46,15 +43,11 @@ from advisor.patching.verify import check, eval_if_unrepeatable, float32_referen
 from advisor.records import PatternResult
 from advisor.stopwatch import Stopwatch
 from advisor.bench import timing as bench_timing  # read at call time: tests replace it
-from advisor.workflows import counted, early_capture, plan_cache, probe
-from advisor.workflows.bundle import loaded_host_modules
-from advisor.workflows.generate import warm_worker
-from advisor.workflows.kernels import kernel_specs
+from advisor.workflows import counted, early_capture, pipeline, plan_cache, probe
 from advisor.workflows.lm_loss import causal_lm_step, keep_faster_lm_loss
-from advisor.workflows.outcome import interpreter_only, pattern_status
-from advisor.workflows.selection import final_status, keep_faster, time_patterns
+from advisor.workflows.outcome import interpreter_only
+from advisor.workflows.selection import keep_faster, time_patterns
 from advisor.workflows.training import keep_faster_training
-from advisor.workflows.workers import start_soon
 
 @dataclass(repr=False)
 class OptimizeReport:
@@ -140,6 +133,44 @@ def describe_timing(e2e: dict) -> str:
 _OPTIMIZING = threading.RLock()
 
 
+@dataclass(frozen=True)
+class OptimizeOptions:
+    """What `optimize` was asked to do, as `advisor.optimize` describes each argument; checked when made."""
+
+    top: int | None = 5
+    out: object = None  # the output folder (None: a scratch folder removed at exit)
+    replacement: str = "kernel"
+    calls: int = 3
+    benchmark: bool = False
+    iters: int = 20
+    granularity: str = "layer"
+    reuse: bool = True
+    select: bool | None = None  # None as True: selection runs unless turned off
+    interpret: bool = False
+    train: bool = False
+    train_memory: float = 0.0
+    decode: bool = False
+    isolate: bool | None = None
+
+    def __post_init__(self):
+        m = self.train_memory
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
+            raise AdvisorError(f"train_memory is the extra peak memory fused training may take, as a fraction from 0 "
+                               f"to 1 (0.05: 5%); got {m!r}")
+
+    @property
+    def selecting(self) -> bool:
+        return self.select is not False
+
+    def for_probe(self) -> dict:
+        """The arguments the probe process's own `optimize` takes (its output folder and isolation are its own;
+        it never benchmarks)."""
+        return {"top": self.top, "replacement": self.replacement, "calls": self.calls, "iters": self.iters,
+                "granularity": self.granularity, "reuse": self.reuse, "select": self.select,
+                "interpret": self.interpret, "train": self.train, "train_memory": self.train_memory,
+                "decode": self.decode}
+
+
 def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "layer", reuse: bool = True, select: bool | None = None,
@@ -147,9 +178,9 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
              decode: bool = False, isolate: bool | None = None) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
-    if isinstance(train_memory, bool) or not isinstance(train_memory, (int, float)) or not 0 <= train_memory <= 1:
-        raise AdvisorError(f"train_memory is the extra peak memory fused training may take, as a fraction from 0 to "
-                           f"1 (0.05: 5%); got {train_memory!r}")
+    options = OptimizeOptions(top=top, out=out, replacement=replacement, calls=calls, benchmark=benchmark,
+                              iters=iters, granularity=granularity, reuse=reuse, select=select, interpret=interpret,
+                              train=train, train_memory=train_memory, decode=decode, isolate=isolate)
     with _OPTIMIZING:
         model = underneath(model)  # a wrapper (torch.compile, DDP): the module it calls is optimised, the wrapper works on
         args, kwargs = split_inputs(example_inputs)
@@ -162,10 +193,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
         unpatch(model)  # profile the original (and probe it for random ops)
         isolation = None
         if probe.wanted(isolate):  # the first capture in a child process first: a crash there costs the user nothing
-            isolation = probe.first_capture(model, snapshot(example_inputs), {
-                "top": top, "replacement": replacement, "calls": calls, "iters": iters, "granularity": granularity,
-                "reuse": reuse, "select": select, "interpret": interpret, "train": train,
-                "train_memory": train_memory, "decode": decode})
+            isolation = probe.first_capture(model, snapshot(example_inputs), options.for_probe())
             if isolation.crashed:
                 return left_unpatched(out, replacement, _device_of(model, args, kwargs), isolation)
 
@@ -176,27 +204,24 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
 
         try:
             with eval_if_unrepeatable(model, call) as modes, agreement.recorded() as agreed_so_far:
-                return _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters,
-                                 granularity, reuse, select, interpret, train, modes, train_memory, decode, isolation,
-                                 agreed_so_far)
+                return _optimize(model, args, kwargs, call, options, modes, isolation, agreed_so_far)
         finally:
             at_rest(model)  # FSDP2's modules as `fully_shard` left them: an optimizer made now steps the sharded ones
 
 
-def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark, iters, granularity, reuse, select,
-              interpret, train, modes, train_memory: float = 0.0, decode: bool = False,
-              isolation: probe.ProbeOutcome | None = None, agreed_so_far=lambda: None) -> OptimizeReport:
+def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolation: probe.ProbeOutcome | None = None,
+              agreed_so_far=lambda: None) -> OptimizeReport:
     device = _device_of(model, args, kwargs)
     job = agreement.job()
     # each rank of a job writes its own folder (its trace, its apply.json), rank-K under the one it was given
-    out_dir = (rank_dir(out, job.rank) if job else Path(out)) if out else scratch_out_dir()
+    out_dir = (rank_dir(options.out, job.rank) if job else Path(options.out)) if options.out else scratch_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     phases = Stopwatch()
-    if device == "cuda" and replacement == "kernel":
-        triton_setup.start()  # every way on launches Triton kernels: hashed meanwhile (fingerprint, reuse, profile)
-    options = {"top": top, "replacement": replacement, "granularity": granularity, "select": select is not False}
+    pipeline.start_triton(device, options.replacement)  # every way on launches Triton kernels: hashed meanwhile
+    key_options = {"top": options.top, "replacement": options.replacement, "granularity": options.granularity,
+                   "select": options.selecting}
     key_parts: dict = {}
-    key = plan_cache.fingerprint(model, args, kwargs, device, options, key_parts) if reuse else None
+    key = plan_cache.fingerprint(model, args, kwargs, device, key_options, key_parts) if options.reuse else None
     with phases("reuse"):  # (in a job, only where every rank has the plan stored)
         reused = agreement.everywhere(bool(key) and plan_cache.fetch(key, out_dir), "stored plan")
     if reused:  # the same model and inputs were optimised before: its plan, re-checked below
@@ -207,37 +232,34 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
             specs = plan.patterns
             handle = patch(model, plan)  # in the state selection left it when it was stored (`Plan.enabled`)
     else:
-        if device == "cuda":  # the kernel workers start while the model is profiled and analysed
-            start_soon(warm_worker)
+        pipeline.start_workers(device)
         with phases("profile"):
-            trace_dir = profile_calls(call, out_dir, device, calls)
+            trace_dir = profile_calls(call, out_dir, device, options.calls)
         with phases("analyze"):
-            analysis = analyze(trace_dir)
-            # in a job, rank 0's analysis is every rank's plan: a rank's profile may group its ops otherwise
-            doc, occurrences = agreement.agreed((analysis.doc, occurrence_modules(analysis)), "plan")
-            write_analysis(out_dir, AnalysisDoc.from_json(doc))
-        if replacement == "kernel" and (device == "cuda" or interpret) and early_capture.enabled():
+            analysed = pipeline.analyse(trace_dir, out_dir)
+        doc = analysed.doc
+        if options.replacement == "kernel" and (device == "cuda" or options.interpret) and early_capture.enabled():
             # captured while the kernels compile: dynamo's and AOTAutograd's seconds off the cold start's path
             specs, records, plan, handle = early_capture.patch_while_generating(
-                model, call, doc, occurrences, top, out_dir, device, granularity, phases,
-                outer=select is not False and bench_timing.timing_meaningful(device))
+                model, call, doc, analysed.occurrences, options.top, out_dir, device, options.granularity, phases,
+                outer=options.selecting and bench_timing.timing_meaningful(device))
         else:
-            with phases("generate"):
-                specs, records = kernel_specs(doc, top, replacement, out_dir, device)
+            specs, records, plan = pipeline.make_kernels(analysed, options.top, options.replacement, out_dir, device,
+                                                         options.granularity, phases)
             with phases("patch"):
-                plan = build_plan(specs, doc, occurrences, granularity)
                 handle = patch(model, plan)
-    if device != "cuda" and not interpret:  # kernels would run in Triton's interpreter: never a speedup
+    if device != "cuda" and not options.interpret:  # kernels would run in Triton's interpreter: never a speedup
         unpatch(model)
         records = interpreter_only(records, specs)
         selection = {"decision": "nothing patched: no GPU (interpret=True patches anyway, for checks)", "kept": []}
         write_apply(out_dir, ApplyDoc(
-            replacement=replacement, device=device, patterns=tuple(records), manifest=[], phases_s=phases.seconds,
-            plan_reused=reused, plan_key=key, plan_key_parts=key_parts, selection=Selection.from_json(selection),
-            modes=modes, isolation=isolation.to_json() if isolation is not None else None))
+            replacement=options.replacement, device=device, patterns=tuple(records), manifest=[],
+            phases_s=phases.seconds, plan_reused=reused, plan_key=key, plan_key_parts=key_parts,
+            selection=Selection.from_json(selection), modes=modes,
+            isolation=isolation.to_json() if isolation is not None else None))
         return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds, selection, modes=modes,
                               isolation=isolation.decision if isolation is not None else None)
-    handle.train_fused(train)
+    handle.train_fused(options.train)
     before = handle.launches()
     with phases("check"):  # the first patched call captures the modules (dynamo) and runs the kernels
         chk = check(call, handle, float32_reference(model, args, kwargs))
@@ -245,38 +267,35 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     if chk.dropped:  # re-patched without them: capture (and count launches) with what is left
         call()
     launched = launched_sites(before, handle.launches())
-    records = pattern_status(records, specs, handle, chk.dropped, doc, launched)
+    records = pipeline.checked_status(records, specs, handle, chk.dropped, doc, launched)
     selection = timed = None
-    if select is not False and not reused:  # a reused plan was selected when it was stored
+    if options.selecting and not reused:  # a reused plan was selected when it was stored
         with phases("select"):
-            selected, selection, records = keep_faster(call, handle, device, records, iters,
+            selected, selection, records = keep_faster(call, handle, device, records, options.iters,
                                                        float32_reference(model, args, kwargs))
-        if selection.get("outer_sites") is not None and selection.get("state"):
-            # statuses as selection left them: patterns fused only across layers are patched or not kept by it
-            records = final_status(records, specs, selected, chk.dropped, doc,
-                                    selection["outer_sites"] if selection.get("outer") else launched, selection)
+        records = pipeline.selected_status(records, specs, selected, chk.dropped, doc, selection, launched)
         timed = selection.pop("timing", None)
         if selected is not handle or selection.get("state") not in (None, SelectionState.ALL):
             timed, handle = None, selected  # what runs now is not the all-patched state timed first
     e2e = None
-    if benchmark:
+    if options.benchmark:
         e2e = timed
         if not e2e:
-            e2e, records = time_patterns(call, handle, device, iters, records)
+            e2e, records = time_patterns(call, handle, device, options.iters, records)
     if selection is not None or e2e is not None:
         clear_recordings()  # graphs recorded for the states timed above (each pattern alone, ...)
-    handle.train_fused(train)  # (selection may have handed back a new handle)
+    handle.train_fused(options.train)  # (selection may have handed back a new handle)
     training = None
-    if train and select is not False:  # kept only where a whole training call measures faster, no heavier
+    if options.train and options.selecting:  # kept only where a whole training call measures faster, no heavier
         with phases("train_check"), checking():  # its calls through the original forwards are not the user's
             # The LM loss first: the training check then steps as the user's loop will (its loss included), held
             # to the memory of the user's model (its loss as before)
             lm_loss = None
             try:
-                lm_loss = keep_faster_lm_loss(model, args, kwargs, device, iters)
+                lm_loss = keep_faster_lm_loss(model, args, kwargs, device, options.iters)
                 labels, baseline = causal_lm_step(model, args, kwargs, lm_loss)
-                training = keep_faster_training(model, handle, args, kwargs, device, iters, train_memory, labels,
-                                                baseline)
+                training = keep_faster_training(model, handle, args, kwargs, device, options.iters,
+                                                options.train_memory, labels, baseline)
                 if training.get("kept"):  # stated as a real step runs it
                     _count_training(training, model, handle, args, kwargs, device, labels)
             except Exception as e:  # each check catches its own failures; one outside them must not cost the
@@ -293,17 +312,15 @@ def _optimize(model, args, kwargs, call, top, out, replacement, calls, benchmark
     records = counted.agree(records, specs, ran)
     runs = {"fused_launches_per_call": sum(ran.values()), "sites": ran}
     handle.settle()  # the checks' own captures (training calls, their modes) are not the user's loop's budget
-    generate = decode_setup.prepare(model) if decode else None  # what `model.generate` will do now
+    generate = decode_setup.prepare(model) if options.decode else None  # what `model.generate` will do now
     manifest, checked = handle.manifest(), chk.as_dict()
-    write_apply(out_dir, ApplyDoc(
-        replacement=replacement, device=device, patterns=tuple(records), manifest=manifest, checks=[checked],
-        end_to_end=e2e, phases_s=phases.seconds, plan_reused=reused, plan_key=key, plan_key_parts=key_parts,
-        selection=Selection.from_json(selection) if selection is not None else None, training=training, runs=runs,
-        enabled=tuple(sorted(handle.enabled)) if handle.enabled is not None else None, outer=handle.outer_on,
-        skipped_targets=getattr(plan, "skipped", {}), modes=modes, graphs=handle.graph_keys(),
-        cuda_graphs_not_used=handle.graphs_not_used(), fallbacks=handle.fallbacks(),
-        host_modules=loaded_host_modules() if device == "cuda" else [],
-        decode=generate.to_json() if generate is not None else None,
+    write_apply(out_dir, pipeline.apply_doc(
+        replacement=options.replacement, device=device, records=records, manifest=manifest, checks=[checked],
+        end_to_end=e2e, selection=selection, enabled=sorted(handle.enabled) if handle.enabled is not None else None,
+        outer=handle.outer_on, plan=plan,
+        phases_s=phases.seconds, plan_reused=reused, plan_key=key, plan_key_parts=key_parts, training=training,
+        runs=runs, modes=modes, graphs=handle.graph_keys(), cuda_graphs_not_used=handle.graphs_not_used(),
+        fallbacks=handle.fallbacks(), decode=generate.to_json() if generate is not None else None,
         isolation=isolation.to_json() if isolation is not None else None,
         distributed=_agreement_json(agreed_so_far())))
     if key and not reused and manifest and (job is None or job.rank == agreement.DECIDING_RANK):

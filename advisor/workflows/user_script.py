@@ -24,21 +24,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from advisor.analysis.api import analyze
 from advisor.bench.timing import timing_meaningful
 from advisor.collect.region import observe_regions
 from advisor.collect.runner import profile_script, resolve_device
-from advisor.documents import APPLY_FILE, ApplyDoc, Selection, SelectionState, write_analysis, write_apply
-from advisor.patching import build_plan, occurrence_modules, triton_setup
+from advisor.documents import APPLY_FILE, SelectionState, write_apply
 from advisor.patching.modules import root_class
 from advisor.records import PatternResult
-from advisor.workflows.bundle import loaded_host_modules
-from advisor.workflows.generate import warm_worker
-from advisor.workflows.kernels import kernel_specs
-from advisor.workflows.outcome import pattern_status
+from advisor.workflows import pipeline
 from advisor.workflows.script_session import Session, intercept_roots, run_script
-from advisor.workflows.selection import Option, choose, compare_states, final_status, mark_kept, time_patterns
-from advisor.workflows.workers import start_soon
+from advisor.workflows.selection import Option, choose, compare_states, mark_kept, time_patterns
 
 class Handles:
     """The patch handles of every model instance the script built, read as one."""
@@ -105,17 +99,14 @@ def apply_script(script: Path, args: list, out: Path, top: int | None = 5, devic
     console = console or Console(highlight=False, soft_wrap=True)
     out = Path(out)
     dev = resolve_device(device)
-    if dev == "cuda":  # the kernel workers start (3-4 s on the H100), and Triton is set up, while the script is profiled
-        start_soon(warm_worker)
-        triton_setup.start()
+    pipeline.start_workers(dev)  # while the script is profiled
+    pipeline.start_triton(dev, replacement)
     meta = profile_script(script, args, out_dir=out, device=device, region=region, console=console)
     with console.status("analysing the trace …"):
-        analysis = analyze(out / "trace")
-        write_analysis(out, analysis.document)
+        analysed = pipeline.analyse(out / "trace", out)
     with console.status("generating and validating kernels for " + (f"the top {top} candidates …" if top else
                                                                      "every candidate worth one …")):
-        specs, records = kernel_specs(analysis.doc, top, replacement, out, dev)
-    plan = build_plan(specs, analysis.doc, occurrence_modules(analysis), granularity)
+        specs, records, plan = pipeline.make_kernels(analysed, top, replacement, out, dev, granularity)
     session = Session(plan, train=train)
     args = list(args)
     if args and args[0] == "--":
@@ -125,7 +116,7 @@ def apply_script(script: Path, args: list, out: Path, top: int | None = 5, devic
             with intercept_roots(session):
                 run_script(script, args, dev)
         handles = Handles(session)
-        records = pattern_status(records, specs, handles, session.dropped, analysis.doc)
+        records = pipeline.checked_status(records, specs, handles, session.dropped, analysed.doc)
         steady = meta.get("steady_state") or {}
         with console.status("timing the steady state before and after …"):
             # Training: what counts is the whole step (forward, backward, optimizer), so the script's own
@@ -134,9 +125,7 @@ def apply_script(script: Path, args: list, out: Path, top: int | None = 5, devic
                 session.recorded.get(root_class(steady.get("name") or ""))
             e2e, records = _benchmark(script, args, dev, steady, session, handles, records, iters, train, recorded)
             selection, records = select(records, e2e, recorded, dev, iters, session.plan, handles)
-        if selection.get("outer"):  # the whole stack kept: statuses as it runs the patterns
-            records = final_status(records, specs, handles, session.dropped, analysis.doc, selection["outer_sites"],
-                                   selection)
+        records = pipeline.selected_status(records, specs, handles, session.dropped, analysed.doc, selection)
         # A state chosen (the captures alone included): every captured module, `enabled` saying which
         # patterns run there, as `optimize` stores it; nothing chosen: an empty manifest, which patches nothing.
         chosen = selection.get("state") is not None or bool(selection["kept"])
@@ -144,13 +133,11 @@ def apply_script(script: Path, args: list, out: Path, top: int | None = 5, devic
         if not session.handles:
             errors.append(f"no instance of {', '.join(sorted(session.roots)) or 'a planned module'} "
                           "was called while the script ran: nothing was patched")
-        enabled = selection.get("enabled")
-        document = ApplyDoc(
-            replacement=replacement, device=dev, script=str(script), args=tuple(args), patterns=tuple(records),
-            manifest=handles.manifest() if chosen else [], checks=session.checks, errors=errors, end_to_end=e2e,
-            selection=Selection.from_json(selection), enabled=None if enabled is None else tuple(enabled),
-            outer=bool(selection.get("outer")), skipped_targets=plan.skipped, train=train,
-            host_modules=loaded_host_modules() if dev == "cuda" else [])
+        document = pipeline.apply_doc(
+            replacement=replacement, device=dev, records=records, manifest=handles.manifest() if chosen else [],
+            checks=session.checks, end_to_end=e2e, selection=selection, enabled=selection.get("enabled"),
+            outer=bool(selection.get("outer")), plan=plan,
+            script=str(script), args=tuple(args), errors=errors, train=train)
     finally:
         session.close()
     write_apply(out, document)
