@@ -375,7 +375,11 @@ class PatchedForward:
         if self._budget is None or self._capturing_calls < self._budget or self.failed or \
                 (self._via is not None and not self._via.breaks):
             return False
-        shapes = _shapes_of(args, kwargs)
+        return self._written_off(_shapes_of(args, kwargs))
+
+    def _written_off(self, shapes: tuple) -> bool:
+        """Whether no graph of this forward is asked to take calls at `shapes`: none was captured at them, or its
+        guards refused them `REFUSALS_TO_STOP` times in a row (`_may_serve`)."""
         return shapes not in self._captured_shapes or self._refusals.get(shapes, 0) >= REFUSALS_TO_STOP
 
     def _may_serve(self, fn: Callable, lead: tuple, args, kwargs) -> bool:
@@ -385,7 +389,7 @@ class PatchedForward:
         call's arguments bound to the frame's), paid by every decode step of `generate`, whose top-level shapes
         repeat while the KV cache inside grows (generate() ran 0.90x eager on it)."""
         shapes = _shapes_of(args, kwargs)
-        if shapes not in self._captured_shapes or self._refusals.get(shapes, 0) >= REFUSALS_TO_STOP:
+        if self._written_off(shapes):
             return False
         if _guards_accept(fn, lead, args, kwargs) is False:
             with self._lock:
@@ -588,8 +592,9 @@ class PatchedForward:
         if self._backend.captures > captures:
             with self._lock:
                 self._capturing_calls += 1
-                self._captured_shapes.add(_shapes_of(args, kwargs))
-                self._refusals.pop(_shapes_of(args, kwargs), None)
+                shapes = _shapes_of(args, kwargs)
+                self._captured_shapes.add(shapes)
+                self._refusals.pop(shapes, None)
             if self._backend.unfused_graphs > unfused:
                 self._note(UNPROFILED)
             if breaks is not None and _graph_breaks() > breaks:
