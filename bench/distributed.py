@@ -154,20 +154,29 @@ def rank_main(a) -> int:
             mine[f"{wrapper}/{mode}"]["wall_s"] = round(time.perf_counter() - t0, 1)
             if rank == 0:
                 print(f"{wrapper}/{mode}: {mine[f'{wrapper}/{mode}'].get('step_ms', 'failed')} ms (rank 0)", flush=True)
-            dist.barrier()
-    ranks: list = [None] * world
-    dist.all_gather_object(ranks, mine)
+            # written after every mode, so a run stopped at a time limit keeps what it measured
+            doc = write(a, mine, shape, device, world)
     if rank == 0:
-        doc = {"shape": shape, "device": torch.cuda.get_device_name(local) if cuda else "cpu", "world_size": world,
-               "backend": str(dist.get_backend()), "warmup": a.warmup, "steps": a.steps, "torch": torch.__version__,
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip(), "ranks": ranks, "summary": summary(ranks)}
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "distributed.json").write_text(json.dumps(doc, indent=1, default=str))
-        (a.out / "distributed.md").write_text(markdown(doc))
         print(table(doc))
     dist.destroy_process_group()
     return 0
+
+
+def write(a, mine: dict, shape: dict, device: str, world: int) -> dict:
+    """Every rank's results gathered; rank 0 writes OUT/distributed.json and .md. Returns the document."""
+    import torch
+    import torch.distributed as dist
+
+    ranks: list = [None] * world
+    dist.all_gather_object(ranks, mine)
+    doc = {"shape": shape, "device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu",
+           "world_size": world, "backend": str(dist.get_backend()), "warmup": a.warmup, "steps": a.steps,
+           "torch": torch.__version__, "ranks": ranks, "summary": summary(ranks)}
+    if dist.get_rank() == 0:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "distributed.json").write_text(json.dumps(doc, indent=1, default=str))
+        (a.out / "distributed.md").write_text(markdown(doc))
+    return doc
 
 
 def summary(ranks: list) -> dict:
