@@ -11,7 +11,9 @@ weights; each rank trains on its own 4 x 1024 tokens (`--tiny`: hidden 64, 2 lay
 Wrappers: `single` (the model alone on each rank, no communication: the advisor's single-GPU speedup measured in the
 same run), `ddp` (`DistributedDataParallel`, optimised wrapped) and `fsdp2` (`fully_shard` on every layer, then on
 the root; optimised sharded). Modes: `eager`; `advisor` (`advisor.optimize(model, batch, train=True)` on every rank,
-its defaults otherwise: the state it keeps is rank 0's, broadcast); `compile` (`torch.compile` of the wrapped
+its defaults otherwise: the state it keeps is rank 0's, broadcast); `advisor_memory` (the same with
+`train_memory=MEMORY_ALLOWED`, bench/train.py's: fused training kept up to 2% heavier than the original forwards'
+peak in its check, where the default keeps it only when no heavier); `compile` (`torch.compile` of the wrapped
 model). Per wrapper and mode a fresh model (same seed), built, stepped and freed in turn.
 
 One step = forward with labels (the model's own LM loss), backward, AdamW step, zero_grad; step ms is the median of
@@ -37,10 +39,10 @@ import traceback
 from pathlib import Path
 
 
-from bench.train import Clock  # bench/train.py's step clock
+from bench.train import MEMORY_ALLOWED, Clock  # bench/train.py's step clock and memory allowance
 
 WRAPPERS = ("single", "ddp", "fsdp2")
-MODES = ("eager", "advisor", "compile")
+MODES = ("eager", "advisor", "advisor_memory", "compile")
 FULL = {"hidden_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
         "intermediate_size": 5632, "vocab_size": 32000, "max_position_embeddings": 2048, "batch": 4, "seq": 1024}
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -82,11 +84,12 @@ def run_mode(wrapper: str, mode: str, shape: dict, device: str, warmup: int, ste
     batch = {"input_ids": ids, "labels": ids, "use_cache": False}
     model = wrap(build(shape, device, dtype), wrapper, device)
     res: dict = {}
-    if mode == "advisor":
+    if mode.startswith("advisor"):
         import advisor
 
         t0 = time.perf_counter()
-        report = advisor.optimize(model, batch, train=True, out=out / f"advisor-{wrapper}", interpret=not cuda)
+        report = advisor.optimize(model, batch, train=True, out=out / f"{mode}-{wrapper}", interpret=not cuda,
+                                  train_memory=MEMORY_ALLOWED if mode == "advisor_memory" else 0.0)
         res["optimize_s"] = round(time.perf_counter() - t0, 2)
         res["patched"] = [f"{p['candidate']} {p['title']}" for p in report.applied]
         res["training"] = (report.training or {}).get("decision")
@@ -122,7 +125,7 @@ def run_mode(wrapper: str, mode: str, shape: dict, device: str, warmup: int, ste
             "losses": [round(x, 6) for x in losses], "fused_site_runs": rewrite.fused_runs() - fused_before}
     if cuda:
         res["peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-    if mode == "advisor":
+    if mode.startswith("advisor"):
         advisor.unpatch(model)
     del model, opt
     gc.collect()
@@ -171,7 +174,7 @@ def write(a, mine: dict, shape: dict, device: str, world: int) -> dict:
     dist.all_gather_object(ranks, mine)
     doc = {"shape": shape, "device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu",
            "world_size": world, "backend": str(dist.get_backend()), "warmup": a.warmup, "steps": a.steps,
-           "torch": torch.__version__, "ranks": ranks, "summary": summary(ranks)}
+           "torch": torch.__version__, "train_memory_allowed": MEMORY_ALLOWED, "ranks": ranks, "summary": summary(ranks)}
     if dist.get_rank() == 0:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "distributed.json").write_text(json.dumps(doc, indent=1, default=str))
