@@ -217,12 +217,13 @@ def float32_reference(module: torch.nn.Module, args: tuple, kwargs: dict) -> Cal
         return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
     def run():
-        twin = copy.deepcopy(module).float()
-        a, k = tree_map(up, snapshot((args, kwargs)))  # `up` hands float32 inputs over as they are
-        try:
+        twin = None
+        try:  # a model that cannot be copied (FSDP2's sharded one) or run in float32: judged by the tolerance alone
+            twin = copy.deepcopy(module).float()
+            a, k = tree_map(up, snapshot((args, kwargs)))  # `up` hands float32 inputs over as they are
             with patches_off(), torch.inference_mode():
                 return twin(*a, **k)
-        except Exception:  # a model that cannot run in float32: judge by the tolerance alone
+        except Exception:
             return None
         finally:
             del twin
