@@ -30,7 +30,7 @@ def analyze(path, et=None):
 def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel", calls: int = 3,
              benchmark: bool = False, iters: int = 20, granularity: str = "layer", reuse: bool = True,
              select: bool | None = None, interpret: bool = False, train: bool = False, train_memory: float = 0.0,
-             decode: bool = False, isolate: bool | None = None):
+             decode: bool = False, isolate: bool | None = None, inductor: bool = False):
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
 
         report = advisor.optimize(model, (input_ids,))
@@ -58,14 +58,17 @@ def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: 
     `unpatch` restores the generation config); isolate: run the first optimize (profile, capture, fused calls)
     in a child process first, so that a crash there (a native fast path or C extension in the model's own code:
     SIGSEGV) leaves the model unpatched and working, the reason in `report.isolation` (default: off, or on where
-    $FUSION_ADVISOR_ISOLATE=1; a model that cannot be pickled is optimised in process, with a note).
+    $FUSION_ADVISOR_ISOLATE=1; a model that cannot be pickled is optimised in process, with a note); inductor:
+    each captured inference graph is compiled by torch.compile's Inductor around the fused kernels (which stay
+    ours, as custom ops), so the ops no pattern took are fused too; guards, CUDA-graph replay, selection and
+    unpatch as without it (apply.json `inductor_graphs` says which graphs Inductor compiled and why not others).
     """
     from advisor.workflows.live_model import optimize as optimize_model  # torch, dynamo, triton: when called
 
     return optimize_model(model, example_inputs, top=top, out=out, replacement=replacement, calls=calls,
                           benchmark=benchmark, iters=iters, granularity=granularity, reuse=reuse, select=select,
                           interpret=interpret, train=train, train_memory=train_memory, decode=decode,
-                          isolate=isolate)
+                          isolate=isolate, inductor=inductor)
 
 
 def patch(model, plan):

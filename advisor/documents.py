@@ -213,6 +213,8 @@ class ApplyDoc:
     runs: dict | None = optional()
     enabled: tuple[str, ...] | None = optional()  # the pattern keys selection left running (None: every one)
     outer: bool | None = optional()
+    inductor: bool | None = optional()  # `optimize(..., inductor=True)`: Inductor compiles around the kernels
+    inductor_graphs: dict | None = optional()  # per outcome ("compiled", or why a graph runs op by op): graphs
     skipped_targets: dict | None = optional()
     train: bool | None = optional()
     modes: str | None = optional()

@@ -171,7 +171,8 @@ def train_steps(models: dict, args, kwargs, device: str, steps: int = 8) -> dict
     return {k: {"median_ms": round(statistics.median(v), 3), "peak_gb": round(peak[k], 3)} for k, v in samples.items()}
 
 
-def child(name: str, result: Path, iters: int, train: bool = False, top: int | None = None) -> int:
+def child(name: str, result: Path, iters: int, train: bool = False, top: int | None = None, inductor: bool = False,
+          compile_modes: tuple = ("default",)) -> int:
     import torch
 
     import advisor
@@ -185,6 +186,8 @@ def child(name: str, result: Path, iters: int, train: bool = False, top: int | N
     model, inputs, shape = MODELS[name](device, dtype)
     untouched = copy.deepcopy(model)
     to_compile = copy.deepcopy(model)
+    stacked = copy.deepcopy(model) if inductor else None  # optimize(..., inductor=True): Inductor around our kernels
+    more_modes = {m: copy.deepcopy(model) for m in compile_modes if m != "default"}
     args, kwargs = (inputs, {}) if isinstance(inputs, tuple) else ((), inputs)
 
     def loop_call(m):  # the user's loop, not ours
@@ -209,6 +212,25 @@ def child(name: str, result: Path, iters: int, train: bool = False, top: int | N
     loop_call(compiled)()
     torch.cuda.synchronize()
     res["compile_first_call_s"] = round(time.perf_counter() - t0, 2)
+    extra = {}  # the other configurations timed beside eager, advisor and compile's default
+    if stacked is not None:
+        t0 = time.perf_counter()
+        report_i = advisor.optimize(stacked, inputs, inductor=True, **({"top": top} if top else {}))
+        loop_call(stacked)()
+        torch.cuda.synchronize()
+        doc_i = json.loads((report_i.out_dir / "apply.json").read_text())
+        res["advisor_inductor"] = {"optimize_and_first_call_s": round(time.perf_counter() - t0, 2),
+                                   "selection": (doc_i.get("selection") or {}).get("decision"),
+                                   "inductor_graphs": doc_i.get("inductor_graphs"),
+                                   "patched": [p["candidate"] for p in doc_i["patterns"] if p.get("status_code") == "patched"]}
+        extra["advisor_inductor"] = loop_call(stacked)
+    for m, copy_m in more_modes.items():
+        compiled_m = torch.compile(copy_m, mode=m)
+        t0 = time.perf_counter()
+        loop_call(compiled_m)()
+        torch.cuda.synchronize()
+        res[f"compile_{m}_first_call_s"] = round(time.perf_counter() - t0, 2)
+        extra[f"compile_{m}"] = loop_call(compiled_m)
     res["errors_vs_eager"] = errors_vs(main_output(eager_out), main_output(first))
     doc = json.loads((report.out_dir / "apply.json").read_text())
     res["selection"] = doc.get("selection")
@@ -219,7 +241,7 @@ def child(name: str, result: Path, iters: int, train: bool = False, top: int | N
                                                "est_time_saved_us", "applied_alone")} for p in doc["patterns"]]
     res["fallbacks"] = report.handle.fallbacks() if report.handle is not None else {}
     res["phases_s"] = report.phases_s
-    fns = {"eager": loop_call(untouched), "advisor": loop_call(model), "compile": loop_call(compiled)}
+    fns = {"eager": loop_call(untouched), "advisor": loop_call(model), "compile": loop_call(compiled), **extra}
     res["kernels"] = {k: kernel_count(f, device, result.parent) for k, f in fns.items()}
     # Probes of optimize's own baseline (its "before" is the model with patches off, in inference mode).
     from advisor.patching import patches_off
@@ -236,7 +258,9 @@ def child(name: str, result: Path, iters: int, train: bool = False, top: int | N
     if train:
         res["train_step"] = train_steps({"eager": untouched, "advisor": model}, args, kwargs, device)
     t = res["timing"]
-    res["speedup"] = {k: round(t["eager"]["median_ms"] / t[k]["median_ms"], 4) for k in ("advisor", "compile")}
+    res["speedup"] = {k: round(t["eager"]["median_ms"] / t[k]["median_ms"], 4) for k in fns if k != "eager"}
+    compiles = {k: v for k, v in res["speedup"].items() if k.startswith("compile")}
+    res["best_compile"] = max(compiles, key=compiles.get)  # the peer's best mode on this row
     res["fallbacks_after_timing"] = report.handle.fallbacks() if report.handle is not None else {}
     from torch._dynamo.utils import counters  # why dynamo ran a frame without a graph, if it did
     res["dynamo_counters"] = {k: {str(kk): vv for kk, vv in list(v.items())[:12]} for k, v in counters.items()
@@ -258,6 +282,11 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per model")
     p.add_argument("--train", action="store_true", help="also time a training step, eager vs the patched model")
     p.add_argument("--top", type=int, help="optimize(top=N) instead of its default (every candidate worth a kernel)")
+    p.add_argument("--inductor", action="store_true",
+                   help="also optimize a copy with inductor=True (Inductor compiles around our kernels) and time it")
+    p.add_argument("--compile-modes", default="default",
+                   help="torch.compile modes timed, comma-separated (default, reduce-overhead, "
+                        "max-autotune-no-cudagraphs); the best is the row's peer")
     p.add_argument("--list", action="store_true")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -266,7 +295,7 @@ def main(argv=None) -> int:
         print("\n".join(MODELS))
         return 0
     if a.child:
-        return child(a.child, a.result, a.iters, a.train, a.top)
+        return child(a.child, a.result, a.iters, a.train, a.top, a.inductor, tuple(a.compile_modes.split(",")))
     names = [n for n in a.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
@@ -281,7 +310,8 @@ def main(argv=None) -> int:
         try:
             proc = subprocess.run(child_command("bench.zoo", "--child", name, "--result", str(result),
                                                  "--iters", str(a.iters)) + (["--train"] if a.train else [])
-                                  + (["--top", str(a.top)] if a.top else []), timeout=a.timeout, capture_output=True, text=True,
+                                  + (["--top", str(a.top)] if a.top else []) + (["--inductor"] if a.inductor else [])
+                                  + ["--compile-modes", a.compile_modes], timeout=a.timeout, capture_output=True, text=True,
                                   env=child_env())
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
         except subprocess.TimeoutExpired:
@@ -357,6 +387,16 @@ def table(doc: dict) -> str:
                     f"{t['compile']['median_ms']:.3f} ({s['compile']:.2f}x) | {r['optimize_s']} | "
                     f"{r['compile_first_call_s']} | {k['eager']['kernels']}/{k['advisor']['kernels']}/"
                     f"{k['compile']['kernels']} | {kept} |")
+    configs = sorted({k for r in doc["results"].values() for k in r.get("speedup", {})} - {"advisor", "compile"})
+    if configs:  # every configuration timed, and the peer's best mode
+        rows += ["", "| model | advisor x | " + " | ".join(f"{c} x" for c in configs) + " | compile default x | "
+                 "best compile |", "|---|---|" + "---|" * len(configs) + "---|---|"]
+        for name, r in doc["results"].items():
+            if "error" not in r:
+                s = r["speedup"]
+                rows.append(f"| {name} | {s['advisor']:.2f} | " + " | ".join(
+                    f"{s[c]:.2f}" if c in s else "–" for c in configs) + f" | {s['compile']:.2f} | "
+                    f"{r.get('best_compile', 'compile')} |")
     ok = [r for n, r in doc["results"].items() if "error" not in r and not n.startswith("suite_")]
     ga, gc = _geomean([r["speedup"]["advisor"] for r in ok]), _geomean([r["speedup"]["compile"] for r in ok])
     if ga:

@@ -76,6 +76,15 @@ class Patched:
         budget spent, a capture that failed)."""
         return {q or type(self.model).__name__: dict(f.fallbacks) for q, f in self.forwards.items() if f.fallbacks}
 
+    def inductor_graphs(self) -> dict[str, int]:
+        """`optimize(..., inductor=True)`: {"compiled", or why a graph runs op by op: inference graphs}, over
+        every capture of this model (empty when Inductor was not asked for)."""
+        out: dict[str, int] = {}
+        for log in self._logs():
+            for outcome in log.inductor:
+                out[outcome] = out.get(outcome, 0) + 1
+        return out
+
     def graphs_not_used(self) -> dict[str, str]:
         """{module: why} for the captures whose CUDA graphs are not replayed (a recording that failed, or was
         refused where its memory could not be made safe: `graph_pools`): they run op by op."""
@@ -181,14 +190,15 @@ def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
         specs = [plan.spec(k) for k in order if k in keys]
         mod = model.get_submodule(outer) if outer else model
         saved = mod.__dict__.get("forward")
-        mod.forward = done.forwards[outer] = PatchedForward(mod, specs, saved)
+        mod.forward = done.forwards[outer] = PatchedForward(mod, specs, saved, inductor=plan.inductor)
         done.modules.append((outer, mod, specs))
     for qual in outermost(list(over)):
         if any(contains(q, qual) for q in done.forwards):
             continue  # a capture of its own already holds it
         specs = [plan.spec(k) for k in order if k in over[qual]]
         mod = model.get_submodule(qual) if qual else model
-        mod.forward = done.forwards[qual] = PatchedForward(mod, specs, mod.__dict__.get("forward"), outer=True)
+        mod.forward = done.forwards[qual] = PatchedForward(mod, specs, mod.__dict__.get("forward"), outer=True,
+                                                           inductor=plan.inductor)
         done.modules.append((qual, mod, specs))
     gradient_calls = GradientCalls(type(model).__name__)  # said once per model, not once per patched layer
     for f in done.forwards.values():

@@ -66,6 +66,9 @@ class CaptureLog:
     escapes: dict = field(default_factory=lambda: defaultdict(list))  # key -> [match.Escape]: matches refused
     graphs: int = 0
     errors: list = field(default_factory=list)
+    # `optimize(..., inductor=True)`: per inference graph, "compiled" where Inductor compiled it around the sites,
+    # else why it runs op by op (`stacked`)
+    inductor: list = field(default_factory=list)
 
     def count(self, key: str) -> int:
         return len(self.sites.get(key, []))
@@ -199,8 +202,10 @@ class PendingLauncher:
 class Backend:
     """Dynamo's backend for one patched module instance: AOTAutograd, then `rewrite` on inference graphs."""
 
-    def __init__(self, specs: list[PatternSpec], log: CaptureLog, digest: str, trains: bool = False):
+    def __init__(self, specs: list[PatternSpec], log: CaptureLog, digest: str, trains: bool = False,
+                 inductor: bool = False):
         self.specs = specs
+        self.inductor = inductor  # inference graphs compiled by Inductor around the sites (`stacked`)
         self.log = log
         self.digest = digest
         self.captures = 0  # graphs dynamo handed us for this instance (first captures and recompiles)
@@ -233,12 +238,12 @@ class Backend:
         def plain(g, _):
             return make_boxed_func(g.forward)
 
-        def lowered(g, _):  # AOTAutograd's inference graph: kept (before the rewrite changes it), then rewritten
+        def lowered(g, fakes):  # AOTAutograd's inference graph: kept (before the rewrite changes it), then rewritten
             if aot_cache.store(stored, g, example_inputs):
                 self.graph_keys.add(stored)
-            return make_boxed_func(inference(g))
+            return make_boxed_func(inference(g, fakes))
 
-        def inference(g):
+        def inference(g, fakes=None):
             drop_identity_copies(g)  # eval-mode dropout: eager runs no kernel for it, AOTAutograd a copy
             fold_causal_masks(g)  # a causal mask traced from positions: the kernels' own causal masking
             timing.count("rewrites")
@@ -249,7 +254,7 @@ class Backend:
                 self.fused_graphs += 1
             elif self.fused_graphs:
                 self.unfused_graphs += 1
-            run = replayed(g, self.device)
+            run = replayed(g, self.device, self._stacked(g, fakes) if self.inductor else None)
             if isinstance(run, Graphed):
                 made.append(run)
                 self.inference_graphs.append(run)
@@ -260,7 +265,7 @@ class Backend:
                                                      for x in example_inputs)
         if self.trains and needs_grad:
             compiled = self.training(gm, example_inputs)
-        if compiled is None and not needs_grad:
+        if compiled is None and not needs_grad and not self.inductor:  # (Inductor compiles from AOTAutograd's inputs)
             cached = aot_cache.lookup(stored)  # lowered in an earlier process: AOTAutograd is not run again
             if cached is not None:
                 timing.count("aot cache hits")
@@ -314,6 +319,24 @@ class Backend:
             run = TrainGraphed(g.forward, ops=_ops(g.graph), out_bytes=_output_bytes(g.graph))
             self.train_graphs.append(run)
         return _counted(run)
+
+    def _stacked(self, g: torch.fx.GraphModule, fakes) -> Callable | None:
+        """`g` (rewritten) compiled by Inductor around its sites, or None (it runs op by op; the log says why)."""
+        from advisor.patching import stacked  # Inductor: loaded only when asked for
+
+        why = stacked.with_site_ops(g) if fakes is not None else "no example inputs (a graph from the AOT cache)"
+        if why is None:
+            if self.device.type == "cuda":
+                make_host_copies_recordable(g)  # before Inductor reads the graph: its code is what gets recorded
+            try:
+                with timing.timed("inductor"):
+                    run = stacked.inductor_compiled(g, fakes)
+                self.log.inductor.append("compiled")
+                return run
+            except Exception as e:  # never break the capture: the graph runs op by op, its sites as they are
+                why = f"Inductor failed: {exception_reason(e)}"
+        self.log.inductor.append(why)
+        return None
 
     def rewrite(self, gm: torch.fx.GraphModule, training: bool = False) -> None:
         """Substitute every pattern's matches in `gm` (a graph that trains: only those autograd can
@@ -411,7 +434,7 @@ class Backend:
                             launcher=_launcher(spec, program, kernel_file, fallback),
                             fallback=fallback, inputs=[rewrite.InputSpec.of(s) for s in program["inputs"]],
                             outputs=rewrite.output_layouts(m), handed_back=rewrite.handed_back(m),
-                            device_type=spec.device_type,
+                            device_type=spec.device_type, writes=tuple(sorted(rewrite.written_inputs(program))),
                             scalar_device=self.device if spec.replacement == "kernel" else "cpu")
         if differentiable(spec):
             site.trainable = site.forward  # PyTorch's own ops: autograd differentiates the launcher itself
@@ -500,13 +523,13 @@ def graphs_run() -> int:
     return getattr(_RAN, "n", 0)
 
 
-def replayed(g: torch.fx.GraphModule, device: torch.device) -> Callable:
-    """A rewritten inference graph's forward as it runs: replayed from CUDA graphs on a GPU (`Graphed`), op by op
-    elsewhere."""
+def replayed(g: torch.fx.GraphModule, device: torch.device, compiled: Callable | None = None) -> Callable:
+    """A rewritten inference graph's forward as it runs (`compiled`: Inductor's code for it, else op by op):
+    replayed from CUDA graphs on a GPU (`Graphed`), as it is elsewhere."""
     if device.type != "cuda":
-        return g.forward
+        return compiled or g.forward
     make_host_copies_recordable(g)
-    return Graphed(g.forward, ops=_ops(g.graph), out_bytes=_output_bytes(g.graph))
+    return Graphed(compiled or g.forward, ops=None if compiled else _ops(g.graph), out_bytes=_output_bytes(g.graph))
 
 
 def _counted(fn: Callable) -> Callable:

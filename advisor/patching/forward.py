@@ -208,13 +208,14 @@ class PatchedForward:
     its compiled function and hook watch are made on first use and never pickled or deep-copied."""
 
     def __init__(self, module: torch.nn.Module, specs: list[PatternSpec], saved: Callable | None = None,
-                 outer: bool = False):
+                 outer: bool = False, inductor: bool = False):
         # Held weakly: the module holds this object as its `forward`, so a strong reference back would make a
         # cycle, and a patched model the caller lets go of would stay on the GPU until a full garbage
         # collection, which a process holding few Python objects and gigabytes of tensors may not run for
         # minutes (optimize's float32 twin of BERT-base, 420 MB, outlived it into training on the H100).
         self._module = weakref.ref(module)
         self.outer = outer  # holds other patched modules; runs its capture only while switched on
+        self.inductor = inductor  # its inference graphs compiled by Inductor around the sites (`stacked`)
         self.active = not outer
         self.specs = specs
         self.saved = saved  # an instance-level forward that was there before us (None: the class's)
@@ -271,7 +272,7 @@ class PatchedForward:
     @functools.cached_property
     def digest(self) -> str:
         """`plan_digest` of the specs, which never change (a JSON dump of every program: worth computing once)."""
-        return plan_digest(self.specs)
+        return plan_digest(self.specs) + (":inductor" if self.inductor else "")  # captures shared only alike
 
     def _target(self) -> tuple[Callable, tuple]:
         """The function that gets captured and the arguments that go before the caller's."""
@@ -342,7 +343,7 @@ class PatchedForward:
             entries = _CLASS.setdefault(self._class_key(), [])
             if sum(e.owner() is not None for e in entries) >= MAX_CLASS_CAPTURES:
                 return self._own()
-            backend = Backend(self.specs, self.log(), self.digest, self._may_train)
+            backend = Backend(self.specs, self.log(), self.digest, self._may_train, self.inductor)
             self._owns = ClassCapture(self._target()[0], backend, self, self._class_key())
             entries.append(self._owns)
             self._via, self._backend, self._compiled = None, backend, self._owns.compiled
@@ -352,7 +353,7 @@ class PatchedForward:
         """This instance's own compiled function (its own dynamo cache)."""
         with self._lock:
             self._via = None
-            self._backend = Backend(self.specs, self.log(), self.digest, self._may_train)
+            self._backend = Backend(self.specs, self.log(), self.digest, self._may_train, self.inductor)
             self._compiled = compile_fresh(self._target()[0], self._backend, holder=self)
             return self._compiled
 
@@ -605,13 +606,14 @@ class PatchedForward:
         return out
 
     def __deepcopy__(self, memo):
-        new = PatchedForward(copy.deepcopy(self.module, memo), self.specs, copy.deepcopy(self.saved, memo), self.outer)
+        new = PatchedForward(copy.deepcopy(self.module, memo), self.specs, copy.deepcopy(self.saved, memo), self.outer,
+                             self.inductor)
         new.failed, new.enabled, new.active, new.train_fused = self.failed, self.enabled, self.active, self.train_fused
         new.gradient_calls = copy.deepcopy(self.gradient_calls, memo)  # (shared by the copy's forwards, via memo)
         return new
 
     def __reduce__(self):
-        return (PatchedForward, (self.module, self.specs, self.saved, self.outer),
+        return (PatchedForward, (self.module, self.specs, self.saved, self.outer, self.inductor),
                 {"failed": self.failed, "enabled": self.enabled, "active": self.active, "train_fused": self.train_fused,
                  "gradient_calls": self.gradient_calls})
 

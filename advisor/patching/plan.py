@@ -81,6 +81,7 @@ class Plan:
     uncaptured: dict = field(default_factory=dict)  # pattern key -> modules of its occurrences not captured
     outer_on: bool = False  # selection kept the outer captures (apply.json `outer`): patch switches them on
     enabled: frozenset | None = None  # the patterns selection left running (apply.json `enabled`; None: all)
+    inductor: bool = False  # inference captures compiled by Inductor around the kernels (apply.json `inductor`)
 
     def spec(self, key: str) -> PatternSpec:
         return next(p for p in self.patterns if p.key == key)
@@ -91,7 +92,7 @@ class Plan:
         tgts = [Target(t.module, [k for k in t.keys if k not in keys], t.outer) for t in self.targets]
         return Plan(pats, [t for t in tgts if t.keys], dict(self.skipped),
                     {k: v for k, v in self.uncaptured.items() if k not in keys}, self.outer_on,
-                    None if self.enabled is None else self.enabled - keys)
+                    None if self.enabled is None else self.enabled - keys, self.inductor)
 
     def only(self, keys) -> "Plan":
         return self.without({p.key for p in self.patterns} - set(keys))
@@ -141,7 +142,7 @@ GRANULARITIES = ("layer", "occurrence", "pattern", "root")
 
 
 def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[str]] | None = None,
-               granularity: str = "occurrence") -> Plan:
+               granularity: str = "occurrence", inductor: bool = False) -> Plan:
     """Targets for `specs`: the module of each occurrence (`occurrence`), the one module containing all
     of a pattern's occurrences (`pattern`), or the whole model (`root`). Coarser targets mean fewer,
     larger captures: less per-call overhead (one guard check and one graph call instead of one per
@@ -190,7 +191,7 @@ def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[
         outer = lca(every)
         if outer and (skipped or len(targets) > 1) and outer not in targets:
             targets[outer] = Target(outer, [s.key for s in specs], outer=True)
-    return Plan(list(specs), list(targets.values()), skipped, uncaptured)
+    return Plan(list(specs), list(targets.values()), skipped, uncaptured, inductor=inductor)
 
 
 def patch_order(specs: list[PatternSpec], by_cand: dict) -> list[PatternSpec]:
@@ -309,7 +310,7 @@ def load_plan(out_dir: Path) -> Plan:
                 t.keys.append(s.key)
         enabled = applied.get("enabled")
         return Plan(list(specs.values()), list(targets.values()), outer_on=bool(applied.get("outer")),
-                    enabled=None if enabled is None else frozenset(enabled))
+                    enabled=None if enabled is None else frozenset(enabled), inductor=bool(applied.get("inductor")))
     for p in applied.get("patterns", []):
         c = by_pid.get(p.get("pattern_id")) or next((x for x in doc["candidates"] if x["id"] == p.get("candidate")), None)
         if c is None or not p.get("validated") or not p.get("kernel_file"):

@@ -174,6 +174,7 @@ class Site:
     # Under autograd: (inputs) -> outputs through the fused Function, or None where no validated
     # backward exists (`advisor.patching.autograd.Trainable`); None here: the original ops always.
     trainable: Callable | None = None
+    writes: tuple = ()  # indices of the inputs its kernel writes in place (`written_inputs`)
     _scalars: dict = field(default_factory=dict)
 
     @property

@@ -43,7 +43,7 @@ def enabled() -> bool:
 
 def patch_while_generating(model: torch.nn.Module, call: Callable[[], object], doc: dict, occurrences: dict,
                            top: int, out_dir, device: str, granularity: str, phases,
-                           outer: bool) -> tuple[list, list, object, Patched]:
+                           outer: bool, inductor: bool = False) -> tuple[list, list, object, Patched]:
     """(specs, records, plan, handle): `kernel_specs(doc, top, "kernel", ...)` and the model patched with its
     specs, captured while the kernels were generated where they came out as expected. `outer`: capture the
     whole stack too (selection will time it). `phases`: the caller's `Stopwatch` (`capture`: this process's
@@ -63,7 +63,7 @@ def patch_while_generating(model: torch.nn.Module, call: Callable[[], object], d
         try:
             if expected:
                 with phases("capture"):
-                    handle = _captured(model, call, build_plan(expected, doc, occurrences, granularity), outer)
+                    handle = _captured(model, call, build_plan(expected, doc, occurrences, granularity, inductor), outer)
         finally:
             quiet.set()
             with phases("generate"):
@@ -75,7 +75,7 @@ def patch_while_generating(model: torch.nn.Module, call: Callable[[], object], d
     if handle is not None and _same(specs, expected):
         handle.kernels_written()
         return expected, records, handle.plan, handle
-    plan = build_plan(specs, doc, occurrences, granularity)
+    plan = build_plan(specs, doc, occurrences, granularity, inductor)
     return specs, records, plan, patch(model, plan)
 
 

@@ -151,6 +151,7 @@ class OptimizeOptions:
     train_memory: float = 0.0
     decode: bool = False
     isolate: bool | None = None
+    inductor: bool = False
 
     def __post_init__(self):
         m = self.train_memory
@@ -168,19 +169,20 @@ class OptimizeOptions:
         return {"top": self.top, "replacement": self.replacement, "calls": self.calls, "iters": self.iters,
                 "granularity": self.granularity, "reuse": self.reuse, "select": self.select,
                 "interpret": self.interpret, "train": self.train, "train_memory": self.train_memory,
-                "decode": self.decode}
+                "decode": self.decode, "inductor": self.inductor}
 
 
 def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "layer", reuse: bool = True, select: bool | None = None,
              interpret: bool = False, train: bool = False, train_memory: float = 0.0,
-             decode: bool = False, isolate: bool | None = None) -> OptimizeReport:
+             decode: bool = False, isolate: bool | None = None, inductor: bool = False) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
     options = OptimizeOptions(top=top, out=out, replacement=replacement, calls=calls, benchmark=benchmark,
                               iters=iters, granularity=granularity, reuse=reuse, select=select, interpret=interpret,
-                              train=train, train_memory=train_memory, decode=decode, isolate=isolate)
+                              train=train, train_memory=train_memory, decode=decode, isolate=isolate,
+                              inductor=inductor)
     with _OPTIMIZING:
         model = underneath(model)  # a wrapper (torch.compile, DDP): the module it calls is optimised, the wrapper works on
         args, kwargs = split_inputs(example_inputs)
@@ -219,7 +221,7 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
     phases = Stopwatch()
     pipeline.start_triton(device, options.replacement)  # every way on launches Triton kernels: hashed meanwhile
     key_options = {"top": options.top, "replacement": options.replacement, "granularity": options.granularity,
-                   "select": options.selecting}
+                   "select": options.selecting, **({"inductor": True} if options.inductor else {})}
     key_parts: dict = {}
     key = plan_cache.fingerprint(model, args, kwargs, device, key_options, key_parts) if options.reuse else None
     with phases("reuse"):  # (in a job, only where every rank has the plan stored)
@@ -242,10 +244,10 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
             # captured while the kernels compile: dynamo's and AOTAutograd's seconds off the cold start's path
             specs, records, plan, handle = early_capture.patch_while_generating(
                 model, call, doc, analysed.occurrences, options.top, out_dir, device, options.granularity, phases,
-                outer=options.selecting and bench_timing.timing_meaningful(device))
+                outer=options.selecting and bench_timing.timing_meaningful(device), inductor=options.inductor)
         else:
             specs, records, plan = pipeline.make_kernels(analysed, options.top, options.replacement, out_dir, device,
-                                                         options.granularity, phases)
+                                                         options.granularity, phases, options.inductor)
             with phases("patch"):
                 handle = patch(model, plan)
     if device != "cuda" and not options.interpret:  # kernels would run in Triton's interpreter: never a speedup
@@ -317,7 +319,7 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
     write_apply(out_dir, pipeline.apply_doc(
         replacement=options.replacement, device=device, records=records, manifest=manifest, checks=[checked],
         end_to_end=e2e, selection=selection, enabled=sorted(handle.enabled) if handle.enabled is not None else None,
-        outer=handle.outer_on, plan=plan,
+        outer=handle.outer_on, plan=plan, inductor_graphs=handle.inductor_graphs() or None,
         phases_s=phases.seconds, plan_reused=reused, plan_key=key, plan_key_parts=key_parts, training=training,
         runs=runs, modes=modes, graphs=handle.graph_keys(), cuda_graphs_not_used=handle.graphs_not_used(),
         fallbacks=handle.fallbacks(), decode=generate.to_json() if generate is not None else None,

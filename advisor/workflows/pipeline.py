@@ -62,14 +62,14 @@ def analyse(trace_dir: Path, out_dir: Path) -> Analysed:
 
 
 def make_kernels(analysed: Analysed, top: int | None, replacement: str, out_dir: Path, device: str,
-                 granularity: str, phases=None) -> tuple[list, list[PatternResult], object]:
+                 granularity: str, phases=None, inductor: bool = False) -> tuple[list, list[PatternResult], object]:
     """(specs, results, plan): the kernels generated and validated for the top candidates, and the plan that
     patches them in. `phases`: the caller's `Stopwatch` (`generate`, then `patch` for the plan)."""
     phase = phases or (lambda name: contextlib.nullcontext())
     with phase("generate"):
         specs, records = kernel_specs(analysed.doc, top, replacement, out_dir, device)
     with phase("patch"):
-        plan = build_plan(specs, analysed.doc, analysed.occurrences, granularity)
+        plan = build_plan(specs, analysed.doc, analysed.occurrences, granularity, inductor)
     return specs, records, plan
 
 
@@ -100,6 +100,6 @@ def apply_doc(*, replacement: str, device: str, records: list[PatternResult], ma
     return ApplyDoc(
         replacement=replacement, device=device, patterns=tuple(records), manifest=manifest, checks=checks,
         end_to_end=end_to_end, selection=Selection.from_json(selection) if selection is not None else None,
-        enabled=None if enabled is None else tuple(enabled), outer=outer,
+        enabled=None if enabled is None else tuple(enabled), outer=outer, inductor=getattr(plan, "inductor", False) or None,
         skipped_targets=getattr(plan, "skipped", {}), host_modules=loaded_host_modules() if device == "cuda" else [],
         **driver_fields)
