@@ -20,6 +20,7 @@ class Status(str, Enum):
     MISMATCH = "outputs_differ"  # patched outputs differed from the unpatched model's: unpatched again
     OVERLAP = "overlapped"  # another pattern took its ops first
     NOT_KEPT = "not_kept"  # patched and correct, but not faster on this GPU
+    LEFT_TO_INDUCTOR = "left_to_inductor"  # `inductor=True`: Inductor fuses these ops with their neighbours
 
     def __str__(self) -> str:  # json.dumps writes the value
         return self.value

@@ -69,6 +69,7 @@ class CaptureLog:
     # `optimize(..., inductor=True)`: per inference graph, "compiled" where Inductor compiled it around the sites,
     # else why it runs op by op (`stacked`)
     inductor: list = field(default_factory=list)
+    left_to_inductor: set = field(default_factory=set)  # pattern keys Inductor fuses instead (`stacked`)
 
     def count(self, key: str) -> int:
         return len(self.sites.get(key, []))
@@ -344,6 +345,9 @@ class Backend:
         self.log.graphs += 1
         device = self.device = _graph_device(gm.graph)
         for spec in self.specs:
+            if self.inductor and not training and _left_to_inductor(spec):
+                self.log.left_to_inductor.add(spec.key)
+                continue
             saved: list = []  # the graph before this pattern's first substitution (finding one changes nothing)
 
             def keep(saved=saved):
@@ -451,6 +455,12 @@ class Backend:
                 site.trainable = Trainable(program, site.forward, site.launch, _outputs_kept_intact(m), site.label,
                                            fallback)
         return site
+
+
+def _left_to_inductor(spec: PatternSpec) -> bool:
+    from advisor.patching import stacked  # Inductor's custom op: registered only where asked for
+
+    return stacked.left_to_inductor(spec)
 
 
 def _outputs_kept_intact(m) -> bool:

@@ -73,6 +73,9 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
                                             "(PyTorch's nested-tensor fast path, which a capture cannot follow), and "
                                             "those run the original forward, on that fast path (build "
                                             "nn.TransformerEncoder with enable_nested_tensor=False to fuse its layers)")
+        elif not substituted and _left_to_inductor(handle, s.key):
+            code, why = Status.LEFT_TO_INDUCTOR, ("left to Inductor: pointwise, reduction and norm ops only, which "
+                                                  "Inductor fuses with the ops around them (optimize(..., inductor=True))")
         elif not substituted and _escapes(handle, s.key):
             code, why = Status.ESCAPES, ("not patched: its ops are in the captured graphs, but "
                                          f"{_escapes(handle, s.key)[0].describe()}; the fused kernel writes only "
@@ -97,6 +100,10 @@ def pattern_status(records: list[PatternResult], specs: list, handle, dropped: d
             out[i] = r.with_verdict(Status.OVERLAP,
                                     f"not patched: {base.candidate} ({(base.title or '').split(':')[0]}) took its ops first")
     return out
+
+
+def _left_to_inductor(handle, key: str) -> bool:
+    return handle is not None and any(key in log.left_to_inductor for log in handle._logs(key))
 
 
 def _escapes(handle, key: str) -> list:
