@@ -103,7 +103,8 @@ def keep_faster(call, handle, device: str, records: list[PatternResult], iters: 
     the model unpatched. Returns (the handle now in force, the decision, the results with `kept` and why
     not). Without meaningful timing nothing is dropped."""
     patched = [r for r in records if r.patched]
-    if not patched and not getattr(getattr(handle, "plan", None), "inductor", False):  # (Inductor's captures are timed even with no kernel of ours)
+    # Inductor's captures (`inductor=True`) are timed against the unpatched model even with no kernel of ours
+    if not patched and not getattr(getattr(handle, "plan", None), "inductor", False):
         return handle, {"decision": "nothing patched", "kept": []}, records
     if not timing.timing_meaningful(device):
         return handle, {"decision": "all patched patterns kept (timing not meaningful here: no selection)",
