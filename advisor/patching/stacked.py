@@ -116,13 +116,21 @@ def inductor_compiled(gm: GraphModule, example_inputs: list) -> Callable:
     from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    mode = detect_fake_mode(example_inputs)
-    with mode:
-        fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-        traced = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="real")(*fakes)
-    compiled = compile_fx_inner(traced, fakes)
+    mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    # The graph's own tensor constants are real (a pinned host constant `host_copies` made recordable: Mistral's
+    # whole stack on the H200 failed here without this); tracing and Inductor read them as they are.
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    try:
+        with mode:
+            fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+                     for x in example_inputs]
+            traced = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="real")(*fakes)
+        compiled = compile_fx_inner(traced, fakes)  # (which propagates fake tensors through them again)
+    finally:
+        mode.allow_non_fake_inputs = allowed
 
     def run(*args):
         return compiled(list(args))  # Inductor's calling convention: one list, which it empties

@@ -1,0 +1,145 @@
+"""`optimize(..., inductor=True)`: Inductor compiles each captured inference graph around our kernels.
+
+The kernels stay ours, as calls of one custom op (`fusion_advisor::site`) Inductor cannot look into; the ops no
+pattern took, and the patterns of pointwise, reduction and norm ops only (left to Inductor, which fuses them with
+their neighbours), are Inductor's. Run here in Triton's interpreter (our kernels) and Inductor's C++ backend (its
+code): the mechanism is the GPU's, only the code generated differs.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import advisor
+from advisor.patching import rewrite, stacked
+from advisor.status import Status
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _optimized(model, inputs, out):
+    with torch.no_grad():
+        ref = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    report = advisor.optimize(model, inputs, interpret=True, inductor=True, out=out)
+    return report, ref, json.loads((out / "apply.json").read_text())
+
+
+def test_matmul_epilogues_stay_ours_inside_the_graph_inductor_compiles(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block()).eval()
+    x = torch.randn(8, 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report, ref, doc = _optimized(model, (x,), tmp_path)
+    assert doc["inductor"] is True and doc["inductor_graphs"] == {"compiled": 1}, doc.get("inductor_graphs")
+    epilogues = [p for p in doc["patterns"] if p["title"].startswith("linear epilogue")]
+    assert epilogues and all(p["status_code"] == Status.PATCHED for p in epilogues), doc["patterns"]
+    sites = [s for p in report.handle.plan.patterns for s in report.handle.site_objects(p.key)]
+    launched = sum(s.stats["launched"] for s in sites)
+    with torch.no_grad():
+        out = model(x)
+    assert sum(s.stats["launched"] for s in sites) > launched  # our kernels ran, called from Inductor's code
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert advisor.unpatch(model) >= 1
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)  # unpatched: the model's own forward, bit for bit
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_pointwise_and_norm_patterns_are_left_to_inductor(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128, vocab_size=256)).eval()
+    ids = torch.randint(0, 256, (2, 16))
+    _, ref, doc = _optimized(model, {"input_ids": ids}, tmp_path)
+    codes = {p["title"].split(":")[0]: p["status_code"] for p in doc["patterns"]}
+    assert codes.get("Residual add + RMSNorm") == Status.LEFT_TO_INDUCTOR, codes
+    assert codes.get("Rotary embedding") == Status.LEFT_TO_INDUCTOR, codes
+    assert doc["inductor_graphs"].get("compiled", 0) >= 1, doc["inductor_graphs"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_left_to_inductor_is_decided_by_the_ops_classes():
+    from advisor.patching.plan import PatternSpec
+
+    def spec(*ops):
+        return PatternSpec("c1", "p1", "t", {"nodes": [{"op": op} for op in ops], "inputs": []})
+
+    assert stacked.left_to_inductor(spec("aten::add", "aten::native_layer_norm"))
+    assert not stacked.left_to_inductor(spec("aten::addmm", "aten::gelu"))
+
+
+def _site(launcher, outputs, writes=()):
+    return rewrite.Site(key="p:kernel", label="c1 test", launcher=launcher, fallback=launcher,
+                        inputs=[rewrite.InputSpec(False, torch.float32, (4, 6), (6, 1))], outputs=outputs,
+                        device_type=None, writes=writes)
+
+
+def test_the_op_hands_back_the_recorded_layout_and_never_an_input():
+    """Inductor's code after the op indexes its outputs by the strides the fake implementation gave: a launcher
+    returning another layout (a transposed buffer) is copied into the recorded one; one handing back its input
+    (a custom op's output may not alias an input) is copied too."""
+    x = torch.randn(4, 6)
+    transposed = _site(lambda t: (t.t().contiguous().t() * 2,), [((4, 6), (6, 1), torch.float32)])
+    same = _site(lambda t: (t,), [((4, 6), (6, 1), torch.float32)])
+    for site, want in ((transposed, x * 2), (same, x)):
+        n = stacked.TABLE.add(site, (stacked._TENSOR,))
+        (out,) = torch.ops.fusion_advisor.site(n, [x])
+        assert out.stride() == (6, 1) and out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        assert torch.equal(out, want)
+        with FakeTensorMode() as mode:
+            (fake,) = torch.ops.fusion_advisor.site(n, [mode.from_tensor(x)])
+        assert fake.shape == (4, 6) and fake.stride() == (6, 1)
+
+
+def test_a_site_writing_its_input_keeps_the_graph_op_by_op():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 6)
+    site = _site(lambda t: (t.mul_(2),), [((4, 6), (6, 1), torch.float32)], writes=(0,))
+    call = g.call_function(site, (x,))
+    call.meta["val"] = (torch.empty(4, 6),)
+    g.output((g.call_function(rewrite._item, (call, 0)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert "writes one of its inputs" in stacked.with_site_ops(gm)
+    assert any(n.target is site for n in gm.graph.nodes)  # left as it was
+
+
+def test_a_graph_with_real_tensor_constants_compiles():
+    """A graph's own constants are real tensors (a host constant `host_copies` pinned): Mistral's whole stack
+    failed Inductor on the H200 ("Please convert all Tensors to FakeTensors") until tracing allowed them."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (x, g.get_attr("c"))),))
+    root = torch.nn.Module()
+    root.c = torch.randn(4)
+    gm = torch.fx.GraphModule(root, g)
+    run = stacked.inductor_compiled(gm, [FakeTensorMode().from_tensor(torch.randn(3, 4))])
+    (out,) = run(torch.ones(3, 4))
+    torch.testing.assert_close(out, torch.ones(3, 4) + root.c)
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+def test_the_plan_reapplied_keeps_the_route(tmp_path, inductor):
+    """apply.json says whether Inductor compiles the captures; `patch(model, out_dir)` patches the same way."""
+    from advisor.patching import load_plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block()).eval()
+    advisor.optimize(model, (torch.randn(8, 64),), interpret=True, inductor=inductor, out=tmp_path)
+    assert load_plan(tmp_path).inductor is inductor
+    doc = json.loads((tmp_path / "apply.json").read_text())
+    assert ("inductor" in doc) is inductor
