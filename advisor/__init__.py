@@ -30,7 +30,7 @@ def analyze(path, et=None):
 def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel", calls: int = 3,
              benchmark: bool = False, iters: int = 20, granularity: str = "layer", reuse: bool = True,
              select: bool | None = None, interpret: bool = False, train: bool = False, train_memory: float = 0.0,
-             decode: bool = False, isolate: bool | None = None, inductor: bool = False):
+             decode: bool = False, isolate: bool | None = None, inductor: bool | None = None):
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
 
         report = advisor.optimize(model, (input_ids,))
@@ -59,9 +59,12 @@ def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: 
     in a child process first, so that a crash there (a native fast path or C extension in the model's own code:
     SIGSEGV) leaves the model unpatched and working, the reason in `report.isolation` (default: off, or on where
     $FUSION_ADVISOR_ISOLATE=1; a model that cannot be pickled is optimised in process, with a note); inductor:
-    each captured inference graph is compiled by torch.compile's Inductor around the fused kernels (which stay
-    ours, as custom ops), so the ops no pattern took are fused too; guards, CUDA-graph replay, selection and
-    unpatch as without it (apply.json `inductor_graphs` says which graphs Inductor compiled and why not others).
+    True: each captured inference graph is compiled by torch.compile's Inductor around the fused kernels (which
+    stay ours, as custom ops; patterns of pointwise, reduction and norm ops only are left to Inductor, which fuses
+    them with their neighbours), so the ops no pattern took are fused too; guards, CUDA-graph replay, selection
+    and unpatch as without it (apply.json `inductor_graphs` says which graphs Inductor compiled and why not
+    others); False: our captures alone; None (default): on a GPU with selection on, both routes are checked and
+    timed and the faster kept (`report.selection["route"]` says which and by how much), ours elsewhere.
     """
     from advisor.workflows.live_model import optimize as optimize_model  # torch, dynamo, triton: when called
 

@@ -177,6 +177,8 @@ class Selection:
     kept: tuple[str, ...] = ()  # the candidates running
     before_ms: float | None = optional()
     after_ms: float | None = optional()
+    # optimize(..., inductor=None) on a GPU: each route's speedup over the unpatched model and the one taken
+    route: dict | None = optional()
 
     @classmethod
     def from_json(cls, doc: dict) -> "Selection":

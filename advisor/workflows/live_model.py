@@ -43,7 +43,7 @@ from advisor.patching.verify import check, eval_if_unrepeatable, float32_referen
 from advisor.records import PatternResult
 from advisor.stopwatch import Stopwatch
 from advisor.bench import timing as bench_timing  # read at call time: tests replace it
-from advisor.workflows import counted, early_capture, pipeline, plan_cache, probe
+from advisor.workflows import counted, early_capture, pipeline, plan_cache, probe, route
 from advisor.workflows.lm_loss import causal_lm_step, keep_faster_lm_loss
 from advisor.workflows.outcome import interpreter_only
 from advisor.workflows.selection import keep_faster, time_patterns
@@ -151,7 +151,7 @@ class OptimizeOptions:
     train_memory: float = 0.0
     decode: bool = False
     isolate: bool | None = None
-    inductor: bool = False
+    inductor: bool | None = None  # None: on a GPU both routes are timed and the faster kept (`route`)
 
     def __post_init__(self):
         m = self.train_memory
@@ -176,7 +176,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "layer", reuse: bool = True, select: bool | None = None,
              interpret: bool = False, train: bool = False, train_memory: float = 0.0,
-             decode: bool = False, isolate: bool | None = None, inductor: bool = False) -> OptimizeReport:
+             decode: bool = False, isolate: bool | None = None, inductor: bool | None = None) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
     options = OptimizeOptions(top=top, out=out, replacement=replacement, calls=calls, benchmark=benchmark,
@@ -221,7 +221,7 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
     phases = Stopwatch()
     pipeline.start_triton(device, options.replacement)  # every way on launches Triton kernels: hashed meanwhile
     key_options = {"top": options.top, "replacement": options.replacement, "granularity": options.granularity,
-                   "select": options.selecting, **({"inductor": True} if options.inductor else {})}
+                   "select": options.selecting, **({"inductor": options.inductor} if options.inductor is not None else {})}
     key_parts: dict = {}
     key = plan_cache.fingerprint(model, args, kwargs, device, key_options, key_parts) if options.reuse else None
     with phases("reuse"):  # (in a job, only where every rank has the plan stored)
@@ -244,10 +244,10 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
             # captured while the kernels compile: dynamo's and AOTAutograd's seconds off the cold start's path
             specs, records, plan, handle = early_capture.patch_while_generating(
                 model, call, doc, analysed.occurrences, options.top, out_dir, device, options.granularity, phases,
-                outer=options.selecting and bench_timing.timing_meaningful(device), inductor=options.inductor)
+                outer=options.selecting and bench_timing.timing_meaningful(device), inductor=options.inductor is True)
         else:
             specs, records, plan = pipeline.make_kernels(analysed, options.top, options.replacement, out_dir, device,
-                                                         options.granularity, phases, options.inductor)
+                                                         options.granularity, phases, options.inductor is True)
             with phases("patch"):
                 handle = patch(model, plan)
     if device != "cuda" and not options.interpret:  # kernels would run in Triton's interpreter: never a speedup
@@ -261,24 +261,37 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
             isolation=isolation.to_json() if isolation is not None else None))
         return OptimizeReport(out_dir, records, [], {}, None, None, phases.seconds, selection, modes=modes,
                               isolation=isolation.decision if isolation is not None else None)
-    handle.train_fused(options.train)
-    before = handle.launches()
-    with phases("check"):  # the first patched call captures the modules (dynamo) and runs the kernels
-        chk = check(call, handle, float32_reference(model, args, kwargs))
-    handle = chk.handle
-    if chk.dropped:  # re-patched without them: capture (and count launches) with what is left
-        call()
-    launched = launched_sites(before, handle.launches())
-    records = pipeline.checked_status(records, specs, handle, chk.dropped, doc, launched)
-    selection = timed = None
-    if options.selecting and not reused:  # a reused plan was selected when it was stored
-        with phases("select"):
-            selected, selection, records = keep_faster(call, handle, device, records, options.iters,
-                                                       float32_reference(model, args, kwargs))
-        records = pipeline.selected_status(records, specs, selected, chk.dropped, doc, selection, launched)
-        timed = selection.pop("timing", None)
-        if selected is not handle or selection.get("state") not in (None, SelectionState.ALL):
-            timed, handle = None, selected  # what runs now is not the all-patched state timed first
+    generated = records
+
+    def check_and_select(handle, phase: str = "") -> route.Checked:
+        """The patched model's outputs checked against the unpatched model's, then (on a GPU) its states timed and
+        the fastest kept: the steps each route takes."""
+        handle.train_fused(options.train)
+        before = handle.launches()
+        with phases("check" + phase):  # the first patched call captures the modules (dynamo) and runs the kernels
+            chk = check(call, handle, float32_reference(model, args, kwargs))
+        handle = chk.handle
+        if chk.dropped:  # re-patched without them: capture (and count launches) with what is left
+            call()
+        launched = launched_sites(before, handle.launches())
+        records = pipeline.checked_status(generated, specs, handle, chk.dropped, doc, launched)
+        selection = timed = None
+        if options.selecting and not reused:  # a reused plan was selected when it was stored
+            with phases("select" + phase):
+                selected, selection, records = keep_faster(call, handle, device, records, options.iters,
+                                                           float32_reference(model, args, kwargs))
+            records = pipeline.selected_status(records, specs, selected, chk.dropped, doc, selection, launched)
+            timed = selection.pop("timing", None)
+            if selected is not handle or selection.get("state") not in (None, SelectionState.ALL):
+                timed, handle = None, selected  # what runs now is not the all-patched state timed first
+        return route.Checked(chk, handle, records, selection, timed)
+
+    checked = check_and_select(handle)
+    if options.inductor is None and options.selecting and not reused and options.replacement == "kernel" \
+            and bench_timing.timing_meaningful(device):  # both routes timed on the GPU, the faster kept
+        checked = route.choose(checked, model, lambda h: check_and_select(h, " (inductor)"), patch)
+    chk, handle, records, selection, timed = (checked.check, checked.handle, checked.records, checked.selection,
+                                              checked.timed)
     e2e = None
     if options.benchmark:
         e2e = timed
@@ -319,7 +332,7 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
     write_apply(out_dir, pipeline.apply_doc(
         replacement=options.replacement, device=device, records=records, manifest=manifest, checks=[checked],
         end_to_end=e2e, selection=selection, enabled=sorted(handle.enabled) if handle.enabled is not None else None,
-        outer=handle.outer_on, plan=plan, inductor_graphs=handle.inductor_graphs() or None,
+        outer=handle.outer_on, plan=handle.plan, inductor_graphs=handle.inductor_graphs() or None,
         phases_s=phases.seconds, plan_reused=reused, plan_key=key, plan_key_parts=key_parts, training=training,
         runs=runs, modes=modes, graphs=handle.graph_keys(), cuda_graphs_not_used=handle.graphs_not_used(),
         fallbacks=handle.fallbacks(), decode=generate.to_json() if generate is not None else None,
