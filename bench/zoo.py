@@ -382,6 +382,9 @@ def table(doc: dict) -> str:
         kept = kept or (DESCRIBE[state] if state in ("captured", "whole_captured") else "unpatched")
         if state in ("whole", "whole_kept"):
             kept = "whole stack as one capture: " + kept
+        route = (r.get("selection") or {}).get("route")
+        if route:  # optimize(inductor=None): which route it took
+            kept += f" [{route['chosen']}: ours {route['ours_x']}x, Inductor's {route['inductor_x']}x]"
         rows.append(f"| {name} | {t['eager']['median_ms']:.3f} ({t['eager']['spread_ms']:.2f}) | "
                     f"{t['advisor']['median_ms']:.3f} ({s['advisor']:.2f}x) | "
                     f"{t['compile']['median_ms']:.3f} ({s['compile']:.2f}x) | {r['optimize_s']} | "
