@@ -303,7 +303,7 @@ def test_a_training_call_drops_its_models_inference_recordings(monkeypatch, tmp_
     import advisor
     from advisor.patching import capture
 
-    monkeypatch.setattr(capture, "replayed", lambda g, device: Graphed(g.forward, ReplayOnCpu()))
+    monkeypatch.setattr(capture, "replayed", lambda g, device, compiled=None: Graphed(compiled or g.forward, ReplayOnCpu()))
     torch.manual_seed(0)
     student = _Stack().eval()
     teacher, untouched = copy.deepcopy(student), copy.deepcopy(student)
