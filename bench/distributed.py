@@ -23,7 +23,7 @@ largest relative difference of a mode's per-step losses from eager's under the s
 seed: FSDP2 trains fused with eager's losses where it is small).
 
 Writes OUT/distributed.json (every number, every rank) and OUT/distributed.md (a table), printing the table.
-Run so far only as the CPU smoke run (gloo, `--tiny`: every wrapper and mode ran); not yet on two GPUs.
+Run on two H200s (NCCL): reports/distributed/.
 """
 from __future__ import annotations
 
