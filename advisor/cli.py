@@ -210,6 +210,8 @@ def apply(
     train: bool = typer.Option(False, "--train", help="The script trains: calls that need gradients run the fused "
                                "kernels with their generated, validated backwards, and the script's own runs (or "
                                "--region) are timed, each a whole training step (GPU)."),
+    inductor: bool = typer.Option(False, "--inductor", help="Inductor compiles each capture around the fused "
+                                  "kernels (patterns of pointwise, reduction and norm ops only left to it)."),
 ):
     """Profile, analyse, generate, validate, patch and benchmark SCRIPT; writes OUT/apply.json.
 
@@ -221,7 +223,8 @@ def apply(
 
     script, args = _script_or_demo(script, list(ctx.args))
     apply_script(script, args, out, top=top, device=device.value, region=region,
-                 replacement=replacement.value, iters=iters, granularity=granularity.value, train=train)
+                 replacement=replacement.value, iters=iters, granularity=granularity.value, train=train,
+                 inductor=inductor)
     drop_stale_kernels(out)
     _report_written(render_reports(out, top=top, terminal=False))
 

@@ -224,3 +224,19 @@ def test_optimize_times_both_routes_and_writes_the_one_taken(tmp_path, monkeypat
     assert report.handle.plan.inductor and doc["inductor_graphs"]["compiled"] >= 1
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_apply_takes_inductors_route_on_a_script(tmp_path):
+    """`fusion-advisor apply --inductor`: the script's models patched with Inductor compiling their captures,
+    written to apply.json (and re-applied the same way)."""
+    from pathlib import Path
+
+    from advisor.patching import load_plan
+    from advisor.workflows.user_script import apply_script
+
+    root = Path(__file__).resolve().parents[1]
+    doc = apply_script(root / "examples" / "mlp_block.py", ["--device", "cpu"], tmp_path / "out", inductor=True)
+    written = json.loads((tmp_path / "out" / "apply.json").read_text())
+    assert written["inductor"] is True and written["inductor_graphs"] == {"compiled": 1}, written.get("inductor_graphs")
+    assert any(p["status_code"] == Status.PATCHED for p in written["patterns"]), doc
+    assert load_plan(tmp_path / "out").inductor

@@ -79,11 +79,7 @@ class Patched:
     def inductor_graphs(self) -> dict[str, int]:
         """`optimize(..., inductor=True)`: {"compiled", or why a graph runs op by op: inference graphs}, over
         every capture of this model (empty when Inductor was not asked for)."""
-        out: dict[str, int] = {}
-        for log in self._logs():
-            for outcome in log.inductor:
-                out[outcome] = out.get(outcome, 0) + 1
-        return out
+        return inductor_outcomes(self._logs())
 
     def graphs_not_used(self) -> dict[str, str]:
         """{module: why} for the captures whose CUDA graphs are not replayed (a recording that failed, or was
@@ -206,6 +202,15 @@ def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
     done.set_outer(plan.outer_on)  # as selection left it when the plan was written
     done.enable(plan.enabled)
     return done
+
+
+def inductor_outcomes(logs) -> dict[str, int]:
+    """{"compiled", or why a graph runs op by op: inference graphs} over capture logs (`CaptureLog.inductor`)."""
+    out: dict[str, int] = {}
+    for log in logs:
+        for outcome in log.inductor:
+            out[outcome] = out.get(outcome, 0) + 1
+    return out
 
 
 def unpatch(model: torch.nn.Module) -> int:

@@ -28,6 +28,7 @@ from advisor.bench.timing import timing_meaningful
 from advisor.collect.region import observe_regions
 from advisor.collect.runner import profile_script, resolve_device
 from advisor.documents import APPLY_FILE, SelectionState, write_apply
+from advisor.patching import inductor_outcomes
 from advisor.patching.modules import root_class
 from advisor.records import PatternResult
 from advisor.workflows import pipeline
@@ -79,6 +80,9 @@ class Handles:
     def launches(self) -> dict:
         return {k: n for h in self.session.handles for k, n in h.launches().items()}
 
+    def inductor_graphs(self) -> dict:
+        return inductor_outcomes(self._logs())
+
     def fallbacks(self) -> dict:
         return {k: v for h in self.session.handles for k, v in h.fallbacks().items()}
 
@@ -95,7 +99,7 @@ class Handles:
 
 def apply_script(script: Path, args: list, out: Path, top: int | None = 5, device: str = "auto", region: str | None = None,
                  replacement: str = "kernel", iters: int = 20, granularity: str = "layer", console=None,
-                 train: bool = False) -> dict:
+                 train: bool = False, inductor: bool = False) -> dict:
     console = console or Console(highlight=False, soft_wrap=True)
     out = Path(out)
     dev = resolve_device(device)
@@ -106,7 +110,8 @@ def apply_script(script: Path, args: list, out: Path, top: int | None = 5, devic
         analysed = pipeline.analyse(out / "trace", out)
     with console.status("generating and validating kernels for " + (f"the top {top} candidates …" if top else
                                                                      "every candidate worth one …")):
-        specs, records, plan = pipeline.make_kernels(analysed, top, replacement, out, dev, granularity)
+        specs, records, plan = pipeline.make_kernels(analysed, top, replacement, out, dev, granularity,
+                                                     inductor=inductor)
     session = Session(plan, train=train)
     args = list(args)
     if args and args[0] == "--":
@@ -137,7 +142,8 @@ def apply_script(script: Path, args: list, out: Path, top: int | None = 5, devic
             replacement=replacement, device=dev, records=records, manifest=handles.manifest() if chosen else [],
             checks=session.checks, end_to_end=e2e, selection=selection, enabled=selection.get("enabled"),
             outer=bool(selection.get("outer")), plan=plan,
-            script=str(script), args=tuple(args), errors=errors, train=train)
+            script=str(script), args=tuple(args), errors=errors, train=train,
+            inductor_graphs=handles.inductor_graphs() or None)
     finally:
         session.close()
     write_apply(out, document)
