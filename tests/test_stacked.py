@@ -240,3 +240,22 @@ def test_apply_takes_inductors_route_on_a_script(tmp_path):
     assert written["inductor"] is True and written["inductor_graphs"] == {"compiled": 1}, written.get("inductor_graphs")
     assert any(p["status_code"] == Status.PATCHED for p in written["patterns"]), doc
     assert load_plan(tmp_path / "out").inductor
+
+
+def test_shapes_met_after_optimize_take_our_route_past_inductors_budget(tmp_path):
+    """Inductor compiles the graphs `optimize` met and one more per capture; each further shape the loop meets (a
+    `generate` meets one every step) is captured our way, our kernels in, with no compile in the user's loop."""
+    from advisor.patching import capture, patches_off
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block()).eval()
+    report = advisor.optimize(model, (torch.randn(8, 64),), interpret=True, inductor=True, out=tmp_path)
+    for rows in (5, 3, 2):
+        x = torch.randn(rows, 64)
+        with torch.no_grad():
+            out = model(x)
+            with patches_off():
+                torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    outcomes = report.handle.inductor_graphs()
+    assert outcomes.get("compiled") == capture.INDUCTOR_GRAPHS, outcomes
+    assert any(k.startswith("our route") for k in outcomes), outcomes

@@ -52,6 +52,7 @@ READS_OUTSIDE = ("in a graph that trains, not substituted: the ops read an input
 # (plan digest, graph code, input layouts) -> compiled graph, held only while some capture still uses it
 # (dynamo's cache, through the globals it installs): a deleted model's graphs, and the CUDA-graph
 # recordings inside them, go with it
+INDUCTOR_GRAPHS = 2  # inference graphs per capture Inductor compiles (`Backend._inductor_budget_left`)
 _SHARED: "weakref.WeakValueDictionary[tuple, Callable]" = weakref.WeakValueDictionary()
 _PATTERNS: dict[tuple, Pattern] = {}
 _LAUNCHERS: dict[tuple, Callable] = {}
@@ -207,6 +208,7 @@ class Backend:
                  inductor: bool = False):
         self.specs = specs
         self.inductor = inductor  # inference graphs compiled by Inductor around the sites (`stacked`)
+        self.inductor_graphs = 0  # of them, compiled or tried (`INDUCTOR_GRAPHS`)
         self.log = log
         self.digest = digest
         self.captures = 0  # graphs dynamo handed us for this instance (first captures and recompiles)
@@ -245,17 +247,18 @@ class Backend:
             return make_boxed_func(inference(g, fakes))
 
         def inference(g, fakes=None):
+            stacked = self.inductor and fakes is not None and self._inductor_budget_left()
             drop_identity_copies(g)  # eval-mode dropout: eager runs no kernel for it, AOTAutograd a copy
             fold_causal_masks(g)  # a causal mask traced from positions: the kernels' own causal masking
             timing.count("rewrites")
             sites = sum(map(len, self.log.sites.values()))
             with timing.timed("rewrite"):
-                self.rewrite(g)
+                self.rewrite(g, left_to_inductor=stacked)
             if sum(map(len, self.log.sites.values())) > sites:
                 self.fused_graphs += 1
             elif self.fused_graphs:
                 self.unfused_graphs += 1
-            run = replayed(g, self.device, self._stacked(g, fakes) if self.inductor else None)
+            run = replayed(g, self.device, self._stacked(g, fakes) if stacked else None)
             if isinstance(run, Graphed):
                 made.append(run)
                 self.inference_graphs.append(run)
@@ -339,13 +342,24 @@ class Backend:
         self.log.inductor.append(why)
         return None
 
-    def rewrite(self, gm: torch.fx.GraphModule, training: bool = False) -> None:
+    def _inductor_budget_left(self) -> bool:
+        """Whether Inductor may compile one more inference graph of this capture: the shapes `optimize` met (and
+        one more), not every shape the user's loop meets later, each of which would cost seconds of compile
+        in that loop (a `generate` meets a new one every step). Later graphs take our route, our kernels in."""
+        if self.inductor_graphs < INDUCTOR_GRAPHS:
+            self.inductor_graphs += 1
+            return True
+        self.log.inductor.append(f"our route: Inductor had compiled {INDUCTOR_GRAPHS} graphs of this capture")
+        return False
+
+    def rewrite(self, gm: torch.fx.GraphModule, training: bool = False, left_to_inductor: bool = False) -> None:
         """Substitute every pattern's matches in `gm` (a graph that trains: only those autograd can
-        differentiate through, `rewrite.reads_outside_inputs`)."""
+        differentiate through, `rewrite.reads_outside_inputs`); `left_to_inductor`: not the patterns Inductor,
+        compiling this graph, fuses itself (`stacked.left_to_inductor`)."""
         self.log.graphs += 1
         device = self.device = _graph_device(gm.graph)
         for spec in self.specs:
-            if self.inductor and not training and _left_to_inductor(spec):
+            if left_to_inductor and not training and _left_to_inductor(spec):
                 self.log.left_to_inductor.add(spec.key)
                 continue
             saved: list = []  # the graph before this pattern's first substitution (finding one changes nothing)
