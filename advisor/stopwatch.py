@@ -2,7 +2,7 @@
 and the median time of a call (`time_call`).
 
 Below every stage: validation times its own steps and patching times a generated backward against
-PyTorch's, so the clocks live here; `advisor.bench.timing` (configurations of a call compared in
+PyTorch's, so the clocks live here; `advisor.measure.timing` (configurations of a call compared in
 interleaved rounds, for the workflows) builds on `time_call`.
 
 On a GPU each iteration is bracketed by CUDA events (device time of everything it launched, host

@@ -2,7 +2,7 @@
 
 - The timing protocol: `process_warmup` (the process's one-time costs, paid before anything is timed) and
   `interleaved` (every configuration warmed up, then timed in interleaved rounds, reversed every other round:
-  `advisor.bench.timing.time_call`, CUDA events on a GPU); `kernel_count` (kernels one call launches) and
+  `advisor.measure.timing.time_call`, CUDA events on a GPU); `kernel_count` (kernels one call launches) and
   `errors_vs` (an output's error against eager's) beside them.
 - Child processes: each benchmark measures one model per process (a crash or an OOM loses one model, not the
   run); `child_command` starts `python -m bench.NAME ...` with this checkout first on PYTHONPATH.
@@ -89,11 +89,11 @@ def process_warmup(device: str) -> None:
 
 def interleaved(fns: dict, device: str, iters: int, rounds: int, warmup_s: float) -> dict:
     """Each callable warmed up (>= 3 calls and `warmup_s`), then timed in `rounds` interleaved rounds, in
-    reversed order every other round (`advisor.bench.timing.time_call`: CUDA events on a GPU): median over
+    reversed order every other round (`advisor.measure.timing.time_call`: CUDA events on a GPU): median over
     all samples; spread = max - min of the round medians."""
     import torch
 
-    from advisor.bench.timing import round_order, time_call
+    from advisor.measure.timing import round_order, time_call
 
     for fn in fns.values():
         t0, n = time.perf_counter(), 0

@@ -38,7 +38,7 @@ def retime_unresolved(call, handle, patterns: list[dict], kept: set, device: str
     """For each pattern in `patterns` (apply.json records) that was kept and whose saving alone is `unresolved`,
     time it again and add `retimed` to its `applied_alone`: {saved_us_per_iter, spread_us, rounds, calls}.
     Returns the candidates retimed."""
-    from advisor.bench.timing import time_configs
+    from advisor.measure.timing import time_configs
     from advisor.patching.graphs import clear_recordings
     from advisor.workflows.selection import state
 

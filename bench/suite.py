@@ -734,7 +734,7 @@ def _key_parts(out_dir: Path) -> dict | None:
 
 # ------------------------------------------------------------------------------------ measuring
 def _time(fn, device: str, warmup: int, iters: int) -> dict:
-    from advisor.bench.timing import time_call
+    from advisor.measure.timing import time_call
 
     t = time_call(fn, device, warmup=warmup, iters=iters)
     return {"median_ms": round(t.median_ms, 4), "iters": t.iters, "method": t.method,

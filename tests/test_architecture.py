@@ -136,9 +136,9 @@ def test_stages_do_not_import_the_workflows():
 FORBIDDEN = {
     ("advisor.analysis", "advisor.report"): "analysis writes analysis.json, the reports read it: formatting is "
                                             "advisor.units, analysing and reporting in one go is the CLI's",
-    ("advisor.patching", "advisor.bench"): "a call's clock is advisor.stopwatch, comparing a whole call's outputs "
+    ("advisor.patching", "advisor.measure"): "a call's clock is advisor.stopwatch, comparing a whole call's outputs "
                                            "is advisor.validate.outputs",
-    ("advisor.bench", "advisor.validate"): "the timing of whole calls needs no validation: output comparison is "
+    ("advisor.measure", "advisor.validate"): "the timing of whole calls needs no validation: output comparison is "
                                            "advisor.validate.outputs",
     ("advisor.report", "advisor.collect"): "the reports read the run folder through advisor.layout, not the collector",
 }

@@ -214,7 +214,7 @@ def test_on_a_gpu_it_is_kept_only_faster_and_no_heavier_or_lighter_and_not_slowe
     """The model's own training call with labels, timed with its loss eager's way and fused: the clocks and
     the memory probe are stood in for; the calls each state makes, and what they leave, are real. Kept where
     faster and no heavier, or lighter (beyond the allocator's 1%) and not slower: never slower, never heavier."""
-    from advisor.bench.timing import Timing
+    from advisor.measure.timing import Timing
 
     ran = []
 
@@ -280,7 +280,7 @@ def test_every_zoo_causal_lm_trains_its_loss_as_its_own(arch):
 def test_the_timed_call_trains_what_the_user_trains(monkeypatch, trainable):
     """Adapters (LoRA: a few parameters trainable) are timed as they are; a model handed over frozen is timed
     with every parameter trainable, as it will train. Afterwards every flag is as it was."""
-    from advisor.bench.timing import Timing
+    from advisor.measure.timing import Timing
 
     model = tiny_llama()
     for p in model.parameters():
@@ -305,7 +305,7 @@ def test_the_training_check_steps_with_the_models_loss_and_is_held_to_the_users_
     state to the memory of the user's model (the original forwards with eager's loss), its speed to the
     original forwards as they will run (with the fused loss). Clocks and memory probe stood in for."""
     import advisor
-    from advisor.bench.timing import Timing
+    from advisor.measure.timing import Timing
     from advisor.workflows import training
 
     model, ex = tiny_llama(), example()

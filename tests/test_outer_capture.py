@@ -118,7 +118,7 @@ def test_switched_on_it_honours_hooks_added_later_autograd_and_unpatch(optimized
 
 
 def _Clock(ms):
-    from advisor.bench.timing import Timing
+    from advisor.measure.timing import Timing
 
     rounds = [ms, ms + 0.01, ms - 0.01]
     return Timing(ms, 20, "fake clock", rounds, 0.01, rounds)
@@ -128,7 +128,7 @@ def test_selection_hands_back_the_whole_stack_when_it_is_faster(tmp_path, monkey
     """Fake clocks (the states' timings are given; everything else is real): the whole stack measures
     fastest, so optimize hands it back on, says so, marks the cross-layer patterns patched, stores the
     choice, and a second optimize of a fresh copy reuses it switched on."""
-    import advisor.bench.timing as timing
+    import advisor.measure.timing as timing
 
     monkeypatch.setenv("FUSION_ADVISOR_CACHE", str(tmp_path / "cache"))
     final = {"before": 10.0, "all": 8.0, "captured": 9.0, "kept": 8.5, "whole": 6.0, "whole_kept": 6.5,
@@ -171,7 +171,7 @@ def test_apply_keeps_the_whole_stack_when_it_is_faster(tmp_path, monkeypatch, ke
     real) and keeps it where faster; apply.json says so and `advisor.patch(model, OUT)` switches it on."""
     from rich.console import Console
 
-    import advisor.bench.timing as timing
+    import advisor.measure.timing as timing
     import advisor.workflows.user_script as user_script
     from advisor.patching import load_plan
 

@@ -203,7 +203,7 @@ def test_nothing_kept_is_no_speedup():
 def test_optimize_times_both_routes_and_writes_the_one_taken(tmp_path, monkeypatch):
     """The default (inductor=None) where timing is meaningful: ours checked and selected, then Inductor's, the
     faster handed back and written to apply.json (selection's timings stood in for: the CPU cannot time)."""
-    from advisor.bench import timing
+    from advisor.measure import timing
     from advisor.workflows import live_model
 
     def keep_faster(call, handle, device, records, iters=20, exact=None):

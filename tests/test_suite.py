@@ -315,7 +315,7 @@ def _fake_timings(monkeypatch, saves: dict, before: float, final: dict, noise: f
     each state named there (a state not named measures 1 ms slower than unpatched), and pattern `candidate`
     alone saves[candidate] µs (-5 µs where not named) against the state with no kernel it is measured in
     (the whole stack's where the run has it, else the layer captures')."""
-    import advisor.bench.timing as timing
+    import advisor.measure.timing as timing
 
     def T(ms, sign=-1):  # five interleaved rounds spread `noise`; the unpatched model's drift the other way
         rounds = [ms + sign * noise * (i - 2) / 4 for i in range(5)]
@@ -412,7 +412,7 @@ def test_patterns_launching_only_in_the_whole_stack_take_their_occurrences_there
 
 
 def test_a_pattern_is_shown_to_save_time_alone_only_beyond_its_rounds():
-    from advisor.bench.timing import Timing
+    from advisor.measure.timing import Timing
     from advisor.records import PatternResult
     from advisor.workflows.selection import _timed_alone
 
@@ -579,7 +579,7 @@ def _states(names, entered: list) -> dict:
 def test_interleaved_rounds_reverse_their_order_every_other_round(monkeypatch):
     """A drift within a round (a host slowing down as it goes) must not always land on the same state:
     the configurations run in order, then reversed, round after round (ABBA)."""
-    from advisor.bench import timing
+    from advisor.measure import timing
 
     order = []
     monkeypatch.setattr(timing, "warm_up", lambda *a, **k: None)
@@ -591,7 +591,7 @@ def test_the_warm_up_floor_is_paid_once_per_comparison_not_per_state(monkeypatch
     """Selection times several states of one call; what its time floor waits for (clocks, the allocator)
     is the GPU's, so the floor is paid once (issue 17: selection is part of the cold start): each state
     still gets its first calls (recordings, tuning) and the states share the rest round by round."""
-    from advisor.bench import timing
+    from advisor.measure import timing
 
     clock = [0.0]
     monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
@@ -612,7 +612,7 @@ def test_a_pattern_alone_is_measured_by_paired_rounds():
     """Both states drift alike round by round (a 2 ms host-bound model: clocks, host stalls): the saving alone is
     the median of the rounds' differences and its spread theirs, which resolve a 0.4 ms saving that the spread of
     either state's rounds (1.5 ms) would call noise."""
-    from advisor.bench.timing import Timing
+    from advisor.measure.timing import Timing
     from advisor.records import PatternResult
     from advisor.workflows.selection import _timed_alone
 
@@ -626,7 +626,7 @@ def test_a_pattern_alone_is_its_rounds_fastest_calls():
     """A host stall only ever adds to a call: where two of a round's four calls stalled (a whole stack broken into
     graphs with Python between them), the rounds' medians moved by a millisecond and read a 0.1 ms saving as
     -0.4 ms, and their fastest calls read it as it is; the medians' reading is kept beside it."""
-    from advisor.bench.timing import Timing
+    from advisor.measure.timing import Timing
     from advisor.records import PatternResult
     from advisor.workflows.selection import _timed_alone
 

@@ -265,7 +265,7 @@ def test_a_layer_at_new_shapes_replaces_its_recording_and_other_layers_keep_thei
 def test_the_training_checks_original_forwards_are_measured_without_training_recordings(monkeypatch):
     """The fused state's recordings (an earlier check's: the LM loss's) must not count against the original
     forwards' peak: the check then held a state 7 GB heavier in the user's loop to be lighter."""
-    from advisor.bench.timing import Timing
+    from advisor.measure.timing import Timing
     from advisor.patching import train_graphs
     from advisor.workflows import training
 

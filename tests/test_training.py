@@ -450,7 +450,7 @@ def test_fused_training_is_kept_only_where_a_whole_call_measures_faster_and_no_h
     refusal for memory alone names the `train_memory` that would keep it. The clocks and the memory probe are
     stood in for here; the states they time, the model's modes and the user's gradients are real."""
     import advisor
-    from advisor.bench.timing import Timing
+    from advisor.measure.timing import Timing
     from advisor.patching import rewrite
     from advisor.workflows import training
 
@@ -504,7 +504,7 @@ def test_the_training_comparison_leaves_the_model_and_inputs_as_it_found_them(mo
     random numbers) but hands back the modes, buffers, gradients (the parameters' and an input's that
     collects one), `requires_grad` flags and RNG state it found; a frozen model is compared with its
     parameters trainable; a call with nothing that could need a gradient is not compared."""
-    from advisor.bench.timing import Timing
+    from advisor.measure.timing import Timing
     from advisor.workflows import training
 
     class Handle:  # the one thing the comparison asks of a patched model's handle

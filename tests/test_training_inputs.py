@@ -26,7 +26,7 @@ def _cache(tmp_path_factory, monkeypatch):
 def stand_in_clocks(monkeypatch, fused_ms: float = 8.0):
     """Meaningful clocks (as a GPU's) where fused runs `fused_ms` against 9 ms: each timed state still runs once,
     so the check's calls are real."""
-    from advisor.bench.timing import Timing
+    from advisor.measure.timing import Timing
 
     def time_configs(call, configs, device, iters=20, rounds=5):
         for make in configs.values():

@@ -42,7 +42,7 @@ from advisor.patching.train_graphs import drop_training_recordings
 from advisor.patching.verify import check, eval_if_unrepeatable, float32_reference
 from advisor.records import PatternResult
 from advisor.stopwatch import Stopwatch
-from advisor.bench import timing as bench_timing  # read at call time: tests replace it
+from advisor.measure import timing as measure_timing  # read at call time: tests replace it
 from advisor.workflows import counted, early_capture, pipeline, plan_cache, probe, route
 from advisor.workflows.lm_loss import causal_lm_step, keep_faster_lm_loss
 from advisor.workflows.outcome import interpreter_only
@@ -244,7 +244,7 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
             # captured while the kernels compile: dynamo's and AOTAutograd's seconds off the cold start's path
             specs, records, plan, handle = early_capture.patch_while_generating(
                 model, call, doc, analysed.occurrences, options.top, out_dir, device, options.granularity, phases,
-                outer=options.selecting and bench_timing.timing_meaningful(device), inductor=options.inductor is True)
+                outer=options.selecting and measure_timing.timing_meaningful(device), inductor=options.inductor is True)
         else:
             specs, records, plan = pipeline.make_kernels(analysed, options.top, options.replacement, out_dir, device,
                                                          options.granularity, phases, options.inductor is True)
@@ -288,7 +288,7 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
 
     checked = check_and_select(handle)
     if options.inductor is None and options.selecting and not reused and options.replacement == "kernel" \
-            and bench_timing.timing_meaningful(device):  # both routes timed on the GPU, the faster kept
+            and measure_timing.timing_meaningful(device):  # both routes timed on the GPU, the faster kept
         checked = route.choose(checked, model, lambda h: check_and_select(h, " (inductor)"), patch)
     chk, handle, records, selection, timed = (checked.check, checked.handle, checked.records, checked.selection,
                                               checked.timed)

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from advisor.agreement import agreed
-from advisor.bench import timing  # read at call time: tests replace its clocks
+from advisor.measure import timing  # read at call time: tests replace its clocks
 from advisor.errors import exception_details, exception_reason
 from advisor.example_inputs import snapshot
 from advisor.kernels.linear_cross_entropy import (CausalLMLossForward, LinearCrossEntropyFunction, NotCausalLM,

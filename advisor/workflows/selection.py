@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from advisor.bench import timing  # read at call time: tests replace its clocks
+from advisor.measure import timing  # read at call time: tests replace its clocks
 from advisor.patching import only, patch, patches_off, whole
 from advisor.patching import timing as timing_phases  # where a cold start's seconds go (bench/cold_start.py)
 from advisor.patching.verify import check_outer

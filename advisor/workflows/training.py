@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from advisor.agreement import agreed
-from advisor.bench import timing  # read at call time: tests replace its clocks
+from advisor.measure import timing  # read at call time: tests replace its clocks
 from advisor.errors import exception_details, exception_reason
 from advisor.example_inputs import snapshot
 from advisor.patching.forward import TRAINING_CALL

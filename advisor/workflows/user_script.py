@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from advisor.bench.timing import timing_meaningful
+from advisor.measure.timing import timing_meaningful
 from advisor.collect.region import observe_regions
 from advisor.collect.runner import profile_script, resolve_device
 from advisor.documents import APPLY_FILE, SelectionState, write_apply
