@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
+from advisor import agreement
 from advisor.errors import exception_reason
 
 ROUTE_MARGIN = 0.02
@@ -51,7 +52,9 @@ def choose(ours: Checked, model, check_and_select: Callable[[object], Checked], 
     else:
         why = (f"Inductor compiling the captures around the kernels: {other:.3f}x against {mine:.3f}x with ours "
                f"alone, each over the unpatched model in its own run")
-    taken = theirs is not None and other > mine * (1 + ROUTE_MARGIN)
+    # In a torch.distributed job every rank takes rank 0's route, and Inductor's only where every rank has it
+    taken = agreement.everywhere(theirs is not None, "Inductor's route built") and \
+        agreement.agreed(theirs is not None and other > mine * (1 + ROUTE_MARGIN), "route")
     route = {"ours_x": round(mine, 4), "inductor_x": None if other is None else round(other, 4),
              "chosen": "inductor" if taken else "ours",
              "decision": ("took " if taken else "kept ours: ") + why
