@@ -28,10 +28,10 @@ class Block(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
-def _optimized(model, inputs, out):
+def _optimized(model, inputs, out, reuse: bool = True):
     with torch.no_grad():
         ref = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-    report = advisor.optimize(model, inputs, interpret=True, inductor=True, out=out)
+    report = advisor.optimize(model, inputs, interpret=True, inductor=True, out=out, reuse=reuse)
     return report, ref, json.loads((out / "apply.json").read_text())
 
 
@@ -259,3 +259,28 @@ def test_shapes_met_after_optimize_take_our_route_past_inductors_budget(tmp_path
     outcomes = report.handle.inductor_graphs()
     assert outcomes.get("compiled") == capture.INDUCTOR_GRAPHS, outcomes
     assert any(k.startswith("our route") for k in outcomes), outcomes
+
+
+def test_where_inductor_fails_the_patterns_left_to_it_are_ours(tmp_path, monkeypatch):
+    """A graph Inductor cannot compile runs op by op: the patterns it was to fuse get our kernels after all."""
+    def broken(gm, example_inputs):
+        raise RuntimeError("missing lowering")
+
+    class Pre(nn.Module):  # a pointwise chain ahead of a matmul: left to Inductor where it compiles the layer
+        def __init__(self, d: int = 64):
+            super().__init__()
+            self.up = nn.Linear(d, d)
+
+        def forward(self, x):
+            return self.up(torch.tanh(x * 0.5 + 1.0)) + x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Pre(), Pre()).eval()
+    _, _, doc = _optimized(model, (torch.randn(8, 64),), tmp_path / "compiled")
+    chain = "Pointwise chain: mul → add → tanh"
+    assert {p["title"]: p["status_code"] for p in doc["patterns"]}[chain] == Status.LEFT_TO_INDUCTOR, doc["patterns"]
+    monkeypatch.setattr(stacked, "inductor_compiled", broken)
+    model = nn.Sequential(Pre(), Pre()).eval()
+    _, ref, doc = _optimized(model, (torch.randn(8, 64),), tmp_path / "failed", reuse=False)  # (not the plan stored)
+    assert list(doc["inductor_graphs"]) == ["Inductor failed: RuntimeError: missing lowering"], doc["inductor_graphs"]
+    assert {p["title"]: p["status_code"] for p in doc["patterns"]}[chain] == Status.PATCHED, doc["patterns"]

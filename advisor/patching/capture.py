@@ -340,6 +340,8 @@ class Backend:
             except Exception as e:  # never break the capture: the graph runs op by op, its sites as they are
                 why = f"Inductor failed: {exception_reason(e)}"
         self.log.inductor.append(why)
+        with timing.timed("rewrite"):
+            self.rewrite(g)  # the patterns left to Inductor are ours after all: op by op, they would run unfused
         return None
 
     def _inductor_budget_left(self) -> bool:
