@@ -284,3 +284,27 @@ def test_where_inductor_fails_the_patterns_left_to_it_are_ours(tmp_path, monkeyp
     _, ref, doc = _optimized(model, (torch.randn(8, 64),), tmp_path / "failed", reuse=False)  # (not the plan stored)
     assert list(doc["inductor_graphs"]) == ["Inductor failed: RuntimeError: missing lowering"], doc["inductor_graphs"]
     assert {p["title"]: p["status_code"] for p in doc["patterns"]}[chain] == Status.PATCHED, doc["patterns"]
+
+
+def test_host_constants_are_copied_to_the_device_once_before_inductor_reads_the_graph():
+    """A graph constant on the host, copied to the device by the graph (a mask's constants): the copy is made once
+    and the graph reads it as its constant, so Inductor's code copies nothing per call (a synchronous copy, which
+    a CUDA-graph recording refuses). Here the device is `meta`, which this machine has."""
+    from advisor.patching.host_copies import constants_on_device
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    lifted = g.call_function(torch.ops.aten.lift_fresh_copy.default, (g.get_attr("c"),))
+    moved = g.call_function(torch.ops.aten._to_copy.default, (lifted,), {"device": torch.device("meta")})
+    kept = g.call_function(torch.ops.aten._to_copy.default, (x,), {"device": torch.device("meta")})  # not a constant
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (kept, moved)),))
+    root = torch.nn.Module()
+    root.c = torch.randn(4)
+    gm = torch.fx.GraphModule(root, g)
+    assert constants_on_device(gm, "meta") == 1
+    copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default]
+    assert [n.args[0].op for n in copies] == ["placeholder"]
+    (const,) = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    assert const.device.type == "meta" and const.shape == (4,)
+    (out,) = gm(torch.randn(4))
+    assert out.device.type == "meta" and out.shape == (4,)

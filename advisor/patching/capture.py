@@ -40,7 +40,7 @@ from advisor.ops.registry import OpClass, op_class
 from advisor.patching import aot_cache, epilogue, resize, rewrite, splade, timing
 from advisor.patching.causal_masks import fold_causal_masks
 from advisor.patching.graphs import Graphed
-from advisor.patching.host_copies import make_host_copies_recordable
+from advisor.patching.host_copies import constants_on_device, make_host_copies_recordable
 from advisor.patching.match import Pattern, SearchTooLong, find, is_transparent
 from advisor.patching.noop_copies import drop_identity_copies
 from advisor.patching.plan import PatternSpec
@@ -330,8 +330,9 @@ class Backend:
 
         why = stacked.with_site_ops(g) if fakes is not None else "no example inputs (a graph from the AOT cache)"
         if why is None:
-            if self.device.type == "cuda":
-                make_host_copies_recordable(g)  # before Inductor reads the graph: its code is what gets recorded
+            if self.device.type == "cuda":  # before Inductor reads the graph: its code is what gets recorded
+                constants_on_device(g)
+                make_host_copies_recordable(g)
             try:
                 with timing.timed("inductor"):
                     run = stacked.inductor_compiled(g, fakes)

@@ -87,3 +87,43 @@ def make_host_copies_recordable(gm: GraphModule, pin: Callable[[torch.Tensor], t
         gm.graph.lint()
         gm.recompile()
     return changed
+
+
+def constants_on_device(gm: GraphModule, device_type: str = "cuda") -> int:
+    """Each copy of a host tensor constant to the device (`get_attr` -> `_to_copy(device=...)`) made once, here:
+    the graph then reads the device copy as its constant. For a graph Inductor compiles, whose own code would
+    copy the constant on every call, synchronously, which a CUDA-graph recording refuses. A graph constant never
+    changes, so the copy made now is the copy every call made. Returns how many copies went."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    changed = 0
+    for node in list(gm.graph.nodes):
+        device = node.kwargs.get("device") if _tagged(node, "device_copy") else None
+        if device is None or torch.device(device).type != device_type:
+            continue
+        src = node.args[0]
+        if isinstance(src, Node) and _tagged(src, "constant_lift") and isinstance(src.args[0], Node):
+            src = src.args[0]  # a fresh copy of the constant: the device copy is fresh already
+        if not (isinstance(src, Node) and src.op == "get_attr"):
+            continue
+        const = _attr(gm, src.target)
+        if not isinstance(const, torch.Tensor) or const.device.type != "cpu":
+            continue
+        try:
+            with unset_fake_temporarily():  # (AOTAutograd's fake mode is on while its compilers run)
+                value = node.target(const, *node.args[1:], **node.kwargs)
+        except Exception:  # left as it was: its recording may fail, and says so
+            continue
+        name = f"{src.target.replace('.', '_')}_on_{device_type}_{changed}"
+        _set_attr(gm, name, value)
+        with gm.graph.inserting_before(node):
+            moved = gm.graph.get_attr(name)
+        moved.meta.update(node.meta)
+        node.replace_all_uses_with(moved)
+        gm.graph.erase_node(node)
+        changed += 1
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return changed
