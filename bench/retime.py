@@ -20,7 +20,7 @@ CALLS_PER_ROUND = 12
 
 def unresolved(pattern: dict) -> bool:
     """Whether selection's measurement of a pattern alone cannot say within or off ±25% of its estimate: its
-    spread at least a quarter of the estimate (`suite.resolves_quarter`)."""
+    spread at least a quarter of the estimate (`suite_report.resolves_quarter`)."""
     alone = pattern.get("applied_alone") or {}
     est, spread = alone.get("est_saved_us_per_iter"), alone.get("spread_us")
     return isinstance(est, (int, float)) and est > 0 and isinstance(alone.get("saved_us_per_iter"), (int, float)) \

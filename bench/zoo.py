@@ -340,7 +340,7 @@ def _us(x) -> str:
 def estimates(doc: dict) -> str:
     """How many kept patterns' measured saving lies within ±25% of the analyzer's estimate for their sites."""
     from bench.retime import measured
-    from bench.suite import estimate_resolution, resolves_quarter, within_quarter
+    from bench.suite_report import estimate_resolution, resolves_quarter, within_quarter
 
     pairs = []  # (within, resolved, retimed)
     for r in doc["results"].values():

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ["suite", "zoo", "train", "coexist", "decode", "new_shapes", "serving", "cold_start", "kernels",
               "matmul_fusion", "scale", "profile_overhead", "synth_trace", "distributed"]
-LIBRARIES = ["common", "workloads", "retime"]  # shared by the benchmarks, no command line of their own
+LIBRARIES = ["common", "workloads", "retime", "suite_report"]  # shared by the benchmarks, no command line of their own
 
 
 def test_every_benchmark_shows_its_help():
