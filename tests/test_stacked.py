@@ -308,3 +308,31 @@ def test_host_constants_are_copied_to_the_device_once_before_inductor_reads_the_
     assert const.device.type == "meta" and const.shape == (4,)
     (out,) = gm(torch.randn(4))
     assert out.device.type == "meta" and out.shape == (4,)
+
+
+def test_inductors_route_leaves_no_fusible_op_unfused_in_a_tiny_llama(tmp_path, monkeypatch):
+    """Every region between the matmuls and the attention is fused: the code Inductor generated for the captured
+    layer calls no aten op of its own but the matmuls, the attention and its allocator; every pointwise,
+    reduction and norm op runs inside a generated kernel."""
+    import re
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    compiled = []
+    real = stacked.inductor_compiled
+
+    def kept(gm, example_inputs):
+        run = real(gm, example_inputs)
+        compiled.append(run.inductor)
+        return run
+
+    monkeypatch.setattr(stacked, "inductor_compiled", kept)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128, vocab_size=256)).eval()
+    _optimized(model, {"input_ids": torch.randint(0, 256, (2, 16))}, tmp_path, reuse=False)
+    assert compiled
+    for code in (c.source_code for c in compiled):
+        called = set(re.findall(r"(?:extern_kernels|torch\.ops\.\w+)\.(\w+)", code))
+        outside = {op for op in called if not re.fullmatch(r"(b?mm|addmm|_scaled_dot_product\w*|_alloc_from_pool)", op)}
+        assert not outside, f"ops run outside Inductor's fused kernels: {sorted(outside)}"
