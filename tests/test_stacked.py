@@ -336,3 +336,15 @@ def test_inductors_route_leaves_no_fusible_op_unfused_in_a_tiny_llama(tmp_path, 
         called = set(re.findall(r"(?:extern_kernels|torch\.ops\.\w+)\.(\w+)", code))
         outside = {op for op in called if not re.fullmatch(r"(b?mm|addmm|_scaled_dot_product\w*|_alloc_from_pool)", op)}
         assert not outside, f"ops run outside Inductor's fused kernels: {sorted(outside)}"
+
+
+def test_the_outputs_device_is_the_graphs_not_the_first_inputs():
+    """A site whose first tensor is a 0-dim host scalar beside device tensors: its outputs are where the graph holds
+    them (recorded when the graph was converted), not on the host. Here the device is `meta`."""
+    site = _site(lambda s, t: (t * s,), [((4, 6), (6, 1), torch.float32)])
+    n = stacked.TABLE.add(site, (stacked._TENSOR, stacked._TENSOR), (torch.device("meta"),))
+    with FakeTensorMode() as mode:
+        scalar = mode.from_tensor(torch.tensor(2.0))
+        t = mode.from_tensor(torch.empty(4, 6, device="meta"))
+        (fake,) = torch.ops.fusion_advisor.site(n, [scalar, t])
+    assert fake.device.type == "meta"

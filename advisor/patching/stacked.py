@@ -49,17 +49,18 @@ class SiteTable:
     by number, and dropping one would break a graph still cached by dynamo."""
 
     def __init__(self):
-        self._sites: dict[int, tuple[Site, tuple]] = {}
+        self._sites: dict[int, tuple[Site, tuple, tuple | None]] = {}
         self._numbers = itertools.count()
         self._lock = threading.Lock()
 
-    def add(self, site: Site, template: tuple) -> int:
+    def add(self, site: Site, template: tuple, devices: tuple | None = None) -> int:
+        """`devices`: each output's, as the graph holds it (None: the first tensor input's)."""
         with self._lock:
             n = next(self._numbers)
-            self._sites[n] = (site, template)
+            self._sites[n] = (site, template, devices)
             return n
 
-    def get(self, n: int) -> tuple[Site, tuple]:
+    def get(self, n: int) -> tuple[Site, tuple, tuple | None]:
         return self._sites[n]
 
 
@@ -68,7 +69,7 @@ TABLE = SiteTable()
 
 @torch.library.custom_op("fusion_advisor::site", mutates_args=())
 def site_op(number: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    site, template = TABLE.get(number)
+    site, template, _ = TABLE.get(number)
     given = iter(tensors)
     outs = site(*(next(given) if a is _TENSOR else a for a in template))
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -83,9 +84,11 @@ def site_op(number: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @site_op.register_fake
 def _site_fake(number: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    site, _ = TABLE.get(number)
-    device = tensors[0].device
-    return [torch.empty_strided(shape, strides, dtype=dtype, device=device) for shape, strides, dtype in site.outputs]
+    site, _, devices = TABLE.get(number)
+    # (not the first input's device: that may be a 0-dim host scalar beside GPU tensors)
+    devices = devices or (tensors[0].device,) * len(site.outputs)
+    return [torch.empty_strided(shape, strides, dtype=dtype, device=device)
+            for (shape, strides, dtype), device in zip(site.outputs, devices)]
 
 
 def with_site_ops(gm: GraphModule) -> str | None:
@@ -100,7 +103,7 @@ def with_site_ops(gm: GraphModule) -> str | None:
     for n in calls:
         tensors = [a for a in n.args if isinstance(a, Node)]
         template = tuple(_TENSOR if isinstance(a, Node) else a for a in n.args)
-        number = TABLE.add(n.target, template)
+        number = TABLE.add(n.target, template, tuple(v.device for v in n.meta["val"]))
         with gm.graph.inserting_before(n):
             op = gm.graph.call_function(torch.ops.fusion_advisor.site.default, (number, tensors))
         op.meta["val"] = list(n.meta["val"])
