@@ -14,7 +14,7 @@ from pathlib import Path
 
 from advisor.documents import ANALYSIS_FILE, APPLY_FILE
 from advisor.errors import AdvisorError
-from advisor.ops.registry import conv_epilogue_fits, tagged
+from advisor.ops.registry import OpClass, conv_epilogue_fits, op_class, tagged
 from advisor.patching.modules import contains, lca, root_path
 from advisor.patching.program import is_scalar_slot, program_text
 
@@ -45,6 +45,11 @@ class PatternSpec:
     @property
     def key(self) -> str:
         return f"{self.pattern_id}:{self.replacement}"
+
+    @property
+    def anchored(self) -> bool:
+        """Whether its program holds a matmul or an attention (its other shapes hold the same ops)."""
+        return any(op_class(n["op"]) in (OpClass.MATMUL, OpClass.ATTENTION) for n in self.program.get("nodes") or [])
 
     def guard(self) -> dict:
         ins = []

@@ -25,12 +25,10 @@ from typing import Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from advisor.ops.registry import OpClass, op_class
 from advisor.patching.match import same_strides
 from advisor.patching.rewrite import Site
 
 _TENSOR = object()  # a template slot the op's tensor list fills
-BEYOND_INDUCTOR = frozenset({OpClass.MATMUL, OpClass.ATTENTION})  # regions Inductor leaves to cuBLAS / SDPA
 
 
 def left_to_inductor(spec) -> bool:
@@ -39,8 +37,7 @@ def left_to_inductor(spec) -> bool:
     it, would cut its region in two. On the H200 every such pattern kept as ours left the compiled model behind
     torch.compile's (Qwen2 1.66x against 1.71x, ConvNeXt-T 1.44x against 1.51x). Patterns around a matmul or
     an attention stay ours: Inductor calls a library kernel there and fuses nothing into it."""
-    return not any(op_class(n["op"]) in BEYOND_INDUCTOR for program, _ in spec.shapes()
-                   for n in program.get("nodes") or [])
+    return not spec.anchored
 
 
 class SiteTable:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from advisor.ops.registry import OpClass, op_class
 from advisor.patching.containment import holds
 from advisor.patching.plan import PatternSpec, spec_from_candidate
 from advisor.records import Candidate, Kind, PatternResult, Verdict, candidates_of
@@ -92,17 +91,13 @@ def substitution_order(specs: list[PatternSpec]) -> list[PatternSpec]:
     selection measures. What extends a chain by the analysis's record (a window chain, a conv epilogue) is put
     before that chain by `patching.plan.patch_order`, on every path that builds a plan."""
     out = list(specs)
-    for s in [s for s in out if not _has_matmul(s)]:
+    for s in [s for s in out if not s.anchored]:
         i = out.index(s)
         base = next((j for j, t in enumerate(out[:i]) if holds(s, t) and not holds(t, s)), None)
         if base is not None:
             out.remove(s)
             out.insert(base, s)
     return out
-
-
-def _has_matmul(spec: PatternSpec) -> bool:
-    return any(op_class(n["op"]) in (OpClass.MATMUL, OpClass.ATTENTION) for n in spec.program.get("nodes", []))
 
 
 def worth_patching(candidates: list[Candidate], call_us: float | None = None) -> tuple[list[Candidate], list[PatternResult]]:
