@@ -555,7 +555,8 @@ def replayed(g: torch.fx.GraphModule, device: torch.device, compiled: Callable |
     replayed from CUDA graphs on a GPU (`Graphed`), as it is elsewhere."""
     if device.type != "cuda":
         return compiled or g.forward
-    make_host_copies_recordable(g)
+    if compiled is None:  # (Inductor's graph was made recordable before it compiled it: `_stacked`)
+        make_host_copies_recordable(g)
     return Graphed(compiled or g.forward, ops=None if compiled else _ops(g.graph), out_bytes=_output_bytes(g.graph))
 
 

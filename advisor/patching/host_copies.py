@@ -53,21 +53,35 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory()
 
 
+def _copies_to(gm: GraphModule, device_type: str) -> list[tuple[Node, object, Node | None]]:
+    """(copy, source, lift) for each copy in `gm` to a `device_type` device: its source read through a fresh
+    copy of a graph constant (`lift`, the `lift_fresh_copy` node, else None)."""
+    out = []
+    for node in list(gm.graph.nodes):
+        device = node.kwargs.get("device") if _tagged(node, "device_copy") else None
+        if device is None or torch.device(device).type != device_type:
+            continue
+        src, lift = node.args[0], None
+        if isinstance(src, Node) and _tagged(src, "constant_lift") and isinstance(src.args[0], Node) \
+                and src.args[0].op == "get_attr":
+            src, lift = src.args[0], src
+        out.append((node, src, lift))
+    return out
+
+
 def make_host_copies_recordable(gm: GraphModule, pin: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
     """Rewrites `gm` in place; returns how many host-to-GPU copies became recordable. `pin` pins a
     constant (tests on a machine without a GPU pass a stand-in)."""
     pin = pin or _pinned
     changed = 0
-    for node in list(gm.graph.nodes):
-        device = node.kwargs.get("device") if _tagged(node, "device_copy") else None
-        if device is None or torch.device(device).type != "cuda" or node.kwargs.get("non_blocking"):
+    for node, src, lift in _copies_to(gm, "cuda"):
+        if node.kwargs.get("non_blocking"):
             continue
-        src = node.args[0]
-        if isinstance(src, Node) and _tagged(src, "constant_lift") and len(src.users) == 1 \
-                and isinstance(src.args[0], Node) and src.args[0].op == "get_attr":
-            node.replace_input_with(src, src.args[0])  # the copy to the GPU is fresh already
-            gm.graph.erase_node(src)
-            src = node.args[0]
+        if lift is not None:
+            if len(lift.users) != 1:
+                continue  # the fresh host copy is read elsewhere too: the copy reads it, unpinned
+            node.replace_input_with(lift, src)  # the copy to the GPU is fresh already
+            gm.graph.erase_node(lift)
         if not isinstance(src, Node):
             continue
         if src.op == "get_attr":
@@ -97,13 +111,7 @@ def constants_on_device(gm: GraphModule, device_type: str = "cuda") -> int:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     changed = 0
-    for node in list(gm.graph.nodes):
-        device = node.kwargs.get("device") if _tagged(node, "device_copy") else None
-        if device is None or torch.device(device).type != device_type:
-            continue
-        src = node.args[0]
-        if isinstance(src, Node) and _tagged(src, "constant_lift") and isinstance(src.args[0], Node):
-            src = src.args[0]  # a fresh copy of the constant: the device copy is fresh already
+    for node, src, _ in _copies_to(gm, device_type):  # (a fresh copy of the constant read through: dead after)
         if not (isinstance(src, Node) and src.op == "get_attr"):
             continue
         const = _attr(gm, src.target)
