@@ -30,7 +30,8 @@ def analyze(path, et=None):
 def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel", calls: int = 3,
              benchmark: bool = False, iters: int = 20, granularity: str = "layer", reuse: bool = True,
              select: bool | None = None, interpret: bool = False, train: bool = False, train_memory: float = 0.0,
-             decode: bool = False, isolate: bool | None = None, inductor: bool | None = None):
+             decode: bool = False, isolate: bool | None = None, inductor: bool | None = None,
+             dynamic: bool | None = None):
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
 
         report = advisor.optimize(model, (input_ids,))
@@ -64,14 +65,18 @@ def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: 
     them with their neighbours), so the ops no pattern took are fused too; guards, CUDA-graph replay, selection
     and unpatch as without it (apply.json `inductor_graphs` says which graphs Inductor compiled and why not
     others); False: our captures alone; None (default): on a GPU with selection on, both routes are checked and
-    timed and the faster kept (`report.selection["route"]` says which and by how much), ours elsewhere.
+    timed and the faster kept (`report.selection["route"]` says which and by how much), ours elsewhere;
+    dynamic: after `optimize`, a patched module captures two more shapes; calls at shapes past those run, with True,
+    Inductor's dynamic-shape compile of the module's original forward (compiled once, on the first such call:
+    fused at every later batch and length, no CUDA graph; `report.handle.any_shape_calls()` counts them), with
+    False its original ops; None (default): True on a GPU.
     """
     from advisor.workflows.live_model import optimize as optimize_model  # torch, dynamo, triton: when called
 
     return optimize_model(model, example_inputs, top=top, out=out, replacement=replacement, calls=calls,
                           benchmark=benchmark, iters=iters, granularity=granularity, reuse=reuse, select=select,
                           interpret=interpret, train=train, train_memory=train_memory, decode=decode,
-                          isolate=isolate, inductor=inductor)
+                          isolate=isolate, inductor=inductor, dynamic=dynamic)
 
 
 def patch(model, plan):

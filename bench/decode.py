@@ -93,6 +93,7 @@ def child(name: str, batch: int, ways: list[str], result: Path, new_tokens: int,
         if handle is not None:
             after = handle.launches()
             row["fused_launches_first_generate"] = sum(n - before.get(k, 0) for k, n in after.items())
+            row["dynamic_compile_calls_first_generate"] = sum(handle.any_shape_calls().values())
         row["agreement_with_eager"] = agreement(tokens, eager_tokens, prompt.shape[1])
     res["timing"] = t = interleaved({"eager": gen(untouched), **{w: gen(m) for w, m in copies.items()}}, "cuda",
                                     iters=iters, rounds=3, warmup_s=0.0)

@@ -133,10 +133,16 @@ class Patched:
         for f in self.forwards.values():
             f.enabled = None if keys is None else frozenset(keys)
 
-    def settle(self) -> None:
-        """The model is checked: from now on new shapes capture only a little more (`PatchedForward.settle`)."""
+    def settle(self, any_shape: bool = False) -> None:
+        """The model is checked: from now on new shapes capture only a little more, then run the original forwards
+        or, with `any_shape`, Inductor's dynamic-shape compile of them (`PatchedForward.settle`)."""
         for f in self.forwards.values():
-            f.settle()
+            f.settle(any_shape)
+
+    def any_shape_calls(self) -> dict[str, int]:
+        """{module: calls} that Inductor's dynamic-shape compile of its forward ran (`settle(any_shape=True)`)."""
+        return {q or type(self.model).__name__: f.any_shape.calls for q, f in self.forwards.items()
+                if f.any_shape is not None and f.any_shape.calls}
 
     def manifest(self, matched_only: bool = True) -> list[dict]:
         """apply.json's manifest: one entry per patched module and pattern (found there, by default)."""

@@ -41,14 +41,12 @@ on the module.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
 import logging
 import sys
 import threading
-import types
 import warnings
 import weakref
 from typing import Callable
@@ -61,90 +59,12 @@ from advisor.errors import exception_reason
 from advisor.fast_paths import module_level_paths
 from advisor.kernels import derived
 from advisor.patching import rewrite
+from advisor.patching.any_shape import AnyShape
 from advisor.patching.capture import Backend, CaptureLog, graphs_run, log_for, plan_digest, trainable
+from advisor.patching.compiled import _as_normal_inputs, compile_fresh, dynamo_limits_noted
 from advisor.patching.graphs import drop_recordings_reading, release_pool
 from advisor.patching.plan import PatternSpec
 from advisor.patching.train_graphs import release_unused_pool
-
-
-def compile_fresh(fn: Callable, backend: Backend, holder: object) -> Callable:
-    """`torch.compile` of a copy of `fn` with a code object of its own (`_fresh`), whose compiled state
-    goes when `holder` does (the capture's users: a model deleted, or unpatched and dropped). Dynamo keeps
-    its graphs alive through the code object's cache (and the globals its bytecode installs), and every
-    backend ever compiled with in a module-level table (for `torch._dynamo.reset`): both would otherwise
-    keep a dead model's captured graphs, and their CUDA-graph recordings' memory, for the process's life."""
-    fresh = _fresh(fn)
-    compiled = torch.compile(fresh, backend=backend, dynamic=False)
-    compiled._fusion_advisor_fresh = fresh  # whose code object holds dynamo's cache (`_guards_accept` reads it)
-    compiled._fusion_advisor_graphs = graphs_per_capture()  # (`_full`; dynamo's config costs 4 us a read)
-    release = weakref.finalize(holder, _release_compiled, getattr(fresh, "__code__", None), backend)
-    release.atexit = False  # the process is ending: nothing to hand back, and dynamo may be half torn down
-    return compiled
-
-
-def _release_compiled(code, backend: Backend) -> None:
-    try:
-        from torch._dynamo import eval_frame, reset_code
-
-        if code is not None:
-            reset_code(code)  # its cache entries, hence the compiled graphs their bytecode calls
-        for k, wrapper in list(eval_frame.cached_backends.items()):
-            if getattr(wrapper, "compiler_fn", wrapper) is backend:
-                eval_frame.cached_backends.pop(k, None)
-    except Exception:  # dynamo's internals moved: the memory stays, as it would have without this
-        pass
-
-
-def _fresh(fn: Callable) -> Callable:
-    """The same function with its own code object. Dynamo keeps its compiled-code cache on the code
-    object and stops compiling after `recompile_limit` (8) entries; every plan (set of pattern keys)
-    is a new backend, hence a new entry, so plans would otherwise share, and exhaust, one cache.
-    A function of torch's own files (`nn.Linear.forward`: a patched LM head) dynamo compiles only from a
-    wrapper frame, and it wraps them all in one `inner` whose code, and cache, they then share: the
-    ninth such capture in a process ran uncaptured. Those get a wrapper of ours, with its own code.
-    The functions a decorator's wrapper holds in its closure (the forward it wraps) get their own too: where
-    dynamo breaks the graph inside, it compiles them as frames of their own, and a decorator's code is shared
-    by every function it wraps (HF's `deprecate_kwarg` wrapper around every decoder layer's forward: ten
-    models optimized with `output_hidden_states` in one process exhausted its cache at the third)."""
-    return _fresh_function(fn, depth=3)
-
-
-def _fresh_function(fn: Callable, depth: int) -> Callable:
-    if not isinstance(fn, types.FunctionType):
-        return fn
-    if _wrapped_by_dynamo(fn):
-        def call(*args, **kwargs):
-            return fn(*args, **kwargs)
-
-        call.__code__ = call.__code__.replace(co_name=fn.__name__)  # a code object of its own
-        call.__name__, call.__qualname__ = fn.__name__, fn.__qualname__
-        return call
-    closure = fn.__closure__
-    if closure and depth > 1 and any(isinstance(_cell_value(c), types.FunctionType) for c in closure):
-        closure = tuple(types.CellType(_fresh_function(v, depth - 1)) if isinstance(v := _cell_value(c), types.FunctionType)
-                        else c for c in closure)
-    g = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, closure)
-    g.__kwdefaults__ = fn.__kwdefaults__
-    g.__dict__.update(fn.__dict__)
-    g.__qualname__ = fn.__qualname__
-    return g
-
-
-def _cell_value(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell (a name the closure binds later)
-        return None
-
-
-def _wrapped_by_dynamo(fn: Callable) -> bool:
-    """Whether `torch.compile(fn)` would run `fn` through dynamo's shared wrapper (its skip rules)."""
-    try:
-        from torch._dynamo import trace_rules
-
-        return bool(trace_rules.check(fn))
-    except Exception:  # internals moved: a wrapper of ours is right either way
-        return True
 
 
 # ------------------------------------------------------------------------------------ the forward
@@ -232,6 +152,7 @@ class PatchedForward:
         self._captured_shapes: set = set()  # `_shapes_of` the calls that captured: past the budget, any other
         # call's shapes are refused by the guards (dynamic=False), so it runs the original forward unasked
         self._refusals: dict = {}  # captured shapes -> calls in a row the guards refused at them (`_may_serve`)
+        self.any_shape: AnyShape | None = None  # what runs calls past the budget at new shapes (None: the original)
         self.enabled: frozenset | None = None  # patterns whose launchers run (None: all; see Patched.enable)
         self.train_fused = False  # see `trains`
         self.gradient_calls = GradientCalls(type(module).__name__)  # shared by the model's forwards (`patch`)
@@ -291,12 +212,15 @@ class PatchedForward:
         only to a forward that names them; with `(*args, **kwargs)` Gemma-2 generated other scores)."""
         return inspect.signature(self.original())
 
-    def settle(self) -> None:
+    def settle(self, any_shape: bool = False) -> None:
         """Called once `optimize` has checked the model: from now on at most `EXTRA_CAPTURES` more calls
         may capture (new shapes, modes; one call can capture several graphs where dynamo breaks the
         forward up); beyond that a call that would recompile runs the original forward, so a decoding
-        loop whose lengths grow never waits for dynamo."""
+        loop whose lengths grow never waits for dynamo, or, with `any_shape`, Inductor's one dynamic-shape
+        compile of it (`AnyShape`: fused at every later shape, for one compile)."""
         self._budget = self._capturing_calls + EXTRA_CAPTURES
+        fn, _ = self._target()
+        self.any_shape = AnyShape(fn, self.module) if any_shape else None
 
     def _compile(self) -> Callable:
         """The function this instance calls: its class's shared capture where there is one to join (or
@@ -354,7 +278,7 @@ class PatchedForward:
         with self._lock:
             self._via = None
             self._backend = Backend(self.specs, self.log(), self.digest, self._may_train, self.inductor)
-            self._compiled = compile_fresh(self._target()[0], self._backend, holder=self)
+            self._compiled = compile_fresh(self._target()[0], self._backend, holder=self, graphs=graphs_per_capture())
             return self._compiled
 
     def _served_by_class(self, lead, args, kwargs):
@@ -401,7 +325,14 @@ class PatchedForward:
                 self._refusals.pop(shapes, None)
         return True
 
-    def _fall_back(self, why: str, args, kwargs):
+    def _fall_back(self, why: str, args, kwargs, any_shape: bool = False):
+        """The original forward runs the call, noted under `why`; with `any_shape` (an inference call past the
+        budget at new shapes), Inductor's dynamic-shape compile of it where there is one (`AnyShape`)."""
+        if any_shape and self.any_shape is not None:
+            out = self.any_shape(self._target()[1], args, kwargs, type(self.module).__name__, self._note)
+            if out is not NotImplemented:
+                return out
+            why = self.any_shape.failed or why
         self._note(why)
         return self.original()(*args, **kwargs)
 
@@ -474,7 +405,7 @@ class PatchedForward:
         if self._spent_on(args, kwargs):
             # Past the budget at shapes no capture was made at: the original forward, before any of the capture's
             # own bookkeeping (a growing KV cache makes every decode step such a call, in every layer).
-            return self._fall_back(SPENT, args, kwargs)
+            return self._fall_back(SPENT, args, kwargs, any_shape=True)
         if torch.is_inference_mode_enabled():
             return self._call_as_no_grad(m, args, kwargs)
         if torch.is_grad_enabled():
@@ -541,7 +472,7 @@ class PatchedForward:
             # call cost ~140 us of dynamo's Python per layer on the H200 (a growing KV cache makes every decode step
             # a new shape: generate() ran 0.88x eager). An outer capture steps aside for its layers' captures: under
             # that stance (global) they would run eager too, and find no site fused.
-            return self._fall_back(SPENT if spent else FULL, args, kwargs)
+            return self._fall_back(SPENT if spent else FULL, args, kwargs, any_shape=not training)
         caller = rewrite.set_caller(id(self))
         scoped = self.enabled is not None and rewrite.enabled_keys() is None  # an `only()` block decides itself
         if scoped:
@@ -644,7 +575,7 @@ class ClassCapture:
 
     def __init__(self, fn: Callable, backend: Backend, owner: PatchedForward, key: tuple):
         self.backend = backend
-        self.compiled = compile_fresh(fn, backend, holder=self)
+        self.compiled = compile_fresh(fn, backend, holder=self, graphs=graphs_per_capture())
         # The registry keeps no module alive, and lets go of the capture once its owner is gone: instances
         # it serves hold it themselves; otherwise its compiled graphs (and their CUDA-graph recordings, the
         # pool memory they keep) are freed with the model, as dynamo's cache on its code object goes.
@@ -754,7 +685,7 @@ def _full(fn: Callable, captured: int) -> bool:
     guards refuse then runs without compiling (`FULL`). Dynamo would compile up to its `recompile_limit` and then
     print its warning block on the user's terminal. `captured`: the graphs its backend was handed (at least its
     entries, so most calls are answered without asking dynamo)."""
-    limit = getattr(fn, "_fusion_advisor_graphs", GRAPHS_PER_CAPTURE)
+    limit = getattr(fn, "_fusion_advisor_graphs", None) or GRAPHS_PER_CAPTURE
     if captured < limit:
         return False
     try:
@@ -763,45 +694,6 @@ def _full(fn: Callable, captured: int) -> bool:
         return len(_debug_get_cache_entry_list(fn._fusion_advisor_fresh.__code__)) >= limit
     except Exception:  # noqa: BLE001  (internals moved: dynamo's own limit applies)
         return False
-
-
-_NOTED = threading.local()
-_NOTES_INSTALLED = False
-_LIMIT_MESSAGE = "torch._dynamo hit config."
-
-
-class _DynamoLimitNotes(logging.Filter):
-    """Takes dynamo's recompile-limit warning (a frame compiled `recompile_limit` times: dynamo runs it eagerly
-    from then on) when it comes from a frame of one of our captures, where it is ours to account for: noted as
-    a fallback reason of the patched forward (`dynamo_limits_noted`), not printed on the user's terminal.
-    Outside our captures (the user's own `torch.compile`) the warning passes as dynamo logs it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        notes = getattr(_NOTED, "notes", None)
-        if notes is None or not str(record.msg).startswith(_LIMIT_MESSAGE):
-            return True
-        try:
-            limit, value, where = record.args[0], record.args[1], record.args[2]
-            notes.append(f"dynamo's {limit} ({value}) reached by {where} inside the capture: dynamo runs that "
-                         "frame without compiling it from then on (its ops unfused)")
-        except Exception:  # noqa: BLE001  (the message's arguments moved)
-            notes.append("dynamo's recompile limit reached inside the capture: a frame runs without compiling")
-        return False
-
-
-@contextlib.contextmanager
-def dynamo_limits_noted():
-    """Yields a list: the recompile-limit warnings dynamo gave inside the block, in words (see `_DynamoLimitNotes`)."""
-    global _NOTES_INSTALLED
-    if not _NOTES_INSTALLED:
-        logging.getLogger("torch._dynamo.convert_frame").addFilter(_DynamoLimitNotes())
-        _NOTES_INSTALLED = True
-    outer, notes = getattr(_NOTED, "notes", None), []
-    _NOTED.notes = notes
-    try:
-        yield notes
-    finally:
-        _NOTED.notes = outer  # (a capture inside another's call, an outer capture's layer, notes its own)
 
 
 def _graph_breaks() -> int:
@@ -899,29 +791,6 @@ def _collecting(collector) -> Callable[[], bool]:
     return lambda: bool(collector.get())
 
 
-def _as_normal_inputs(x):
-    """`x` with each inference tensor in it, through plain tuples, lists and dicts, as `_as_normal_tensor`
-    (walked by hand: pytree's walk cost 25 µs of a decoder layer's call here, this one 3). Tensors inside
-    other objects (a KV cache) stay as they are: dynamo's guards see them and capture afresh where they differ."""
-    if isinstance(x, torch.Tensor):
-        return _as_normal_tensor(x)
-    kind = type(x)
-    if kind is tuple or kind is list:
-        return kind(_as_normal_inputs(v) for v in x)
-    if kind is dict:
-        return {k: _as_normal_inputs(v) for k, v in x.items()}
-    return x
-
-
-def _as_normal_tensor(t: torch.Tensor) -> torch.Tensor:
-    """An inference tensor's memory as a normal tensor (outside inference mode): same storage, offset, sizes
-    and strides. Left as they are: normal tensors, subclasses and layouts or bits a bare storage view
-    would lose (sparse, conjugate, negative); dynamo's guards then decide whether the capture serves them."""
-    if (not t.is_inference() or type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_conj()
-            or t.is_neg()):
-        return t
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
-                                                               t.stride())
 
 
 _log = logging.getLogger(__name__)

@@ -152,6 +152,12 @@ class OptimizeOptions:
     decode: bool = False
     isolate: bool | None = None
     inductor: bool | None = None  # None: on a GPU both routes are timed and the faster kept (`route`)
+    dynamic: bool | None = None  # None: on a GPU; new shapes past the capture budget run Inductor's dynamic compile
+
+    def any_shape(self, device: str) -> bool:
+        """Whether calls at new shapes past the capture budget run Inductor's dynamic-shape compile of the
+        forward (`patching.any_shape`) rather than its original ops."""
+        return self.dynamic if self.dynamic is not None else device == "cuda"
 
     def __post_init__(self):
         m = self.train_memory
@@ -169,20 +175,21 @@ class OptimizeOptions:
         return {"top": self.top, "replacement": self.replacement, "calls": self.calls, "iters": self.iters,
                 "granularity": self.granularity, "reuse": self.reuse, "select": self.select,
                 "interpret": self.interpret, "train": self.train, "train_memory": self.train_memory,
-                "decode": self.decode, "inductor": self.inductor}
+                "decode": self.decode, "inductor": self.inductor, "dynamic": self.dynamic}
 
 
 def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel",
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "layer", reuse: bool = True, select: bool | None = None,
              interpret: bool = False, train: bool = False, train_memory: float = 0.0,
-             decode: bool = False, isolate: bool | None = None, inductor: bool | None = None) -> OptimizeReport:
+             decode: bool = False, isolate: bool | None = None, inductor: bool | None = None,
+             dynamic: bool | None = None) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
     options = OptimizeOptions(top=top, out=out, replacement=replacement, calls=calls, benchmark=benchmark,
                               iters=iters, granularity=granularity, reuse=reuse, select=select, interpret=interpret,
                               train=train, train_memory=train_memory, decode=decode, isolate=isolate,
-                              inductor=inductor)
+                              inductor=inductor, dynamic=dynamic)
     with _OPTIMIZING:
         model = underneath(model)  # a wrapper (torch.compile, DDP): the module it calls is optimised, the wrapper works on
         args, kwargs = split_inputs(example_inputs)
@@ -326,13 +333,14 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
         ran = counted.inference(call, handle)
     records = counted.agree(records, specs, ran)
     runs = {"fused_launches_per_call": sum(ran.values()), "sites": ran}
-    handle.settle()  # the checks' own captures (training calls, their modes) are not the user's loop's budget
+    any_shape = options.any_shape(device)
+    handle.settle(any_shape)  # the checks' own captures (training calls, their modes) are not the user's loop's budget
     generate = decode_setup.prepare(model) if options.decode else None  # what `model.generate` will do now
     manifest, checked = handle.manifest(), chk.as_dict()
     write_apply(out_dir, pipeline.apply_doc(
         replacement=options.replacement, device=device, records=records, manifest=manifest, checks=[checked],
         end_to_end=e2e, selection=selection, enabled=sorted(handle.enabled) if handle.enabled is not None else None,
-        outer=handle.outer_on, plan=handle.plan, inductor_graphs=handle.inductor_graphs() or None,
+        outer=handle.outer_on, plan=handle.plan, inductor_graphs=handle.inductor_graphs() or None, dynamic=any_shape,
         phases_s=phases.seconds, plan_reused=reused, plan_key=key, plan_key_parts=key_parts, training=training,
         runs=runs, modes=modes, graphs=handle.graph_keys(), cuda_graphs_not_used=handle.graphs_not_used(),
         fallbacks=handle.fallbacks(), decode=generate.to_json() if generate is not None else None,
