@@ -6,7 +6,9 @@ interleaved, after warm-up, in that one process (CUDA events). Ways:
 - `static`: HF's static cache (`generation_config.cache_implementation = "static"`): `generate` compiles
   the decode step with torch.compile (CUDA graphs) itself; the peer to beat;
 - `advisor`: `advisor.optimize(model, {"input_ids": prompt})`, defaults;
-- `advisor_decode`: the same with `decode=True`.
+- `advisor_decode`: the same with `decode=True`;
+- `advisor_no_dynamic` (on request): with `dynamic=False` (decode steps past the capture budget run the original
+  ops, not Inductor's dynamic-shape compile).
 Also: setup seconds (optimize), first `generate` seconds, greedy tokens' agreement with the untouched copy's
 (share of generated positions equal), fused launches in one `generate` (advisor ways).
 
@@ -80,7 +82,8 @@ def child(name: str, batch: int, ways: list[str], result: Path, new_tokens: int,
         if way == "static":
             m.generation_config.cache_implementation = "static"
         else:
-            report = advisor.optimize(m, {"input_ids": prompt}, decode=way == "advisor_decode")
+            report = advisor.optimize(m, {"input_ids": prompt}, decode=way == "advisor_decode",
+                                      dynamic=False if way == "advisor_no_dynamic" else None)
             row["report"] = str(report)
         torch.cuda.synchronize()
         row["setup_s"] = round(time.perf_counter() - t0, 2)

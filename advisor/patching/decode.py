@@ -75,12 +75,15 @@ def restore(model: torch.nn.Module) -> None:
                 setattr(m.generation_config, k, v)
 
 
-def hint(model: torch.nn.Module) -> str | None:
-    """For a generation model optimised without `decode=True`: what its `generate` will do."""
+def hint(model: torch.nn.Module, any_shape: bool = False) -> str | None:
+    """For a generation model optimised without `decode=True`: what its `generate` will do (`any_shape`: calls at
+    shapes past the capture budget run Inductor's dynamic-shape compile, `patching.any_shape`)."""
     can_generate = getattr(type(model), "can_generate", None)
     if _SAVED in model.__dict__ or not callable(can_generate) or not can_generate():
         return None
     if getattr(getattr(model, "generation_config", None), "cache_implementation", None) == STATIC:
         return None
-    return ("generate(): decode steps (one token against a growing cache) are shapes never profiled and run the "
-            "original ops; optimize(..., decode=True) decodes on HF's static cache, graphed by torch.compile")
+    ran = ("past the capture budget run Inductor's dynamic-shape compile of the original forwards (compiled on the "
+           "first such step; no CUDA graph)" if any_shape else "run the original ops")
+    return (f"generate(): decode steps (one token against a growing cache) are shapes never profiled and {ran}; "
+            "optimize(..., decode=True) decodes on HF's static cache, graphed by torch.compile")

@@ -350,7 +350,7 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
         plan_cache.store(out_dir, key)
     return OptimizeReport(out_dir, records, manifest, checked, e2e, handle, phases.seconds, selection,
                           training, modes, runs,
-                          generate.decision if generate is not None else decode_setup.hint(model),
+                          generate.decision if generate is not None else decode_setup.hint(model, any_shape),
                           isolation.decision if isolation is not None else None)
 
 
