@@ -310,15 +310,15 @@ def _static_like(a: torch.Tensor, pinned: bool = False) -> torch.Tensor:
 
 def _copy_in(statics: list, args) -> None:
     """Each static buffer gets its input's whole storage (reads may reach outside the view)."""
-    for s, a in zip(statics, args):
-        if s is not None:
-            _bytes(s).copy_(_bytes(a))
+    pairs = [(_bytes(s), _bytes(a)) for s, a in zip(statics, args) if s is not None]
+    _copy_all([d for d, _ in pairs], [a for _, a in pairs])
 
 
 def _copy_out(outs: list) -> list:
     """Fresh copies of the static outputs that keep their layout and their aliasing: outputs sharing a
     storage share one copy of it (AOTAutograd rebuilds an output's views from it by offset and strides)."""
     copies: dict = {}
+    sources, targets = [], []
     fresh = []
     for o in outs:
         if not isinstance(o, torch.Tensor):
@@ -327,9 +327,39 @@ def _copy_out(outs: list) -> list:
         storage = o.untyped_storage()
         copy = copies.get(storage.data_ptr())
         if copy is None:
-            copy = copies[storage.data_ptr()] = _bytes(o).clone().untyped_storage()
+            src = _bytes(o)
+            dst = torch.empty_like(src)
+            sources.append(src)
+            targets.append(dst)
+            copy = copies[storage.data_ptr()] = dst.untyped_storage()
         fresh.append(torch.empty(0, dtype=o.dtype, device=o.device).set_(copy, o.storage_offset(), o.size(), o.stride()))
+    _copy_all(targets, sources)
     return fresh
+
+
+def _copy_all(targets: list, sources: list) -> None:
+    """targets[i] <- sources[i] (byte views of whole storages), in one `torch._foreach_copy_` per device and word
+    size where `copy_` would launch a memcpy each: an HF decoder stack's replay copies its hidden states and every
+    layer's keys and values out (27 copies per call of an 8-layer Mistral on the H200, 2-3 us of GPU time each)."""
+    groups: dict = {}
+    for t, s in zip(targets, sources):
+        t, s = _words(t), _words(s)
+        if t.dtype != s.dtype:
+            t, s = t.view(torch.uint8), s.view(torch.uint8)
+        ts, ss = groups.setdefault((t.device, s.device, t.dtype), ([], []))
+        ts.append(t)
+        ss.append(s)
+    for ts, ss in groups.values():
+        if len(ts) == 1:
+            ts[0].copy_(ss[0])
+        else:
+            torch._foreach_copy_(ts, ss)
+
+
+def _words(b: torch.Tensor) -> torch.Tensor:
+    """A byte view as 8-byte words where its size and address allow: the copy kernel then moves 8 bytes an
+    element, not one."""
+    return b.view(torch.int64) if b.numel() % 8 == 0 and b.data_ptr() % 8 == 0 else b
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
