@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     res = {"model": a.model, "requests": reqs, "optimized_at": [8, 512], "setup_s": round(setup_s, 2),
            "warm_pass_s": warm, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "per_way": {},
            "advisor_fallbacks_in_timed_pass": unfused, "advisor_dynamic_compile_calls_in_timed_pass": dynamic,
+           "advisor_dynamic_compile_graphs": report.handle.any_shape_graphs(),
            "selection_route": (report.selection or {}).get("route"), "report": str(report)}
     for name, ts in times.items():
         s = sorted(ts)

@@ -53,6 +53,9 @@ def test_shapes_past_the_budget_run_inductor_s_dynamic_compile(dynamic_llama):
     # every call past the budget (the first EXTRA_CAPTURES new shapes captured) in every layer
     assert calls and sum(calls.values()) == layers * (len(NEW_SHAPES) - EXTRA_CAPTURES), calls
     assert not any(SPENT in why for f in report.handle.fallbacks().values() for why in f), report.handle.fallbacks()
+    # one graph for every batch and length, one more where dynamo specialises a size of 1 (batch 1): no storm
+    graphs = report.handle.any_shape_graphs()
+    assert set(graphs) == set(calls) and all(1 <= n <= 2 for n in graphs.values()), graphs
 
 
 def test_inference_mode_calls_take_the_same_compile(dynamic_llama):

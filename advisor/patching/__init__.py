@@ -144,6 +144,11 @@ class Patched:
         return {q or type(self.model).__name__: f.any_shape.calls for q, f in self.forwards.items()
                 if f.any_shape is not None and f.any_shape.calls}
 
+    def any_shape_graphs(self) -> dict[str, int]:
+        """{module: graphs} dynamo compiled for those calls (one per family of shapes: recompiles made visible)."""
+        return {q or type(self.model).__name__: n for q, f in self.forwards.items()
+                if f.any_shape is not None and (n := f.any_shape.graphs())}
+
     def manifest(self, matched_only: bool = True) -> list[dict]:
         """apply.json's manifest: one entry per patched module and pattern (found there, by default)."""
         out = []

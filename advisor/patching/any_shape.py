@@ -51,6 +51,19 @@ class AnyShape:
                 self._compiled = compile_fresh(self._target, "inductor", holder=holder, dynamic=True)
             return self._compiled
 
+    def graphs(self) -> int:
+        """Graphs dynamo compiled for it so far (a recompile storm would show here; dynamo stops at its recompile
+        limit, and the frame then runs uncompiled, noted)."""
+        fresh = getattr(self._compiled, "_fusion_advisor_fresh", None)
+        if fresh is None:
+            return 0
+        try:
+            from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            return len(_debug_get_cache_entry_list(fresh.__code__))
+        except Exception:  # noqa: BLE001  (dynamo's internals moved)
+            return 0
+
     def __call__(self, lead: tuple, args: tuple, kwargs: dict, name: str, note: Callable[[str], None]):
         """The call's outputs, or `NotImplemented` where the compile failed (now or before): the caller then runs
         the original forward. `note`: told each recompile limit dynamo reached inside (a frame run uncompiled)."""
