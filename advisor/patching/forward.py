@@ -21,7 +21,8 @@ A call in inference mode runs the capture a `no_grad` call made (its inference t
 tensors over the same memory, `PatchedForward._call_as_no_grad`): dynamo's guards would otherwise tell
 the two modes apart and trace every module once per mode.
 A forward captures at most `EXTRA_CAPTURES` more graphs after `optimize` has checked it (new shapes,
-train mode): later new shapes run the original forward instead of recompiling inside the user's loop. One
+train mode): later new shapes run the original forward instead of recompiling inside the user's loop, or, where
+`optimize` asked (`settle(any_shape=True)`), Inductor's one dynamic-shape compile of it (`any_shape`). One
 compiled function holds at most `GRAPHS_PER_CAPTURE` graphs, within dynamo's recompile limit, whose warning
 would otherwise reach the user's terminal (a module called at many shapes within `optimize`'s own calls); a
 limit dynamo reaches inside a capture anyway (a frame compiled where the graph breaks) is noted as a fallback
