@@ -65,7 +65,8 @@ def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: 
     them with their neighbours), so the ops no pattern took are fused too; guards, CUDA-graph replay, selection
     and unpatch as without it (apply.json `inductor_graphs` says which graphs Inductor compiled and why not
     others); False: our captures alone; None (default): on a GPU with selection on, both routes are checked and
-    timed and the faster kept (`report.selection["route"]` says which and by how much), ours elsewhere;
+    timed and the faster kept (`report.selection["route"]` says which and by how much), ours elsewhere and with
+    `decode=True` (where the prompt's forward is a few percent of a `generate`);
     dynamic: after `optimize`, a patched module captures two more shapes; calls at shapes past those run, with True,
     Inductor's dynamic-shape compile of the module's original forward (compiled once, on the first such call:
     fused at every later batch and length, no CUDA graph; `report.handle.any_shape_calls()` counts them), with

@@ -242,6 +242,34 @@ def test_optimize_times_both_routes_and_writes_the_one_taken(tmp_path, monkeypat
         torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_takes_our_route_without_timing_inductors(tmp_path, monkeypatch):
+    """With `decode=True` the prompt's forward is a few percent of a `generate`: the default does not spend an
+    `optimize`'s second check and selection on Inductor's route for it."""
+    transformers = pytest.importorskip("transformers")
+    from advisor.measure import timing
+    from advisor.workflows import live_model, route
+
+    def keep_faster(call, handle, device, records, iters=20, exact=None):
+        return handle, {"decision": "kept every pattern: 10 -> 8", "state": "all", "kept": [],
+                        "final": {"before": 10.0, "all": 8.0}}, records
+
+    def choose(*args, **kwargs):
+        raise AssertionError("Inductor's route timed for a decode=True optimize")
+
+    monkeypatch.setattr(timing, "timing_meaningful", lambda device: True)
+    monkeypatch.setattr(live_model, "keep_faster", keep_faster)
+    monkeypatch.setattr(route, "choose", choose)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    report = advisor.optimize(model, {"input_ids": torch.randint(0, 256, (2, 8))}, interpret=True, out=tmp_path,
+                              reuse=False, decode=True)
+    doc = json.loads((tmp_path / "apply.json").read_text())
+    assert "route" not in doc["selection"] and not report.handle.plan.inductor, doc["selection"]
+    advisor.unpatch(model)
+
+
 def test_apply_takes_inductors_route_on_a_script(tmp_path):
     """`fusion-advisor apply --inductor`: the script's models patched with Inductor compiling their captures,
     written to apply.json (and re-applied the same way)."""

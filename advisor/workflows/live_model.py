@@ -295,7 +295,9 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
 
     checked = check_and_select(handle)
     if options.inductor is None and options.selecting and not reused and options.replacement == "kernel" \
-            and measure_timing.timing_meaningful(device):  # both routes timed on the GPU, the faster kept
+            and not options.decode and measure_timing.timing_meaningful(device):  # both routes timed, the faster kept
+        # (not for `decode=True`: the prompt's forward, all our captures run, was ~3% of a 64-token generate on the
+        # H200, while timing Inductor's route too cost 15-20 s of an `optimize` that took 27-35 s; reports/decode)
         checked = route.choose(checked, model, lambda h: check_and_select(h, " (inductor)"), patch)
     chk, handle, records, selection, timed = (checked.check, checked.handle, checked.records, checked.selection,
                                               checked.timed)
