@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from typing import Callable
 
 import torch
@@ -34,9 +33,8 @@ COMPILED = "Inductor's dynamic-shape compile of the original forward"
 class AnyShape:
     """One patched forward's any-shape compile: made on its first call, counted, given up on its first failure."""
 
-    def __init__(self, target: Callable, holder: torch.nn.Module):
+    def __init__(self, target: Callable):
         self._target = target  # the function compiled (the module's original forward, unbound)
-        self._holder = weakref.ref(holder)
         self._compiled: Callable | None = None
         self._lock = threading.Lock()
         self.calls = 0  # calls it ran
@@ -44,11 +42,8 @@ class AnyShape:
 
     def _compile(self) -> Callable:
         with self._lock:
-            if self._compiled is None:
-                holder = self._holder()
-                if holder is None:
-                    raise ReferenceError("the patched module no longer exists")
-                self._compiled = compile_fresh(self._target, "inductor", holder=holder, dynamic=True)
+            if self._compiled is None:  # (its dynamo state goes with this object: unpatched, the model lets go)
+                self._compiled = compile_fresh(self._target, "inductor", holder=self, dynamic=True)
             return self._compiled
 
     def graphs(self) -> int:

@@ -221,7 +221,7 @@ class PatchedForward:
         compile of it (`AnyShape`: fused at every later shape, for one compile)."""
         self._budget = self._capturing_calls + EXTRA_CAPTURES
         fn, _ = self._target()
-        self.any_shape = AnyShape(fn, self.module) if any_shape else None
+        self.any_shape = AnyShape(fn) if any_shape else None
 
     def _compile(self) -> Callable:
         """The function this instance calls: its class's shared capture where there is one to join (or
