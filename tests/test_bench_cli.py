@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ["suite", "zoo", "train", "coexist", "decode", "new_shapes", "serving", "cold_start", "kernels",
-              "matmul_fusion", "scale", "profile_overhead", "synth_trace", "distributed"]
+              "matmul_fusion", "scale", "profile_overhead", "synth_trace", "distributed", "attention_mask"]
 LIBRARIES = ["common", "workloads", "retime", "suite_report"]  # shared by the benchmarks, no command line of their own
 
 
