@@ -547,7 +547,7 @@ def test_inference_mode_and_no_grad_share_one_capture(tmp_path, monkeypatch, fir
 def test_inference_tensor_inputs_are_written_in_place():
     """The normal tensor a patched forward hands its capture for an inference tensor is the same memory:
     what the capture writes into it (an in-place op on an input) is in the caller's tensor, as in eager."""
-    from advisor.patching.forward import _as_normal_tensor
+    from advisor.patching.compiled import _as_normal_tensor
 
     with torch.inference_mode():
         x = torch.arange(12.0).reshape(3, 4)[:, 1:]

@@ -208,7 +208,7 @@ def test_captures_of_torch_module_forwards_never_share_one_cache():
     # dynamo compiles a function of torch's own files (nn.Linear.forward: a patched LM head) from a wrapper
     # frame and wrapped them all in one shared `inner`: its 8-entry cache filled and the ninth capture in a
     # process ran uncaptured (a padded head trained op by op after the test suite's earlier models)
-    from advisor.patching.forward import _fresh
+    from advisor.patching.compiled import _fresh
 
     graphs = []
 
@@ -230,7 +230,8 @@ def test_a_refused_shared_capture_is_not_kept_alive():
     import gc
     import weakref
 
-    from advisor.patching.forward import _NOT_SERVED, _guards_accept, _served, compile_fresh
+    from advisor.patching.compiled import compile_fresh
+    from advisor.patching.forward import _NOT_SERVED, _guards_accept, _served
 
     class Backend:
         def __call__(self, gm, example_inputs):
