@@ -20,6 +20,8 @@ Per model, one test each (ids `test_<check>[<model>]`), in this order on one opt
                       inference_mode, as optimize called the model, and under no_grad)
   generate            models that generate: greedy `generate` (prefill, then one token per step with the
                       cache) gives the copy's tokens and scores
+  shapes_past_the_budget  with the dynamic-shape compile on (the GPU's default), calls at new batch sizes (and
+                      lengths) past the capture budget run it and give the copy's outputs; `generate` its tokens
   unpatch             after `advisor.unpatch(model)` the outputs are bit-identical to the copy's
 Float outputs are compared leaf by leaf (logits, hidden states, cache tensors...) with rtol = atol = 1e-4.
 
@@ -450,6 +452,34 @@ def test_generate(zoo):
     bad = [] if torch.equal(got.sequences, want.sequences) else \
         [f"{name}: generated tokens {got.sequences.tolist()} != the copy's {want.sequences.tolist()}"]
     _assert_none(bad + differences(name, got.scores, want.scores))
+
+
+def test_shapes_past_the_budget(zoo):
+    """With the dynamic-shape compile on (`optimize(..., dynamic=True)`, the GPU's default), calls at new shapes past
+    the capture budget run Inductor's compile of the original forwards (counted) and give the copy's outputs: other
+    batch sizes, and other lengths for text models; models that generate give the copy's tokens, their decode steps
+    through the same compile."""
+    zoo.ready()
+    handle = zoo.report.handle
+    handle.settle(any_shape=True)  # as optimize leaves a model on a GPU: two more captures, then the compile
+    b, size = zoo.arch.other
+    shapes = [(b + 1, size), (b + 2, size), (b + 3, size)]
+    if zoo.arch.family in ("causal-lm", "encoder", "encoder-decoder"):
+        shapes.append((b + 3, size + 2))
+    bad = []
+    for shape in shapes:
+        x = zoo.arch.inputs(*shape)
+        bad += differences(f"{zoo.arch.name} past the budget, (batch, size) = {shape}", run(zoo.model, x), run(zoo.ref, x))
+    if hasattr(zoo.ref, "can_generate") and zoo.ref.can_generate():
+        kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        with torch.no_grad():
+            want, got = zoo.ref.generate(**zoo.inputs, **kw), zoo.model.generate(**zoo.inputs, **kw)
+        if not torch.equal(got, want):
+            bad.append(f"{zoo.arch.name} (generate past the budget): tokens {got.tolist()} != {want.tolist()}")
+    _assert_none(bad)
+    failed = {q: f.any_shape.failed for q, f in handle.forwards.items() if f.any_shape and f.any_shape.failed}
+    assert handle.any_shape_calls() and not failed, \
+        f"{zoo.arch.name}: calls past the budget ran no dynamic-shape compile ({failed or handle.fallbacks()})"
 
 
 def test_unpatch(zoo):
