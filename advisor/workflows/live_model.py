@@ -164,6 +164,10 @@ class OptimizeOptions:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
             raise AdvisorError(f"train_memory is the extra peak memory fused training may take, as a fraction from 0 "
                                f"to 1 (0.05: 5%); got {m!r}")
+        for name in ("inductor", "dynamic"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise AdvisorError(f"{name} is True, False or None (the default, chosen by the device); got {v!r}")
 
     @property
     def selecting(self) -> bool:
