@@ -25,7 +25,7 @@ import torch
 
 from advisor.errors import exception_reason
 from advisor.fast_paths import module_level_paths
-from advisor.patching.compiled import _as_normal_inputs, compile_fresh, dynamo_limits_noted
+from advisor.patching.compiled import _as_normal_inputs, cached_graphs, compile_fresh, dynamo_limits_noted
 
 COMPILED = "Inductor's dynamic-shape compile of the original forward"
 
@@ -49,15 +49,7 @@ class AnyShape:
     def graphs(self) -> int:
         """Graphs dynamo compiled for it so far (a recompile storm would show here; dynamo stops at its recompile
         limit, and the frame then runs uncompiled, noted)."""
-        fresh = getattr(self._compiled, "_fusion_advisor_fresh", None)
-        if fresh is None:
-            return 0
-        try:
-            from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-            return len(_debug_get_cache_entry_list(fresh.__code__))
-        except Exception:  # noqa: BLE001  (dynamo's internals moved)
-            return 0
+        return (cached_graphs(self._compiled) or 0) if self._compiled is not None else 0
 
     def __call__(self, lead: tuple, args: tuple, kwargs: dict, name: str, note: Callable[[str], None]):
         """The call's outputs, or `NotImplemented` where the compile failed (now or before): the caller then runs

@@ -30,6 +30,17 @@ def compile_fresh(fn: Callable, backend: Callable | str, holder: object, graphs:
     return compiled
 
 
+def cached_graphs(compiled: Callable) -> int | None:
+    """How many graphs dynamo holds for a `compile_fresh` function (its code object's cache entries); None where
+    dynamo's internals moved (or it is not one of ours)."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return len(_debug_get_cache_entry_list(compiled._fusion_advisor_fresh.__code__))
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def _release_compiled(code, backend: Callable | str) -> None:
     try:
         from torch._dynamo import eval_frame, reset_code

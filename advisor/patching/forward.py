@@ -62,7 +62,7 @@ from advisor.kernels import derived
 from advisor.patching import rewrite
 from advisor.patching.any_shape import AnyShape
 from advisor.patching.capture import Backend, CaptureLog, graphs_run, log_for, plan_digest, trainable
-from advisor.patching.compiled import _as_normal_inputs, compile_fresh, dynamo_limits_noted
+from advisor.patching.compiled import _as_normal_inputs, cached_graphs, compile_fresh, dynamo_limits_noted
 from advisor.patching.graphs import drop_recordings_reading, release_pool
 from advisor.patching.plan import PatternSpec
 from advisor.patching.train_graphs import release_unused_pool
@@ -689,12 +689,8 @@ def _full(fn: Callable, captured: int) -> bool:
     limit = getattr(fn, "_fusion_advisor_graphs", None) or GRAPHS_PER_CAPTURE
     if captured < limit:
         return False
-    try:
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-        return len(_debug_get_cache_entry_list(fn._fusion_advisor_fresh.__code__)) >= limit
-    except Exception:  # noqa: BLE001  (internals moved: dynamo's own limit applies)
-        return False
+    held = cached_graphs(fn)
+    return held is not None and held >= limit  # (internals moved: dynamo's own limit applies)
 
 
 def _graph_breaks() -> int:
