@@ -217,6 +217,7 @@ class ApplyDoc:
     outer: bool | None = optional()
     inductor: bool | None = optional()  # `optimize(..., inductor=True)`: Inductor compiles around the kernels
     inductor_graphs: dict | None = optional()  # per outcome ("compiled", or why a graph runs op by op): graphs
+    attention_layouts: dict | None = optional()  # attention inputs laid out for SDPA's fused kernels, why: graphs
     dynamic: bool | None = optional()  # `optimize`: new shapes past the capture budget run Inductor's dynamic compile
     skipped_targets: dict | None = optional()
     train: bool | None = optional()

@@ -158,6 +158,19 @@ def tagged(name: str, tag: str) -> bool:
     return info is not None and tag in info.tags
 
 
+def torch_function_op(fn) -> str | None:
+    """The aten op a torch function runs, by name ("aten::scaled_dot_product_attention" for
+    `torch.nn.functional.scaled_dot_product_attention`, a builtin of `torch._C._nn`): how a node of a dynamo graph,
+    which calls torch's Python functions rather than aten ops, is read. None for anything else."""
+    name, module = getattr(fn, "__name__", None), getattr(fn, "__module__", None) or ""
+    if not name or not (module == "torch" or module.startswith("torch._C")):
+        return None
+    import torch  # (the registry reads traces without torch loaded; only graphs need it)
+
+    packet = getattr(torch.ops.aten, name, None) if not name.startswith("__") else None
+    return f"aten::{name}" if packet is not None else None
+
+
 def op_class(name: str) -> OpClass:
     info = lookup(name)
     return info.cls if info else OpClass.OTHER

@@ -81,6 +81,11 @@ class Patched:
         every capture of this model (empty when Inductor was not asked for)."""
         return inductor_outcomes(self._logs())
 
+    def attention_layouts(self) -> dict[str, int]:
+        """{attention input laid out for SDPA's fused kernels, and why: graphs} over every capture of this model
+        (`attention_layout`)."""
+        return attention_layouts(self._logs())
+
     def graphs_not_used(self) -> dict[str, str]:
         """{module: why} for the captures whose CUDA graphs are not replayed (a recording that failed, or was
         refused where its memory could not be made safe: `graph_pools`): they run op by op."""
@@ -217,10 +222,18 @@ def patch(model: torch.nn.Module, plan: Plan | str | Path) -> Patched:
 
 def inductor_outcomes(logs) -> dict[str, int]:
     """{"compiled", or why a graph runs op by op: inference graphs} over capture logs (`CaptureLog.inductor`)."""
+    return _tally(outcome for log in logs for outcome in log.inductor)
+
+
+def attention_layouts(logs) -> dict[str, int]:
+    """{attention input laid out for SDPA's fused kernels, and why: graphs} over capture logs."""
+    return _tally(note for log in logs for note in log.layouts)
+
+
+def _tally(lines) -> dict[str, int]:
     out: dict[str, int] = {}
-    for log in logs:
-        for outcome in log.inductor:
-            out[outcome] = out.get(outcome, 0) + 1
+    for line in lines:
+        out[line] = out.get(line, 0) + 1
     return out
 
 

@@ -38,6 +38,7 @@ from advisor.codegen.cache import load_module
 from advisor.errors import exception_reason
 from advisor.ops.registry import OpClass, op_class
 from advisor.patching import aot_cache, epilogue, resize, rewrite, splade, timing
+from advisor.patching.attention_layout import lay_out_attention_inputs
 from advisor.patching.causal_masks import fold_causal_masks
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import constants_on_device, make_host_copies_recordable
@@ -71,6 +72,7 @@ class CaptureLog:
     # else why it runs op by op (`stacked`)
     inductor: list = field(default_factory=list)
     left_to_inductor: set = field(default_factory=set)  # pattern keys Inductor fuses instead (`stacked`)
+    layouts: list = field(default_factory=list)  # per graph, attention inputs laid out for SDPA's fused kernels
 
     def count(self, key: str) -> int:
         return len(self.sites.get(key, []))
@@ -228,6 +230,7 @@ class Backend:
 
         self.captures += 1
         timing.count("captures")
+        self.log.layouts.extend(lay_out_attention_inputs(gm))  # (before AOTAutograd picks SDPA's backend)
         key = _share_key(self.digest, gm, example_inputs)
         shared = _SHARED.get(key) if key is not None else None
         if shared is not None:

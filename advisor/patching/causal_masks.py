@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
 from advisor.ops.registry import ATTENTION_CAUSAL, ATTENTION_MASKS, OpClass, draws_random, op_class
-from advisor.patching.match import op_name
+from advisor.patching.match import node_arg, op_name, set_node_arg
 
 # A float mask's entry at most this blocks its key: softmax weighs it exp(-1e4) = 0 in every float type, as the
 # kernel's own causal masking does (HF writes its dtype's lowest value, or float16's: -65504, -65536 in bfloat16).
@@ -44,8 +44,8 @@ def fold_causal_masks(gm: GraphModule) -> int:
         if slots is None:
             continue
         mask_at, causal_at = slots
-        mask = _arg(n, *mask_at)
-        if not isinstance(mask, Node) or _arg(n, *causal_at):
+        mask = node_arg(n, *mask_at)
+        if not isinstance(mask, Node) or node_arg(n, *causal_at):
             continue
         if mask not in verdicts:
             try:  # real tensors (a backend may be called inside its trace's fake mode)
@@ -54,9 +54,9 @@ def fold_causal_masks(gm: GraphModule) -> int:
             except Exception:  # an op that does not run outside its trace: the mask stays as it is
                 verdicts[mask] = None
         if verdicts[mask] is not None:
-            _set(n, *mask_at, None)
+            set_node_arg(n, *mask_at, None)
             if verdicts[mask] == "causal":
-                _set(n, *causal_at, True)
+                set_node_arg(n, *causal_at, True)
             folded += 1
     if folded:
         gm.graph.eliminate_dead_code()
@@ -74,23 +74,6 @@ def _slots(n: Node) -> tuple | None:
     mask = next((where[m] for m in ATTENTION_MASKS if m in where), None)
     causal = where.get(ATTENTION_CAUSAL)
     return None if mask is None or causal is None else (mask, causal)
-
-
-def _arg(n: Node, index: int, name: str):
-    if name in n.kwargs:
-        return n.kwargs[name]
-    if index < len(n.args):
-        return n.args[index]
-    return n.target._schema.arguments[index].default_value
-
-
-def _set(n: Node, index: int, name: str, value) -> None:
-    if index < len(n.args) and name not in n.kwargs:
-        args = list(n.args)
-        args[index] = value
-        n.args = tuple(args)
-    else:
-        n.kwargs = {**n.kwargs, name: value}
 
 
 def _query_key_lengths(n: Node) -> tuple[int, int] | None:

@@ -56,6 +56,25 @@ def op_name(n: Node) -> str | None:
     return None
 
 
+def node_arg(n: Node, index: int, name: str, schema=None):
+    """Argument `name` (at `index` in `schema`, the node's own target's by default) as the node passes it, or its
+    default."""
+    if name in n.kwargs:
+        return n.kwargs[name]
+    if index < len(n.args):
+        return n.args[index]
+    return (schema or n.target._schema).arguments[index].default_value
+
+
+def set_node_arg(n: Node, index: int, name: str, value) -> None:
+    if index < len(n.args) and name not in n.kwargs:
+        args = list(n.args)
+        args[index] = value
+        n.args = tuple(args)
+    else:
+        n.kwargs = {**n.kwargs, name: value}
+
+
 def is_view(n: Node) -> bool:
     name = op_name(n)
     if name == "getitem":  # an element of split/chunk/unbind is a view too

@@ -346,7 +346,8 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
     write_apply(out_dir, pipeline.apply_doc(
         replacement=options.replacement, device=device, records=records, manifest=manifest, checks=[checked],
         end_to_end=e2e, selection=selection, enabled=sorted(handle.enabled) if handle.enabled is not None else None,
-        outer=handle.outer_on, plan=handle.plan, inductor_graphs=handle.inductor_graphs() or None, dynamic=any_shape,
+        outer=handle.outer_on, plan=handle.plan, inductor_graphs=handle.inductor_graphs() or None,
+        attention_layouts=handle.attention_layouts() or None, dynamic=any_shape,
         phases_s=phases.seconds, plan_reused=reused, plan_key=key, plan_key_parts=key_parts, training=training,
         runs=runs, modes=modes, graphs=handle.graph_keys(), cuda_graphs_not_used=handle.graphs_not_used(),
         fallbacks=handle.fallbacks(), decode=generate.to_json() if generate is not None else None,
