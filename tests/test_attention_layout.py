@@ -120,3 +120,22 @@ def test_optimize_lays_the_mask_out_and_says_so(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "apply.json").read_text())["attention_layouts"] == notes
     with torch.no_grad():
         torch.testing.assert_close(model(x, keep), untouched(x, keep))
+
+
+def test_the_any_shape_compile_lays_out_too(monkeypatch):
+    from advisor.patching import any_shape
+
+    asked = []
+
+    def rule(tensors, scalars, strided):
+        asked.append(strided)
+        return True
+
+    monkeypatch.setattr(attention_layout, "sdpa_math_only_for_layout", rule)
+    model = BiasedAttention().eval()
+    x, keep = inputs()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend=any_shape.laid_out_inductor, fullgraph=True)(x, keep)
+        torch.testing.assert_close(got, model(x, keep))
+    assert asked == [["attn_mask"]]

@@ -25,6 +25,7 @@ import torch
 
 from advisor.errors import exception_reason
 from advisor.fast_paths import module_level_paths
+from advisor.patching.attention_layout import lay_out_attention_inputs
 from advisor.patching.compiled import _as_normal_inputs, cached_graphs, compile_fresh, dynamo_limits_noted
 
 COMPILED = "Inductor's dynamic-shape compile of the original forward"
@@ -43,7 +44,7 @@ class AnyShape:
     def _compile(self) -> Callable:
         with self._lock:
             if self._compiled is None:  # (its dynamo state goes with this object: unpatched, the model lets go)
-                self._compiled = compile_fresh(self._target, "inductor", holder=self, dynamic=True)
+                self._compiled = compile_fresh(self._target, laid_out_inductor, holder=self, dynamic=True)
             return self._compiled
 
     def graphs(self) -> int:
@@ -70,3 +71,12 @@ class AnyShape:
         for why in noted:
             note(why)
         return out
+
+
+def laid_out_inductor(gm: torch.fx.GraphModule, example_inputs) -> Callable:
+    """Inductor, after the attention inputs whose layout alone sends SDPA to its math backend are laid out, as in
+    the captures (`attention_layout`)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    lay_out_attention_inputs(gm)
+    return compile_fx(gm, example_inputs)

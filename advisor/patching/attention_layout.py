@@ -5,13 +5,14 @@ tensors whose last dimension has stride 1. Handed any other, SDPA runs its math 
 the B x H x L x S scores and probabilities out in fp32: two fp32 GEMMs and a softmax per layer. T5 in
 transformers 5.17 hands SDPA such a mask (the position bias, permuted from the embedding's layout, through a
 `torch.where` that keeps that layout): its 12-layer encoder at 32 x 512 spent 13.8 of 19.8 ms a call there, and
-torch.compile keeps the math decomposition (reports/inductor-route). A contiguous copy of the input (the same
+torch.compile keeps the math decomposition (reports/users-sizes). A contiguous copy of the input (the same
 values) lets SDPA choose a fused kernel: the mask is written once, read once, and the scores never leave it.
 
 The rewrite is made on dynamo's graph, before AOTAutograd decomposes the attention into the backend SDPA chooses
-there, so both routes (our replay and Inductor's) get the fused kernel. It is made only where SDPA's own choice,
-asked on tensors of the graph's layouts, is the math backend and becomes a fused one once the inputs are laid
-out; on the CPU (whose flash kernel takes strided masks) nothing changes.
+there, so every route gets the fused kernel: our replay, Inductor's around our kernels, and the dynamic-shape
+compile of calls past the capture budget (`any_shape`; symbolic sizes are judged at the sizes traced). It is made
+only where SDPA's own choice, asked on tensors of the graph's layouts, is the math backend and becomes a fused one
+once the inputs are laid out; on the CPU (whose flash kernel takes strided masks) nothing changes.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def lay_out_attention_inputs(gm: GraphModule, math_only_for_layout: Callable | N
         tensors = {k: _example(args[k]) for k in TENSORS if args[k] is not None}
         if any(v is None for v in tensors.values()) or any(isinstance(args[k], Node) for k in SCALARS):
             continue  # a value not known while tracing: left as it was
-        strided = [k for k, v in tensors.items() if v.dim() and v.size(-1) > 1 and v.stride(-1) != 1]
+        strided = [k for k, v in tensors.items() if v.dim() and _hint(v.size(-1)) > 1 and _hint(v.stride(-1)) != 1]
         if not strided or not decide(tensors, {k: args[k] for k in SCALARS}, strided):
             continue
         for k in strided:
@@ -73,13 +74,14 @@ def sdpa_math_only_for_layout(tensors: dict, scalars: dict, strided: list) -> bo
     where the fused kernel takes strided inputs and a copy would only cost."""
     from torch.nn.attention import SDPBackend
 
-    if any(v.device.type != "cuda" for v in tensors.values()) or not all(
-            isinstance(s, int) for v in tensors.values() for s in (*v.shape, *v.stride())):
+    sizes = {k: ([_hint(s) for s in v.shape], [_hint(s) for s in v.stride()]) for k, v in tensors.items()}
+    if any(v.device.type != "cuda" for v in tensors.values()) or any(
+            s is None for shape, stride in sizes.values() for s in (*shape, *stride)):
         return False
     math = SDPBackend.MATH.value
     with unset_fake_temporarily(), torch.no_grad():
-        real = {k: torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
-                .requires_grad_(v.requires_grad) for k, v in tensors.items()}
+        real = {k: torch.empty_strided(*sizes[k], dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
+                for k, v in tensors.items()}
 
         def choice(t):
             return torch._fused_sdp_choice(t["query"], t["key"], t["value"], t.get("attn_mask"),
@@ -90,6 +92,14 @@ def sdpa_math_only_for_layout(tensors: dict, scalars: dict, strided: list) -> bo
             return False
         laid = {k: (t.contiguous() if k in strided else t) for k, t in real.items()}
         return choice(laid) != math
+
+
+def _hint(size) -> int | None:
+    """A size or stride as an int: a symbolic one (a dynamic-shape graph) by the value it was traced at."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return int(hint) if hint is not None else None
 
 
 def _example(x) -> torch.Tensor | None:
