@@ -29,13 +29,14 @@ from bench.common import child_command, child_env, git_rev, load_results, write_
 
 
 # ----------------------------------------------------------------------------------------- models
-def _hf(cls_name: str, cfg_name: str, batch: int, seq: int, vocab: int, enc_dec: bool = False, **dims):
+def _hf(cls_name: str, cfg_name: str, batch: int, seq: int, vocab: int, enc_dec: bool = False, attention: str = "sdpa",
+        **dims):
     def build(device, dtype):
         import torch
         import transformers
 
         cfg = getattr(transformers, cfg_name)(vocab_size=vocab, **dims)
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = attention  # (DeBERTa has only its own: "eager")
         with torch.device(device):
             model = getattr(transformers, cls_name)(cfg).to(dtype).eval()
             ids = torch.randint(1, vocab, (batch, seq))
@@ -77,6 +78,22 @@ def _unet(batch: int, channels: int, side: int, groups: int = 32, temb: int = 12
             x = torch.randn(batch, channels, side, side, dtype=dtype)
             t = torch.randn(batch, temb, dtype=dtype)
         return model, (x, t), f"UNet blocks (GroupNorm + SiLU, resnets, spatial attention), batch {batch} x {channels} x {side}^2"
+    return build
+
+
+def _whisper_encoder(batch: int, frames: int):
+    """Whisper's encoder (whisper-small's widths: 12 layers, d 768) over `frames` positions (2 x frames mel steps)."""
+    def build(device, dtype):
+        import torch
+        import transformers
+
+        cfg = transformers.WhisperConfig(d_model=768, encoder_layers=12, encoder_attention_heads=12,
+                                         encoder_ffn_dim=3072, num_mel_bins=80, max_source_positions=frames)
+        cfg._attn_implementation = "sdpa"
+        with torch.device(device):
+            model = transformers.WhisperModel(cfg).get_encoder().to(dtype).eval()
+            x = torch.randn(batch, 80, 2 * frames, dtype=dtype)
+        return model, {"input_features": x}, f"Whisper encoder, 12 layers, d 768, batch {batch} x {frames} positions"
     return build
 
 
@@ -131,7 +148,23 @@ MODELS = {
     "t5_encoder_768": _hf("T5EncoderModel", "T5Config", 32, 512, 32000, d_model=768, d_ff=3072, num_layers=12,
                           num_heads=12),
     "convnext_tiny_128": _vision("timm", "convnext_tiny", 128, channels_last=True),
+    "mistral_2048": _hf("MistralForCausalLM", "MistralConfig", 4, 1024, 32000, **LLM_2048),
+    "llama_2048": _hf("LlamaForCausalLM", "LlamaConfig", 4, 1024, 32000, **LLM_2048),
+    "gemma_2048": _hf("GemmaForCausalLM", "GemmaConfig", 4, 1024, 32000, head_dim=128, **LLM_2048),
+    "whisper_encoder_768": _whisper_encoder(32, 512),
+    "deberta_v2_768": _hf("DebertaV2Model", "DebertaV2Config", 32, 512, 32000, attention="eager", hidden_size=768, num_hidden_layers=12,
+                          num_attention_heads=12, intermediate_size=3072, relative_attention=True,
+                          pos_att_type=["p2c", "c2p"], position_buckets=256, max_relative_positions=512),
+    "bert_base_768": _hf("BertModel", "BertConfig", 32, 512, 30522),
+    "vit_b16_128": _vision("timm", "vit_base_patch16_224", 128),
+    "swin_tiny_128": _vision("timm", "swin_tiny_patch4_window7_224", 128),
+    "efficientnet_b0_128": _vision("torchvision", "efficientnet_b0", 128, channels_last=True),
+    "resnext50_128": _vision("torchvision", "resnext50_32x4d", 128, channels_last=True),
 }
+# The rows at the sizes users run (issue: get ahead of torch.compile's best mode there): `--models users`
+USERS_SIZES = ("qwen2_2048", "mistral_2048", "llama_2048", "gemma_2048", "gpt_neox_2048", "t5_encoder_768",
+               "whisper_encoder_768", "deberta_v2_768", "bert_base_768", "vit_b16_128", "swin_tiny_128",
+               "convnext_tiny_128", "efficientnet_b0_128", "resnext50_128", "unet_blocks")
 
 
 # ----------------------------------------------------------------------------------------- child
@@ -277,7 +310,8 @@ def child(name: str, result: Path, iters: int, train: bool = False, top: int | N
 # ----------------------------------------------------------------------------------------- parent
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--models", default=",".join(MODELS),
+                   help="comma-separated (--list shows them); `users` stands for the rows at the sizes users run")
     p.add_argument("--out", type=Path, default=Path("reports/zoo/zoo"))
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per model")
@@ -297,7 +331,7 @@ def main(argv=None) -> int:
         return 0
     if a.child:
         return child(a.child, a.result, a.iters, a.train, a.top, a.inductor, tuple(a.compile_modes.split(",")))
-    names = [n for n in a.models.split(",") if n]
+    names = [m for n in a.models.split(",") if n for m in (USERS_SIZES if n == "users" else (n,))]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         print(f"zoo: unknown model(s) {', '.join(unknown)} (--list shows them)", file=sys.stderr)
