@@ -130,6 +130,8 @@ class AnalysisDoc:
     candidates: tuple[Candidate, ...] = ()
     # what the fusion rules found and refused; absent where they refused nothing
     refused: tuple[Refusal, ...] | None = optional()
+    # attention that ran SDPA's math backend (a GPU trace), and why where the trace shows it; absent where none did
+    math_attention: list | None = optional()
     distributed: DistributedSummary | None = optional()  # a merged analysis: each rank's (`advisor.analysis.ranks`)
 
     @classmethod

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Record sample traces of the seven example workloads with `fusion-advisor profile`, on cuda and on cpu,
+# Record sample traces of the example workloads with `fusion-advisor profile`, on cuda and on cpu,
 # and pack them into ONE tarball: $OUT/samples.tar.gz, laid out as
 #     sample_traces/<name>/trace/{kineto.json.gz,et.json.gz,meta.json}       (cuda)
 #     sample_traces/cpu/<name>/trace/{kineto.json.gz,et.json.gz,meta.json}   (cpu)
@@ -9,7 +9,7 @@
 #
 # Meant for the GPU machine (torch 2.11, Python 3.12, transformers/timm/torchvision, no nvtx package,
 # no network); run from anywhere:  OUT=/some/dir bash bench/record_samples.sh
-# Knobs (environment): OUT (default ./out), DEVICES (default "cuda cpu"), WORKLOADS (default: all seven),
+# Knobs (environment): OUT (default ./out), DEVICES (default "cuda cpu"), WORKLOADS (default: every one),
 # RUN_TIMEOUT (seconds per profile run, default 240), LIMIT_BYTES (per trace dir, default 5 MB),
 # TOTAL_BUDGET (seconds for all runs, default 540: runs that would start after it are skipped, so the
 # tarball is always written inside a 10-minute command limit).
@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 DEVICES=${DEVICES:-"cuda cpu"}
-WORKLOADS=${WORKLOADS:-"seed mlp_block hf_llama hf_gpt2 hf_bert timm_vit tv_resnet50 hf_gpt2_eager hf_bert_eager splade"}
+WORKLOADS=${WORKLOADS:-"seed mlp_block hf_llama hf_gpt2 hf_bert timm_vit tv_resnet50 hf_gpt2_eager hf_bert_eager splade hf_t5_encoder"}
 RUN_TIMEOUT=${RUN_TIMEOUT:-240}
 TOTAL_BUDGET=${TOTAL_BUDGET:-540}
 LIMIT_BYTES=${LIMIT_BYTES:-$((5 * 1024 * 1024))}

@@ -15,6 +15,7 @@ import textwrap
 import numpy as np
 import pandas as pd
 
+from advisor.analysis.attention_backends import math_attention
 from advisor.analysis.cost import (DeviceModel, GroupCost, bytes_model_saved_us, est_time_saved_us, gpu_model,
                                  group_costs, padding_pays)
 from advisor.analysis.fusion import Group, find_groups, not_generated
@@ -289,6 +290,7 @@ def _analysis(graph: Graph, device: DeviceModel, files, meta: dict, kernels: pd.
         "timeline": _timeline(graph, groups_by_id),
         "candidates": [{k: v for k, v in r.items() if k != "extends_pattern"} for r in records],
         **({"refused": refusals} if (refusals := _refusals(graph, not_fused, iters)) else {}),
+        **({"math_attention": slow} if (slow := math_attention(graph, iters)) else {}),
     }
     cand_df = pd.DataFrame([{k: v for k, v in r.items() if k not in ("graph", "program")} for r in records])
     return Analysis(graph, device, kernels, cand_df, groups_by_id, doc)

@@ -263,6 +263,16 @@ for _n in ["scaled_dot_product_attention", "_scaled_dot_product_flash_attention"
            "_scaled_dot_product_attention_math", "_flash_attention_forward", "_efficient_attention_forward",
            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable"]:
     register(f"aten::{_n}", OpClass.ATTENTION)
+# What the kernels of SDPA's fused backends are called (cuDNN's `..._sdpa_...`, FlashAttention's `flash_fwd...`,
+# the memory-efficient `fmha_cutlass...`): an attention op that launched none of them ran SDPA's math backend
+# (`analysis.attention_backends`).
+FUSED_ATTENTION_KERNELS = ("sdpa", "flash", "fmha", "attention")
+
+
+def is_fused_attention_kernel(kernel: str) -> bool:
+    return any(fragment in kernel.lower() for fragment in FUSED_ATTENTION_KERNELS)
+
+
 # Their arguments for a mask added to the scores, and for causal masking done by the kernel itself
 # (`patching.causal_masks`: a constant causal mask becomes `is_causal`).
 ATTENTION_MASKS = ("attn_mask", "attn_bias")

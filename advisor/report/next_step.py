@@ -14,6 +14,7 @@ from typing import List, NamedTuple, Optional
 
 from advisor.records import Candidate, Kind
 from advisor.report import model as M
+from advisor.units import fmt_time
 
 
 class Step(NamedTuple):
@@ -36,6 +37,30 @@ def _existing_fixes(cands: List[Candidate]) -> List[Step]:
     if any(c.kind == Kind.ATTENTION for c in cands):
         steps.append(Step("Attention materialises its score matrix: scaled_dot_product_attention never does.",
                           "torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)"))
+    return steps
+
+
+def _math_attention(analysis: dict) -> List[Step]:
+    """Attention that ran SDPA's math backend (analysis.json's `math_attention`): the costliest first."""
+    steps = []
+    total = M.num((analysis.get("totals") or {}).get("time_us"), 0.0)
+    for e in analysis.get("math_attention") or []:
+        us = M.num(e.get("time_us"), 0.0)
+        share = f" ({us / total:.0%})" if total else ""
+        ran = (f"Attention ran SDPA's math backend: {fmt_time(us)} per iteration{share}, "
+               f"{M.num(e.get('kernels_per_call'), 0):.0f} kernels a call, the scores through memory in fp32")
+        strided = [i for i in e.get("strided_inputs") or [] if isinstance(i, dict)]
+        if strided:
+            what = ", ".join(f"{i.get('name')} {tuple(i.get('shape') or ())} has a last dimension of stride "
+                             f"{i.get('last_stride')}" for i in strided)
+            steps.append(Step(f"{ran}. Its {what}, which every fused attention kernel refuses: `optimize` and `apply` "
+                              "lay it out in the graphs they capture; by hand, make it contiguous before the call.",
+                              "attn_mask = attn_mask.contiguous()  # before scaled_dot_product_attention"))
+        else:
+            steps.append(Step(f"{ran}. The trace does not show why (a dtype, head size or mask the fused kernels do "
+                              "not take): asking for one fused kernel makes SDPA say why it refuses.",
+                              "with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION):"
+                              "  model(**inputs)"))
     return steps
 
 
@@ -72,10 +97,11 @@ def _is_the_demo(script: str) -> bool:
 
 def next_steps(analysis: dict, apply: Optional[dict] = None, out: Optional[Path] = None) -> List[Step]:
     cands = M.listed(analysis)
+    steps = _math_attention(analysis)
     if not cands:
-        return []
+        return steps
     top = cands[:10]
-    steps = _existing_fixes(top)
+    steps += _existing_fixes(top)
     where = str(out) if out else "OUT"
     cpu = (analysis.get("totals") or {}).get("time_kind") == "cpu"
     if isinstance(apply, dict) and "end_to_end" in apply:
