@@ -30,7 +30,7 @@ def analyze(path, et=None):
 def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: str = "kernel", calls: int = 3,
              benchmark: bool = False, iters: int = 20, granularity: str = "layer", reuse: bool = True,
              select: bool | None = None, interpret: bool = False, train: bool = False, train_memory: float = 0.0,
-             decode: bool = False, isolate: bool | None = None, inductor: bool | None = None,
+             decode: bool = False, isolate: bool | None = None, inductor: bool | str | None = None,
              dynamic: bool | None = None):
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
 
@@ -64,7 +64,9 @@ def optimize(model, example_inputs, top: int | None = 5, out=None, replacement: 
     stay ours, as custom ops; patterns of pointwise, reduction and norm ops only are left to Inductor, which fuses
     them with their neighbours), so the ops no pattern took are fused too; guards, CUDA-graph replay, selection
     and unpatch as without it (apply.json `inductor_graphs` says which graphs Inductor compiled and why not
-    others); False: our captures alone; None (default): on a GPU with selection on, both routes are checked and
+    others); "max-autotune": that route with Inductor's GEMM autotuning and tuned launch configurations (as
+    torch.compile's `max-autotune-no-cudagraphs`: minutes of compile time; the CUDA graphs stay ours); False: our
+    captures alone; None (default): on a GPU with selection on, both routes are checked and
     timed and the faster kept (`report.selection["route"]` says which and by how much), ours elsewhere and with
     `decode=True` (where the prompt's forward is a few percent of a `generate`);
     dynamic: after `optimize`, a patched module captures two more shapes; calls at shapes past those run, with True,

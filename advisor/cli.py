@@ -212,6 +212,8 @@ def apply(
                                "--region) are timed, each a whole training step (GPU)."),
     inductor: bool = typer.Option(False, "--inductor", help="Inductor compiles each capture around the fused "
                                   "kernels (patterns of pointwise, reduction and norm ops only left to it)."),
+    autotune: bool = typer.Option(False, "--autotune", help="With --inductor's route: Inductor autotunes its GEMMs "
+                                  "and launch configurations (torch.compile's max-autotune-no-cudagraphs; minutes)."),
 ):
     """Profile, analyse, generate, validate, patch and benchmark SCRIPT; writes OUT/apply.json.
 
@@ -224,7 +226,7 @@ def apply(
     script, args = _script_or_demo(script, list(ctx.args))
     apply_script(script, args, out, top=top, device=device.value, region=region,
                  replacement=replacement.value, iters=iters, granularity=granularity.value, train=train,
-                 inductor=inductor)
+                 inductor="max-autotune" if autotune else inductor)
     drop_stale_kernels(out)
     _report_written(render_reports(out, top=top, terminal=False))
 

@@ -217,7 +217,8 @@ class ApplyDoc:
     runs: dict | None = optional()
     enabled: tuple[str, ...] | None = optional()  # the pattern keys selection left running (None: every one)
     outer: bool | None = optional()
-    inductor: bool | None = optional()  # `optimize(..., inductor=True)`: Inductor compiles around the kernels
+    # `optimize(..., inductor=True or a mode such as "max-autotune")`: Inductor compiles around the kernels
+    inductor: bool | str | None = optional()
     inductor_graphs: dict | None = optional()  # per outcome ("compiled", or why a graph runs op by op): graphs
     attention_layouts: dict | None = optional()  # attention inputs laid out for SDPA's fused kernels, why: graphs
     dynamic: bool | None = optional()  # `optimize`: new shapes past the capture budget run Inductor's dynamic compile

@@ -392,3 +392,40 @@ def test_the_outputs_device_is_the_graphs_not_the_first_inputs():
         t = mode.from_tensor(torch.empty(4, 6, device="meta"))
         (fake,) = torch.ops.fusion_advisor.site(n, [scalar, t])
     assert fake.device.type == "meta"
+
+
+def test_max_autotune_reaches_inductor_and_the_plan_keeps_it(tmp_path, monkeypatch):
+    """`inductor="max-autotune"`: Inductor's route with its GEMM autotuning and tuned launch configurations on
+    (torch.compile's max-autotune-no-cudagraphs, our CUDA graphs kept); apply.json and the reloaded plan say so."""
+    from torch._inductor import compile_fx, config
+
+    from advisor.patching import load_plan
+
+    seen = []
+    real = compile_fx.compile_fx_inner
+
+    def spy(*a, **k):
+        seen.append((config.max_autotune, config.coordinate_descent_tuning))
+        return real(*a, **k)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(Block()).eval()
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        ref = model(x)
+    advisor.optimize(model, (x,), interpret=True, inductor="max-autotune", out=tmp_path, reuse=False)
+    doc = json.loads((tmp_path / "apply.json").read_text())
+    assert doc["inductor"] == "max-autotune" and doc["inductor_graphs"] == {"compiled": 1}, doc.get("inductor_graphs")
+    assert seen and all(s == (True, True) for s in seen)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+    assert load_plan(tmp_path).inductor == "max-autotune"
+    assert not config.max_autotune  # set for our compile only
+
+
+def test_an_unknown_inductor_mode_is_one_clear_error():
+    from advisor.errors import AdvisorError
+
+    with pytest.raises(AdvisorError, match="inductor is True, False, None .* or a mode \\('max-autotune'\\)"):
+        advisor.optimize(nn.Linear(4, 4), (torch.randn(2, 4),), inductor="reduce-overhead")

@@ -207,9 +207,10 @@ class Backend:
     """Dynamo's backend for one patched module instance: AOTAutograd, then `rewrite` on inference graphs."""
 
     def __init__(self, specs: list[PatternSpec], log: CaptureLog, digest: str, trains: bool = False,
-                 inductor: bool = False):
+                 inductor: bool | str = False):
         self.specs = specs
-        self.inductor = inductor  # inference graphs compiled by Inductor around the sites (`stacked`)
+        # inference graphs compiled by Inductor around the sites, in this mode (`plan.INDUCTOR_MODES`); False: not
+        self.inductor = inductor
         self.inductor_graphs = 0  # of them, compiled or tried (`INDUCTOR_GRAPHS`)
         self.log = log
         self.digest = digest
@@ -338,7 +339,7 @@ class Backend:
                 make_host_copies_recordable(g)
             try:
                 with timing.timed("inductor"):
-                    run = stacked.inductor_compiled(g, fakes)
+                    run = stacked.inductor_compiled(g, fakes, self.inductor)
                 self.log.inductor.append("compiled")
                 return run
             except Exception as e:  # never break the capture: the graph runs op by op, its sites as they are

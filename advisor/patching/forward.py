@@ -129,14 +129,14 @@ class PatchedForward:
     its compiled function and hook watch are made on first use and never pickled or deep-copied."""
 
     def __init__(self, module: torch.nn.Module, specs: list[PatternSpec], saved: Callable | None = None,
-                 outer: bool = False, inductor: bool = False):
+                 outer: bool = False, inductor: bool | str = False):
         # Held weakly: the module holds this object as its `forward`, so a strong reference back would make a
         # cycle, and a patched model the caller lets go of would stay on the GPU until a full garbage
         # collection, which a process holding few Python objects and gigabytes of tensors may not run for
         # minutes (optimize's float32 twin of BERT-base, 420 MB, outlived it into training on the H100).
         self._module = weakref.ref(module)
         self.outer = outer  # holds other patched modules; runs its capture only while switched on
-        self.inductor = inductor  # its inference graphs compiled by Inductor around the sites (`stacked`)
+        self.inductor = inductor  # its inference graphs compiled by Inductor around the sites, in this mode (`stacked`)
         self.active = not outer
         self.specs = specs
         self.saved = saved  # an instance-level forward that was there before us (None: the class's)
@@ -194,7 +194,8 @@ class PatchedForward:
     @functools.cached_property
     def digest(self) -> str:
         """`plan_digest` of the specs, which never change (a JSON dump of every program: worth computing once)."""
-        return plan_digest(self.specs) + (":inductor" if self.inductor else "")  # captures shared only alike
+        mode = "" if self.inductor is True else f"={self.inductor}"
+        return plan_digest(self.specs) + (f":inductor{mode}" if self.inductor else "")  # captures shared only alike
 
     def _target(self) -> tuple[Callable, tuple]:
         """The function that gets captured and the arguments that go before the caller's."""

@@ -86,7 +86,9 @@ class Plan:
     uncaptured: dict = field(default_factory=dict)  # pattern key -> modules of its occurrences not captured
     outer_on: bool = False  # selection kept the outer captures (apply.json `outer`): patch switches them on
     enabled: frozenset | None = None  # the patterns selection left running (apply.json `enabled`; None: all)
-    inductor: bool = False  # inference captures compiled by Inductor around the kernels (apply.json `inductor`)
+    # inference captures compiled by Inductor around the kernels, in this mode (apply.json `inductor`: True, or a
+    # mode of `plan.INDUCTOR_MODES`); False: our route
+    inductor: bool | str = False
 
     def spec(self, key: str) -> PatternSpec:
         return next(p for p in self.patterns if p.key == key)
@@ -144,10 +146,14 @@ def occurrence_modules(analysis) -> dict[str, list[str]]:
 
 
 GRANULARITIES = ("layer", "occurrence", "pattern", "root")
+# `optimize(..., inductor=MODE)`: Inductor's settings per mode, as torch.compile's modes set them, less its CUDA
+# graphs (the captures replay their own): True is Inductor's default; "max-autotune" benchmarks Triton templates
+# against cuBLAS per GEMM and tunes the other kernels' launch configurations (minutes of compile time).
+INDUCTOR_MODES = {True: {}, "max-autotune": {"max_autotune": True, "coordinate_descent_tuning": True}}
 
 
 def build_plan(specs: list[PatternSpec], doc: dict, occurrences: dict[str, list[str]] | None = None,
-               granularity: str = "occurrence", inductor: bool = False) -> Plan:
+               granularity: str = "occurrence", inductor: bool | str = False) -> Plan:
     """Targets for `specs`: the module of each occurrence (`occurrence`), the one module containing all
     of a pattern's occurrences (`pattern`), or the whole model (`root`). Coarser targets mean fewer,
     larger captures: less per-call overhead (one guard check and one graph call instead of one per
@@ -315,7 +321,7 @@ def load_plan(out_dir: Path) -> Plan:
                 t.keys.append(s.key)
         enabled = applied.get("enabled")
         return Plan(list(specs.values()), list(targets.values()), outer_on=bool(applied.get("outer")),
-                    enabled=None if enabled is None else frozenset(enabled), inductor=bool(applied.get("inductor")))
+                    enabled=None if enabled is None else frozenset(enabled), inductor=_inductor_mode(applied.get("inductor")))
     for p in applied.get("patterns", []):
         c = by_pid.get(p.get("pattern_id")) or next((x for x in doc["candidates"] if x["id"] == p.get("candidate")), None)
         if c is None or not p.get("validated") or not p.get("kernel_file"):
@@ -337,3 +343,8 @@ def _find(out_dir: Path, name: str) -> Path:
 
 def to_jsonable(plan: Plan) -> dict:
     return {"patterns": [asdict(p) for p in plan.patterns], "targets": [asdict(t) for t in plan.targets]}
+
+
+def _inductor_mode(recorded) -> bool | str:
+    """apply.json's `inductor` as a plan holds it: True or a mode name (`plan.INDUCTOR_MODES`), else False."""
+    return recorded if isinstance(recorded, str) else bool(recorded)

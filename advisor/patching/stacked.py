@@ -26,6 +26,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from advisor.patching.match import same_strides
+from advisor.patching.plan import INDUCTOR_MODES
 from advisor.patching.rewrite import Site
 
 _TENSOR = object()  # a template slot the op's tensor list fills
@@ -110,10 +111,11 @@ def with_site_ops(gm: GraphModule) -> str | None:
     return None
 
 
-def inductor_compiled(gm: GraphModule, example_inputs: list) -> Callable:
+def inductor_compiled(gm: GraphModule, example_inputs: list, inductor: bool | str = True) -> Callable:
     """`gm` (sites already custom-op calls) re-traced with Inductor's decompositions in the inputs' fake mode
-    and compiled by Inductor: a function of the graph's inputs, as `gm.forward` is."""
+    and compiled by Inductor with `INDUCTOR_MODES[inductor]`: a function of the graph's inputs, as `gm.forward` is."""
     from torch._guards import detect_fake_mode
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -128,7 +130,8 @@ def inductor_compiled(gm: GraphModule, example_inputs: list) -> Callable:
             fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
                      for x in example_inputs]
             traced = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="real")(*fakes)
-        compiled = compile_fx_inner(traced, fakes)  # (which propagates fake tensors through them again)
+        with inductor_config.patch(INDUCTOR_MODES[inductor]):
+            compiled = compile_fx_inner(traced, fakes)  # (which propagates fake tensors through them again)
     finally:
         mode.allow_non_fake_inputs = allowed
 

@@ -35,6 +35,7 @@ from advisor.layout import rank_dir
 from advisor.patching import load_plan, patch, unpatch
 from advisor.patching import decode as decode_setup
 from advisor.patching.modules import at_rest, underneath
+from advisor.patching.plan import INDUCTOR_MODES
 from advisor.patching.capture import launched_sites
 from advisor.patching.forward import checking
 from advisor.patching.graphs import clear_recordings
@@ -151,7 +152,9 @@ class OptimizeOptions:
     train_memory: float = 0.0
     decode: bool = False
     isolate: bool | None = None
-    inductor: bool | None = None  # None: on a GPU both routes are timed and the faster kept (`route`)
+    # None: on a GPU both routes are timed and the faster kept (`route`); True or a mode of `plan.INDUCTOR_MODES`
+    # ("max-autotune"): Inductor's route, in that mode
+    inductor: bool | str | None = None
     dynamic: bool | None = None  # None: on a GPU; new shapes past the capture budget run Inductor's dynamic compile
 
     def any_shape(self, device: str) -> bool:
@@ -164,10 +167,17 @@ class OptimizeOptions:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
             raise AdvisorError(f"train_memory is the extra peak memory fused training may take, as a fraction from 0 "
                                f"to 1 (0.05: 5%); got {m!r}")
-        for name in ("inductor", "dynamic"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, bool):
-                raise AdvisorError(f"{name} is True, False or None (the default, chosen by the device); got {v!r}")
+        if self.dynamic is not None and not isinstance(self.dynamic, bool):
+            raise AdvisorError(f"dynamic is True, False or None (the default, chosen by the device); got {self.dynamic!r}")
+        modes = [m for m in INDUCTOR_MODES if isinstance(m, str)]
+        if self.inductor is not None and not isinstance(self.inductor, bool) and self.inductor not in modes:
+            raise AdvisorError(f"inductor is True, False, None (the default, chosen by the device) or a mode "
+                               f"({', '.join(map(repr, modes))}); got {self.inductor!r}")
+
+    @property
+    def inductor_route(self) -> bool | str:
+        """Inductor's route taken without timing it against ours: its mode (True, or a mode's name), else False."""
+        return self.inductor if self.inductor is not None else False
 
     @property
     def selecting(self) -> bool:
@@ -186,7 +196,7 @@ def optimize(model: torch.nn.Module, example_inputs, top: int | None = 5, out=No
              calls: int = 3, benchmark: bool = False, iters: int = 20,
              granularity: str = "layer", reuse: bool = True, select: bool | None = None,
              interpret: bool = False, train: bool = False, train_memory: float = 0.0,
-             decode: bool = False, isolate: bool | None = None, inductor: bool | None = None,
+             decode: bool = False, isolate: bool | None = None, inductor: bool | str | None = None,
              dynamic: bool | None = None) -> OptimizeReport:
     """Profile, analyse, generate, validate and patch `model` in place; returns an `OptimizeReport`.
     The arguments are described at `advisor.optimize`, the façade that calls this."""
@@ -255,10 +265,10 @@ def _optimize(model, args, kwargs, call, options: OptimizeOptions, modes, isolat
             # captured while the kernels compile: dynamo's and AOTAutograd's seconds off the cold start's path
             specs, records, plan, handle = early_capture.patch_while_generating(
                 model, call, doc, analysed.occurrences, options.top, out_dir, device, options.granularity, phases,
-                outer=options.selecting and measure_timing.timing_meaningful(device), inductor=options.inductor is True)
+                outer=options.selecting and measure_timing.timing_meaningful(device), inductor=options.inductor_route)
         else:
             specs, records, plan = pipeline.make_kernels(analysed, options.top, options.replacement, out_dir, device,
-                                                         options.granularity, phases, options.inductor is True)
+                                                         options.granularity, phases, options.inductor_route)
             with phases("patch"):
                 handle = patch(model, plan)
     if device != "cuda" and not options.interpret:  # kernels would run in Triton's interpreter: never a speedup

@@ -62,7 +62,7 @@ def analyse(trace_dir: Path, out_dir: Path) -> Analysed:
 
 
 def make_kernels(analysed: Analysed, top: int | None, replacement: str, out_dir: Path, device: str,
-                 granularity: str, phases=None, inductor: bool = False) -> tuple[list, list[PatternResult], object]:
+                 granularity: str, phases=None, inductor: bool | str = False) -> tuple[list, list[PatternResult], object]:
     """(specs, results, plan): the kernels generated and validated for the top candidates, and the plan that
     patches them in. `phases`: the caller's `Stopwatch` (`generate`, then `patch` for the plan)."""
     phase = phases or (lambda name: contextlib.nullcontext())

@@ -102,7 +102,7 @@ class Handles:
 
 def apply_script(script: Path, args: list, out: Path, top: int | None = 5, device: str = "auto", region: str | None = None,
                  replacement: str = "kernel", iters: int = 20, granularity: str = "layer", console=None,
-                 train: bool = False, inductor: bool = False) -> dict:
+                 train: bool = False, inductor: bool | str = False) -> dict:
     console = console or Console(highlight=False, soft_wrap=True)
     out = Path(out)
     dev = resolve_device(device)
