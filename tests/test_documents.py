@@ -64,7 +64,7 @@ def sample_analyses() -> dict:
 
 def test_sample_analyses_round_trip(sample_analyses):
     """json -> AnalysisDoc -> json gives the same text, key order included, for every committed sample."""
-    assert len(sample_analyses) == 20
+    assert len(sample_analyses) == 21
     for name, a in sample_analyses.items():
         text = json.dumps(a.doc, default=str)
         loaded = json.loads(text)

@@ -24,7 +24,7 @@ def analyses() -> dict:
 
 
 def test_every_sample_candidate_round_trips(analyses):
-    assert len(analyses) == 20
+    assert len(analyses) == 21
     kinds = set()
     for name, doc in analyses.items():
         for c in doc["candidates"]:
