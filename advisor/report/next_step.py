@@ -53,7 +53,7 @@ def _math_attention(analysis: dict) -> List[Step]:
         if strided:
             what = ", ".join(f"{i.get('name')} {tuple(i.get('shape') or ())} has a last dimension of stride "
                              f"{i.get('last_stride')}" for i in strided)
-            steps.append(Step(f"{ran}. Its {what}, which every fused attention kernel refuses: `optimize` and `apply` "
+            steps.append(Step(f"{ran}. Its {what}, which every fused attention kernel refuses: optimize and apply "
                               "lay it out in the graphs they capture; by hand, make it contiguous before the call.",
                               "attn_mask = attn_mask.contiguous()  # before scaled_dot_product_attention"))
         else:
