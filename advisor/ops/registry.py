@@ -18,6 +18,8 @@ tables defined here, next to the entries, each with the stage that reads it.
 """
 from __future__ import annotations
 
+import functools
+
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -162,6 +164,14 @@ def torch_function_op(fn) -> str | None:
     """The aten op a torch function runs, by name ("aten::scaled_dot_product_attention" for
     `torch.nn.functional.scaled_dot_product_attention`, a builtin of `torch._C._nn`): how a node of a dynamo graph,
     which calls torch's Python functions rather than aten ops, is read. None for anything else."""
+    try:
+        return _torch_function_op(fn)
+    except TypeError:  # an unhashable callable: not one of torch's functions
+        return None
+
+
+@functools.lru_cache(maxsize=1024)  # (asked for every node of every graph captured)
+def _torch_function_op(fn) -> str | None:
     name, module = getattr(fn, "__name__", None), getattr(fn, "__module__", None) or ""
     if not name or not (module == "torch" or module.startswith("torch._C")):
         return None
