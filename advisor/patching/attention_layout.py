@@ -49,7 +49,8 @@ def lay_out_attention_inputs(gm: GraphModule, math_only_for_layout: Callable | N
         tensors = {k: _example(args[k]) for k in TENSORS if args[k] is not None}
         if any(v is None for v in tensors.values()) or any(isinstance(args[k], Node) for k in SCALARS):
             continue  # a value not known while tracing: left as it was
-        strided = [k for k, v in tensors.items() if v.dim() and _hint(v.size(-1)) > 1 and _hint(v.stride(-1)) != 1]
+        strided = [k for k, v in tensors.items()
+                   if v.dim() and (_hint(v.size(-1)) or 0) > 1 and _hint(v.stride(-1)) not in (1, None)]
         if not strided or not decide(tensors, {k: args[k] for k in SCALARS}, strided):
             continue
         for k in strided:
@@ -69,9 +70,11 @@ def lay_out_attention_inputs(gm: GraphModule, math_only_for_layout: Callable | N
 
 
 def sdpa_math_only_for_layout(tensors: dict, scalars: dict, strided: list) -> bool:
-    """SDPA's backend choice (`torch._fused_sdp_choice`) on empty tensors of the graph's shapes and strides on its
-    device: the math backend as they are, a fused kernel with `strided` laid out contiguously. Never on the CPU,
-    where the fused kernel takes strided inputs and a copy would only cost."""
+    """SDPA's backend choice (`torch._fused_sdp_choice`) on empty tensors of the graph's shapes, strides and grad
+    flags on its device, in the grad mode of the call being captured: the math backend as they are, a fused kernel
+    with `strided` laid out contiguously. Never on the CPU, where the fused kernel takes strided inputs and a copy
+    would only cost, nor where the question cannot be asked (no memory for the empty tensors: the graph is left
+    as it is)."""
     from torch.nn.attention import SDPBackend
 
     sizes = {k: ([_hint(s) for s in v.shape], [_hint(s) for s in v.stride()]) for k, v in tensors.items()}
@@ -79,19 +82,20 @@ def sdpa_math_only_for_layout(tensors: dict, scalars: dict, strided: list) -> bo
             s is None for shape, stride in sizes.values() for s in (*shape, *stride)):
         return False
     math = SDPBackend.MATH.value
-    with unset_fake_temporarily(), torch.no_grad():
-        real = {k: torch.empty_strided(*sizes[k], dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
-                for k, v in tensors.items()}
 
-        def choice(t):
-            return torch._fused_sdp_choice(t["query"], t["key"], t["value"], t.get("attn_mask"),
-                                           scalars["dropout_p"], scalars["is_causal"], scale=scalars["scale"],
-                                           enable_gqa=scalars["enable_gqa"])
+    def choice(t):
+        return torch._fused_sdp_choice(t["query"], t["key"], t["value"], t.get("attn_mask"), scalars["dropout_p"],
+                                       scalars["is_causal"], scale=scalars["scale"], enable_gqa=scalars["enable_gqa"])
 
-        if choice(real) != math:
-            return False
-        laid = {k: (t.contiguous() if k in strided else t) for k, t in real.items()}
-        return choice(laid) != math
+    try:
+        with unset_fake_temporarily():
+            real = {k: torch.empty_strided(*sizes[k], dtype=v.dtype, device=v.device).requires_grad_(v.requires_grad)
+                    for k, v in tensors.items()}
+            if choice(real) != math:
+                return False
+            return choice({k: (t.contiguous() if k in strided else t) for k, t in real.items()}) != math
+    except (RuntimeError, ValueError):  # out of memory for the question, or an argument SDPA itself refuses
+        return False
 
 
 def _hint(size) -> int | None:
