@@ -6,6 +6,14 @@ import tempfile
 
 import pytest
 
+# Inductor's C++ code unvectorised in tests (`cpp.simdlen = 1`): the same ops and values, without its choice of
+# vector tiling, which simplifies every index expression with sympy and at symbolic sizes took over 20 minutes for
+# one Funnel layer's dynamic-shape compile on this CPU (test_zoo's shapes past the budget).
+if os.environ.get("FUSION_ADVISOR_TEST_VECTORISED") != "1":
+    import torch._inductor.config
+
+    torch._inductor.config.cpp.simdlen = 1
+
 # One fresh kernel/plan cache per test session, as in CI: a plan or validation an earlier session left in
 # ~/.cache would otherwise be reused and change what the tests see (tests that need their own set it).
 _SESSION_CACHE = None
