@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from advisor.graph.nodes import Graph
 from advisor.ops.args import schema_of
-from advisor.ops.registry import OpClass, is_fused_attention_kernel
+from advisor.ops.registry import OpClass, fused_attention_refuses, is_fused_attention_kernel
 
 MODULES_LISTED = 3  # per entry; the count says how many more
 
@@ -28,7 +28,7 @@ def math_attention(graph: Graph, iters: int) -> list[dict]:
         sch = schema_of(n.op, n.schema)
         names = [a.name for a in sch.arguments] if sch is not None else []
         strided = tuple((names[u.pos] if u.pos < len(names) else f"input {u.pos}", tuple(u.shape), u.strides[-1])
-                        for u in n.reads if u.shape and u.shape[-1] > 1 and u.strides and u.strides[-1] != 1)
+                        for u in n.reads if u.shape and u.strides and fused_attention_refuses(u.shape[-1], u.strides[-1]))
         e = found.setdefault((n.op, strided), {
             "op": n.op, "cause": "layout" if strided else "unknown", "calls": 0, "time_us": 0.0, "kernels": 0,
             "strided_inputs": [{"name": k, "shape": list(shape), "last_stride": st} for k, shape, st in strided],

@@ -283,6 +283,12 @@ def is_fused_attention_kernel(kernel: str) -> bool:
     return any(fragment in kernel.lower() for fragment in FUSED_ATTENTION_KERNELS)
 
 
+def fused_attention_refuses(last_size: int, last_stride: int) -> bool:
+    """Whether an attention input's last dimension (its size and stride) keeps SDPA's fused kernels on CUDA off:
+    every one of them needs stride 1 there (a dimension of one element has no stride to speak of)."""
+    return last_size > 1 and last_stride != 1
+
+
 # Their arguments for a mask added to the scores, and for causal masking done by the kernel itself
 # (`patching.causal_masks`: a constant causal mask becomes `is_causal`).
 ATTENTION_MASKS = ("attn_mask", "attn_bias")

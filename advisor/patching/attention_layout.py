@@ -22,7 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
-from advisor.ops.registry import OpClass, op_class, torch_function_op
+from advisor.ops.registry import OpClass, fused_attention_refuses, op_class, torch_function_op
 from advisor.patching.match import node_arg, set_node_arg
 
 # SDPA's arguments that are tensors a kernel reads (`attn_mask` may be None)
@@ -49,8 +49,7 @@ def lay_out_attention_inputs(gm: GraphModule, math_only_for_layout: Callable | N
         tensors = {k: _example(args[k]) for k in TENSORS if args[k] is not None}
         if any(v is None for v in tensors.values()) or any(isinstance(args[k], Node) for k in SCALARS):
             continue  # a value not known while tracing: left as it was
-        strided = [k for k, v in tensors.items()
-                   if v.dim() and (_hint(v.size(-1)) or 0) > 1 and _hint(v.stride(-1)) not in (1, None)]
+        strided = [k for k, v in tensors.items() if _refused(v)]
         if not strided or not decide(tensors, {k: args[k] for k in SCALARS}, strided):
             continue
         for k in strided:
@@ -96,6 +95,14 @@ def sdpa_math_only_for_layout(tensors: dict, scalars: dict, strided: list) -> bo
             return choice({k: (t.contiguous() if k in strided else t) for k, t in real.items()}) != math
     except (RuntimeError, ValueError):  # out of memory for the question, or an argument SDPA itself refuses
         return False
+
+
+def _refused(v: torch.Tensor) -> bool:
+    """Whether `v`'s last dimension alone keeps SDPA's fused kernels off (`registry.fused_attention_refuses`)."""
+    if not v.dim():
+        return False
+    size, stride = _hint(v.size(-1)), _hint(v.stride(-1))
+    return size is not None and stride is not None and fused_attention_refuses(size, stride)
 
 
 def _hint(size) -> int | None:

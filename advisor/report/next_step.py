@@ -55,7 +55,8 @@ def _math_attention(analysis: dict) -> List[Step]:
                              f"{i.get('last_stride')}" for i in strided)
             steps.append(Step(f"{ran}. Its {what}, which every fused attention kernel refuses: optimize and apply "
                               "lay it out in the graphs they capture; by hand, make it contiguous before the call.",
-                              "attn_mask = attn_mask.contiguous()  # before scaled_dot_product_attention"))
+                              "; ".join(f"{i.get('name')} = {i.get('name')}.contiguous()" for i in strided)
+                              + "  # before scaled_dot_product_attention"))
         else:
             steps.append(Step(f"{ran}. The trace does not show why (a dtype, head size or mask the fused kernels do "
                               "not take): asking for one fused kernel makes SDPA say why it refuses.",
