@@ -221,6 +221,7 @@ class ApplyDoc:
     inductor: bool | str | None = optional()
     inductor_graphs: dict | None = optional()  # per outcome ("compiled", or why a graph runs op by op): graphs
     attention_layouts: dict | None = optional()  # attention inputs laid out for SDPA's fused kernels, why: graphs
+    gemm_epilogues: dict | None = optional()  # linear + activation run as one cuBLASLt GEMM, why: sites
     dynamic: bool | None = optional()  # `optimize`: new shapes past the capture budget run Inductor's dynamic compile
     skipped_targets: dict | None = optional()
     train: bool | None = optional()

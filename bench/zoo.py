@@ -274,6 +274,7 @@ def child(name: str, result: Path, iters: int, train: bool = False, top: int | N
                                                "est_time_saved_us", "applied_alone")} for p in doc["patterns"]]
     res["fallbacks"] = report.handle.fallbacks() if report.handle is not None else {}
     res["attention_layouts"] = doc.get("attention_layouts")
+    res["gemm_epilogues"] = doc.get("gemm_epilogues")
     res["phases_s"] = report.phases_s
     fns = {"eager": loop_call(untouched), "advisor": loop_call(model), "compile": loop_call(compiled), **extra}
     res["kernels"] = {k: kernel_count(f, device, result.parent) for k, f in fns.items()}

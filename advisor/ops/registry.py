@@ -162,8 +162,9 @@ def tagged(name: str, tag: str) -> bool:
 
 def torch_function_op(fn) -> str | None:
     """The aten op a torch function runs, by name ("aten::scaled_dot_product_attention" for
-    `torch.nn.functional.scaled_dot_product_attention`, a builtin of `torch._C._nn`): how a node of a dynamo graph,
-    which calls torch's Python functions rather than aten ops, is read. None for anything else."""
+    `torch.nn.functional.scaled_dot_product_attention`, a builtin of `torch._C._nn`; "aten::relu" for the Python
+    function `torch.nn.functional.relu`, which dynamo keeps as it is): how a node of a dynamo graph, which calls
+    torch's Python functions rather than aten ops, is read. None for anything else."""
     try:
         return _torch_function_op(fn)
     except TypeError:  # an unhashable callable: not one of torch's functions
@@ -173,7 +174,7 @@ def torch_function_op(fn) -> str | None:
 @functools.lru_cache(maxsize=1024)  # (asked for every node of every graph captured)
 def _torch_function_op(fn) -> str | None:
     name, module = getattr(fn, "__name__", None), getattr(fn, "__module__", None) or ""
-    if not name or not (module == "torch" or module.startswith("torch._C")):
+    if not name or not (module in ("torch", "torch.nn.functional") or module.startswith("torch._C")):
         return None
     import torch  # (the registry reads traces without torch loaded; only graphs need it)
 
@@ -267,6 +268,16 @@ for _n in ["mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activati
 for _n, _roles in [("mm", "a b"), ("bmm", "a b"), ("matmul", "a b"), ("linear", "a w bias"), ("addmm", "bias a b"),
                    ("baddbmm", "bias a b")]:
     register(f"aten::{_n}", OpClass.MATMUL, flops="matmul", gemm=_roles)
+
+# The activations cuBLASLt applies in a GEMM's own epilogue (`torch._addmm_activation`: ReLU, and GELU as its tanh
+# approximation), read after a linear by `patching.gemm_epilogues`.
+LINEAR = "aten::linear"
+GEMM_EPILOGUE_ACTIVATIONS = {"aten::relu": "relu", "aten::gelu": "gelu"}
+
+
+def cublaslt_epilogue(ops) -> bool:
+    """Whether a pattern's ops are a linear and one activation cuBLASLt's epilogue applies."""
+    return len(ops) == 2 and ops[0] == LINEAR and ops[1] in GEMM_EPILOGUE_ACTIVATIONS
 
 for _n in ["scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",

@@ -86,6 +86,11 @@ class Patched:
         (`attention_layout`)."""
         return attention_layouts(self._logs())
 
+    def gemm_epilogues(self) -> dict[str, int]:
+        """{linear + activation run as one cuBLASLt GEMM, and why: sites} over every capture of this model
+        (`gemm_epilogues`)."""
+        return gemm_epilogue_notes(self._logs())
+
     def graphs_not_used(self) -> dict[str, str]:
         """{module: why} for the captures whose CUDA graphs are not replayed (a recording that failed, or was
         refused where its memory could not be made safe: `graph_pools`): they run op by op."""
@@ -228,6 +233,11 @@ def inductor_outcomes(logs) -> dict[str, int]:
 def attention_layouts(logs) -> dict[str, int]:
     """{attention input laid out for SDPA's fused kernels, and why: graphs} over capture logs."""
     return _tally(note for log in logs for note in log.layouts)
+
+
+def gemm_epilogue_notes(logs) -> dict[str, int]:
+    """{linear + activation run as one cuBLASLt GEMM, and why: sites} over capture logs."""
+    return _tally(note for log in logs for note in log.epilogues)
 
 
 def _tally(lines) -> dict[str, int]:

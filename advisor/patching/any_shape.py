@@ -26,6 +26,7 @@ import torch
 from advisor.errors import exception_reason
 from advisor.fast_paths import module_level_paths
 from advisor.patching.attention_layout import lay_out_attention_inputs
+from advisor.patching.gemm_epilogues import fuse_gemm_epilogues
 from advisor.patching.compiled import _as_normal_inputs, cached_graphs, compile_fresh, dynamo_limits_noted
 
 COMPILED = "Inductor's dynamic-shape compile of the original forward"
@@ -74,9 +75,11 @@ class AnyShape:
 
 
 def laid_out_inductor(gm: torch.fx.GraphModule, example_inputs) -> Callable:
-    """Inductor, after the attention inputs whose layout alone sends SDPA to its math backend are laid out, as in
-    the captures (`attention_layout`)."""
+    """Inductor, after the attention inputs whose layout alone sends SDPA to its math backend are laid out and the
+    linears that pay for it get their activation in cuBLASLt's epilogue, as in the captures (`attention_layout`,
+    `gemm_epilogues`)."""
     from torch._inductor.compile_fx import compile_fx
 
     lay_out_attention_inputs(gm)
+    fuse_gemm_epilogues(gm)
     return compile_fx(gm, example_inputs)

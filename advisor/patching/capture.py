@@ -39,6 +39,7 @@ from advisor.errors import exception_reason
 from advisor.ops.registry import OpClass, op_class
 from advisor.patching import aot_cache, epilogue, resize, rewrite, splade, timing
 from advisor.patching.attention_layout import lay_out_attention_inputs
+from advisor.patching.gemm_epilogues import fuse_gemm_epilogues
 from advisor.patching.causal_masks import fold_causal_masks
 from advisor.patching.graphs import Graphed
 from advisor.patching.host_copies import constants_on_device, make_host_copies_recordable
@@ -73,6 +74,7 @@ class CaptureLog:
     inductor: list = field(default_factory=list)
     left_to_inductor: set = field(default_factory=set)  # pattern keys Inductor fuses instead (`stacked`)
     layouts: list = field(default_factory=list)  # per graph, attention inputs laid out for SDPA's fused kernels
+    epilogues: list = field(default_factory=list)  # per graph, linears run with their activation by cuBLASLt
 
     def count(self, key: str) -> int:
         return len(self.sites.get(key, []))
@@ -232,6 +234,7 @@ class Backend:
         self.captures += 1
         timing.count("captures")
         self.log.layouts.extend(lay_out_attention_inputs(gm))  # (before AOTAutograd picks SDPA's backend)
+        self.log.epilogues.extend(fuse_gemm_epilogues(gm))  # (inference graphs only: `gemm_epilogues`)
         key = _share_key(self.digest, gm, example_inputs)
         shared = _SHARED.get(key) if key is not None else None
         if shared is not None:

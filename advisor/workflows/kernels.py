@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from advisor.ops.registry import cublaslt_epilogue
 from advisor.patching.containment import holds
 from advisor.patching.plan import PatternSpec, spec_from_candidate
 from advisor.records import Candidate, Kind, PatternResult, Verdict, candidates_of
@@ -119,7 +120,11 @@ def worth_patching(candidates: list[Candidate], call_us: float | None = None) ->
 
     for c in candidates:
         est = c.est_time_saved_us or 0.0
-        if c.est_time_saved_us is not None and est <= 0:
+        if c.kind is Kind.EPILOGUE and cublaslt_epilogue(c.ops):
+            drop(c, "not generated: on CUDA, a linear read only by this activation runs as one cuBLASLt "
+                    "GEMM with the activation in its epilogue, where timed faster than the two kernels "
+                    "(`patching.gemm_epilogues`; apply.json's `gemm_epilogues` lists them)")
+        elif c.est_time_saved_us is not None and est <= 0:
             drop(c, "not worth patching: estimated to save nothing" + (
                 " (the Triton GEMM an epilogue runs is slower than cuBLAS's by more than fusing saves: "
                 "analysis/cost.py's TRITON_GEMM_SLOWDOWN)" if c.kind is Kind.EPILOGUE else ""))

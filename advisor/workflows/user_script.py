@@ -28,7 +28,7 @@ from advisor.measure.timing import timing_meaningful
 from advisor.collect.region import observe_regions
 from advisor.collect.runner import profile_script, resolve_device
 from advisor.documents import APPLY_FILE, SelectionState, write_apply
-from advisor.patching import attention_layouts, inductor_outcomes
+from advisor.patching import attention_layouts, gemm_epilogue_notes, inductor_outcomes
 from advisor.patching.modules import root_class
 from advisor.records import PatternResult
 from advisor.workflows import pipeline
@@ -85,6 +85,9 @@ class Handles:
 
     def attention_layouts(self) -> dict:
         return attention_layouts(self._logs())
+
+    def gemm_epilogues(self) -> dict:
+        return gemm_epilogue_notes(self._logs())
 
     def fallbacks(self) -> dict:
         return {k: v for h in self.session.handles for k, v in h.fallbacks().items()}
@@ -146,7 +149,8 @@ def apply_script(script: Path, args: list, out: Path, top: int | None = 5, devic
             checks=session.checks, end_to_end=e2e, selection=selection, enabled=selection.get("enabled"),
             outer=bool(selection.get("outer")), plan=plan,
             script=str(script), args=tuple(args), errors=errors, train=train,
-            inductor_graphs=handles.inductor_graphs() or None, attention_layouts=handles.attention_layouts() or None)
+            inductor_graphs=handles.inductor_graphs() or None, attention_layouts=handles.attention_layouts() or None,
+            gemm_epilogues=handles.gemm_epilogues() or None)
     finally:
         session.close()
     write_apply(out, document)
