@@ -21,6 +21,7 @@ class Status(str, Enum):
     OVERLAP = "overlapped"  # another pattern took its ops first
     NOT_KEPT = "not_kept"  # patched and correct, but not faster on this GPU
     LEFT_TO_INDUCTOR = "left_to_inductor"  # `inductor=True`: Inductor fuses these ops with their neighbours
+    CUBLASLT = "cublaslt_epilogue"  # a linear and its activation: one cuBLASLt GEMM where timed faster, not our kernel
 
     def __str__(self) -> str:  # json.dumps writes the value
         return self.value

@@ -114,16 +114,17 @@ def worth_patching(candidates: list[Candidate], call_us: float | None = None) ->
     best = max((c.est_time_saved_us or 0.0 for c in candidates), default=0.0)
     keep, small, rest = [], [], []
 
-    def drop(c: Candidate, why: str) -> None:
+    def drop(c: Candidate, why: str, code: Status = Status.NOT_WORTH) -> None:
         rest.append(pattern_record(c, errors={}, source="", est_time_saved_us=c.est_time_saved_us or 0.0,
-                                   occurrences=c.occurrences, reason=why, verdict=Verdict(Status.NOT_WORTH, why)))
+                                   occurrences=c.occurrences, reason=why, verdict=Verdict(code, why)))
 
     for c in candidates:
         est = c.est_time_saved_us or 0.0
         if c.kind is Kind.EPILOGUE and cublaslt_epilogue(c.ops):
-            drop(c, "not generated: on CUDA, a linear read only by this activation runs as one cuBLASLt "
-                    "GEMM with the activation in its epilogue, where timed faster than the two kernels "
-                    "(`patching.gemm_epilogues`; apply.json's `gemm_epilogues` lists them)")
+            drop(c, "cuBLASLt's epilogue, not a kernel of ours: on CUDA a linear read only by this activation runs "
+                    "as one cuBLASLt GEMM with the activation applied before its output is written, where timed "
+                    "faster than the two kernels (`patching.gemm_epilogues`; apply.json's `gemm_epilogues` lists "
+                    "them)", Status.CUBLASLT)
         elif c.est_time_saved_us is not None and est <= 0:
             drop(c, "not worth patching: estimated to save nothing" + (
                 " (the Triton GEMM an epilogue runs is slower than cuBLAS's by more than fusing saves: "
