@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
 from advisor.ops.registry import OpClass, fused_attention_refuses, op_class, torch_function_op
-from advisor.patching.match import node_arg, set_node_arg
+from advisor.patching.match import node_arg, set_node_arg, size_hint, traced_value
 
 # SDPA's arguments that are tensors a kernel reads (`attn_mask` may be None)
 TENSORS = ("query", "key", "value", "attn_mask")
@@ -46,7 +46,7 @@ def lay_out_attention_inputs(gm: GraphModule, math_only_for_layout: Callable | N
         if any(k not in where for k in (*TENSORS, *SCALARS)):
             continue  # a backend's own op, called directly: its layouts are the caller's choice
         args = {a: node_arg(n, where[a], a, schema) for a in (*TENSORS, *SCALARS)}
-        tensors = {k: _example(args[k]) for k in TENSORS if args[k] is not None}
+        tensors = {k: traced_value(args[k]) for k in TENSORS if args[k] is not None}
         if any(v is None for v in tensors.values()) or any(isinstance(args[k], Node) for k in SCALARS):
             continue  # a value not known while tracing: left as it was
         strided = [k for k, v in tensors.items() if _refused(v)]
@@ -76,7 +76,7 @@ def sdpa_math_only_for_layout(tensors: dict, scalars: dict, strided: list) -> bo
     as it is)."""
     from torch.nn.attention import SDPBackend
 
-    sizes = {k: ([_hint(s) for s in v.shape], [_hint(s) for s in v.stride()]) for k, v in tensors.items()}
+    sizes = {k: ([size_hint(s) for s in v.shape], [size_hint(s) for s in v.stride()]) for k, v in tensors.items()}
     if any(v.device.type != "cuda" for v in tensors.values()) or any(
             s is None for shape, stride in sizes.values() for s in (*shape, *stride)):
         return False
@@ -101,21 +101,5 @@ def _refused(v: torch.Tensor) -> bool:
     """Whether `v`'s last dimension alone keeps SDPA's fused kernels off (`registry.fused_attention_refuses`)."""
     if not v.dim():
         return False
-    size, stride = _hint(v.size(-1)), _hint(v.stride(-1))
+    size, stride = size_hint(v.size(-1)), size_hint(v.stride(-1))
     return size is not None and stride is not None and fused_attention_refuses(size, stride)
-
-
-def _hint(size) -> int | None:
-    """A size or stride as an int: a symbolic one (a dynamic-shape graph) by the value it was traced at."""
-    if isinstance(size, int):
-        return size
-    hint = getattr(getattr(size, "node", None), "hint", None)
-    return int(hint) if hint is not None else None
-
-
-def _example(x) -> torch.Tensor | None:
-    """A node's traced value (dynamo's `example_value`, AOTAutograd's `val`), or None."""
-    if not isinstance(x, Node):
-        return None
-    v = x.meta.get("example_value", x.meta.get("val"))
-    return v if isinstance(v, torch.Tensor) else None

@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
 from advisor.ops.registry import GEMM_EPILOGUE_ACTIVATIONS, LINEAR, torch_function_op
-from advisor.patching.match import node_arg
+from advisor.patching.match import node_arg, size_hint, traced_value
 
 # dtypes whose rounding hides the difference between exact GELU and cuBLASLt's tanh approximation
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)
@@ -84,7 +84,7 @@ def fuse_gemm_epilogues(gm: GraphModule, pays: Callable[[EpilogueShape], Verdict
         if not verdict.pays:
             continue
         with gm.graph.inserting_before(act):
-            b = b if b is not None else _zero_bias(gm, shape, _example(x), zeros)
+            b = b if b is not None else _zero_bias(gm, shape, traced_value(x), zeros)
             fused = gm.graph.call_function(linear_activation, (x, w, b, shape.use_gelu))
         example = act.meta.get("example_value")
         if example is not None:
@@ -109,9 +109,9 @@ def _site(act: Node) -> tuple[Node, tuple, EpilogueShape] | None:
         return None
     schema = torch.ops.aten.linear.default._schema
     args = tuple(node_arg(linear, i, name, schema) for i, name in enumerate(("input", "weight", "bias")))
-    vals = [_example(a) for a in args]
+    vals = [traced_value(a) for a in args]
     x, w, b = vals
-    out = _example(linear)
+    out = traced_value(linear)
     if x is None or w is None or out is None or (b is None) != (args[2] is None):
         return None  # a value not traced
     if out.dtype != x.dtype:
@@ -123,7 +123,7 @@ def _site(act: Node) -> tuple[Node, tuple, EpilogueShape] | None:
         return None  # (a graph that trains: its backward would need the activation's input)
     if activation == "gelu_exact" and x.dtype not in REDUCED_PRECISION:
         return None  # exact GELU in fp32: the tanh approximation would show
-    sizes = [_hint(s) for s in (*x.shape[:-1], w.shape[1], w.shape[0])]
+    sizes = [size_hint(s) for s in (*x.shape[:-1], w.shape[1], w.shape[0])]
     if any(s is None for s in sizes):
         return None  # a size with no value traced: nothing to time
     rows = 1
@@ -232,18 +232,3 @@ def _ms(fn: Callable, reps: int) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end))
     return statistics.median(samples)
-
-
-def _hint(size) -> int | None:
-    """A size as an int: a symbolic one (a dynamic-shape graph) by the value it was traced at."""
-    if isinstance(size, int):
-        return size
-    hint = getattr(getattr(size, "node", None), "hint", None)
-    return int(hint) if hint is not None else None
-
-
-def _example(x) -> torch.Tensor | None:
-    if not isinstance(x, Node):
-        return None
-    v = x.meta.get("example_value", x.meta.get("val"))
-    return v if isinstance(v, torch.Tensor) else None

@@ -66,6 +66,22 @@ def node_arg(n: Node, index: int, name: str, schema=None):
     return (schema or n.target._schema).arguments[index].default_value
 
 
+def traced_value(x) -> torch.Tensor | None:
+    """A node's traced value (dynamo's `example_value`, AOTAutograd's `val`), or None."""
+    if not isinstance(x, Node):
+        return None
+    v = x.meta.get("example_value", x.meta.get("val"))
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def size_hint(size) -> int | None:
+    """A size or stride as an int: a symbolic one (a dynamic-shape graph) by the value it was traced at."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return int(hint) if hint is not None else None
+
+
 def set_node_arg(n: Node, index: int, name: str, value) -> None:
     if index < len(n.args) and name not in n.kwargs:
         args = list(n.args)
