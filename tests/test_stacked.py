@@ -422,6 +422,13 @@ def test_max_autotune_reaches_inductor_and_the_plan_keeps_it(tmp_path, monkeypat
         torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
     assert load_plan(tmp_path).inductor == "max-autotune"
     assert not config.max_autotune  # set for our compile only
+    # apply.json written by a version with a mode this one does not know: one clear line when the plan is read
+    doc["inductor"] = "max-autotune-2099"
+    (tmp_path / "apply.json").write_text(json.dumps(doc))
+    from advisor.errors import AdvisorError
+
+    with pytest.raises(AdvisorError, match="'max-autotune-2099', a mode this version does not know"):
+        load_plan(tmp_path)
 
 
 def test_an_unknown_inductor_mode_is_one_clear_error():

@@ -321,7 +321,8 @@ def load_plan(out_dir: Path) -> Plan:
                 t.keys.append(s.key)
         enabled = applied.get("enabled")
         return Plan(list(specs.values()), list(targets.values()), outer_on=bool(applied.get("outer")),
-                    enabled=None if enabled is None else frozenset(enabled), inductor=_inductor_mode(applied.get("inductor")))
+                    enabled=None if enabled is None else frozenset(enabled),
+                    inductor=_inductor_mode(applied.get("inductor"), apply_p))
     for p in applied.get("patterns", []):
         c = by_pid.get(p.get("pattern_id")) or next((x for x in doc["candidates"] if x["id"] == p.get("candidate")), None)
         if c is None or not p.get("validated") or not p.get("kernel_file"):
@@ -345,6 +346,11 @@ def to_jsonable(plan: Plan) -> dict:
     return {"patterns": [asdict(p) for p in plan.patterns], "targets": [asdict(t) for t in plan.targets]}
 
 
-def _inductor_mode(recorded) -> bool | str:
-    """apply.json's `inductor` as a plan holds it: True or a mode name (`plan.INDUCTOR_MODES`), else False."""
+def _inductor_mode(recorded, path: Path) -> bool | str:
+    """apply.json's `inductor` as a plan holds it: True or a mode name (`plan.INDUCTOR_MODES`), else False. A name
+    this version does not know is one clear error here, not Inductor's KeyError at the first call."""
+    if isinstance(recorded, str) and recorded not in INDUCTOR_MODES:
+        known = ", ".join(repr(m) for m in INDUCTOR_MODES if isinstance(m, str))
+        raise AdvisorError(f"{path}: `inductor` is {recorded!r}, a mode this version does not know (known: true, "
+                           f"false, {known}); re-run `fusion-advisor apply` or `advisor.optimize` to write it again")
     return recorded if isinstance(recorded, str) else bool(recorded)
