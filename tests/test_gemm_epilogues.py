@@ -154,3 +154,80 @@ def test_analysis_says_a_linear_and_its_activation_are_left_to_cublaslt():
     assert keep == [] and [r.code for r in rest] == [Status.CUBLASLT, Status.NOT_WORTH]
     assert "cuBLASLt" in rest[0].reason and "gemm_epilogues" in rest[0].reason
     assert "slower than cuBLAS" in rest[1].reason
+
+
+class WrittenOut(torch.nn.Module):
+    """The spellings HF models use: GPT-2's Conv1D (`addmm` on the rows, viewed back) and its GELU written out in
+    `tanh` and `pow` (`gelu_new`), Phi's linear with the same GELU, `gelu_fast`'s other arrangement of it, an
+    eval-mode dropout between the activation and the next GEMM (Whisper), and what must stay: Gemma's
+    `gelu(gate) * up` (Inductor fuses the GELU into the product), QuickGELU (a sigmoid, which cuBLASLt has not)."""
+
+    def __init__(self, d=32, f=64):
+        super().__init__()
+        self.c_fc_w = torch.nn.Parameter(torch.randn(d, f) * d ** -0.5)  # Conv1D: K x N
+        self.c_fc_b = torch.nn.Parameter(torch.randn(f) * 0.1)
+        self.fc = torch.nn.Linear(f, f)
+        self.gate, self.up = torch.nn.Linear(f, f), torch.nn.Linear(f, f)
+        self.quick = torch.nn.Linear(f, f)
+        self.down = torch.nn.Linear(f, d)
+
+    def forward(self, x):
+        h = torch.addmm(self.c_fc_b, x.view(-1, x.size(-1)), self.c_fc_w).view(*x.shape[:-1], -1)
+        h = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
+        g = self.fc(h)
+        g = 0.5 * g * (1.0 + torch.tanh(g * 0.7978845608 * (1.0 + 0.044715 * g * g)))
+        g = F.dropout(g, 0.1, training=False)
+        g = F.gelu(self.gate(g), approximate="tanh") * self.up(g)
+        q = self.quick(g)
+        return self.down(q * torch.sigmoid(1.702 * q))
+
+
+def test_activations_are_recognised_by_their_values_in_every_spelling():
+    model = WrittenOut().eval().to(torch.bfloat16)
+    x = torch.randn(2, 8, 32, dtype=torch.bfloat16)
+    run, seen = compiled(copy.deepcopy(model))
+    with torch.no_grad():
+        got, want = run(x), model(x)
+    assert len(seen["notes"]) == 2 and all("GELU (tanh)" in n for n in seen["notes"]), seen["notes"]
+    assert "_addmm_activation" in seen["code"] and seen["calls"] == 1  # Conv1D's addmm kept its own form
+    assert "torch.sigmoid" in seen["code"] and "torch.tanh" not in seen["code"]
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+def test_a_training_dropout_after_the_activation_leaves_it_to_inductor():
+    class Mlp2(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.fc2(F.dropout(F.gelu(self.fc1(x)), 0.1, training=self.training))
+
+    model = Mlp2().to(torch.bfloat16)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    for train, sites in ((True, 0), (False, 1)):
+        run, seen = compiled(copy.deepcopy(model).train(train))
+        with torch.no_grad():
+            run(x)
+        assert len(seen["notes"]) == sites
+
+
+def test_the_activation_check_on_values_tells_them_apart():
+    from torch.fx import symbolic_trace
+
+    from advisor.patching.gemm_epilogues import activation_of
+
+    def region_of(fn):
+        gm = symbolic_trace(fn)
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        found = activation_of(x)
+        return found[1] if found else None
+
+    assert region_of(lambda x: torch.relu(x)) == "relu"
+    assert region_of(lambda x: x * 0.5 * (1.0 + torch.erf(x * 0.7071067811865476))) == "gelu_exact"
+    assert region_of(lambda x: F.gelu(x, approximate="tanh")) == "gelu"
+    assert region_of(lambda x: x * torch.sigmoid(1.702 * x)) is None  # QuickGELU: no cuBLASLt epilogue
+    assert region_of(lambda x: F.silu(x)) is None
+    assert region_of(lambda x: torch.relu(x * 2.0)) is None  # a ReLU of a scaled product is no ReLU of it
+    assert region_of(lambda x: torch.relu(x) * 2.0) == "relu"  # (its reader, a product, then keeps it apart)
+    assert region_of(lambda x: torch.relu(x - x.mean())) is None  # a reduction reads it first: no region

@@ -182,6 +182,23 @@ def _torch_function_op(fn) -> str | None:
     return f"aten::{name}" if packet is not None else None
 
 
+# Python's operators as a dynamo graph calls them on tensors (`x * 0.5`): the aten op each runs
+PYTHON_OPERATORS = {"mul": "aten::mul", "add": "aten::add", "sub": "aten::sub", "truediv": "aten::div",
+                    "pow": "aten::pow", "neg": "aten::neg", "abs": "aten::abs"}
+
+
+def graph_node_op(kind: str, target) -> str | None:
+    """The aten op a node of a dynamo graph runs: a torch function (`torch_function_op`), one of Python's operators
+    (`operator.mul`), or a tensor method by name (`x.pow(3)`, kind "call_method"); None for anything else."""
+    if kind == "call_method":
+        return f"aten::{target}" if isinstance(target, str) and lookup(f"aten::{target}") else None
+    if kind != "call_function":
+        return None
+    if getattr(target, "__module__", None) in ("_operator", "operator"):
+        return PYTHON_OPERATORS.get(getattr(target, "__name__", ""))
+    return torch_function_op(target)
+
+
 def op_class(name: str) -> OpClass:
     info = lookup(name)
     return info.cls if info else OpClass.OTHER
@@ -272,6 +289,7 @@ for _n, _roles in [("mm", "a b"), ("bmm", "a b"), ("matmul", "a b"), ("linear", 
 # The activations cuBLASLt applies in a GEMM's own epilogue (`torch._addmm_activation`: ReLU, and GELU as its tanh
 # approximation), read after a linear by `patching.gemm_epilogues`.
 LINEAR = "aten::linear"
+ADDMM = "aten::addmm"  # (the form HF's Conv1D calls: GPT-2's MLP)
 GEMM_EPILOGUE_ACTIVATIONS = {"aten::relu": "relu", "aten::gelu": "gelu"}
 
 
@@ -344,6 +362,8 @@ for _n in ["zeros", "ones", "zeros_like", "ones_like", "full_like", "rand", "ran
 register("aten::full", OpClass.POINTWISE, tags=frozenset({"factory"}))
 # Ops that draw random numbers (dropout in training mode; the others always): a call that runs one cannot
 # be run twice and compared (`patching.verify.eval_if_unrepeatable`).
+# Ops that are the identity outside training (`training=False`): what reads through them reads their input
+IDENTITY_IN_EVAL = frozenset(f"aten::{_n}" for _n in _IDENTITY_IN_EVAL)
 RANDOM = frozenset(f"aten::{_n}" for _n in [*_IDENTITY_IN_EVAL, *(f"{n}_" for n in _IDENTITY_IN_EVAL), "rand", "randn",
                    "randint", "rand_like", "randn_like", "randint_like", "randperm", "normal", "normal_", "uniform_",
                    "bernoulli", "bernoulli_", "random_", "multinomial", "exponential_", "geometric_", "cauchy_",

@@ -1,5 +1,11 @@
 """A linear whose only reader is a ReLU or a GELU runs as one cuBLASLt GEMM with the activation in its epilogue.
 
+Which ops are a ReLU or a GELU is read from their values, not their spelling: the pointwise region that reads a
+linear's (or HF Conv1D's `addmm`'s) output is run on a probe in float64 and compared with each activation
+(`activation_of`), so GPT-2's and Phi's GELU written out in `tanh` and `pow` is found as `F.gelu` is. Only an
+activation whose readers are GEMMs (or attention, or the graph's output) is taken: where a pointwise op reads it
+(Gemma's `gelu(gate) * up`), Inductor fuses the activation into that op's kernel and the epilogue saves nothing.
+
 Why: Inductor calls cuBLAS for a linear and writes a Triton kernel for the activation after it, so the GEMM's
 output is written to memory and read back once more than needed; its Triton GEMMs (`max-autotune`) did not take
 the activation either at these shapes. cuBLASLt applies ReLU or GELU to the accumulator before the output is
@@ -30,7 +36,8 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import GraphModule, Node
 
-from advisor.ops.registry import GEMM_EPILOGUE_ACTIVATIONS, LINEAR, torch_function_op
+from advisor.ops.registry import ADDMM, IDENTITY_IN_EVAL, LINEAR, MEMORY_BOUND, OpClass, draws_random, graph_node_op, \
+    op_class
 from advisor.patching.match import node_arg, size_hint, traced_value
 
 # dtypes whose rounding hides the difference between exact GELU and cuBLASLt's tanh approximation
@@ -71,65 +78,202 @@ def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
 
 
 def fuse_gemm_epilogues(gm: GraphModule, pays: Callable[[EpilogueShape], Verdict] | None = None) -> list[str]:
-    """Each linear (with a bias) read only by a ReLU or GELU replaced, where `pays` says so (by default
-    `cublaslt_epilogue_pays`), by `linear_activation`; returns one line per site rewritten, saying what and why."""
+    """Each linear (or `addmm`, HF's Conv1D) read only by a ReLU or GELU replaced, where `pays` says so (by default
+    `cublaslt_epilogue_pays`), by one `aten::_addmm_activation`; returns one line per site rewritten, saying what
+    and why. The activation is recognised by its values, not its spelling (`activation_of`): GPT-2's GELU written
+    out in `tanh` and `pow` is the same GELU as `F.gelu(approximate="tanh")`."""
     decide = pays or cublaslt_epilogue_pays
     notes, zeros = [], {}
-    for act in list(gm.graph.nodes):
-        found = _site(act)
-        if found is None:
+    for anchor in list(gm.graph.nodes):
+        site = _site(anchor)
+        if site is None:
             continue
-        linear, (x, w, b), shape = found
-        verdict = decide(shape)
+        verdict = decide(site.shape)
         if not verdict.pays:
             continue
-        with gm.graph.inserting_before(act):
-            b = b if b is not None else _zero_bias(gm, shape, traced_value(x), zeros)
-            fused = gm.graph.call_function(linear_activation, (x, w, b, shape.use_gelu))
-        example = act.meta.get("example_value")
-        if example is not None:
-            fused.meta["example_value"] = example
-        act.replace_all_uses_with(fused)
-        gm.graph.erase_node(act)
-        gm.graph.erase_node(linear)
-        notes.append(f"{shape.describe()}: one cuBLASLt GEMM with the activation in its epilogue ({verdict.why})")
+        _rewrite(gm, site, zeros)
+        notes.append(f"{site.shape.describe()}: one cuBLASLt GEMM with the activation in its epilogue ({verdict.why})")
     if notes:
         gm.recompile()
     return notes
 
 
-def _site(act: Node) -> tuple[Node, tuple, EpilogueShape] | None:
-    """(the linear, its tensor arguments, its shape) where `act` is a ReLU or GELU that is the only reader of a
-    linear (bias or none), all of one floating dtype; else None."""
-    activation = _activation(act)
-    if activation is None or not act.args or not isinstance(act.args[0], Node):
+@dataclass(frozen=True)
+class _Site:
+    anchor: Node  # the linear or addmm
+    view: Node | None  # an addmm's output viewed back to the input's leading dims (Conv1D), which the activation reads
+    region: tuple  # the activation's nodes, in graph order; the last is its output
+    operands: tuple  # linear: (input, weight, bias or None); addmm: (bias, rows, weight as K x N)
+    shape: EpilogueShape
+
+
+def _site(anchor: Node) -> _Site | None:
+    """The site where `anchor` is a linear or addmm whose output (or the one view of it) only an activation
+    cuBLASLt's epilogue applies reads, all of one floating dtype, for inference; else None."""
+    if anchor.op != "call_function" or not anchor.users:
         return None
-    linear = act.args[0]
-    if len(linear.users) != 1 or linear.op != "call_function" or torch_function_op(linear.target) != LINEAR:
+    name = graph_node_op(anchor.op, anchor.target)
+    if name == LINEAR:
+        schema = torch.ops.aten.linear.default._schema
+        operands = tuple(node_arg(anchor, i, a, schema) for i, a in enumerate(("input", "weight", "bias")))
+        x, w, b = (traced_value(a) for a in operands)
+        if x is None or w is None or (b is None) != (operands[2] is None):
+            return None
+        k, n = w.shape[1], w.shape[0]
+    elif name == ADDMM:
+        schema = torch.ops.aten.addmm.default._schema
+        operands = tuple(node_arg(anchor, i, a, schema) for i, a in enumerate(("self", "mat1", "mat2")))
+        if any(node_arg(anchor, i, a, schema) != 1 for i, a in ((3, "beta"), (4, "alpha"))):
+            return None
+        b, x, w = (traced_value(a) for a in operands)
+        if b is None or x is None or w is None:
+            return None
+        k, n = w.shape[0], w.shape[1]
+    else:
         return None
-    schema = torch.ops.aten.linear.default._schema
-    args = tuple(node_arg(linear, i, name, schema) for i, name in enumerate(("input", "weight", "bias")))
-    vals = [traced_value(a) for a in args]
-    x, w, b = vals
-    out = traced_value(linear)
-    if x is None or w is None or out is None or (b is None) != (args[2] is None):
-        return None  # a value not traced
-    if out.dtype != x.dtype:
+    out = traced_value(anchor)
+    vals = [v for v in (x, w, b) if v is not None]
+    if out is None or out.dtype != x.dtype:
         return None  # under autocast: the GEMM runs in another dtype than its operands', which the rewrite would lose
-    if (b is not None and b.dim() != 1) or w.dim() != 2 or x.dim() < 2 or \
-            len({v.dtype for v in vals if v is not None}) != 1 or not x.dtype.is_floating_point:
+    if (b is not None and b.dim() != 1) or w.dim() != 2 or x.dim() < 2 or len({v.dtype for v in vals}) != 1 or \
+            not x.dtype.is_floating_point:
         return None
-    if any(v.requires_grad for v in vals if v is not None) and torch.is_grad_enabled():
+    if any(v.requires_grad for v in vals) and torch.is_grad_enabled():
         return None  # (a graph that trains: its backward would need the activation's input)
+    view = next(iter(anchor.users))
+    viewed = graph_node_op(view.op, view.target)
+    if not (name == ADDMM and len(anchor.users) == 1 and viewed and op_class(viewed) == OpClass.VIEW and
+            view.args and view.args[0] is anchor):
+        view = None  # (a view commutes with a pointwise activation: the activated product is viewed instead)
+    found = activation_of(view or anchor)
+    if found is None:
+        return None
+    region, activation = found
+    if not _read_by_unfusible_ops(region[-1]):
+        return None  # (Inductor fuses the activation into its reader: nothing saved)
     if activation == "gelu_exact" and x.dtype not in REDUCED_PRECISION:
         return None  # exact GELU in fp32: the tanh approximation would show
-    sizes = [size_hint(s) for s in (*x.shape[:-1], w.shape[1], w.shape[0])]
+    sizes = [size_hint(s) for s in (*x.shape[:-1], k, n)]
     if any(s is None for s in sizes):
         return None  # a size with no value traced: nothing to time
     rows = 1
     for s in sizes[:-2]:
         rows *= s
-    return linear, args, EpilogueShape(rows, sizes[-2], sizes[-1], x.dtype, activation, x.device)
+    return _Site(anchor, view, region, operands, EpilogueShape(rows, sizes[-2], sizes[-1], x.dtype, activation, x.device))
+
+
+def _read_by_unfusible_ops(out: Node) -> bool:
+    """Whether every op that reads the activation (through views and eval-mode dropout) is one Inductor fuses no
+    activation into: a GEMM (BERT's fc2), attention, an output. A pointwise, reduction or norm reader (Gemma's
+    `gelu(gate) * up`) takes the activation into its own kernel on Inductor's route, and the GEMM's output makes
+    the same round trip either way: there the epilogue would only add its own cost to the GEMM."""
+    todo, seen = list(out.users), set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        name = graph_node_op(n.op, n.target)
+        if name is None:
+            continue
+        training = n.kwargs.get("training", n.args[2] if len(n.args) > 2 else True)
+        if op_class(name) == OpClass.VIEW or (name in IDENTITY_IN_EVAL and training is False):
+            todo.extend(n.users)
+        elif op_class(name) in MEMORY_BOUND:
+            return False
+    return True
+
+
+def _rewrite(gm: GraphModule, site: _Site, zeros: dict) -> None:
+    out = site.region[-1]
+    graph = gm.graph
+    if site.view is None and graph_node_op(site.anchor.op, site.anchor.target) == LINEAR:
+        x, w, b = site.operands
+        with graph.inserting_before(out):
+            b = b if b is not None else _zero_bias(gm, site.shape, traced_value(x), zeros)
+            fused = graph.call_function(linear_activation, (x, w, b, site.shape.use_gelu))
+        _copy_example(out, fused)
+        result = fused
+    else:  # addmm: its operands as they are, then the view it had, now of the activated product
+        with graph.inserting_before(site.view or out):
+            fused = graph.call_function(torch.ops.aten._addmm_activation.default, site.operands,
+                                        {"use_gelu": site.shape.use_gelu})
+        _copy_example(site.anchor, fused)
+        result = fused
+        if site.view is not None:
+            site.view.args = (fused, *site.view.args[1:])
+            result = site.view
+    out.replace_all_uses_with(result)
+    for n in reversed(site.region):
+        graph.erase_node(n)
+    graph.erase_node(site.anchor)
+
+
+def _copy_example(src: Node, dst: Node) -> None:
+    if src.meta.get("example_value") is not None:
+        dst.meta["example_value"] = src.meta["example_value"]
+
+
+# The activations told apart by their values (`activation_of`), as the references compute them in float64.
+ACTIVATIONS = {"relu": torch.relu, "gelu": lambda y: torch.nn.functional.gelu(y, approximate="tanh"),
+               "gelu_exact": torch.nn.functional.gelu}
+PROBE = torch.linspace(-12.0, 12.0, 24001, dtype=torch.float64)
+MAX_REGION = 24  # pointwise nodes looked at after a GEMM: GPT-2's written-out GELU is 8
+
+
+def activation_of(value: Node) -> tuple[tuple, str] | None:
+    """(the nodes, in graph order, and which of `ACTIVATIONS`) where everything that reads `value` is a pointwise
+    region of one input computing one of them, to 1e-9 on `PROBE` in float64, and nothing else reads inside it;
+    else None. Pointwise means the registry's class of the op each node runs (random ops excluded), so the
+    region's value at each element depends on that element alone, and a 1-D probe shows what it computes."""
+    users = set(value.users)
+    region: list[Node] = []
+    inside = {value}
+    ahead = set(users)  # readers of the region not yet reached: once none is left, it can grow no more
+    node = value.next
+    while ahead and node.op != "output" and len(region) < MAX_REGION:
+        ahead.discard(node)
+        tensors = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, Node)]
+        if tensors and all(a in inside for a in tensors):
+            name = graph_node_op(node.op, node.target)
+            if name is None or op_class(name) != OpClass.POINTWISE or draws_random(name):
+                break  # the region ends at the first reader that is no pointwise op
+            region.append(node)
+            inside.add(node)
+            ahead |= set(node.users)
+            closed = users <= set(region) and all(set(r.users) <= inside for r in region[:-1])
+            if closed:
+                kind = _identify(value, region)
+                if kind is not None:
+                    return tuple(region), kind
+        node = node.next
+    return None
+
+
+def _identify(value: Node, region: list[Node]) -> str | None:
+    """Which of `ACTIVATIONS` the region computes from `value` (its last node the result), by running it on
+    `PROBE`; None where it is none of them or cannot run on a plain tensor."""
+    env = {value: PROBE.clone()}
+
+    def arg(a):
+        return env[a] if isinstance(a, Node) else a
+
+    try:
+        for n in region:
+            args = [arg(a) for a in n.args]
+            kwargs = {k: arg(v) for k, v in n.kwargs.items()}
+            env[n] = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" \
+                else n.target(*args, **kwargs)
+        got = env[region[-1]]
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != PROBE.shape:
+        return None
+    for kind, fn in ACTIVATIONS.items():
+        want = fn(PROBE)
+        if bool(((got.double() - want).abs() <= 1e-9 * (1 + want.abs())).all()):
+            return kind
+    return None
 
 
 def _zero_bias(gm: GraphModule, shape: EpilogueShape, x: torch.Tensor, made: dict) -> Node:
@@ -147,17 +291,6 @@ def _zero_bias(gm: GraphModule, shape: EpilogueShape, x: torch.Tensor, made: dic
             with mode:
                 made[key].meta["example_value"] = torch.zeros(shape.n, dtype=shape.dtype, device=shape.device)
     return made[key]
-
-
-def _activation(node: Node) -> str | None:
-    """"relu", "gelu" (tanh) or "gelu_exact" for an activation cuBLASLt's epilogue applies; None otherwise."""
-    if node.op != "call_function":
-        return None
-    kind = GEMM_EPILOGUE_ACTIVATIONS.get(torch_function_op(node.target) or "")
-    if kind != "gelu":
-        return kind
-    approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-    return {"none": "gelu_exact", "tanh": "gelu"}.get(approximate) if isinstance(approximate, str) else None
 
 
 _VERDICTS: dict[EpilogueShape, Verdict] = {}
