@@ -406,6 +406,6 @@ def test_gemm_epilogue_pays_for_the_triton_gemm(monkeypatch):
     assert triton and all(0 <= charged[t] < free[t] for t in triton), (charged, free)
     lt = [t for t in charged if t not in triton]
     assert len(lt) >= 2 and all(0 < charged[t] == free[t] for t in lt), (charged, free)
-    monkeypatch.setattr(cost, "CUBLASLT_EPILOGUE_SHARE", {"aten::relu": 0.0, "aten::gelu": 0.0})
+    monkeypatch.setattr(cost, "CUBLASLT_EPILOGUE_SHARE", {"relu": 0.0, "gelu": 0.0})
     whole = epilogues("hf_bert")  # the activation's whole time: 1 / (1 - 0.3) of the estimate
     assert all(whole[t] == pytest.approx(charged[t] / 0.7) for t in lt if t in whole)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from advisor.analysis.alignment import PaddedGemm, unaligned_gemm
 from advisor.analysis.fusion import Group
 from advisor.graph.nodes import Graph, per_template
-from advisor.ops.registry import CONV_EPILOGUE, OpClass, cublaslt_epilogue, lookup
+from advisor.ops.registry import CONV_EPILOGUE, GEMM_EPILOGUE_ACTIVATIONS, OpClass, cublaslt_epilogue, lookup
 
 # When meta.json has no measured figures: sustained copy bandwidth (read + write) and launch cost.
 # `unaligned_matmul_flops`: what cuBLAS's unaligned (align1) GEMM kernels reach, for CPU traces' padded-matmul
@@ -44,7 +44,7 @@ TRITON_GEMM_SLOWDOWN = ((96, 1.72), (192, 1.82), (384, 2.0), (768, 1.64), (1024,
 # activation kernel's time the epilogue still adds to the GEMM. H200, bf16 (docs/experiments/gemm_epilogues): ReLU
 # 4-12% (BERT's fc1 0.123 ms against the GEMM's 0.119 and the ReLU kernel's 0.048), GELU 4-33% (0.133 against
 # 0.119 and 0.068; ViT-B/16's 0.219 against 0.187 and 0.102).
-CUBLASLT_EPILOGUE_SHARE = {"aten::relu": 0.1, "aten::gelu": 0.3}
+CUBLASLT_EPILOGUE_SHARE = {"relu": 0.1, "gelu": 0.3}  # (by `registry.GEMM_EPILOGUE_ACTIVATIONS`)
 
 
 # A row kernel (codegen/printer.py) is bound by its programs as well as its bytes. One program per row ran 0.62-0.69
@@ -258,7 +258,7 @@ def group_costs(graph: Graph, groups: list[Group], device: DeviceModel) -> Itera
             in_anchor = measured - graph.nodes[group.anchor].time_us
         elif group.kind == "epilogue" and device.type == "cuda" and \
                 cublaslt_epilogue(ops := [graph.nodes[m].op for m in group.members]):
-            in_anchor = (measured - graph.nodes[group.anchor].time_us) * (1.0 - CUBLASLT_EPILOGUE_SHARE[ops[1]])
+            in_anchor = (measured - graph.nodes[group.anchor].time_us) * (1.0 - CUBLASLT_EPILOGUE_SHARE[GEMM_EPILOGUE_ACTIVATIONS[ops[1]]])
         elif group.kind == "epilogue" and graph.nodes[group.anchor].cls is OpClass.MATMUL:
             takeover = gemm_takeover_us(graph.nodes[group.anchor], flops_of(graph.nodes[group.anchor]), device)
         if group.kind == "epilogue":
