@@ -174,6 +174,22 @@ def test_every_candidate_has_a_dataflow_svg(analysis, applied):
     assert all(n == 1 for n in tree.flows.values())
 
 
+def test_graph_rewrites_are_in_both_reports(analysis, applied):
+    """apply.json's rewrites besides our kernels (cuBLASLt's epilogues, attention inputs laid out) are named in the
+    terminal summary and the HTML's After-apply card, with their counts; a report without them shows none."""
+    a = copy.deepcopy(applied)
+    a["gemm_epilogues"] = {"linear 16384 x 768 -> 3072 (bfloat16) + GELU: one cuBLASLt GEMM with the activation in "
+                           "its epilogue (0.201 ms against 0.243 ms as two kernels)": 13}
+    a["attention_layouts"] = {"attention's attn_mask (32, 12, 512, 512) laid out contiguously <b>": 14}
+    out = _terminal(analysis, a, width=200)
+    assert "Graph rewrites" in out and "cuBLASLt epilogue: linear 16384 x 768 -> 3072" in out and "(×13)" in out
+    assert "attention input laid out: attention's attn_mask" in out and "(×14)" in out
+    html = render_html(analysis, a)
+    assert "Graph rewrites" in html and "0.201 ms against 0.243 ms" in html and "(×13)" in html
+    assert "&lt;b&gt;" in html and "contiguously <b>" not in html  # escaped
+    assert "Graph rewrites" not in _terminal(analysis, applied) and "Graph rewrites" not in render_html(analysis, applied)
+
+
 def test_html_apply_sections(analysis, applied):
     html = render_html(analysis, applied)
     assert 'class="code"' in html and '<span class="tk-d">@triton.jit</span>' in html

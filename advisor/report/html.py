@@ -283,7 +283,8 @@ def _ranks(a: dict) -> str:
 
 def _after_apply(apply: dict) -> str:
     e2e, man = apply.get("end_to_end"), [m for m in apply.get("manifest") or [] if isinstance(m, dict)]
-    if not isinstance(e2e, dict) and not man:
+    rewrites = M.graph_rewrites(apply)
+    if not isinstance(e2e, dict) and not man and not rewrites:
         return ""
     out = ['<section class="card" id="after-apply"><h2>After apply</h2>']
     if isinstance(e2e, dict):
@@ -297,6 +298,9 @@ def _after_apply(apply: dict) -> str:
         if not e2e.get("timing_meaningful", True):
             out.append('<div class="warn">These timings are not meaningful on this device (e.g. a CPU run); '
                        'the kernels were validated, not benchmarked.</div>')
+    if rewrites:
+        out.append('<h2 style="margin-top:8px">Graph rewrites</h2><ul class="rewrites">'
+                   + "".join(f"<li>{e(line)}</li>" for line in rewrites) + "</ul>")
     if man:
         rows = "".join(f"<tr><td class=\"mono\">{e(m.get('module') or '(top level)')}</td><td>{e(m.get('class', ''))}</td>"
                        f"<td class=\"mono\">{e(m.get('kernel_file', ''))}</td><td class=\"mono\">{e(m.get('guard', ''))}</td></tr>"

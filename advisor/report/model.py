@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 from advisor.documents import DistributedSummary
 from advisor.records import Candidate, Kind, PatternResult
 from advisor.status import Status
-from advisor.units import fmt_time
+from advisor.units import fmt_int, fmt_time
 
 TRAINING_STEP = " (training steps: forward, backward and optimizer)"  # after "N iterations, found by SOURCE"
 
@@ -146,6 +146,20 @@ _NOT_PATCHED_PREFIX = re.compile(r"^(validated, )?(not patched|unpatched): ")
 def speed_words(sp: float) -> str:
     """1.25 -> "1.25× faster", 0.8 -> "1.25× slower": a slowdown is not called a speedup."""
     return f"{sp:.2f}× faster" if sp >= 1 else f"{1 / sp:.2f}× slower"
+
+
+# apply.json's rewrites of the captured graphs besides our kernels: (its field, what the reports call each entry)
+GRAPH_REWRITES = (("gemm_epilogues", "cuBLASLt epilogue"), ("attention_layouts", "attention input laid out"))
+
+
+def graph_rewrites(apply: Optional[dict]) -> List[str]:
+    """One line per rewrite apply.json records (`GRAPH_REWRITES`): what, why, and at how many sites (graphs)."""
+    out = []
+    for field, label in GRAPH_REWRITES:
+        entries = (apply or {}).get(field) if isinstance(apply, dict) else None
+        for what, n in (entries.items() if isinstance(entries, dict) else ()):
+            out.append(f"{label}: {what} (×{fmt_int(n)})")
+    return out
 
 
 def speedup(apply: Optional[dict]) -> Optional[float]:

@@ -78,6 +78,8 @@ def _summary(analysis: dict, apply: Optional[dict]) -> Panel:
         if not e2e.get("timing_meaningful", True):
             txt.append("  timing not meaningful on this device", style="yellow")
         g.add_row("After apply", txt)
+    for i, line in enumerate(M.graph_rewrites(apply)):
+        g.add_row("Graph rewrites" if i == 0 else "", line)
     body = Group(g, Text(""), Text("Time by op class", style="bold"), _class_bars(analysis))
     return Panel(body, title="[bold]fusion-advisor report[/]", title_align="left", border_style="blue",
                  padding=(0, 1), expand=False)
