@@ -92,9 +92,10 @@ def test_the_decision_is_never_taken_off_cuda():
     assert cublaslt_epilogue_pays(shape) == Verdict(False, "not on CUDA")
 
 
+@pytest.mark.parametrize("weight_kn", [False, True])
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_exact"])
-def test_the_check_passes_the_epilogue_and_catches_planted_wrong_ones(activation):
-    shape = EpilogueShape(64, 96, 128, torch.bfloat16, activation, torch.device("cpu"))
+def test_the_check_passes_the_epilogue_and_catches_planted_wrong_ones(activation, weight_kn):
+    shape = EpilogueShape(64, 96, 128, torch.bfloat16, activation, torch.device("cpu"), weight_kn)
     one, two = both_ways(shape)
     assert epilogue_error(one(), two(), shape.dtype) is None
     planted = {
@@ -185,12 +186,14 @@ class WrittenOut(torch.nn.Module):
 def test_activations_are_recognised_by_their_values_in_every_spelling():
     model = WrittenOut().eval().to(torch.bfloat16)
     x = torch.randn(2, 8, 32, dtype=torch.bfloat16)
-    run, seen = compiled(copy.deepcopy(model))
+    asked = []
+    run, seen = compiled(copy.deepcopy(model), lambda s: asked.append(s) or forced(s))
     with torch.no_grad():
         got, want = run(x), model(x)
     assert len(seen["notes"]) == 2 and all("GELU (tanh)" in n for n in seen["notes"]), seen["notes"]
     assert "_addmm_activation" in seen["code"] and seen["calls"] == 1  # Conv1D's addmm kept its own form
     assert "torch.sigmoid" in seen["code"] and "torch.tanh" not in seen["code"]
+    assert [s.weight_kn for s in asked] == [True, False]  # Conv1D's K x N weight timed in its own GEMM layout
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
 
 

@@ -54,6 +54,7 @@ class EpilogueShape:
     dtype: torch.dtype
     activation: str  # "relu" | "gelu" (the tanh approximation, cuBLASLt's) | "gelu_exact" (given cuBLASLt's)
     device: torch.device
+    weight_kn: bool = False  # the weight stored K x N (HF Conv1D's addmm), not a linear's N x K: another GEMM layout
 
     def describe(self) -> str:
         return (f"linear {self.rows} x {self.k} -> {self.n} ({str(self.dtype).removeprefix('torch.')}) + "
@@ -159,7 +160,8 @@ def _site(anchor: Node) -> _Site | None:
     rows = 1
     for s in sizes[:-2]:
         rows *= s
-    return _Site(anchor, view, region, operands, EpilogueShape(rows, sizes[-2], sizes[-1], x.dtype, activation, x.device))
+    shape = EpilogueShape(rows, sizes[-2], sizes[-1], x.dtype, activation, x.device, weight_kn=name == ADDMM)
+    return _Site(anchor, view, region, operands, shape)
 
 
 def _read_by_unfusible_ops(out: Node) -> bool:
@@ -329,7 +331,8 @@ def both_ways(shape: EpilogueShape, fused: Callable = linear_activation) -> tupl
     gen = torch.Generator(device=shape.device).manual_seed(0)
     kw = dict(device=shape.device, dtype=shape.dtype, generator=gen)
     x = torch.randn(shape.rows, shape.k, **kw)
-    w = torch.randn(shape.n, shape.k, **kw) * shape.k ** -0.5
+    w = torch.randn(shape.n, shape.k, **kw) * shape.k ** -0.5 if not shape.weight_kn else \
+        (torch.randn(shape.k, shape.n, **kw) * shape.k ** -0.5).t()  # (N x K, as `linear` takes it, either way)
     b = torch.randn(shape.n, **kw) * 0.1
     act = {"relu": torch.relu, "gelu": lambda y: torch.nn.functional.gelu(y, approximate="tanh"),
            "gelu_exact": torch.nn.functional.gelu}[shape.activation]
