@@ -297,6 +297,7 @@ def cublaslt_epilogue(ops) -> bool:
     """Whether a pattern's ops are a linear and one activation cuBLASLt's epilogue applies."""
     return len(ops) == 2 and ops[0] == LINEAR and ops[1] in GEMM_EPILOGUE_ACTIVATIONS
 
+
 for _n in ["scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
            "_scaled_dot_product_attention_math", "_flash_attention_forward", "_efficient_attention_forward",
@@ -360,10 +361,10 @@ for _n in ["zeros", "ones", "zeros_like", "ones_like", "full_like", "rand", "ran
 # A constant tensor: pointwise (one literal at every index), so a kernel holds it in registers. Derived
 # backwards pad a slice's gradient with it (`advisor.patching.backward`: slice_backward as a cat).
 register("aten::full", OpClass.POINTWISE, tags=frozenset({"factory"}))
-# Ops that draw random numbers (dropout in training mode; the others always): a call that runs one cannot
-# be run twice and compared (`patching.verify.eval_if_unrepeatable`).
 # Ops that are the identity outside training (`training=False`): what reads through them reads their input
 IDENTITY_IN_EVAL = frozenset(f"aten::{_n}" for _n in _IDENTITY_IN_EVAL)
+# Ops that draw random numbers (dropout in training mode; the others always): a call that runs one cannot
+# be run twice and compared (`patching.verify.eval_if_unrepeatable`).
 RANDOM = frozenset(f"aten::{_n}" for _n in [*_IDENTITY_IN_EVAL, *(f"{n}_" for n in _IDENTITY_IN_EVAL), "rand", "randn",
                    "randint", "rand_like", "randn_like", "randint_like", "randperm", "normal", "normal_", "uniform_",
                    "bernoulli", "bernoulli_", "random_", "multinomial", "exponential_", "geometric_", "cauchy_",
