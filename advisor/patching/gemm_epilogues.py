@@ -28,7 +28,6 @@ process both ways on the device, runs faster fused and gives eager's values with
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +38,7 @@ from torch.fx import GraphModule, Node
 from advisor.ops.registry import ADDMM, IDENTITY_IN_EVAL, LINEAR, MEMORY_BOUND, OpClass, draws_random, graph_node_op, \
     op_class
 from advisor.patching.match import node_arg, size_hint, traced_value
+from advisor.stopwatch import time_call
 
 # dtypes whose rounding hides the difference between exact GELU and cuBLASLt's tanh approximation
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)
@@ -319,7 +319,7 @@ def _timed(shape: EpilogueShape, reps: int) -> Verdict:
         error = epilogue_error(one(), two(), shape.dtype)
         if error is not None:
             return Verdict(False, f"outputs differ from the linear's and activation's: {error}")
-        ms_two, ms_one = _ms(two, reps), _ms(one, reps)
+        ms_two, ms_one = (time_call(f, "cuda", warmup=3, iters=reps).median_ms for f in (two, one))
     why = f"{ms_one:.3f} ms against {ms_two:.3f} ms as two kernels"
     return Verdict(ms_one < ms_two, why)
 
@@ -334,8 +334,7 @@ def both_ways(shape: EpilogueShape, fused: Callable = linear_activation) -> tupl
     w = torch.randn(shape.n, shape.k, **kw) * shape.k ** -0.5 if not shape.weight_kn else \
         (torch.randn(shape.k, shape.n, **kw) * shape.k ** -0.5).t()  # (N x K, as `linear` takes it, either way)
     b = torch.randn(shape.n, **kw) * 0.1
-    act = {"relu": torch.relu, "gelu": lambda y: torch.nn.functional.gelu(y, approximate="tanh"),
-           "gelu_exact": torch.nn.functional.gelu}[shape.activation]
+    act = ACTIVATIONS[shape.activation]
     return (lambda: fused(x, w, b, shape.use_gelu)), (lambda: act(torch.nn.functional.linear(x, w, b)))
 
 
@@ -354,17 +353,3 @@ def epilogue_error(fused: torch.Tensor, reference: torch.Tensor, dtype: torch.dt
     i = int(over.flatten().nonzero()[0])
     return (f"{int(over.sum())} of {d.numel()} values beyond two units of the last place (first: "
             f"{float(fused.flatten()[i]):.4g} against {float(ref.flatten()[i]):.4g})")
-
-
-def _ms(fn: Callable, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
